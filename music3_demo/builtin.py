@@ -1,0 +1,257 @@
+"""Built-in random checkpoints with the real model classes.
+
+* `tiny`: seconds to build and run on a 2-core CPU. Written once to a cache folder in the Hub repo's layout
+  (`ModularPipeline.save_pretrained`) and then loaded through `checkpoint.py` like any downloaded model, so the real
+  loading path is always exercised.
+* `random-full`: the real architecture sizes with random weights, built in memory directly on the GPU, for speed work.
+
+Random weights make noise, not music: every surface that reports the model says so (see `BUILTIN_NOTICE`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import contract as c
+
+BUILTIN_NAMES = ("tiny", "random-full")
+BUILTIN_NOTICE = "Built-in test model with random weights: the output is noise, not music."
+
+# Small byte-level vocabulary: the 256 byte symbols, then the template's special tokens.
+_TOKENIZER_SPECIALS = ("<|endoftext|>",) + c.SPECIAL_TOKENS
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Architecture sizes of every component; `FULL` is the released checkpoint's shape."""
+
+    hidden: int = 4096
+    lm_layers: int = 36
+    lm_heads: int = 32
+    lm_kv_heads: int = 8
+    lm_head_dim: int = 128
+    lm_intermediate: int = 12288
+    depth_layers: int = 4
+    depth_heads: int = 16
+    depth_intermediate: int = 6144
+    dit_channels: int = 128
+    dit_condition_dim: int = 2048
+    dit_layers: int = 36
+    dit_heads: int = 32
+    dit_head_dim: int = 64
+    dit_ff: int = 8192
+    dit_rotary_dim: int = 32
+    dit_fourier_dim: int = 256
+    vocoder_input_dim: int = 1024
+    vocoder_hidden_dim: int = 1536
+    # Scales the end-token row of lm_head: larger values make a random model end songs early (tests of that path).
+    end_token_gain: float = 1.0
+
+    @property
+    def vocab_size(self) -> int:
+        needed = c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE
+        return (needed + 63) // 64 * 64
+
+
+FULL = ModelSizes()
+TINY = ModelSizes(
+    hidden=32,
+    lm_layers=2,
+    lm_heads=4,
+    lm_kv_heads=2,
+    lm_head_dim=8,
+    lm_intermediate=64,
+    depth_layers=2,
+    depth_heads=4,
+    depth_intermediate=48,
+    dit_channels=8,
+    dit_condition_dim=16,
+    dit_layers=2,
+    dit_heads=2,
+    dit_head_dim=8,
+    dit_ff=32,
+    dit_rotary_dim=4,
+    dit_fourier_dim=16,
+    vocoder_input_dim=16,
+    vocoder_hidden_dim=16,
+)
+
+
+def _language_model_config(sizes: ModelSizes):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=sizes.vocab_size,
+        hidden_size=sizes.hidden,
+        intermediate_size=sizes.lm_intermediate,
+        num_hidden_layers=sizes.lm_layers,
+        num_attention_heads=sizes.lm_heads,
+        num_key_value_heads=sizes.lm_kv_heads,
+        head_dim=sizes.lm_head_dim,
+        max_position_embeddings=16384,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=c.AUDIO_END_TOKEN_ID,
+    )
+
+
+def _make_models(sizes: ModelSizes) -> dict[str, torch.nn.Module]:
+    from diffusers import (
+        MiniMaxMusic3ConditionEncoder,
+        MiniMaxMusic3RVQDepthDecoder,
+        MiniMaxMusic3Transformer1DModel,
+        MiniMaxMusic3Vocoder,
+    )
+    from transformers import Qwen3ForCausalLM
+
+    return {
+        "language_model": Qwen3ForCausalLM(_language_model_config(sizes)),
+        "rvq_depth_decoder": MiniMaxMusic3RVQDepthDecoder(
+            hidden_size=sizes.hidden,
+            num_layers=sizes.depth_layers,
+            num_attention_heads=sizes.depth_heads,
+            intermediate_size=sizes.depth_intermediate,
+        ),
+        "condition_encoder": MiniMaxMusic3ConditionEncoder(
+            condition_hidden_dim=sizes.hidden, out_dim=sizes.dit_condition_dim
+        ),
+        "transformer": MiniMaxMusic3Transformer1DModel(
+            in_channels=sizes.dit_channels,
+            condition_dim=sizes.dit_condition_dim,
+            num_layers=sizes.dit_layers,
+            num_attention_heads=sizes.dit_heads,
+            attention_head_dim=sizes.dit_head_dim,
+            ff_inner_dim=sizes.dit_ff,
+            rotary_dim=sizes.dit_rotary_dim,
+            fourier_embedding_dim=sizes.dit_fourier_dim,
+        ),
+        "vocoder": MiniMaxMusic3Vocoder(
+            latent_channels=sizes.dit_channels,
+            decoder_input_dim=sizes.vocoder_input_dim,
+            decoder_hidden_dim=sizes.vocoder_hidden_dim,
+        ),
+    }
+
+
+_ONES_SUFFIXES = ("norm.weight", "layernorm.weight", "norm1.weight", "norm2.weight", "alpha", "layer_scale",
+                  "original0", "weight_g", "q_norm.weight", "k_norm.weight")
+
+
+@torch.no_grad()
+def _randomize(name: str, module: torch.nn.Module, generator: torch.Generator) -> None:
+    """Deterministic scale-aware random init (unit-variance activations), the same on CPU and GPU."""
+    for pname, param in module.named_parameters():
+        if pname.endswith(_ONES_SUFFIXES):
+            param.fill_(1.0)
+        elif pname.endswith("bias"):
+            param.zero_()
+        elif param.dim() == 1:
+            param.normal_(0.0, 1.0, generator=generator)
+        elif "embed" in pname and param.dim() == 2:
+            param.normal_(0.0, 1.0, generator=generator)
+        else:
+            fan_in = param[0].numel() if param.dim() > 1 else 1
+            param.normal_(0.0, fan_in**-0.5, generator=generator)
+
+
+def build_components(
+    sizes: ModelSizes, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[str, object]:
+    """Random components with the real classes. Parameters are created on `meta` and filled on `device`, so a
+    full-size model is built on the GPU in seconds without a CPU copy."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        models = _make_models(sizes)
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, model in models.items():
+        model.to_empty(device=device)
+        _randomize(name, model, generator)
+        # Buffers that initialisation computed (rotary inverse frequencies) were lost on `meta`: recompute them.
+        for module in model.modules():
+            if hasattr(module, "rope_init_fn") and hasattr(module, "inv_freq"):
+                inv_freq, _ = module.rope_init_fn(module.config, device)
+                module.inv_freq.copy_(inv_freq)
+                if hasattr(module, "original_inv_freq"):
+                    module.original_inv_freq = inv_freq.clone()
+        model.to(dtype=dtype).eval()
+    with torch.no_grad():
+        lm_head = models["language_model"].lm_head.weight
+        lm_head[c.AUDIO_END_TOKEN_ID].mul_(sizes.end_token_gain)
+    models["tokenizer"] = build_tokenizer()
+    models["scheduler"] = build_scheduler()
+    return models
+
+
+def build_tokenizer():
+    """A byte-level Qwen2 tokenizer (no merges) carrying the prompt template's special tokens."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    vocab = {symbol: index for index, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_TOKENIZER_SPECIALS)})
+    return tokenizer
+
+
+def build_scheduler():
+    """Flow-matching Euler over time t in [0, 1] with t = 0 at noise (sigmas 1 -> 1/N, inverted)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1, shift=1.0, invert_sigmas=True)
+
+
+def save_checkpoint(components: dict[str, object], folder: str | os.PathLike) -> Path:
+    """Write components in the Hub repo's layout with diffusers' own `ModularPipeline.save_pretrained`."""
+    from diffusers.modular_pipelines import MiniMaxMusic3Blocks
+
+    folder = Path(folder)
+    pipeline = MiniMaxMusic3Blocks().init_pipeline()
+    pipeline.update_components(**components)
+    pipeline.save_pretrained(str(folder), overwrite_modular_index=True)
+    return folder
+
+
+def cache_root() -> Path:
+    base = os.environ.get("MUSIC3_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "music3_demo"
+    )
+    return Path(base)
+
+
+def write_builtin(sizes: ModelSizes, folder: Path, seed: int = 0) -> Path:
+    """Build and write once. A marker written last makes a half-written folder detectable; a file lock makes
+    concurrent first uses (several test workers, app + CLI) write it only once."""
+    import fcntl
+
+    marker = folder / "music3_builtin.json"
+    wanted = {"sizes": asdict(sizes), "seed": seed}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / (folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists() and json.loads(marker.read_text()) == wanted:
+            return folder
+        # save_pretrained records the destination in modular_model_index.json, so write in place.
+        shutil.rmtree(folder, ignore_errors=True)
+        save_checkpoint(build_components(sizes, seed=seed), folder)
+        marker.write_text(json.dumps(wanted, indent=1))
+    return folder
+
+
+def tiny_checkpoint() -> Path:
+    """The `tiny` model's folder, written on first use."""
+    return write_builtin(TINY, cache_root() / "tiny")
+
+
+def temporary_checkpoint(sizes: ModelSizes, seed: int = 0) -> Path:
+    """A fresh random checkpoint folder (tests: non-preset sizes)."""
+    folder = Path(tempfile.mkdtemp(prefix="music3_ckpt_"))
+    return write_builtin(sizes, folder / "model", seed)

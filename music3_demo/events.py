@@ -1,0 +1,47 @@
+"""What `Music3Pipeline.generate` reports while it works, and what it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+STAGES = ("loading", "prompt", "semantic", "flow", "vocoder")
+
+
+@dataclass(frozen=True)
+class Progress:
+    stage: str  # one of STAGES
+    done: int
+    total: int
+    rate: float | None = None  # units per second (frames/s for `semantic`, steps/s for `flow`)
+    eta: float | None = None  # seconds left in this stage, when known
+
+
+@dataclass(frozen=True)
+class AudioPiece:
+    samples: np.ndarray  # [2, n] float32; pieces in order concatenate to Song.audio exactly
+    start_sample: int
+
+
+@dataclass
+class Song:
+    audio: np.ndarray  # [2, samples] float32 in [-1, 1]
+    sample_rate: int
+    frames: int
+    seed: int
+    timings: dict[str, float] = field(default_factory=dict)
+    engine: str = ""
+    model_notice: str | None = None  # set when a built-in random model made it (the output is noise)
+
+    @property
+    def duration(self) -> float:
+        return self.audio.shape[-1] / self.sample_rate
+
+
+@dataclass(frozen=True)
+class Finished:
+    song: Song
+
+
+Event = Progress | AudioPiece | Finished

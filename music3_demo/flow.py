@@ -1,0 +1,233 @@
+"""Incremental flow stage: feed frame hiddens as they are made, get final audio pieces as soon as they are known.
+
+Chunk k covers frames [100k, 100k + 200). It can be denoised once those frames exist; its waveform is final except
+for the right crop (258 latents), which is only kept when the chunk turns out to be the last one. Holding that tail
+back until the song's length is known is what lets pieces stream with no change to the result: the pieces
+concatenated equal diffusers' batch decode exactly (same operations, same order, same noise draws).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import contract as c
+from .semantic import check_cancel
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    num_steps: int = c.DEFAULT_STEPS
+    guidance_scale: float = c.DEFAULT_GUIDANCE
+    # One batch-2 transformer pass per step instead of diffusers' two batch-1 passes (same maths, faster on GPU;
+    # rounding may differ in the last bits, so the reference path keeps two passes).
+    batched_cfg: bool = False
+
+
+@dataclass
+class Piece:
+    samples: np.ndarray  # [2, n] float32 in [-1, 1]
+    start_sample: int
+
+
+@dataclass
+class FlowTimings:
+    denoise_s: float = 0.0
+    vocoder_s: float = 0.0
+    chunks: int = 0
+    chunk_seconds: list[float] = field(default_factory=list)
+
+
+StepCallback = Callable[[int, int, int], None]  # (chunk_index, step_done, num_steps)
+
+
+def _cfg_enabled(guidance_scale: float) -> bool:
+    # diffusers' ClassifierFreeGuidance skips the unconditional pass when the scale is ~1.
+    return not np.isclose(guidance_scale, 1.0)
+
+
+class ChunkDenoiser:
+    """Flow-matches one chunk's latents with Euler steps and classifier-free guidance (zeros as unconditional)."""
+
+    def __init__(self, transformer, scheduler, settings: FlowSettings) -> None:
+        self.transformer = transformer
+        self.scheduler = copy.deepcopy(scheduler)  # set_timesteps/step keep state: one copy per stream
+        self.settings = settings
+
+    def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
+        run = self.transformer
+        if not _cfg_enabled(self.settings.guidance_scale):
+            return run(hidden_states=latents, timestep=timestep, encoder_hidden_states=condition, return_dict=False)[0]
+        if self.settings.batched_cfg:
+            both = run(
+                hidden_states=torch.cat((latents, latents)),
+                timestep=timestep.expand(2),
+                encoder_hidden_states=torch.cat((condition, torch.zeros_like(condition))),
+                return_dict=False,
+            )[0]
+            cond, uncond = both[:1], both[1:]
+        else:
+            cond = run(hidden_states=latents, timestep=timestep, encoder_hidden_states=condition, return_dict=False)[0]
+            uncond = run(
+                hidden_states=latents,
+                timestep=timestep,
+                encoder_hidden_states=torch.zeros_like(condition),
+                return_dict=False,
+            )[0]
+        return uncond + self.settings.guidance_scale * (cond - uncond)
+
+    def denoise(
+        self,
+        latents: torch.Tensor,
+        condition: torch.Tensor,
+        overlap: int,
+        previous_latent: torch.Tensor | None,
+        on_step: Callable[[int], None],
+        cancel: threading.Event | None,
+    ) -> torch.Tensor:
+        steps = self.settings.num_steps
+        noise_prompt = latents[..., :overlap].clone() if overlap > 0 else None
+        self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / steps, steps), device=latents.device)
+        for index, t in enumerate(self.scheduler.timesteps):
+            check_cancel(cancel)
+            if overlap > 0:
+                time_value = t.to(latents.dtype)
+                latents[..., :overlap] = (1.0 - (1.0 - c.FLOW_NOISE_PROMPT_EPS) * time_value) * noise_prompt + (
+                    time_value * previous_latent[..., :overlap]
+                )
+            timestep = t.expand(latents.shape[0]).to(latents.dtype)
+            velocity = self.velocity(latents, timestep, condition)
+            latents = self.scheduler.step(velocity, t, latents, return_dict=False)[0]
+            on_step(index + 1)
+        return latents
+
+
+class FlowStream:
+    """Chunked flow decode fed incrementally. Not thread-safe: one producer calls push()/finish()."""
+
+    def __init__(
+        self,
+        components: dict,
+        settings: FlowSettings,
+        generator: torch.Generator,
+        device: torch.device,
+        on_step: StepCallback | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        self.condition_encoder = components["condition_encoder"]
+        self.transformer = components["transformer"]
+        self.vocoder = components["vocoder"]
+        self.denoiser = ChunkDenoiser(self.transformer, components["scheduler"], settings)
+        self.settings = settings
+        self.generator = generator
+        self.device = device
+        self.on_step = on_step or (lambda chunk, done, total: None)
+        self.cancel = cancel
+        self.timings = FlowTimings()
+        self._frames: list[torch.Tensor] = []
+        self._num_frames = 0
+        self._next_chunk = 0
+        self._previous_latent: torch.Tensor | None = None
+        self._previous_condition: torch.Tensor | None = None
+        self._held_tail: np.ndarray | None = None
+        self._emitted_samples = 0
+
+    @property
+    def chunks_done(self) -> int:
+        return self._next_chunk
+
+    def push(self, frames: torch.Tensor) -> list[Piece]:
+        """Add [n, 8 * hidden] frame hiddens; return the pieces that became final."""
+        self._frames.append(frames.reshape(-1, frames.shape[-1]))
+        self._num_frames += self._frames[-1].shape[0]
+        pieces = []
+        while self._next_chunk * c.CHUNK_HOP + c.CHUNK_FRAMES <= self._num_frames:
+            pieces += self._decode_chunk(self._next_chunk * c.CHUNK_HOP, c.CHUNK_FRAMES, last=False)
+        return pieces
+
+    def finish(self) -> list[Piece]:
+        """The song ended: decode what is left and release the last chunk's held-back tail."""
+        if self._num_frames == 0:
+            return []
+        remaining = [s for s in c.chunk_starts(self._num_frames) if s >= self._next_chunk * c.CHUNK_HOP]
+        if not remaining:
+            return self._release_tail()
+        self._held_tail = None  # the previous chunk was not the last: its tail is covered by the next chunk
+        pieces = []
+        for index, start in enumerate(remaining):
+            length = min(c.CHUNK_FRAMES, self._num_frames - start)
+            pieces += self._decode_chunk(start, length, last=index == len(remaining) - 1)
+        return pieces
+
+    def _frame_window(self, start: int, length: int) -> torch.Tensor:
+        if len(self._frames) > 1:
+            self._frames = [torch.cat(self._frames)]
+        return self._frames[0][start : start + length].unsqueeze(0)
+
+    def _decode_chunk(self, start: int, length: int, last: bool) -> list[Piece]:
+        chunk_index = self._next_chunk
+        began = time.perf_counter()
+        with torch.no_grad():
+            latents = self._denoise_chunk(chunk_index, start, length)
+            self._sync()
+            denoised = time.perf_counter()
+            waveform = self.vocoder(latents.to(self.vocoder.dtype))[0].float().clamp(-1.0, 1.0).cpu().numpy()
+        finished = time.perf_counter()
+        self.timings.denoise_s += denoised - began
+        self.timings.vocoder_s += finished - denoised
+        self.timings.chunk_seconds.append(finished - began)
+        self.timings.chunks += 1
+        self._next_chunk += 1
+
+        left = 0 if chunk_index == 0 else c.CROP_LEFT_LATENT * c.LATENT_HOP_LENGTH
+        if last:
+            self._held_tail = None
+            return [self._piece(waveform[:, left:])]
+        right = waveform.shape[-1] - c.CROP_RIGHT_LATENT * c.LATENT_HOP_LENGTH
+        self._held_tail = waveform[:, right:]
+        return [self._piece(waveform[:, left:right])]
+
+    def _denoise_chunk(self, chunk_index: int, start: int, length: int) -> torch.Tensor:
+        frames = self._frame_window(start, length).to(self.device)
+        condition = self.condition_encoder(frames.to(self.condition_encoder.dtype)).to(self.transformer.dtype)
+        overlap = 0
+        if self._previous_latent is not None:
+            overlap = min(self._previous_latent.shape[-1], condition.shape[1])
+            condition[:, :overlap] = self._previous_condition[:, :overlap]
+        shape = (1, self.transformer.config.in_channels, condition.shape[1])
+        latents = torch.randn(shape, generator=self.generator, device=self.generator.device, dtype=condition.dtype)
+        latents = latents.to(self.device)
+        latents = self.denoiser.denoise(
+            latents,
+            condition,
+            overlap,
+            self._previous_latent,
+            lambda done: self.on_step(chunk_index, done, self.settings.num_steps),
+            self.cancel,
+        )
+        if overlap > 0:
+            latents[..., :overlap] = self._previous_latent[..., :overlap]
+        overlap_start = max(0, latents.shape[-1] - 2 * c.OVERLAP_LATENT_LENGTH)
+        overlap_end = max(overlap_start, latents.shape[-1] - c.OVERLAP_LATENT_LENGTH)
+        self._previous_latent = latents[..., overlap_start:overlap_end]
+        self._previous_condition = condition[:, overlap_start:overlap_end]
+        return latents
+
+    def _release_tail(self) -> list[Piece]:
+        tail, self._held_tail = self._held_tail, None
+        return [] if tail is None or tail.shape[-1] == 0 else [self._piece(tail)]
+
+    def _piece(self, samples: np.ndarray) -> Piece:
+        piece = Piece(np.ascontiguousarray(samples), self._emitted_samples)
+        self._emitted_samples += samples.shape[-1]
+        return piece
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()

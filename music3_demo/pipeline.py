@@ -1,0 +1,186 @@
+"""Music3Pipeline: request -> prompt -> semantic frames -> flow chunks -> audio pieces, with events out and cancel in."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import contract as c
+from .checkpoint import (
+    CheckpointError,
+    ModelSource,
+    build_random_full,
+    default_device,
+    default_dtype,
+    load_components,
+    resolve,
+)
+from .events import AudioPiece, Event, Finished, Progress, Song
+from .flow import FlowSettings, FlowStream, Piece
+from .prompt import count_prompt_tokens, tokenize
+from .request import GenerationRequest, InvalidRequest, validate
+from .semantic import Cancelled, SamplingSettings, SemanticEngine, check_cancel, resolve_engine_name
+
+__all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest"]
+
+# The flow stage's generator on the fast engines is seeded apart from the semantic one, so overlap cannot change
+# results run to run.
+FLOW_SEED_OFFSET = 0x9E3779B9
+
+
+def _make_engine(name: str, components: dict, device: torch.device) -> SemanticEngine:
+    if name == "graph":
+        from .semantic.graph import GraphEngine
+
+        return GraphEngine(components["language_model"], components["rvq_depth_decoder"], device)
+    from .semantic.reference import ReferenceEngine
+
+    return ReferenceEngine(components["language_model"], components["rvq_depth_decoder"])
+
+
+class Music3Pipeline:
+    def __init__(self, components: dict, source: ModelSource, device: torch.device, engine: str = "auto") -> None:
+        self.components = components
+        self.source = source
+        self.device = device
+        self.engine_name = resolve_engine_name(engine, device)
+        self.engine = _make_engine(self.engine_name, components, device)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | None = None,
+        device: str | torch.device | None = None,
+        engine: str = "auto",
+        dtype: torch.dtype | None = None,
+        revision: str | None = None,
+        token: str | None = None,
+    ) -> "Music3Pipeline":
+        device = torch.device(device) if device is not None else default_device()
+        resolve_engine_name(engine, device)  # fail before a long load
+        dtype = dtype or default_dtype(device)
+        source = resolve(model, revision=revision, token=token)
+        if source.folder is None:
+            components = build_random_full(device, dtype)
+        else:
+            components = load_components(source.folder, device, dtype)
+        return cls(components, source, device, engine)
+
+    @property
+    def tokenizer(self):
+        return self.components["tokenizer"]
+
+    def count_tokens(self, description: str, lyrics: str) -> int:
+        return count_prompt_tokens(self.tokenizer, description, lyrics)
+
+    def validate(self, request: GenerationRequest) -> GenerationRequest:
+        return validate(request, self.count_tokens).with_seed()
+
+    def release(self) -> None:
+        """Drop engine state (graphs, KV caches) and the weights; the object is unusable afterwards."""
+        release = getattr(self.engine, "release", None)
+        if release is not None:
+            release()
+        self.components.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _generators(self, seed: int) -> tuple[torch.Generator, torch.Generator]:
+        if not self.engine.separate_flow_rng:
+            # diffusers' convention: one CPU generator shared by every stage (device-independent results).
+            shared = torch.Generator("cpu").manual_seed(seed)
+            return shared, shared
+        semantic = torch.Generator(self.device).manual_seed(seed)
+        flow = torch.Generator(self.device).manual_seed((seed + FLOW_SEED_OFFSET) % 2**64)
+        return semantic, flow
+
+    @torch.no_grad()
+    def generate(
+        self,
+        request: GenerationRequest,
+        on_event: Callable[[Event], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Song:
+        emit = on_event or (lambda event: None)
+        request = self.validate(request)
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+
+        emit(Progress("prompt", 0, 1))
+        text_ids = tokenize(self.tokenizer, request.description, request.effective_lyrics).to(self.device)
+        timings["prompt_s"] = time.perf_counter() - started
+        emit(Progress("prompt", 1, 1))
+
+        semantic_generator, flow_generator = self._generators(request.seed)
+        max_frames = request.max_frames
+        expected_chunks = len(c.chunk_starts(max_frames))
+        steps = request.num_steps
+
+        def on_flow_step(chunk: int, done: int, total: int) -> None:
+            emit(Progress("flow", chunk * total + done, expected_chunks * total))
+
+        flow = FlowStream(
+            self.components,
+            FlowSettings(steps, request.guidance_scale, batched_cfg=self.engine.separate_flow_rng),
+            flow_generator,
+            self.device,
+            on_step=on_flow_step,
+            cancel=cancel,
+        )
+        pieces: list[np.ndarray] = []
+
+        def publish(new: list[Piece]) -> None:
+            for piece in new:
+                if not pieces:
+                    timings["first_audio_s"] = time.perf_counter() - started
+                pieces.append(piece.samples)
+                emit(AudioPiece(piece.samples, piece.start_sample))
+
+        sampling = SamplingSettings(request.lm_cfg_scale, request.top_k)
+        overlap = self.engine.separate_flow_rng
+        held: list[torch.Tensor] = []
+        frames = 0
+        semantic_started = time.perf_counter()
+        semantic_busy = 0.0
+        mark = semantic_started
+        for block in self.engine.frames(text_ids, max_frames, sampling, semantic_generator, cancel):
+            frames += block.shape[0]
+            now = time.perf_counter()
+            semantic_busy += now - mark
+            rate = frames / max(now - semantic_started, 1e-9)
+            emit(Progress("semantic", frames, max_frames, rate, (max_frames - frames) / rate))
+            if overlap:
+                publish(flow.push(block))
+            else:
+                held.append(block)
+            mark = time.perf_counter()
+        semantic_busy += time.perf_counter() - mark
+        timings["semantic_s"] = semantic_busy - (flow.timings.denoise_s + flow.timings.vocoder_s if overlap else 0.0)
+        if frames == 0:
+            raise InvalidRequest("The model ended the song before its first frame; try another seed.")
+        check_cancel(cancel)
+        if held:
+            publish(flow.push(torch.cat(held)))
+        publish(flow.finish())
+        emit(Progress("vocoder", flow.timings.chunks, flow.timings.chunks))
+
+        timings["flow_s"] = flow.timings.denoise_s
+        timings["vocoder_s"] = flow.timings.vocoder_s
+        timings["total_s"] = time.perf_counter() - started
+        audio = np.concatenate(pieces, axis=-1)
+        timings["realtime_factor"] = (audio.shape[-1] / c.SAMPLE_RATE) / timings["total_s"]
+        song = Song(
+            audio=audio,
+            sample_rate=c.SAMPLE_RATE,
+            frames=frames,
+            seed=request.seed,
+            timings=timings,
+            engine=self.engine_name,
+            model_notice=self.source.notice,
+        )
+        emit(Finished(song))
+        return song

@@ -1,0 +1,62 @@
+"""The autoregressive (semantic) stage: one engine per file behind one contract.
+
+An engine turns the [2, T] CFG pair of prompt ids into per-frame hidden states ([n, 8 * hidden] blocks, yielded as
+they are made). `reference` is eager and diffusers-exact; `graph` replays one CUDA graph per frame.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import torch
+
+from .. import contract as c
+
+
+class Cancelled(Exception):
+    """Raised inside generation when the caller's cancel event is set."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    cfg_scale: float = c.AR_CFG_SCALE
+    top_k: int = c.AR_SAMPLING_TOP_K
+
+
+class SemanticEngine(Protocol):
+    name: str
+    # True when the engine draws from its own generator, so the flow stage may run concurrently with it without
+    # changing results (the reference engine shares one generator across stages, as diffusers does).
+    separate_flow_rng: bool
+
+    def frames(
+        self,
+        text_ids: torch.Tensor,
+        max_frames: int,
+        sampling: SamplingSettings,
+        generator: torch.Generator,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield blocks of frame hiddens, [n, num_codebooks * hidden], in order, until the end token or max_frames."""
+        ...
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise Cancelled()
+
+
+ENGINE_NAMES = ("auto", "reference", "graph")
+
+
+def resolve_engine_name(engine: str, device: torch.device) -> str:
+    """`auto` means graph on CUDA and reference elsewhere; `graph` off CUDA is an error with a fix."""
+    if engine not in ENGINE_NAMES:
+        raise ValueError(f"Unknown engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}.")
+    if engine == "auto":
+        return "graph" if device.type == "cuda" else "reference"
+    if engine == "graph" and device.type != "cuda":
+        raise ValueError("The graph engine needs a CUDA GPU; use --engine reference (or auto) on this machine.")
+    return engine

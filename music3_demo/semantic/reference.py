@@ -1,0 +1,102 @@
+"""Eager, diffusers-exact semantic engine: the oracle for the fast engines and the CPU path.
+
+It performs the same operations in the same order as diffusers 0.42.1's `MiniMaxMusic3AutoregressiveStep`, drawing
+from the same generator, so a float32 CPU run reproduces the ModularPipeline's frames exactly. It is deliberately
+naive (full-vocabulary head, the depth decoder re-run over its whole prefix for every residual code).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import torch
+from transformers import DynamicCache
+
+from .. import contract as c
+from . import Cancelled, SamplingSettings, check_cancel
+from .sampling import guide, reference_sample_top_k, reference_semantic_logits
+
+__all__ = ["ReferenceEngine", "Cancelled"]
+
+
+def embed_audio_frame(language_model, depth_decoder, frame_codes: torch.Tensor) -> torch.Tensor:
+    """[2, num_codebooks] codes -> [2, 1, hidden] feedback embedding for the next LM step."""
+    num_codebooks = depth_decoder.config.num_codebooks
+    embeds = language_model.model.embed_tokens(frame_codes[:, :1] + c.AUDIO_CODE_OFFSET)
+    offsets = (
+        torch.arange(num_codebooks - 1, device=frame_codes.device) * depth_decoder.config.audio_vocab_size
+    ).unsqueeze(0)
+    extra = depth_decoder.audio_embeddings(frame_codes[:, 1:] + offsets).sum(dim=1, keepdim=True)
+    return (embeds + extra.to(embeds.dtype)) * num_codebooks**-0.5
+
+
+class ReferenceEngine:
+    name = "reference"
+    separate_flow_rng = False
+
+    def __init__(self, language_model, depth_decoder) -> None:
+        self.language_model = language_model
+        self.depth_decoder = depth_decoder
+
+    def _depth_codes(
+        self, last_hidden: torch.Tensor, semantic_code: torch.Tensor, sampling: SamplingSettings, generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample residual codes c1..c7 for one frame; return ([2, 8] codes, [1, 7 * hidden] conditional hiddens)."""
+        depth = self.depth_decoder
+        num_codebooks = depth.config.num_codebooks
+        sequence = [depth.projection(last_hidden).unsqueeze(1)]
+        code_embed = self.language_model.model.embed_tokens(semantic_code + c.AUDIO_CODE_OFFSET)
+        sequence.append(depth.projection(code_embed).unsqueeze(1))
+        codes = [semantic_code]
+        hidden_parts = []
+        for index in range(1, num_codebooks):
+            hidden = depth(torch.cat(sequence, dim=1))[:, -1]
+            hidden_parts.append(hidden[:1])
+            logits = depth.audio_heads[index - 1](hidden)
+            logits = guide(logits[:1].float(), logits[1:2].float(), sampling.cfg_scale)
+            # The code is repeated so the LM feedback keeps its [conditional, unconditional] rows.
+            code = reference_sample_top_k(logits, sampling.top_k, generator).repeat(2)
+            codes.append(code)
+            if index < num_codebooks - 1:
+                embed = depth.audio_embeddings(code + (index - 1) * depth.config.audio_vocab_size)
+                sequence.append(depth.projection(embed).unsqueeze(1))
+        return torch.stack(codes, dim=1), torch.cat(hidden_parts, dim=-1)
+
+    @torch.no_grad()
+    def frames(
+        self,
+        text_ids: torch.Tensor,
+        max_frames: int,
+        sampling: SamplingSettings,
+        generator: torch.Generator,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[torch.Tensor]:
+        lm = self.language_model
+        cache = DynamicCache(config=lm.config)
+        output = lm.model(inputs_embeds=lm.model.embed_tokens(text_ids), cache=cache, use_cache=True)
+        last_hidden = output.last_hidden_state[:, -1]
+
+        vocab_mask = torch.ones(lm.config.vocab_size, dtype=torch.bool, device=text_ids.device)
+        vocab_mask[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE] = False
+        vocab_mask[c.AUDIO_END_TOKEN_ID] = False
+
+        emitted = 0
+        # The first decode step only advances past `<|audio_start|>`; it is not an emitted frame.
+        for frame_index in range(max_frames + 1):
+            check_cancel(cancel)
+            guided = reference_semantic_logits(lm.lm_head(last_hidden), vocab_mask, sampling.cfg_scale, sampling.top_k)
+            sampled = reference_sample_top_k(guided, sampling.top_k, generator)
+            if int(sampled.item()) == c.AUDIO_END_TOKEN_ID:
+                return
+            frame_codes, depth_hidden = self._depth_codes(
+                last_hidden, (sampled - c.AUDIO_CODE_OFFSET).repeat(2), sampling, generator
+            )
+            if frame_index > 0:
+                yield torch.cat((last_hidden[:1], depth_hidden), dim=-1)
+                emitted += 1
+                if emitted >= max_frames:
+                    return
+            feedback = embed_audio_frame(lm, self.depth_decoder, frame_codes)
+            output = lm.model(inputs_embeds=feedback, cache=cache, use_cache=True)
+            last_hidden = output.last_hidden_state[:, -1]
