@@ -22,6 +22,7 @@ import torch
 from . import contract as c
 
 BUILTIN_NAMES = ("tiny", "random-full")
+_BUILDER_VERSION = 2  # bump when the random init changes, so cached built-ins are rebuilt
 BUILTIN_NOTICE = "Built-in test model with random weights: the output is noise, not music."
 
 # Small byte-level vocabulary: the 256 byte symbols, then the template's special tokens.
@@ -150,7 +151,10 @@ _ONES_SUFFIXES = ("norm.weight", "layernorm.weight", "norm1.weight", "norm2.weig
 def _randomize(name: str, module: torch.nn.Module, generator: torch.Generator) -> None:
     """Deterministic scale-aware random init (unit-variance activations), the same on CPU and GPU."""
     for pname, param in module.named_parameters():
-        if pname.endswith(_ONES_SUFFIXES):
+        if pname == "conv_out.weight_g":
+            # Keeps the vocoder's output tanh out of saturation, so waveform comparisons stay sensitive.
+            param.fill_(0.03)
+        elif pname.endswith(_ONES_SUFFIXES):
             param.fill_(1.0)
         elif pname.endswith("bias"):
             param.zero_()
@@ -182,7 +186,9 @@ def build_components(
                 module.inv_freq.copy_(inv_freq)
                 if hasattr(module, "original_inv_freq"):
                     module.original_inv_freq = inv_freq.clone()
-        model.to(dtype=dtype).eval()
+        if dtype != torch.float32:
+            model.to(dtype=dtype)
+        model.eval()
     with torch.no_grad():
         lm_head = models["language_model"].lm_head.weight
         lm_head[c.AUDIO_END_TOKEN_ID].mul_(sizes.end_token_gain)
@@ -233,7 +239,7 @@ def write_builtin(sizes: ModelSizes, folder: Path, seed: int = 0) -> Path:
     import fcntl
 
     marker = folder / "music3_builtin.json"
-    wanted = {"sizes": asdict(sizes), "seed": seed}
+    wanted = {"sizes": asdict(sizes), "seed": seed, "builder": _BUILDER_VERSION}
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / (folder.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -47,14 +47,17 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _fmt(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 def _check_range(name: str, value: object, low: float, high: float, integer: bool = False) -> None:
     kind = "a whole number" if integer else "a number"
-    if not _is_number(value) or not math.isfinite(value):
-        raise InvalidRequest(f"{name} must be {kind} between {low:g} and {high:g}, got {value!r}.")
-    if integer and value != int(value):
-        raise InvalidRequest(f"{name} must be {kind} between {low:g} and {high:g}, got {value!r}.")
+    span = f"between {_fmt(low)} and {_fmt(high)}"
+    if not _is_number(value) or not math.isfinite(value) or (integer and value != int(value)):
+        raise InvalidRequest(f"{name} must be {kind} {span}, got {value!r}.")
     if not low <= value <= high:
-        raise InvalidRequest(f"{name} must be between {low:g} and {high:g}, got {value:g}.")
+        raise InvalidRequest(f"{name} must be {span}, got {_fmt(value)}.")
 
 
 def validate(request: GenerationRequest, count_tokens: Callable[[str, str], int] | None = None) -> GenerationRequest:

@@ -1,0 +1,116 @@
+"""`python -m music3_demo generate …`: make one song from the command line, writing it as it is made."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from . import contract as c
+from .audio import AudioFileWriter, format_for
+from .checkpoint import CheckpointError, default_model
+from .events import AudioPiece, Event, Progress
+from .request import GenerationRequest, InvalidRequest, validate
+from .semantic import ENGINE_NAMES
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m music3_demo", description="MiniMax Music 3 song generator")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="make one song and write it to a .wav or .flac file")
+    gen.add_argument("--model", default=None, help=f"Hub repo id, local folder, 'tiny' or 'random-full' "
+                     f"(default: $MUSIC3_MODEL or {c.HUB_REPO_ID})")
+    gen.add_argument("--prompt", required=True, help="music description: genre, BPM, key, vocals, arrangement")
+    lyrics = gen.add_mutually_exclusive_group()
+    lyrics.add_argument("--lyrics", default="", help="lyrics text; structure tags like [verse] on their own line")
+    lyrics.add_argument("--lyrics-file", type=Path, help="read the lyrics from this UTF-8 file")
+    gen.add_argument("--instrumental", action="store_true", help="no vocals: sends the [instrumental] tag")
+    gen.add_argument("--duration", type=float, default=c.DEFAULT_DURATION_S, help="seconds (1-360)")
+    gen.add_argument("--steps", type=int, default=c.DEFAULT_STEPS, help="flow-matching steps per chunk (1-100)")
+    gen.add_argument("--guidance", type=float, default=c.DEFAULT_GUIDANCE, help="flow-stage guidance scale")
+    gen.add_argument("--lm-cfg", type=float, default=c.AR_CFG_SCALE, help="semantic-stage CFG scale")
+    gen.add_argument("--top-k", type=int, default=c.AR_SAMPLING_TOP_K, help="semantic-stage top-k")
+    gen.add_argument("--seed", type=int, default=None, help="0 to 2^32-1; random when omitted")
+    gen.add_argument("--engine", choices=ENGINE_NAMES, default="auto", help="auto = graph on CUDA, else reference")
+    gen.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available)")
+    gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    gen.add_argument("--out", type=Path, default=Path("song.wav"), help="output .wav or .flac")
+    gen.add_argument("--subtype", default=None, help="sample format: PCM_16 (default), PCM_24, FLOAT (WAV only)")
+    gen.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser
+
+
+def _read_lyrics(args: argparse.Namespace) -> str:
+    if args.lyrics_file is None:
+        return args.lyrics
+    try:
+        return args.lyrics_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise InvalidRequest(f"Cannot read the lyrics file {args.lyrics_file}: {error.strerror or error}.") from error
+
+
+def _progress_printer(quiet: bool):
+    last = [0.0]
+
+    def show(event: Event) -> None:
+        if quiet or not isinstance(event, Progress):
+            return
+        now = time.monotonic()
+        if now - last[0] < 0.5 and event.done < event.total:
+            return
+        last[0] = now
+        rate = f" {event.rate:.1f}/s" if event.rate else ""
+        eta = f" eta {event.eta:.0f}s" if event.eta is not None else ""
+        print(f"[{event.stage}] {event.done}/{event.total}{rate}{eta}", file=sys.stderr, flush=True)
+
+    return show
+
+
+def generate(args: argparse.Namespace) -> int:
+    request = GenerationRequest(
+        description=args.prompt,
+        lyrics=_read_lyrics(args),
+        duration=args.duration,
+        num_steps=args.steps,
+        guidance_scale=args.guidance,
+        lm_cfg_scale=args.lm_cfg,
+        top_k=args.top_k,
+        seed=args.seed,
+        instrumental=args.instrumental,
+    )
+    validate(request)  # the cheap checks before a long model load
+    format_for(args.out)
+    from .pipeline import Music3Pipeline  # heavy imports only once the request is sane
+
+    pipeline = Music3Pipeline.from_pretrained(args.model or default_model(), device=args.device,
+                                              engine=args.engine, revision=args.revision)
+    if pipeline.source.notice:
+        print(f"note: {pipeline.source.notice}", file=sys.stderr)
+    show = _progress_printer(args.quiet)
+    writer = AudioFileWriter(args.out, c.SAMPLE_RATE, subtype=args.subtype)
+    try:
+        def on_event(event: Event) -> None:
+            show(event)
+            if isinstance(event, AudioPiece):
+                writer.write(event.samples)
+
+        song = pipeline.generate(request, on_event=on_event)
+    finally:
+        writer.close()
+    stages = " ".join(f"{key}={value:.2f}" for key, value in song.timings.items())
+    print(f"{args.out}")
+    print(f"duration={song.duration:.2f}s frames={song.frames} seed={song.seed} engine={song.engine} {stages}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return generate(args)
+    except (InvalidRequest, CheckpointError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cancelled", file=sys.stderr)
+        return 130
