@@ -1,0 +1,140 @@
+"""Pipeline parity with diffusers' ModularPipeline, events, cancel.
+
+The parity checkpoints are freshly built random models with sizes unlike the `tiny` preset, written in the Hub
+layout and loaded by both implementations from that folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from music3_demo import builtin
+from music3_demo import contract as c
+from music3_demo.events import AudioPiece, Finished, Progress
+from music3_demo.pipeline import Music3Pipeline
+from music3_demo.request import GenerationRequest
+from music3_demo.semantic import Cancelled
+
+PARITY_SIZES = dataclasses.replace(
+    builtin.TINY,
+    hidden=48,
+    lm_layers=3,
+    lm_heads=6,
+    lm_kv_heads=3,
+    lm_head_dim=8,
+    lm_intermediate=80,
+    depth_layers=3,
+    depth_heads=3,
+    depth_intermediate=40,
+    dit_channels=12,
+    dit_condition_dim=24,
+    dit_layers=3,
+    dit_heads=3,
+    dit_head_dim=8,
+    dit_ff=40,
+    dit_rotary_dim=8,
+    dit_fourier_dim=8,
+    vocoder_input_dim=24,
+    vocoder_hidden_dim=32,
+    end_token_gain=0.0,  # the end token never reaches the top-k: songs run to full length
+)
+ENDING_SIZES = dataclasses.replace(PARITY_SIZES, end_token_gain=3.0)
+DESCRIPTION = "# Indie folk\n- **acoustic guitar**, warm male vocals, 92 BPM"
+LYRICS = "[Verse]\nwalking down the river\n[chorus] dropped text\nla la ^ la"
+
+
+def _diffusers_audio(folder, seed: int, duration: float, steps: int) -> np.ndarray:
+    from diffusers import ModularPipeline
+
+    pipe = ModularPipeline.from_pretrained(str(folder))
+    pipe.load_components(dtype=torch.float32)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    audio = pipe(prompt=DESCRIPTION, lyrics=LYRICS, audio_duration=duration, generator=generator,
+                 num_inference_steps=steps, output="audios")
+    return audio[0]
+
+
+@pytest.fixture(scope="module")
+def parity_folder(tmp_path_factory):
+    return builtin.write_builtin(PARITY_SIZES, tmp_path_factory.mktemp("parity") / "model", seed=11)
+
+
+@pytest.fixture(scope="module")
+def parity_pipeline(parity_folder):
+    return Music3Pipeline.from_pretrained(str(parity_folder), device="cpu", engine="reference")
+
+
+@pytest.mark.parametrize("seed", [0, 1234])
+def test_reference_engine_reproduces_diffusers_waveform(parity_folder, parity_pipeline, seed):
+    duration, steps = 13.0, 4  # 325 frames -> 3 flow chunks
+    request = GenerationRequest(DESCRIPTION, LYRICS, duration=duration, num_steps=steps, seed=seed)
+    events = []
+    song = parity_pipeline.generate(request, on_event=events.append)
+    expected = _diffusers_audio(parity_folder, seed, duration, steps)
+    assert song.frames == 325 and len(c.chunk_starts(song.frames)) == 3
+    assert song.audio.shape == expected.shape
+    assert np.abs(song.audio - expected).max() <= 1e-5
+    assert np.abs(song.audio).max() > 0.05  # real signal, not silence
+    pieces = [e for e in events if isinstance(e, AudioPiece)]
+    assert np.array_equal(np.concatenate([p.samples for p in pieces], axis=-1), song.audio)
+    assert [p.start_sample for p in pieces] == list(np.cumsum([0] + [p.samples.shape[-1] for p in pieces[:-1]]))
+    assert isinstance(events[-1], Finished) and events[-1].song is song
+    semantic = [e.done for e in events if isinstance(e, Progress) and e.stage == "semantic"]
+    assert semantic == list(range(1, 326))
+    assert song.model_notice == builtin.BUILTIN_NOTICE  # a folder written by builtin is reported as random
+
+
+def test_song_that_hits_the_end_token_matches_diffusers(tmp_path):
+    folder = builtin.write_builtin(ENDING_SIZES, tmp_path / "ending", seed=11)
+    pipeline = Music3Pipeline.from_pretrained(str(folder), device="cpu", engine="reference")
+    seed, duration, steps = 3, 14.0, 3
+    song = pipeline.generate(GenerationRequest(DESCRIPTION, LYRICS, duration=duration, num_steps=steps, seed=seed))
+    assert 0 < song.frames < c.max_frames_for(duration), "the ending checkpoint should stop before the cap"
+    expected = _diffusers_audio(folder, seed, duration, steps)
+    assert song.audio.shape == expected.shape
+    assert np.abs(song.audio - expected).max() <= 1e-5
+
+
+def test_seed_reproducible_and_seeds_differ(tiny_pipeline):
+    make = lambda seed: tiny_pipeline.generate(GenerationRequest("pop", "[verse]\nhi", duration=1.0, num_steps=2, seed=seed))
+    a, b, other = make(5), make(5), make(6)
+    assert np.array_equal(a.audio, b.audio) and a.seed == 5
+    assert not np.array_equal(a.audio, other.audio)
+    assert a.audio.shape == (2, int(25 * 3.4453125) * 512) and a.sample_rate == 44100
+
+
+def test_cancel_stops_within_one_frame(tiny_pipeline):
+    cancel = threading.Event()
+    seen = []
+
+    def on_event(event):
+        if isinstance(event, Progress) and event.stage == "semantic":
+            seen.append(event.done)
+            if event.done == 5:
+                cancel.set()
+
+    with pytest.raises(Cancelled):
+        tiny_pipeline.generate(GenerationRequest("pop", "hi", duration=20.0, num_steps=2, seed=1), on_event, cancel)
+    assert seen[-1] <= 6
+
+
+def test_cancel_stops_within_one_denoise_step(tiny_pipeline):
+    cancel = threading.Event()
+    steps = []
+
+    def on_event(event):
+        if isinstance(event, Progress) and event.stage == "flow":
+            steps.append(event.done)
+            cancel.set()
+
+    with pytest.raises(Cancelled):
+        tiny_pipeline.generate(GenerationRequest("pop", "hi", duration=2.0, num_steps=50, seed=1), on_event, cancel)
+    assert steps == [1]
+    # The pipeline still works afterwards.
+    song = tiny_pipeline.generate(GenerationRequest("pop", "hi", duration=1.0, num_steps=1, seed=1))
+    assert song.frames == 25
