@@ -1,0 +1,70 @@
+"""`python -m music3_demo generate` end to end on the built-in tiny model, in a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import soundfile as sf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "music3_demo", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_generate_wav_and_report(tmp_path, tiny_folder):
+    out = tmp_path / "song.wav"
+    result = run_cli("generate", "--model", "tiny", "--prompt", "lofi hip hop, 80 BPM", "--lyrics",
+                     "[verse]\nla la", "--duration", "2", "--steps", "2", "--seed", "7", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    info = sf.info(str(out))
+    assert (info.samplerate, info.channels, info.subtype) == (44100, 2, "PCM_16")
+    assert info.frames == int(50 * 3.4453125) * 512
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == str(out)
+    assert "frames=50" in lines[1] and "seed=7" in lines[1] and "engine=reference" in lines[1]
+    assert "semantic_s=" in lines[1] and "flow_s=" in lines[1] and "vocoder_s=" in lines[1]
+    assert "random weights" in result.stderr  # the built-in model says its output is noise
+    assert "[semantic] 50/50" in result.stderr
+
+
+def test_flac_float_and_lyrics_file(tmp_path, tiny_folder):
+    lyrics = tmp_path / "lyrics.txt"
+    lyrics.write_text("[chorus]\n你好 世界\n", encoding="utf-8")
+    flac = tmp_path / "song.flac"
+    result = run_cli("generate", "--model", "tiny", "--prompt", "c-pop", "--lyrics-file", str(lyrics),
+                     "--duration", "1", "--steps", "1", "--seed", "1", "--out", str(flac), "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert sf.info(str(flac)).format == "FLAC"
+    wav = tmp_path / "float.wav"
+    result = run_cli("generate", "--model", "tiny", "--prompt", "ambient", "--instrumental", "--duration", "1",
+                     "--steps", "1", "--seed", "1", "--out", str(wav), "--subtype", "FLOAT", "--quiet")
+    assert result.returncode == 0, result.stderr
+    data, rate = sf.read(str(wav), dtype="float32")
+    assert sf.info(str(wav)).subtype == "FLOAT" and data.shape[1] == 2 and abs(data).max() > 0
+
+
+def test_bad_input_exits_nonzero_with_the_sentence(tmp_path):
+    cases = [
+        (["--prompt", "pop", "--lyrics", "hi", "--duration", "500"], "Duration (seconds) must be between 1 and 360"),
+        (["--prompt", "", "--lyrics", "hi"], "description is empty"),
+        (["--prompt", "pop"], "switch on Instrumental"),
+        (["--prompt", "pop", "--lyrics", "hi", "--steps", "0"], "Steps must be between 1 and 100"),
+        (["--prompt", "pop", "--lyrics", "hi", "--out", str(tmp_path / "x.mp3")], "must end in .wav or .flac"),
+        (["--prompt", "pop", "--lyrics-file", str(tmp_path / "none.txt")], "Cannot read the lyrics file"),
+        (["--prompt", "pop", "--lyrics", "hi", "--model", str(tmp_path / "missing")], "does not exist"),
+        (["--prompt", "pop", "--lyrics", "hi", "--engine", "graph", "--device", "cpu", "--model", "tiny"],
+         "graph engine needs a CUDA GPU"),
+    ]
+    for args, message in cases:
+        result = run_cli("generate", *args, "--out", str(tmp_path / "o.wav")) if "--out" not in args else run_cli(
+            "generate", *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
