@@ -20,7 +20,8 @@ from .checkpoint import (
     resolve,
 )
 from .events import AudioPiece, Event, Finished, Progress, Song
-from .flow import FlowSettings, FlowStream, Piece
+from .flow import FlowSettings, FlowStream
+from .flow_worker import FlowWorker, progress_from_step
 from .prompt import count_prompt_tokens, tokenize
 from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import Cancelled, SamplingSettings, SemanticEngine, check_cancel, resolve_engine_name
@@ -43,12 +44,24 @@ def _make_engine(name: str, components: dict, device: torch.device) -> SemanticE
 
 
 class Music3Pipeline:
-    def __init__(self, components: dict, source: ModelSource, device: torch.device, engine: str = "auto") -> None:
+    def __init__(
+        self,
+        components: dict,
+        source: ModelSource,
+        device: torch.device,
+        engine: str = "auto",
+        overlap: bool | None = None,
+    ) -> None:
+        """`overlap`: run the flow stage while semantic frames are still being made (default: when the engine draws
+        from its own generator). With the reference engine it switches to separate per-stage generators, so results
+        then differ from diffusers' single-generator draws (still deterministic for a seed)."""
         self.components = components
         self.source = source
         self.device = device
         self.engine_name = resolve_engine_name(engine, device)
         self.engine = _make_engine(self.engine_name, components, device)
+        self.overlap = self.engine.separate_flow_rng if overlap is None else overlap
+        self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
 
     @classmethod
     def from_pretrained(
@@ -90,7 +103,7 @@ class Music3Pipeline:
             torch.cuda.empty_cache()
 
     def _generators(self, seed: int) -> tuple[torch.Generator, torch.Generator]:
-        if not self.engine.separate_flow_rng:
+        if not self.separate_flow_rng:
             # diffusers' convention: one CPU generator shared by every stage (device-independent results).
             shared = torch.Generator("cpu").manual_seed(seed)
             return shared, shared
@@ -107,8 +120,8 @@ class Music3Pipeline:
     ) -> Song:
         emit = on_event or (lambda event: None)
         request = self.validate(request)
-        timings: dict[str, float] = {}
         started = time.perf_counter()
+        timings: dict[str, float] = {}
 
         emit(Progress("prompt", 0, 1))
         text_ids = tokenize(self.tokenizer, request.description, request.effective_lyrics).to(self.device)
@@ -118,54 +131,46 @@ class Music3Pipeline:
         semantic_generator, flow_generator = self._generators(request.seed)
         max_frames = request.max_frames
         expected_chunks = len(c.chunk_starts(max_frames))
-        steps = request.num_steps
-
-        def on_flow_step(chunk: int, done: int, total: int) -> None:
-            emit(Progress("flow", chunk * total + done, expected_chunks * total))
-
-        flow = FlowStream(
-            self.components,
-            FlowSettings(steps, request.guidance_scale, batched_cfg=self.engine.separate_flow_rng),
-            flow_generator,
-            self.device,
-            on_step=on_flow_step,
-            cancel=cancel,
-        )
+        flow_settings = FlowSettings(request.num_steps, request.guidance_scale, batched_cfg=self.separate_flow_rng)
+        flow = FlowStream(self.components, flow_settings, flow_generator, self.device, cancel=cancel)
+        worker = FlowWorker(flow, self.device)
         pieces: list[np.ndarray] = []
 
-        def publish(new: list[Piece]) -> None:
-            for piece in new:
-                if not pieces:
-                    timings["first_audio_s"] = time.perf_counter() - started
-                pieces.append(piece.samples)
-                emit(AudioPiece(piece.samples, piece.start_sample))
+        def publish(wait: bool) -> None:
+            for item in worker.results(wait):
+                if isinstance(item, tuple):
+                    emit(progress_from_step(item, expected_chunks))
+                    continue
+                for piece in item:
+                    timings.setdefault("first_audio_s", time.perf_counter() - started)
+                    pieces.append(piece.samples)
+                    emit(AudioPiece(piece.samples, piece.start_sample))
 
-        sampling = SamplingSettings(request.lm_cfg_scale, request.top_k)
-        overlap = self.engine.separate_flow_rng
-        held: list[torch.Tensor] = []
         frames = 0
-        semantic_started = time.perf_counter()
-        semantic_busy = 0.0
-        mark = semantic_started
-        for block in self.engine.frames(text_ids, max_frames, sampling, semantic_generator, cancel):
-            frames += block.shape[0]
-            now = time.perf_counter()
-            semantic_busy += now - mark
-            rate = frames / max(now - semantic_started, 1e-9)
-            emit(Progress("semantic", frames, max_frames, rate, (max_frames - frames) / rate))
-            if overlap:
-                publish(flow.push(block))
-            else:
-                held.append(block)
-            mark = time.perf_counter()
-        semantic_busy += time.perf_counter() - mark
-        timings["semantic_s"] = semantic_busy - (flow.timings.denoise_s + flow.timings.vocoder_s if overlap else 0.0)
-        if frames == 0:
-            raise InvalidRequest("The model ended the song before its first frame; try another seed.")
-        check_cancel(cancel)
-        if held:
-            publish(flow.push(torch.cat(held)))
-        publish(flow.finish())
+        held: list[torch.Tensor] = []
+        try:
+            semantic_started = time.perf_counter()
+            for block in self.engine.frames(text_ids, max_frames, sampling_for(request), semantic_generator, cancel):
+                frames += block.shape[0]
+                elapsed = time.perf_counter() - semantic_started
+                rate = frames / max(elapsed, 1e-9)
+                emit(Progress("semantic", frames, max_frames, rate, (max_frames - frames) / rate))
+                if self.overlap:
+                    worker.submit(block)
+                    publish(wait=False)
+                else:
+                    held.append(block)
+            timings["semantic_s"] = time.perf_counter() - semantic_started
+            if frames == 0:
+                raise InvalidRequest("The model ended the song before its first frame; try another seed.")
+            check_cancel(cancel)
+            if held:
+                worker.submit(torch.cat(held))
+            worker.finish()
+            publish(wait=True)
+            check_cancel(cancel)
+        finally:
+            worker.close()
         emit(Progress("vocoder", flow.timings.chunks, flow.timings.chunks))
 
         timings["flow_s"] = flow.timings.denoise_s
@@ -184,3 +189,7 @@ class Music3Pipeline:
         )
         emit(Finished(song))
         return song
+
+
+def sampling_for(request: GenerationRequest) -> SamplingSettings:
+    return SamplingSettings(request.lm_cfg_scale, request.top_k)

@@ -134,7 +134,10 @@ def test_cancel_stops_within_one_denoise_step(tiny_pipeline):
 
     with pytest.raises(Cancelled):
         tiny_pipeline.generate(GenerationRequest("pop", "hi", duration=2.0, num_steps=50, seed=1), on_event, cancel)
-    assert steps == [1]
+    # The flow runs on a worker thread: besides the step that prompted the cancel, at most the step in flight and
+    # one already queued report back.
+    assert steps[0] == 1 and len(steps) <= 3
+    assert not [t for t in threading.enumerate() if t.name == "music3-flow"]
     # The pipeline still works afterwards.
     song = tiny_pipeline.generate(GenerationRequest("pop", "hi", duration=1.0, num_steps=1, seed=1))
     assert song.frames == 25

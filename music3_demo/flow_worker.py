@@ -1,0 +1,113 @@
+"""Runs the flow stage on its own thread (and CUDA stream) while the semantic engine keeps producing frames.
+
+The semantic stage is bandwidth-bound and the DiT compute-bound, so on a GPU they overlap well; on a CPU the worker
+still lets the two stages share cores. Everything the worker produces (pieces, progress, errors) travels back through
+one queue, so the caller's event callback is only ever called from the caller's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Iterator
+
+import torch
+
+from .events import Progress
+from .flow import FlowStream, Piece
+
+_FINISH = object()
+_DONE = object()
+
+
+class AnyEvent:
+    """Set when any of its events is set (the user's cancel, or the worker's own abort)."""
+
+    def __init__(self, *events: threading.Event | None) -> None:
+        self.events = [event for event in events if event is not None]
+
+    def is_set(self) -> bool:
+        return any(event.is_set() for event in self.events)
+
+
+class FlowWorker:
+    THREAD_NAME = "music3-flow"
+
+    def __init__(self, flow: FlowStream, device: torch.device) -> None:
+        self.flow = flow
+        self.device = device
+        self.abort = threading.Event()
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._finished = False
+        flow.cancel = AnyEvent(flow.cancel, self.abort)
+        flow.on_step = self._on_step
+        self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def _on_step(self, chunk: int, done: int, total: int) -> None:
+        self._outbox.put(("step", chunk, done, total))
+
+    def submit(self, frames: torch.Tensor) -> None:
+        """Queue frames made on the caller's current stream; the worker's stream waits for them."""
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            frames.record_stream(self._stream)  # the allocator must not reuse it while the worker reads it
+        self._inbox.put((frames, ready))
+
+    def finish(self) -> None:
+        self._inbox.put(_FINISH)
+
+    def _run(self) -> None:
+        context = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        try:
+            with context, torch.no_grad():
+                while True:
+                    item = self._inbox.get()
+                    if self.abort.is_set():
+                        break
+                    if item is _FINISH:
+                        self._outbox.put(self.flow.finish())
+                        break
+                    frames, ready = item
+                    if ready is not None:
+                        self._stream.wait_event(ready)
+                    self._outbox.put(self.flow.push(frames))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, which re-raises it
+            self._outbox.put(error)
+        finally:
+            if self._stream is not None:
+                self._stream.synchronize()
+            self._outbox.put(_DONE)
+
+    def results(self, wait: bool) -> Iterator[list[Piece] | tuple]:
+        """Yield what the worker made: lists of pieces and ("step", chunk, done, total) tuples. With `wait`, block
+        until the worker is done; errors raised in the worker are re-raised here."""
+        while True:
+            try:
+                item = self._outbox.get(block=wait)
+            except queue.Empty:
+                return
+            if item is _DONE:
+                self._finished = True
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        """Stop the worker (if still running) and wait for its thread and stream to be idle."""
+        self.abort.set()
+        self._inbox.put(_FINISH)
+        self._thread.join()
+        for _ in self.results(wait=False):
+            pass
+
+
+def progress_from_step(item: tuple, expected_chunks: int) -> Progress:
+    _, chunk, done, total = item
+    return Progress("flow", chunk * total + done, max(expected_chunks, chunk + 1) * total)
