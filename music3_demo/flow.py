@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import contract as c
+from .flow_graph import VelocityGraphs
 from .semantic import check_cancel
 
 
@@ -55,15 +56,18 @@ def _cfg_enabled(guidance_scale: float) -> bool:
 class ChunkDenoiser:
     """Flow-matches one chunk's latents with Euler steps and classifier-free guidance (zeros as unconditional)."""
 
-    def __init__(self, transformer, scheduler, settings: FlowSettings) -> None:
+    def __init__(self, transformer, scheduler, settings: FlowSettings, graphs: VelocityGraphs | None = None) -> None:
         self.transformer = transformer
         self.scheduler = copy.deepcopy(scheduler)  # set_timesteps/step keep state: one copy per stream
         self.settings = settings
+        self.graphs = graphs
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
         run = self.transformer
         if not _cfg_enabled(self.settings.guidance_scale):
             return run(hidden_states=latents, timestep=timestep, encoder_hidden_states=condition, return_dict=False)[0]
+        if self.settings.batched_cfg and self.graphs is not None and self.graphs.supports(latents):
+            return self.graphs.velocity(latents, timestep, condition, self.settings.guidance_scale)
         if self.settings.batched_cfg:
             both = run(
                 hidden_states=torch.cat((latents, latents)),
@@ -119,11 +123,12 @@ class FlowStream:
         device: torch.device,
         on_step: StepCallback | None = None,
         cancel: threading.Event | None = None,
+        graphs: VelocityGraphs | None = None,
     ) -> None:
         self.condition_encoder = components["condition_encoder"]
         self.transformer = components["transformer"]
         self.vocoder = components["vocoder"]
-        self.denoiser = ChunkDenoiser(self.transformer, components["scheduler"], settings)
+        self.denoiser = ChunkDenoiser(self.transformer, components["scheduler"], settings, graphs)
         self.settings = settings
         self.generator = generator
         self.device = device

@@ -21,6 +21,7 @@ from .checkpoint import (
 )
 from .events import AudioPiece, Event, Finished, Progress, Song
 from .flow import FlowSettings, FlowStream
+from .flow_graph import VelocityGraphs
 from .flow_worker import FlowWorker, progress_from_step
 from .prompt import count_prompt_tokens, tokenize
 from .request import GenerationRequest, InvalidRequest, validate
@@ -62,6 +63,12 @@ class Music3Pipeline:
         self.engine = _make_engine(self.engine_name, components, device)
         self.overlap = self.engine.separate_flow_rng if overlap is None else overlap
         self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
+        # Full flow chunks share one shape: their guided DiT step is graph-replayed on CUDA (fast engines only).
+        self.velocity_graphs = (
+            VelocityGraphs(components["transformer"], (full_chunk_latents(components),))
+            if device.type == "cuda" and self.separate_flow_rng
+            else None
+        )
 
     @classmethod
     def from_pretrained(
@@ -98,6 +105,8 @@ class Music3Pipeline:
         release = getattr(self.engine, "release", None)
         if release is not None:
             release()
+        if self.velocity_graphs is not None:
+            self.velocity_graphs.release()
         self.components.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -132,7 +141,9 @@ class Music3Pipeline:
         max_frames = request.max_frames
         expected_chunks = len(c.chunk_starts(max_frames))
         flow_settings = FlowSettings(request.num_steps, request.guidance_scale, batched_cfg=self.separate_flow_rng)
-        flow = FlowStream(self.components, flow_settings, flow_generator, self.device, cancel=cancel)
+        flow = FlowStream(
+            self.components, flow_settings, flow_generator, self.device, cancel=cancel, graphs=self.velocity_graphs
+        )
         worker = FlowWorker(flow, self.device)
         pieces: list[np.ndarray] = []
 
@@ -189,6 +200,18 @@ class Music3Pipeline:
         )
         emit(Finished(song))
         return song
+
+
+def full_chunk_latents(components: dict) -> int:
+    """Latent length of a full 200-frame chunk (689 for the released checkpoint's rates)."""
+    config = components["condition_encoder"].config
+    return int(
+        c.CHUNK_FRAMES
+        * config.output_sampling_rate
+        / config.input_sampling_rate
+        * config.input_hop_length
+        / config.output_hop_length
+    )
 
 
 def sampling_for(request: GenerationRequest) -> SamplingSettings:
