@@ -1,0 +1,119 @@
+"""Whole-song benchmark on the GPU: wall time, time to first audio, per-stage busy time, overlap and peak memory.
+
+Used by `python -m music3_demo.bench --song SECONDS`. The eager reference pipeline runs ~30x slower than ours, so
+within one device call it is timed on a shorter song (`reference_song_s`) and its 120-second time is reported both
+as measured rates and as a projection labelled as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from . import builtin
+from . import contract as c
+from .checkpoint import ModelSource
+from .events import AudioPiece, Event, Progress
+from .pipeline import Music3Pipeline, full_chunk_latents
+from .request import GenerationRequest
+
+SONG_PROMPT = "energetic synth-pop, 124 BPM, A minor, female vocals, punchy drums, big chorus"
+SONG_LYRICS = "[verse]\n" + "\n".join(f"line {i} of a long verse about the city at night" for i in range(12)) + (
+    "\n[chorus]\nwe are the lights\nwe are the sound\n"
+)
+
+
+def full_size_pipeline(engine: str, device: torch.device) -> Music3Pipeline:
+    """random-full with the end token muted, so every benchmarked song runs to its full length."""
+    sizes = dataclasses.replace(builtin.FULL, end_token_gain=0.0)
+    components = builtin.build_components(sizes, seed=0, device=device, dtype=torch.bfloat16)
+    components["vocoder"] = components["vocoder"].float()
+    return Music3Pipeline(components, ModelSource("random-full", None, "random-full"), device, engine)
+
+
+def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_STEPS) -> dict:
+    """One song, timed from the generate() call; the model is loaded and warm."""
+    device = pipeline.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    marks: dict[str, float] = {}
+    started = time.perf_counter()
+
+    def on_event(event: Event) -> None:
+        now = time.perf_counter() - started
+        if isinstance(event, AudioPiece):
+            marks.setdefault("first_audio_s", now)
+        elif isinstance(event, Progress) and event.stage == "semantic":
+            marks["semantic_end_s"] = now
+
+    request = GenerationRequest(SONG_PROMPT, SONG_LYRICS, duration=seconds, num_steps=steps, seed=1)
+    song = pipeline.generate(request, on_event=on_event)
+    torch.cuda.synchronize(device)
+    wall = time.perf_counter() - started
+    busy = {k: song.timings[k] for k in ("semantic_s", "flow_s", "vocoder_s")}
+    serial = sum(busy.values())
+    longest = max(busy.values())
+    return {
+        "engine": pipeline.engine_name,
+        "song_s": song.duration,
+        "frames": song.frames,
+        "wall_s": round(wall, 3),
+        "first_audio_s": round(marks.get("first_audio_s", float("nan")), 3),
+        "busy_s": {k: round(v, 3) for k, v in busy.items()},
+        # 0 = stages ran one after another, 1 = everything but the longest stage was hidden under it.
+        "overlap": round((serial - (wall - song.timings["prompt_s"])) / max(serial - longest, 1e-9), 3),
+        "semantic_frames_per_s": round(song.frames / busy["semantic_s"], 2),
+        "flow_chunk_s_mean": round((busy["flow_s"] + busy["vocoder_s"]) / max(len(c.chunk_starts(song.frames)), 1), 3),
+        "realtime_factor": round(song.duration / wall, 2),
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+    }
+
+
+def time_flow_chunk(pipeline: Music3Pipeline, steps: int = c.DEFAULT_STEPS, repeats: int = 3) -> dict:
+    """A full chunk's denoise + vocode alone on the GPU (nothing overlapping), graphed vs eager batch-2."""
+    from .flow import FlowSettings, FlowStream
+
+    device = pipeline.device
+    hidden = pipeline.components["language_model"].config.hidden_size
+    frames = torch.randn(c.CHUNK_FRAMES, 8 * hidden, device=device, dtype=torch.bfloat16)
+    results = {}
+    for label, graphs in (("graphed", pipeline.velocity_graphs), ("eager", None)):
+        times = []
+        for repeat in range(repeats + 1):
+            flow = FlowStream(pipeline.components, FlowSettings(steps, batched_cfg=True),
+                              torch.Generator(device).manual_seed(repeat), device, graphs=graphs)
+            torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            flow.push(frames)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - began)
+        results[f"{label}_chunk_s"] = round(sorted(times[1:])[len(times[1:]) // 2], 3)  # median, first is warm-up
+    results["latents_per_chunk"] = full_chunk_latents(pipeline.components)
+    return results
+
+
+def bench_song(seconds: float, reference_song_s: float, device: torch.device, memory_song_s: float | None) -> dict:
+    ours = full_size_pipeline("graph", device)
+    time_song(ours, 10.0, steps=2)  # warm: captures the semantic and flow graphs once, as the app's holder does
+    result = {"ours": time_song(ours, seconds), "flow_chunk": time_flow_chunk(ours)}
+    if memory_song_s:
+        result["ours_memory_song"] = time_song(ours, memory_song_s)
+    ours.release()
+    del ours
+    torch.cuda.empty_cache()
+
+    reference = full_size_pipeline("reference", device)
+    measured = time_song(reference, reference_song_s)
+    frames = seconds * c.FRAME_RATE
+    chunks = len(c.chunk_starts(int(frames)))
+    per_frame = measured["busy_s"]["semantic_s"] / measured["frames"]
+    per_chunk = (measured["busy_s"]["flow_s"] + measured["busy_s"]["vocoder_s"]) / len(c.chunk_starts(measured["frames"]))
+    result["reference"] = measured | {
+        "projected_wall_s_for_song": round(frames * per_frame + chunks * per_chunk, 1),
+        "projection": f"{seconds:g}-s song from the measured {reference_song_s:g}-s run's per-frame and per-chunk times",
+    }
+    result["speedup_wall_projected"] = round(result["reference"]["projected_wall_s_for_song"] / result["ours"]["wall_s"], 1)
+    reference.release()
+    return result
