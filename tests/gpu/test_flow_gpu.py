@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import numpy as np
 import pytest
 import torch
 
-from music3_demo import builtin
 from music3_demo.bench_song import full_size_pipeline
 from music3_demo.events import AudioPiece, Progress
 from music3_demo.flow import ChunkDenoiser, FlowSettings
