@@ -1,0 +1,228 @@
+"""Speed of the semantic engines, measured in one run: `python -m music3_demo.bench --model random-full
+--engine reference,graph --prompt-tokens 400 --frames 500` prints one JSON object.
+
+It reports frames/s of each engine, their ratio, the bytes one frame must read (counted from the engine's actual
+weight tensors, plus the KV cache at the song's mean context length), the copy bandwidth measured in the same run,
+and the fraction of the resulting limit reached. Importable without gradio/soundfile.
+(A `bench_song(...)` for the flow stage may be added beside `bench_semantic`.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import contract as c
+from .checkpoint import build_random_full, load_components, resolve
+from .semantic import SamplingSettings, SemanticEngine
+
+WARMUP_FRAMES = 16
+
+
+def measure_copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of `repeats` copies."""
+    count = int(gib * 2**30) // 2
+    src = torch.randn(count, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * count * 2 / sorted(times[2:])[len(times[2:]) // 2]
+
+
+@dataclass(frozen=True)
+class BytesModel:
+    lm: int  # LM blocks + final norm + the audio slice of lm_head
+    depth: int  # the projection once, then 7 passes of the depth blocks, 7 heads
+    kv_per_position: int  # K and V of both CFG rows, all layers, one position
+
+    def per_frame(self, mean_context: float) -> float:
+        return self.lm + self.depth + self.kv_per_position * mean_context
+
+
+def bytes_model(engine) -> BytesModel:
+    """Bytes a graph-engine frame must read, from its tensors (each weight read once per use)."""
+
+    def size(*tensors: torch.Tensor | None) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    lm = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2, b.q_norm, b.k_norm) for b in engine.blocks)
+    lm += size(engine.final_norm, engine.audio_head)
+    passes = engine.num_codebooks - 1
+    depth_blocks = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2) for b in engine.depth_blocks)
+    depth = size(engine.projection) + passes * (depth_blocks + size(engine.depth_norm)) + size(engine.depth_heads_w)
+    kv = len(engine.blocks) * 2 * 2 * engine.kv_heads * engine.head_dim * engine.embed.element_size()
+    return BytesModel(lm, depth, kv)
+
+
+def random_prompt(tokens: int, seed: int, device: torch.device) -> torch.Tensor:
+    """A [2, T] CFG pair shaped like a real prompt: row 1 is row 0 with tokens [1:-2] replaced by the CFG id."""
+    generator = torch.Generator().manual_seed(seed)
+    row = torch.randint(0, c.AUDIO_END_TOKEN_ID - 100, (tokens,), generator=generator)
+    uncond = row.clone()
+    uncond[1:-2] = c.AUDIO_CFG_TOKEN_ID
+    return torch.stack((row, uncond)).to(device)
+
+
+def run_song(engine: SemanticEngine, text_ids: torch.Tensor, frames: int, seed: int) -> dict:
+    """Generate one song; time the whole call and the steady state after the first yielded block."""
+    generator = torch.Generator(text_ids.device).manual_seed(seed)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    first_at, first_frames, count = None, 0, 0
+    for block in engine.frames(text_ids, frames, SamplingSettings(), generator):
+        count += block.shape[0]
+        if first_at is None:
+            torch.cuda.synchronize()
+            first_at, first_frames = time.perf_counter(), count
+    torch.cuda.synchronize()
+    finished = time.perf_counter()
+    result = {"frames": count, "wall_s": finished - started, "wall_frames_per_s": count / (finished - started)}
+    stats = getattr(engine, "last_song", None)
+    if stats is not None:  # the graph engine times itself with CUDA events: prefill vs decode
+        result.update(prefill_s=stats.prefill_s, decode_s=stats.decode_s, frames_per_s=stats.frames_per_s)
+    elif first_at is not None and count > first_frames:
+        result["frames_per_s"] = (count - first_frames) / (finished - first_at)
+    return result
+
+
+def bench_semantic(
+    components: dict, engines: list[str], prompt_tokens: list[int], frames: int, reference_frames: int, seed: int,
+    pdl: bool | None = None,
+) -> dict:
+    from .semantic.graph import GraphEngine
+    from .semantic.reference import ReferenceEngine
+
+    device = torch.device("cuda")
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    bandwidth = measure_copy_bandwidth(device)
+    graph = GraphEngine(lm, depth, device, pdl=pdl)
+    model = bytes_model(graph)
+    built = {"graph": graph, "reference": ReferenceEngine(lm, depth)}
+    runs = []
+    for tokens in prompt_tokens:
+        text_ids = random_prompt(tokens, seed, device)
+        graph.reserve(tokens, frames)
+        for name in engines:
+            engine = built[name]
+            count = frames if name == "graph" else min(frames, reference_frames)
+            run_song(engine, text_ids, WARMUP_FRAMES if name == "graph" else 2, seed + 1)  # compile + capture
+            result = {"engine": name, "prompt_tokens": tokens, "requested_frames": count}
+            result.update(run_song(engine, text_ids, count, seed))
+            bytes_per_frame = model.per_frame(tokens + result["frames"] / 2)
+            limit = bandwidth / bytes_per_frame
+            result.update(
+                bytes_per_frame=bytes_per_frame,
+                limit_frames_per_s=limit,
+                fraction_of_limit=result.get("frames_per_s", 0.0) / limit,
+            )
+            runs.append(result)
+    speedups = {}
+    for tokens in prompt_tokens:
+        rates = {r["engine"]: r.get("frames_per_s") for r in runs if r["prompt_tokens"] == tokens}
+        if rates.get("graph") and rates.get("reference"):
+            speedups[str(tokens)] = rates["graph"] / rates["reference"]
+    return {
+        "copy_bandwidth_TBps": bandwidth / 1e12,
+        "bytes_model": {
+            "lm_weights": model.lm,
+            "depth_weights_7_passes": model.depth,
+            "kv_bytes_per_context_position": model.kv_per_position,
+            "note": "bytes_per_frame = lm + depth + kv * (prompt + frames / 2); limit = copy bandwidth / that",
+        },
+        "graph_pdl": graph.pdl,
+        "graph_captures": graph.capture_count,
+        "runs": runs,
+        "graph_over_reference": speedups,
+    }
+
+
+def _commit() -> str:
+    if os.environ.get("MUSIC3_COMMIT"):
+        return os.environ["MUSIC3_COMMIT"]
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def load_for_bench(model: str) -> dict:
+    """Components on the GPU in bf16. The built-in random model gets its end-token row zeroed, so every run emits
+    exactly the requested frames (with random weights the end token would otherwise come at a random frame)."""
+    device = torch.device("cuda")
+    source = resolve(model)
+    if source.folder is None:
+        components = build_random_full(device, torch.bfloat16)
+    else:
+        components = load_components(source.folder, device, torch.bfloat16)
+    if source.is_random:
+        with torch.no_grad():
+            components["language_model"].lm_head.weight[c.AUDIO_END_TOKEN_ID].zero_()
+    return components
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="random-full")
+    parser.add_argument("--engine", default="reference,graph", help="comma list of reference, graph")
+    parser.add_argument("--prompt-tokens", default="400", help="comma list of prompt lengths")
+    parser.add_argument("--frames", type=int, default=500)
+    parser.add_argument("--reference-frames", type=int, default=100,
+                        help="frames for the reference engine (it runs ~9 frames/s; its rate is steady)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pdl", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--output", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("The bench needs a CUDA GPU.", file=sys.stderr)
+        return 2
+    engines = [name.strip() for name in args.engine.split(",") if name.strip()]
+    unknown = set(engines) - {"reference", "graph"}
+    if unknown:
+        parser.error(f"unknown engine(s) {', '.join(sorted(unknown))}: choose from reference, graph")
+    components = load_for_bench(args.model)
+    import triton
+
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": _commit(),
+        "model": args.model,
+        "dtype": "bfloat16",
+        "frames": args.frames,
+        "prompt_tokens": [int(t) for t in args.prompt_tokens.split(",")],
+    }
+    report.update(
+        bench_semantic(
+            components, engines, report["prompt_tokens"], args.frames, args.reference_frames, args.seed,
+            pdl={"auto": None, "on": True, "off": False}[args.pdl],
+        )
+    )
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Triton kernels of the graph engine: M<=4 GEMV with fused norm/residual/SwiGLU, decode attention over the live
+context, RMSNorm, on-device CFG/top-k sampling and the per-frame tail (emit + feedback embedding).
+
+Every kernel reads positions, steps and codes from device tensors, never from Python ints, so a CUDA graph that
+holds them stays valid as a song advances. Under `TRITON_INTERPRET=1` they run on CPU tensors (fp16/fp32) for tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (decided when the kernels were defined)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs Hopper or newer, a real GPU and a Triton that can launch with it."""
+    if interpreting() or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+from .attention import decode_attention, depth_attention, qk_norm_rope  # noqa: E402
+from .linear import GemvConfig, gemv  # noqa: E402
+from .frame import cfg_sample, frame_tail, rmsnorm  # noqa: E402
+
+__all__ = [
+    "GemvConfig",
+    "cfg_sample",
+    "decode_attention",
+    "depth_attention",
+    "frame_tail",
+    "gemv",
+    "interpreting",
+    "pdl_supported",
+    "qk_norm_rope",
+    "rmsnorm",
+]

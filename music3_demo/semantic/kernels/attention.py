@@ -1,0 +1,204 @@
+"""Decode attention for the language model (GQA, live context only) and the depth decoder (<= 8 positions).
+
+The LM's live length comes from a device scalar (`pos` + 1), so one captured graph serves every position: each
+program splits the live context evenly (split-K, flash-decoding style) and programs past the end return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr,
+    stride_qkv, stride_q, stride_cb, stride_ch, stride_cs, eps,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+):
+    """One program per (row, head) of the fused q|k|v output: per-head RMSNorm + rotary for q and k (HF's bf16
+    rounding at each step), then q to its buffer and k, v into the cache at the current position."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr)
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    src = qkv_ptr + b * stride_qkv + head * D
+    x = tl.load(src + d).to(tl.float32)
+    dtype = q_out_ptr.dtype.element_ty
+    if head < H + KVH:
+        is_q = head < H
+        gain = tl.where(is_q, tl.load(q_norm_ptr + d), tl.load(k_norm_ptr + d)).to(tl.float32)
+        gain_p = tl.where(is_q, tl.load(q_norm_ptr + partner), tl.load(k_norm_ptr + partner)).to(tl.float32)
+        x_p = tl.load(src + partner).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        xn = (x * rstd).to(dtype).to(tl.float32) * gain
+        xn = xn.to(dtype).to(tl.float32)
+        xp = ((x_p * rstd).to(dtype).to(tl.float32) * gain_p).to(dtype).to(tl.float32)
+        rotated = tl.where(d < D // 2, -xp, xp)
+        cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
+        y = (xn * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)
+        if is_q:
+            tl.store(q_out_ptr + b * stride_q + head * D + d, y.to(dtype))
+        else:
+            dst = k_cache_ptr + b * stride_cb + (head - H) * stride_ch + pos.to(tl.int64) * stride_cs
+            tl.store(dst + d, y.to(dtype))
+    else:
+        dst = v_cache_ptr + b * stride_cb + (head - H - KVH) * stride_ch + pos.to(tl.int64) * stride_cs
+        tl.store(dst + d, x.to(dtype))
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+    eps: float,
+) -> None:
+    """qkv [B, (H + 2 KVH) D]; caches [B, KVH, S, D] (unit stride along D); cos/sin [S, D]; pos int32 [1]."""
+    batch = qkv.shape[0]
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    heads = q_out.shape[1] // head_dim
+    _qk_norm_rope_kernel[(batch, heads + 2 * kv_heads)](
+        qkv, q_out, k_cache, v_cache, q_norm, k_norm, cos, sin, pos,
+        qkv.stride(0), q_out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        H=heads, KVH=kv_heads, D=head_dim, num_warps=1,
+    )
+
+
+@triton.jit
+def _attn_split_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
+    stride_q, stride_cb, stride_ch, stride_cs, scale,
+    KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+    BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """Program (row·kv-head, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // KVH
+    h = bh % KVH
+    length = tl.load(pos_ptr) + 1
+    per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
+    start = split * per_split
+    end = tl.minimum(start + per_split, length)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    j = tl.arange(0, BLOCK)
+    q = tl.load(q_ptr + b * stride_q + (h * GROUP + g)[:, None] * D + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+    k_base = k_ptr + b * stride_cb + h * stride_ch
+    v_base = v_ptr + b * stride_cb + h * stride_ch
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for j0 in range(start, end, BLOCK):
+        cols = j0 + j
+        live = cols < end
+        offs = cols.to(tl.int64)[:, None] * stride_cs + d[None, :]
+        k = tl.load(k_base + offs, mask=live[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs, mask=live[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    row = bh * GROUP + g  # == b * H + h * GROUP + g
+    keep = g < GROUP
+    tl.store(part_o_ptr + (row * SPLITS + split)[:, None] * D + d[None, :], acc, mask=keep[:, None])
+    tl.store(part_m_ptr + row * SPLITS + split, m_i, mask=keep)
+    tl.store(part_l_ptr + row * SPLITS + split, l_i, mask=keep)
+
+
+@triton.jit
+def _attn_combine_kernel(
+    part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_out,
+    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+):
+    row = tl.program_id(0)  # b * H + head
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    m = tl.load(part_m_ptr + row * SPLITS + s)
+    l_s = tl.load(part_l_ptr + row * SPLITS + s)
+    m_max = tl.max(m, axis=0)
+    weight = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    o = tl.load(part_o_ptr + (row * SPLITS + s)[:, None] * D + d[None, :])
+    out = tl.sum(o * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
+    b = row // H
+    head = row % H
+    tl.store(out_ptr + b * stride_out + head * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float, block: int = 64,
+) -> None:
+    """out[b] = softmax(q k[: pos + 1]ᵀ) v for q [B, H·D], caches [B, KVH, S, D], pos int32 [1].
+
+    `partials` = (o [B·H, SPLITS, D], m [B·H, SPLITS], l [B·H, SPLITS]) float32 scratch; SPLITS a power of two.
+    """
+    batch, kv_heads, _, head_dim = k_cache.shape
+    heads = q.shape[1] // head_dim
+    group = heads // kv_heads
+    part_o, part_m, part_l = partials
+    splits = part_o.shape[1]
+    _attn_split_kernel[(batch * kv_heads, splits)](
+        q, k_cache, v_cache, pos, part_o, part_m, part_l,
+        q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale,
+        KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
+        BLOCK=block, SPLITS=splits, num_warps=4,
+    )
+    _attn_combine_kernel[(batch * heads,)](
+        part_o, part_m, part_l, out, out.stride(0), H=heads, D=head_dim, SPLITS=splits, num_warps=4,
+    )
+
+
+@triton.jit
+def _depth_attn_kernel(
+    qkv_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qkv, stride_out, stride_cb, stride_ch, scale,
+    NH: tl.constexpr, D: tl.constexpr, BASE: tl.constexpr, NEW: tl.constexpr, MAXP: tl.constexpr,
+):
+    """Program (row, head): NEW new positions (rows b·NEW + i of qkv) attend causally to the BASE cached ones and
+    to each other; their k, v are then appended to the cache. Keys of new positions come from registers, so no
+    program reads what another one writes."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.arange(0, MAXP)
+    d = tl.arange(0, D)
+    cache_offs = b * stride_cb + h * stride_ch + p[:, None] * D + d[None, :]
+    cached = (p < BASE)[:, None]
+    is_new = ((p >= BASE) & (p < BASE + NEW))[:, None]
+    new_rows = (b * NEW + p - BASE)[:, None] * stride_qkv + h * D + d[None, :]
+    k = tl.load(k_cache_ptr + cache_offs, mask=cached, other=0.0) + tl.load(
+        qkv_ptr + NH * D + new_rows, mask=is_new, other=0.0)
+    v = tl.load(v_cache_ptr + cache_offs, mask=cached, other=0.0) + tl.load(
+        qkv_ptr + 2 * NH * D + new_rows, mask=is_new, other=0.0)
+    kf = k.to(tl.float32)
+    vf = v.to(tl.float32)
+    for i in tl.static_range(NEW):
+        row = b * NEW + i
+        q = tl.load(qkv_ptr + row * stride_qkv + h * D + d).to(tl.float32)
+        scores = tl.sum(kf * q[None, :], axis=1) * scale
+        scores = tl.where(p <= BASE + i, scores, float("-inf"))
+        w = tl.exp(scores - tl.max(scores, axis=0))
+        o = tl.sum(vf * w[:, None], axis=0) / tl.sum(w, axis=0)
+        tl.store(out_ptr + row * stride_out + h * D + d, o.to(out_ptr.dtype.element_ty))
+    tl.store(k_cache_ptr + cache_offs, k, mask=is_new)
+    tl.store(v_cache_ptr + cache_offs, v, mask=is_new)
+
+
+def depth_attention(
+    qkv: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int, new: int,
+    scale: float,
+) -> None:
+    """qkv [B·new, 3·NH·D] (rows b·new + i), out [B·new, NH·D], caches [B, NH, P, D] contiguous in (P, D)."""
+    batch, heads, max_pos, head_dim = k_cache.shape
+    if base + new > max_pos:
+        raise ValueError(f"depth positions {base}+{new} exceed the cache ({max_pos})")
+    _depth_attn_kernel[(batch, heads)](
+        qkv, out, k_cache, v_cache, qkv.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1), scale,
+        NH=heads, D=head_dim, BASE=base, NEW=new, MAXP=triton.next_power_of_2(max_pos), num_warps=4,
+    )

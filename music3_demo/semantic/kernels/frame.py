@@ -1,0 +1,180 @@
+"""Per-frame kernels around the matrix work: RMSNorm rows, CFG + top-k sampling, and the frame tail.
+
+Sampling is exact top-k sampling by an exponential race: with E_i ~ Exp(1) drawn by torch's generator, the winner
+of argmax_i (logit_i - log E_i) over the kept candidates has probability softmax(logits)_i — the reference
+multinomial's distribution, not its stream. The k-th largest value is found by a binary search on the float's
+ordered integer key (32 rounds of a count), so ties at the threshold are kept exactly like `values < threshold`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NO_END = 2**31 - 1  # value of the end flag until the end token is sampled
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps, H: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, H)
+    x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    y = (x * rstd).to(dtype).to(tl.float32) * tl.load(w_ptr + cols).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(dtype))
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF/diffusers RMSNorm of each row of x [R, H] (any row stride) into out [R, H]."""
+    rows, hidden = x.shape
+    _rmsnorm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), eps, H=hidden, num_warps=4)
+    return out
+
+
+@triton.jit
+def _cfg_sample_kernel(
+    logits_ptr, stride_lr, stride_lc, noise_ptr, stride_nr, scale_ptr, top_k, V,
+    codes_ptr, stride_cr, step_ptr, stride_cs, forced_ptr, end_ptr, end_index,
+    table_ptr, stride_t, table_rows, copy_ptr, stride_copy,
+    BLOCK_V: tl.constexpr, COPY_BLOCK: tl.constexpr, COND_TOPK: tl.constexpr, FORCED: tl.constexpr,
+    HAS_END: tl.constexpr, COPY: tl.constexpr,
+):
+    """Program (sample r, copy slice c). Every copy slice repeats the (cheap) selection so no program waits for
+    another; they all reach the same code."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    step = tl.load(step_ptr)
+    offs = tl.arange(0, BLOCK_V)
+    valid = offs < V
+    base = logits_ptr + r * stride_lr
+    cond = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr)
+    ranked = cond
+    if not COND_TOPK:
+        ranked = tl.load(base + stride_lc + offs, mask=valid, other=0.0).to(tl.float32)
+        ranked = ranked + (cond - ranked) * scale
+    bits = ranked.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # integer order == float order
+    key = tl.where(valid, key, -2147483648)
+    # Largest threshold t with count(key >= t) >= top_k, i.e. the k-th largest key.
+    lo = tl.min(key, axis=0).to(tl.int64)
+    hi = tl.max(key, axis=0).to(tl.int64)
+    for _ in range(32):
+        mid = (lo + hi + 1) >> 1
+        count = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+        ok = count >= top_k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    keep = valid & (key >= lo.to(tl.int32))
+    # Reload rather than keep the rows live through the search (16k-wide rows would spill registers).
+    cond = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
+    uncond = tl.load(base + stride_lc + offs, mask=valid, other=0.0).to(tl.float32)
+    guided = uncond + (cond - uncond) * scale
+    noise = tl.load(noise_ptr + r * stride_nr + offs, mask=valid, other=1.0)
+    score = tl.where(keep, guided - tl.log(noise), float("-inf"))
+    code = tl.argmax(score, axis=0).to(tl.int32)
+    if FORCED:
+        code = tl.load(forced_ptr + step * stride_cs)
+    tl.store(codes_ptr + r * stride_cr + step * stride_cs, code)
+    if HAS_END:
+        tl.atomic_min(end_ptr, tl.where(code == end_index, step, 2147483647))
+    if COPY:
+        # The next position's input row (for both CFG rows): a precomputed projected embedding of this code.
+        row = tl.minimum(code, table_rows - 1).to(tl.int64)
+        cols = c * COPY_BLOCK + tl.arange(0, COPY_BLOCK)
+        vals = tl.load(table_ptr + row * stride_t + cols)
+        tl.store(copy_ptr + cols, vals)
+        tl.store(copy_ptr + stride_copy + cols, vals)
+
+
+def cfg_sample(
+    logits: torch.Tensor,
+    noise: torch.Tensor,
+    scale: torch.Tensor,
+    top_k: int,
+    codes: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    conditional_top_k: bool,
+    step_stride: int = 0,
+    forced: torch.Tensor | None = None,
+    end: tuple[torch.Tensor, int] | None = None,
+    copy: tuple[torch.Tensor, torch.Tensor] | None = None,
+    copy_programs: int = 8,
+) -> None:
+    """Sample one code per CFG pair of logits ([2, V], or [R, 2, V] for R independent draws).
+
+    guided = u + (c - u)·scale (scale: float32 [1] on device). The candidates are the top_k of the conditional row
+    (`conditional_top_k`, the LM's semantic code) or of the guided logits (the depth codes). noise: Exp(1) draws,
+    [V] or [R, V]. The code goes to codes[r + step·step_stride] (step: int32 [1] on device); `forced` (same layout)
+    overrides it (teacher forcing); `end` = (flag int32 [1], index) records the first step that sampled `index`;
+    `copy` = (table [rows, H], dest [2, H]) writes table[code] to both dest rows.
+    """
+    batched = logits.dim() == 3
+    pairs = logits if batched else logits.unsqueeze(0)
+    draws = pairs.shape[0]
+    vocab = pairs.shape[2]
+    noise2 = noise if noise.dim() == 2 else noise.unsqueeze(0)
+    if pairs.stride(2) != 1 or noise2.stride(1) != 1 or noise2.shape[1] < vocab:
+        raise ValueError("cfg_sample needs unit-stride logits and at least V noise values per draw")
+    table, dest = copy if copy is not None else (codes, codes)
+    hidden = table.shape[1] if copy is not None else copy_programs
+    programs = copy_programs if copy is not None else 1
+    end_flag, end_index = end if end is not None else (codes, -1)
+    _cfg_sample_kernel[(draws, programs)](
+        pairs, pairs.stride(0), pairs.stride(1), noise2, noise2.stride(0) if draws > 1 else 0, scale, top_k, vocab,
+        codes, 1, step, step_stride, codes if forced is None else forced, end_flag, end_index,
+        table, table.stride(0), table.shape[0], dest, dest.stride(0) if copy is not None else 0,
+        BLOCK_V=triton.next_power_of_2(vocab), COPY_BLOCK=hidden // programs,
+        COND_TOPK=conditional_top_k, FORCED=forced is not None, HAS_END=end is not None, COPY=copy is not None,
+        num_warps=16 if vocab > 4096 else 4,
+    )
+
+
+@triton.jit
+def _frame_tail_kernel(
+    lm_hidden_ptr, depth_ptr, frames_ptr, stride_frame, codes_ptr, step_ptr,
+    embed_ptr, stride_embed, audio_ptr, stride_audio, feedback_ptr, stride_fb,
+    code_offset, code_rows, audio_vocab, scale,
+    H: tl.constexpr, NCB: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Columns [pid·BLOCK, +BLOCK) of: the emitted frame row step-1 = [lm_hidden[cond], depth hiddens[cond] 1..7]
+    (not on step 0, which only steps past <|audio_start|>), and the next LM input, the feedback embedding
+    (embed(code0 + offset) + Σ audio_emb(c_i + (i-1)·vocab)) · scale for both CFG rows."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    step = tl.load(step_ptr)
+    codes = codes_ptr + step * NCB
+    emit = (cols * 0 + step) >= 1
+    row = frames_ptr + (step - 1).to(tl.int64) * stride_frame
+    dtype = feedback_ptr.dtype.element_ty
+    tl.store(row + cols, tl.load(lm_hidden_ptr + cols), mask=emit)
+    extra = tl.zeros([BLOCK], tl.float32)
+    for i in tl.static_range(1, NCB):
+        tl.store(row + i * H + cols, tl.load(depth_ptr + (i - 1) * H + cols), mask=emit)
+        code = tl.load(codes + i).to(tl.int64) + (i - 1) * audio_vocab
+        extra += tl.load(audio_ptr + code * stride_audio + cols).to(tl.float32)
+    code0 = tl.minimum(tl.load(codes), code_rows - 1).to(tl.int64) + code_offset
+    first = tl.load(embed_ptr + code0 * stride_embed + cols).to(tl.float32)
+    feedback = ((first + extra.to(dtype).to(tl.float32)).to(dtype).to(tl.float32) * scale).to(dtype)
+    tl.store(feedback_ptr + cols, feedback)
+    tl.store(feedback_ptr + stride_fb + cols, feedback)
+
+
+def frame_tail(
+    lm_hidden: torch.Tensor, depth_hidden: torch.Tensor, frames: torch.Tensor, codes: torch.Tensor,
+    step: torch.Tensor, embed: torch.Tensor, audio_embed: torch.Tensor, feedback: torch.Tensor,
+    code_offset: int, code_rows: int, audio_vocab: int, block: int = 512,
+) -> None:
+    """lm_hidden [2, H] (row 0 emitted), depth_hidden [2, NCB-1, H] contiguous (row 0 emitted), frames [F, NCB·H],
+    codes int32 [steps, NCB], embed [V, H] (LM token embeddings), audio_embed [(NCB-1)·vocab, H], feedback [2, H]."""
+    hidden = lm_hidden.shape[1]
+    ncb = codes.shape[1]
+    block = min(block, hidden)
+    _frame_tail_kernel[(hidden // block,)](
+        lm_hidden, depth_hidden, frames, frames.stride(0), codes, step,
+        embed, embed.stride(0), audio_embed, audio_embed.stride(0), feedback, feedback.stride(0),
+        code_offset, code_rows, audio_vocab, ncb**-0.5,
+        H=hidden, NCB=ncb, BLOCK=block, num_warps=4,
+    )

@@ -1,0 +1,111 @@
+"""Sweep the GEMV's block shapes on the GPU for every product the graph engine runs per frame; compare with cuBLAS.
+
+Each candidate is timed inside a CUDA graph of 24 launches that rotate over enough weight copies to defeat the L2
+(as in the engine, where ~22 GB pass between two uses of a weight), checked against torch, and reported in TB/s of
+weight bytes. Prints a table and the `TUNED` dict to paste into kernels/linear.py. Run: python scripts/tune_gemv.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from music3_demo.semantic.kernels.linear import GemvConfig, gemv  # noqa: E402
+
+# (rows, N, K, epilogue) of one frame: LM (36x), depth decoder (4 blocks x 7 passes), heads.
+SHAPES = [
+    (2, 6144, 4096, "norm"), (2, 4096, 4096, "residual"), (2, 12288, 4096, "swiglu"), (2, 4096, 12288, "residual"),
+    (2, 16385, 4096, "plain"), (4, 12288, 4096, "norm"), (2, 12288, 4096, "norm"), (4, 4096, 4096, "residual"),
+    (2, 4096, 4096, "residual"), (4, 6144, 4096, "swiglu"), (2, 6144, 4096, "swiglu"), (4, 4096, 6144, "residual"),
+    (2, 4096, 6144, "residual"), (2, 1024, 4096, "plain"),
+]
+CANDIDATES = [GemvConfig(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16), (256, 512), (4, 8))]
+LAUNCHES = 24
+
+
+def fits(cfg: GemvConfig, rows: int, swiglu: bool) -> bool:
+    # fp32 accumulators per thread: rows x (1 + swiglu) x BLOCK_N x BLOCK_K / threads
+    return rows * (1 + swiglu) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 96
+
+
+def time_graph(launch, count: int) -> float:
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(count):
+            launch(i)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(count):
+            launch(i)
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / count)
+    return sorted(times)[3]
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    results, tuned = [], {}
+    for rows, n, k, epilogue in SHAPES:
+        swiglu = epilogue == "swiglu"
+        w_rows = 2 * n if swiglu else n
+        nbytes = w_rows * k * 2
+        copies = max(2, -(-(512 << 20) // nbytes))
+        weights = [torch.randn(w_rows, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        gain = torch.rand(k, device=device, dtype=torch.bfloat16) + 0.5
+        res = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
+        out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
+        kw = {"norm_weight": gain if epilogue in ("norm", "swiglu") else None, "silu_mul": swiglu}
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        inp = (normed.to(torch.bfloat16) * gain).float() if kw["norm_weight"] is not None else x.float()
+        ref = inp @ weights[0].float().T
+        if swiglu:
+            gate, up = ref.chunk(2, dim=-1)
+            ref = torch.nn.functional.silu(gate) * up
+        if epilogue == "residual":
+            ref = ref + res.float()
+        row = {"shape": [rows, n, k, epilogue], "MB": round(nbytes / 1e6, 1)}
+        best = None
+        for cfg in CANDIDATES:
+            if not fits(cfg, rows, swiglu) or k % cfg.block_k:
+                continue
+            kw["residual"] = res if epilogue == "residual" else None
+            gemv(x, weights[0], out, config=cfg, **kw)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if not err < 2e-2:
+                print(f"WRONG {row['shape']} {cfg}: rel err {err:.2e}", flush=True)
+                continue
+            seconds = time_graph(lambda i: gemv(x, weights[i % copies], out, config=cfg, **kw), LAUNCHES)
+            tbps = nbytes / seconds / 1e12
+            if best is None or tbps > best[1]:
+                best = (cfg, tbps)
+        a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        cublas = time_graph(lambda i: torch.mm(a, weights[i % copies].T), LAUNCHES)
+        row.update(best=best[0].__dict__, triton_TBps=round(best[1], 3), cublas_TBps=round(nbytes / cublas / 1e12, 3),
+                   triton_us=round(nbytes / best[1] / 1e6, 1))
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        tuned[(rows, n, k, swiglu)] = best[0]
+        del weights
+        torch.cuda.empty_cache()
+    print("TUNED = {")
+    for key, cfg in tuned.items():
+        print(f"    {key}: GemvConfig({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}),")
+    print("}")
+
+
+if __name__ == "__main__":
+    main()

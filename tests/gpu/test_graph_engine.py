@@ -1,0 +1,201 @@
+"""GPU: the graph engine against the reference computation (teacher forcing, full-size random weights, bf16), the
+on-device sampler's distribution (chi-square, also through a replayed graph with a registered generator), graph
+reuse across songs, the end-token stop, cancel."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+from teacher_forcing import random_codes, reference_teacher_forced, relative_error
+
+from music3_demo import builtin
+from music3_demo import contract as c
+from music3_demo.bench import random_prompt
+from music3_demo.semantic import Cancelled, SamplingSettings
+from music3_demo.semantic.graph import AUDIO_CODES, GraphEngine
+from music3_demo.semantic.kernels import cfg_sample
+from music3_demo.semantic.sampling import guide, reference_semantic_logits
+
+pytestmark = pytest.mark.gpu
+DEVICE = torch.device("cuda")
+END = AUDIO_CODES - 1  # the end token's index in the engine's audio logits
+
+
+def _models(sizes: builtin.ModelSizes, seed: int = 0):
+    components = builtin.build_components(sizes, seed=seed, device=DEVICE, dtype=torch.bfloat16)
+    return components["language_model"], components["rvq_depth_decoder"]
+
+
+@pytest.fixture(scope="module")
+def full():
+    lm, depth = _models(builtin.FULL)
+    engine = GraphEngine(lm, depth, DEVICE)
+    yield lm, depth, engine
+    engine.release()
+
+
+def _song(engine: GraphEngine, text_ids: torch.Tensor, frames: int, seed: int, top_k: int = 50) -> torch.Tensor:
+    generator = torch.Generator(DEVICE).manual_seed(seed)
+    blocks = list(engine.frames(text_ids, frames, SamplingSettings(top_k=top_k), generator))
+    return torch.cat(blocks) if blocks else torch.empty(0, device=DEVICE)
+
+
+def test_teacher_forced_logits_and_hiddens_match_reference(full):
+    lm, depth, engine = full
+    text_ids = random_prompt(300, seed=3, device=DEVICE)
+    codes = random_codes(201, torch.Generator().manual_seed(4))
+    logits, frames = engine.teacher_forced(text_ids, codes)
+    ref_logits, ref_frames = reference_teacher_forced(lm, depth, text_ids, codes)
+    hidden = lm.config.hidden_size
+    logit_err = relative_error(logits, ref_logits)
+    lm_err = relative_error(frames[:, :hidden], ref_frames[:, :hidden])
+    depth_err = relative_error(frames[:, hidden:], ref_frames[:, hidden:])
+    print(f"\nrelative error over {len(frames)} frames (max / mean): logits {logit_err.max():.2e} / "
+          f"{logit_err.mean():.2e}, LM hidden {lm_err.max():.2e} / {lm_err.mean():.2e}, depth hiddens "
+          f"{depth_err.max():.2e} / {depth_err.mean():.2e}")
+    assert frames.shape[0] == 200 and torch.isfinite(frames).all()
+    assert logit_err.max() < 2e-2 and lm_err.max() < 2e-2 and depth_err.max() < 2e-2
+
+
+def _reference_probs(logits: torch.Tensor, scale: float, top_k: int, conditional: bool) -> torch.Tensor:
+    """The reference engine's sampling distribution for one CFG pair (sampling.py's ops, then its top-k softmax)."""
+    logits = logits.float()
+    if conditional:
+        guided = reference_semantic_logits(logits, torch.zeros(logits.shape[1], dtype=torch.bool), scale, top_k)
+    else:
+        guided = guide(logits[:1], logits[1:2], scale)
+    threshold = torch.topk(guided, top_k, dim=-1).values[..., -1:]
+    return torch.softmax(guided.masked_fill(guided < threshold, float("-inf")), dim=-1)[0]
+
+
+def _chi_square_p(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples.long().cpu(), minlength=probs.numel()).double()
+    expected = probs.double() * samples.numel()
+    assert counts[expected == 0].sum() == 0, "sampled a code outside the kept top-k"
+    big = expected >= 5
+    observed = torch.cat((counts[big], counts[~big].sum().view(1)))
+    wanted = torch.cat((expected[big], expected[~big].sum().view(1)))
+    keep = wanted > 0
+    stat = ((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
+
+
+@pytest.mark.parametrize("conditional", [True, False], ids=["semantic", "depth"])
+def test_sampler_matches_reference_distribution(conditional):
+    vocab = AUDIO_CODES if conditional else 1024
+    generator = torch.Generator().manual_seed(11)
+    logits = (torch.randn(2, vocab, generator=generator) * 1.5).to(torch.bfloat16)
+    scale, top_k = 1.5, 50
+    probs = _reference_probs(logits, scale, top_k, conditional)
+    logits = logits.to(DEVICE)
+    scale_t = torch.tensor([scale], device=DEVICE)
+    rng = torch.Generator(DEVICE).manual_seed(5)
+
+    # Many independent draws in one launch.
+    draws = 40_000
+    noise = torch.empty(draws, vocab, device=DEVICE).exponential_(generator=rng)
+    codes = torch.empty(draws, device=DEVICE, dtype=torch.int32)
+    zero = torch.zeros(1, device=DEVICE, dtype=torch.int32)
+    cfg_sample(logits.expand(draws, 2, vocab), noise, scale_t, top_k, codes, zero, conditional_top_k=conditional)
+    p_batch = _chi_square_p(codes, probs)
+
+    # The engine's way: one draw per replay of a captured graph whose generator is registered with it.
+    steps = 3000
+    noise1 = torch.empty(vocab, device=DEVICE)
+    history = torch.zeros(steps, device=DEVICE, dtype=torch.int32)
+    step = torch.zeros(1, device=DEVICE, dtype=torch.int32)
+
+    def frame() -> None:
+        noise1.exponential_(generator=rng)
+        cfg_sample(logits, noise1, scale_t, top_k, history, step, conditional_top_k=conditional, step_stride=1)
+        step.add_(1)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        frame()  # compile outside the capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(rng)
+    with torch.cuda.graph(graph, stream=stream):
+        frame()
+
+    def replay_all(seed: int) -> torch.Tensor:
+        rng.manual_seed(seed)
+        with torch.cuda.stream(stream):
+            step.zero_()
+            for _ in range(steps):
+                graph.replay()
+        stream.synchronize()
+        return history.clone()
+
+    first, again = replay_all(7), replay_all(7)
+    p_graph = _chi_square_p(first, probs)
+    print(f"\n{'semantic' if conditional else 'depth'} sampler: chi-square p = {p_batch:.3f} (batched), "
+          f"{p_graph:.3f} (graph replays)")
+    assert torch.equal(first, again), "reseeding the registered generator must replay the same draws"
+    assert p_batch > 1e-3 and p_graph > 1e-3
+
+
+def test_two_songs_reuse_the_graphs_and_repeat_with_a_seed(full):
+    _, _, engine = full
+    text_ids = random_prompt(120, seed=5, device=DEVICE)
+    first = _song(engine, text_ids, 60, seed=21)
+    captures = engine.capture_count
+    again = _song(engine, text_ids, 60, seed=21)
+    other = _song(engine, text_ids, 60, seed=22)
+    assert engine.capture_count == captures, "a second song with the same settings must not recapture"
+    assert first.shape[0] > 0 and first.shape[1] == 8 * 4096
+    assert torch.equal(first, again)
+    assert not torch.equal(first[:8], other[:8])
+
+
+def test_cancel_stops_within_a_few_frames_and_the_engine_recovers(full):
+    _, _, engine = full
+    text_ids = random_prompt(64, seed=6, device=DEVICE)
+    cancel = threading.Event()
+    songs = engine.frames(text_ids, 3000, SamplingSettings(), torch.Generator(DEVICE).manual_seed(1), cancel)
+    got = next(songs).shape[0]
+    cancel.set()
+    with pytest.raises(Cancelled):
+        for block in songs:
+            got += block.shape[0]
+    assert got <= (GraphEngine.IN_FLIGHT + 2) * GraphEngine.REPLAY_BLOCK
+    assert _song(engine, text_ids, 10, seed=2).shape[0] <= 10
+
+
+MID = dataclasses.replace(
+    builtin.FULL, hidden=1024, lm_layers=4, lm_heads=8, lm_kv_heads=2, lm_intermediate=3072, depth_layers=2,
+    depth_heads=4, depth_intermediate=1536, dit_layers=2, dit_ff=1024,
+)
+
+
+def test_end_token_stops_the_song_with_the_right_frame_count():
+    """With the end row of lm_head scaled up, songs end early. The yielded count must equal the frames before the
+    first step that sampled the end token (read from the engine's code history), never more, although the GPU ran
+    further steps before the host saw the flag."""
+    checked_early = 0
+    for gain in (3.0, 6.0, 12.0):
+        lm, depth = _models(dataclasses.replace(MID, end_token_gain=gain), seed=2)
+        engine = GraphEngine(lm, depth, DEVICE)
+        text_ids = random_prompt(48, seed=9, device=DEVICE)
+        for seed in range(6):
+            max_frames = 120
+            frames = _song(engine, text_ids, max_frames, seed)
+            stats = engine.last_song
+            history = engine.song_codes()[:, 0].cpu()
+            ends = (history == END).nonzero().flatten()
+            expected = max(int(ends[0]) - 1, 0) if len(ends) else max_frames
+            assert frames.shape[0] == expected == stats.frames
+            if 1 <= expected < max_frames:
+                checked_early += 1
+                # The same seed with fewer frames allowed gives exactly that prefix.
+                prefix = _song(engine, text_ids, expected, seed)
+                assert torch.equal(prefix, frames[:expected])
+        engine.release()
+        if checked_early >= 2:
+            break
+    assert checked_early >= 2, "no song ended early with frames: raise the end-token gain range"

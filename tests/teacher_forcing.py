@@ -1,0 +1,48 @@
+"""The reference computation under teacher forcing: the same steps as ReferenceEngine (HF LM with a DynamicCache,
+the depth decoder re-run over its whole prefix), with given codes in place of sampled ones. The oracle for the graph
+engine's `teacher_forced`."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from music3_demo import contract as c
+from music3_demo.semantic.reference import embed_audio_frame
+
+
+@torch.no_grad()
+def reference_teacher_forced(lm, depth, text_ids: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [steps, 8] -> (LM audio logits [steps, 2, 16385] float32, frames [steps - 1, 8 * hidden])."""
+    audio_rows = torch.cat(
+        (torch.arange(c.AUDIO_CODE_OFFSET, c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE), torch.tensor([c.AUDIO_END_TOKEN_ID]))
+    ).to(text_ids.device)
+    cache = DynamicCache(config=lm.config)
+    last = lm.model(inputs_embeds=lm.model.embed_tokens(text_ids), cache=cache, use_cache=True).last_hidden_state[:, -1]
+    vocab = depth.config.audio_vocab_size
+    logits, frames = [], []
+    for step, step_codes in enumerate(codes.to(text_ids.device)):
+        logits.append(lm.lm_head(last)[:, audio_rows].float())
+        pair = step_codes.unsqueeze(0).repeat(2, 1)
+        sequence = [depth.projection(last), depth.projection(lm.model.embed_tokens(pair[:, 0] + c.AUDIO_CODE_OFFSET))]
+        hiddens = []
+        for index in range(1, depth.config.num_codebooks):
+            hiddens.append(depth(torch.stack(sequence, dim=1))[:1, -1])
+            sequence.append(depth.projection(depth.audio_embeddings(pair[:, index] + (index - 1) * vocab)))
+        if step > 0:
+            frames.append(torch.cat([last[:1]] + hiddens, dim=-1))
+        last = lm.model(inputs_embeds=embed_audio_frame(lm, depth, pair), cache=cache, use_cache=True)
+        last = last.last_hidden_state[:, -1]
+    return torch.stack(logits), torch.cat(frames)
+
+
+def random_codes(steps: int, generator: torch.Generator, codebooks: int = 8, vocab: int = 1024) -> torch.Tensor:
+    semantic = torch.randint(0, c.SEMANTIC_VOCAB_SIZE, (steps, 1), generator=generator)
+    residual = torch.randint(0, vocab, (steps, codebooks - 1), generator=generator)
+    return torch.cat((semantic, residual), dim=1)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Per leading index: ||actual - expected|| / ||expected||."""
+    diff = (actual.float() - expected.float()).flatten(1).norm(dim=1)
+    return diff / expected.float().flatten(1).norm(dim=1).clamp_min(1e-12)

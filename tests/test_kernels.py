@@ -1,0 +1,272 @@
+"""The graph engine's Triton kernels against torch on the CPU, under Triton's interpreter (fp32/fp16: bf16 `tl.dot`
+is broken there), the whole engine on the tiny model under teacher forcing, and engine selection errors."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' definition (Triton decides at decoration)
+
+for _name in (  # modules imported earlier in this process were built for the GPU: rebuild them interpreted
+    "music3_demo.semantic.kernels.linear",
+    "music3_demo.semantic.kernels.attention",
+    "music3_demo.semantic.kernels.frame",
+    "music3_demo.semantic.kernels",
+    "music3_demo.semantic.graph",
+):
+    if _name in sys.modules:
+        importlib.reload(sys.modules[_name])
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from teacher_forcing import random_codes, reference_teacher_forced, relative_error  # noqa: E402
+
+from music3_demo import builtin  # noqa: E402
+from music3_demo.semantic import resolve_engine_name  # noqa: E402
+from music3_demo.semantic.kernels import (  # noqa: E402
+    GemvConfig,
+    cfg_sample,
+    decode_attention,
+    depth_attention,
+    frame_tail,
+    gemv,
+    qk_norm_rope,
+    rmsnorm,
+)
+from music3_demo.semantic.reference import embed_audio_frame  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def _rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    err = relative_error(actual.reshape(1, -1), expected.reshape(1, -1)).item()
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+def _hf_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_gemv_epilogues_match_torch(dtype, rows):
+    k, n = 256, 72  # n not a multiple of the row block: the tail rows are masked
+    x = _rand(rows, k, dtype=dtype, seed=1)
+    w = _rand(2 * n, k, dtype=dtype, seed=2, scale=k**-0.5)
+    g = _rand(k, dtype=dtype, seed=3, scale=0.1) + 1
+    res = _rand(rows, n, dtype=dtype, seed=4)
+    cfg = GemvConfig(block_n=16, block_k=64)
+    plain = gemv(x, w[:n], torch.empty(rows, n, dtype=dtype), config=cfg)
+    _close(plain, x @ w[:n].T, dtype)
+    normed = gemv(x, w[:n], torch.empty(rows, n, dtype=dtype), norm_weight=g, config=cfg)
+    _close(normed, _hf_rmsnorm(x, g) @ w[:n].T, dtype)
+    swiglu = gemv(x, w, torch.empty(rows, n, dtype=dtype), norm_weight=g, silu_mul=True, config=cfg)
+    gate, up = (_hf_rmsnorm(x, g) @ w.T).chunk(2, dim=-1)
+    _close(swiglu, F.silu(gate) * up, dtype)
+    inplace = res.clone()
+    gemv(x, w[:n], inplace, residual=inplace, config=cfg)
+    _close(inplace, res + x @ w[:n].T, dtype)
+    # Strided output rows and a broadcast (stride-0) residual row, as the depth decoder's first pass uses them.
+    out = torch.zeros(2 * rows, n, dtype=dtype)
+    gemv(x, w[:n], out[0::2], residual=res[:1], config=cfg)
+    _close(out[0::2], res[:1] + x @ w[:n].T, dtype)
+    assert not out[1::2].any()
+
+
+def test_gemv_rejects_bad_shapes():
+    x = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        gemv(x, torch.zeros(8, 32), torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        gemv(torch.zeros(5, 64), torch.zeros(8, 64), torch.zeros(5, 8))
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [H, D] attends over k, v [L, KVH, D] (GQA)."""
+    group = q.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+    weights = torch.softmax(torch.einsum("hd,lhd->hl", q.float(), k) * scale, dim=-1)
+    return torch.einsum("hl,lhd->hd", weights, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pos", [0, 37, 150])
+def test_decode_attention_reads_only_the_live_context(dtype, pos):
+    batch, heads, kv_heads, dim, capacity, splits = 2, 8, 2, 16, 192, 4
+    q = _rand(batch, heads * dim, dtype=dtype, seed=5)
+    k_cache = _rand(batch, kv_heads, capacity, dim, dtype=dtype, seed=6)
+    v_cache = _rand(batch, kv_heads, capacity, dim, dtype=dtype, seed=7)
+    k_cache[:, :, pos + 1 :] = float("nan")  # beyond the live length: must never be read
+    v_cache[:, :, pos + 1 :] = float("nan")
+    out = torch.empty(batch, heads * dim, dtype=dtype)
+    partials = (
+        torch.empty(batch * heads, splits, dim),
+        torch.empty(batch * heads, splits),
+        torch.empty(batch * heads, splits),
+    )
+    scale = dim**-0.5
+    decode_attention(q, k_cache, v_cache, torch.tensor([pos], dtype=torch.int32), out, partials, scale, block=16)
+    for b in range(batch):
+        expected = _attention(q[b].view(heads, dim), k_cache[b, :, : pos + 1].transpose(0, 1),
+                              v_cache[b, :, : pos + 1].transpose(0, 1), scale)
+        _close(out[b].view(heads, dim), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_matches_hf_and_writes_the_cache(dtype):
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    batch, heads, kv_heads, dim, capacity, pos = 2, 4, 2, 16, 12, 9
+    qkv = _rand(batch, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=8)
+    q_norm, k_norm = _rand(dim, dtype=dtype, seed=9) + 1, _rand(dim, dtype=dtype, seed=10) + 1
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.arange(capacity).float()[:, None] * inv_freq
+    cos, sin = torch.cat((freqs, freqs), -1).cos().to(dtype), torch.cat((freqs, freqs), -1).sin().to(dtype)
+    q_out = torch.empty(batch, heads * dim, dtype=dtype)
+    k_cache = torch.zeros(batch, kv_heads, capacity, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    qk_norm_rope(qkv, q_out, k_cache, v_cache, q_norm, k_norm, cos, sin, torch.tensor([pos], dtype=torch.int32), 1e-6)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = _hf_rmsnorm(q.view(batch, 1, heads, dim), q_norm).transpose(1, 2)
+    k = _hf_rmsnorm(k.view(batch, 1, kv_heads, dim), k_norm).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos[None, pos : pos + 1], sin[None, pos : pos + 1])
+    _close(q_out, q.reshape(batch, heads * dim), dtype)
+    _close(k_cache[:, :, pos], k[:, :, 0], dtype)
+    assert torch.equal(v_cache[:, :, pos], v.view(batch, kv_heads, dim))
+    assert not k_cache[:, :, :pos].any() and not v_cache[:, :, pos + 1 :].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_depth_attention_equals_causal_attention_over_the_whole_prefix(dtype):
+    batch, heads, dim, positions = 2, 2, 16, 8
+    sequence_qkv = _rand(batch, positions, 3 * heads * dim, dtype=dtype, seed=11)
+    k_cache = torch.zeros(batch, heads, positions, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    q, k, v = sequence_qkv.view(batch, positions, 3, heads, dim).permute(2, 0, 3, 1, 4)
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    got = []
+    base = 0
+    for new in (2, 1, 1, 1, 1, 1, 1):  # the engine's passes: positions 0 and 1 together, then one at a time
+        rows = sequence_qkv[:, base : base + new].reshape(batch * new, -1).contiguous()
+        out = torch.empty(batch * new, heads * dim, dtype=dtype)
+        depth_attention(rows, out, k_cache, v_cache, base, new, dim**-0.5)
+        got.append(out.view(batch, new, heads, dim))
+        base += new
+    _close(torch.cat(got, dim=1).transpose(1, 2), expected, dtype)
+    _close(k_cache, k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_rows_with_strides(dtype):
+    x = _rand(4, 64, dtype=dtype, seed=12)
+    w = _rand(64, dtype=dtype, seed=13) + 1
+    out = torch.zeros(2, 3, 64, dtype=dtype)
+    rmsnorm(x[1::2], w, out[:, 1], 1e-6)
+    _close(out[:, 1], _hf_rmsnorm(x[1::2], w), dtype)
+    assert not out[:, 0].any() and not out[:, 2].any()
+
+
+def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it():
+    vocab, top_k, scale = 64, 7, 1.5
+    logits = _rand(2, vocab, seed=14).round(decimals=1)  # coarse values: ties at the threshold happen
+    for conditional in (True, False):
+        ranked = logits[0] if conditional else logits[1] + (logits[0] - logits[1]) * scale
+        kept = ranked >= torch.topk(ranked, top_k).values[-1]  # the reference's `values < threshold` mask
+        guided = logits[1] + (logits[0] - logits[1]) * scale
+        # Draw j gets a near-zero Exp(1) value at j (a huge race bonus): j wins exactly when it is a candidate.
+        noise = torch.ones(vocab, vocab)
+        noise.fill_diagonal_(1e-30)
+        codes = torch.full((vocab,), -1, dtype=torch.int32)
+        step = torch.zeros(1, dtype=torch.int32)
+        cfg_sample(logits.expand(vocab, 2, vocab), noise, torch.tensor([scale]), top_k, codes, step,
+                   conditional_top_k=conditional)
+        best_kept = int(torch.where(kept, guided, float("-inf")).argmax())
+        expected = torch.where(kept, torch.arange(vocab), torch.full((vocab,), best_kept))
+        assert torch.equal(codes.long(), expected)
+
+
+def test_cfg_sample_forced_codes_end_flag_and_row_copy():
+    vocab, hidden, steps = 32, 16, 4
+    logits = _rand(2, vocab, seed=15)
+    history = torch.zeros(steps, 8, dtype=torch.int32)
+    forced = torch.zeros_like(history)
+    forced[2, 0] = vocab - 1  # the "end token" (last index) at step 2
+    step = torch.tensor([2], dtype=torch.int32)
+    end_flag = torch.tensor([2**31 - 1], dtype=torch.int32)
+    table = _rand(vocab - 1, hidden, seed=16)
+    dest = torch.zeros(4, hidden)
+    cfg_sample(logits, torch.ones(vocab), torch.tensor([1.5]), 5, history[:, 0], step, conditional_top_k=True,
+               step_stride=8, forced=forced[:, 0], end=(end_flag, vocab - 1), copy=(table, dest[1::2]),
+               copy_programs=2)
+    assert history[2, 0] == vocab - 1 and int(end_flag) == 2
+    assert torch.equal(dest[1], table[-1]) and torch.equal(dest[3], table[-1]) and not dest[0::2].any()
+    step.fill_(3)
+    forced[3, 0] = 4
+    cfg_sample(logits, torch.ones(vocab), torch.tensor([1.5]), 5, history[:, 0], step, conditional_top_k=True,
+               step_stride=8, forced=forced[:, 0], end=(end_flag, vocab - 1))
+    assert history[3, 0] == 4 and int(end_flag) == 2  # the first end step is kept
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    components = builtin.build_components(builtin.TINY, seed=0)
+    return components["language_model"], components["rvq_depth_decoder"]
+
+
+def test_frame_tail_emits_the_frame_and_the_reference_feedback(tiny_models):
+    lm, depth = tiny_models
+    hidden = lm.config.hidden_size
+    lm_hidden = _rand(2, hidden, seed=17)
+    depth_hidden = _rand(2, 7, hidden, seed=18)
+    codes = random_codes(3, torch.Generator().manual_seed(19)).to(torch.int32)
+    frames = torch.zeros(3, 8 * hidden)
+    feedback = torch.empty(2, hidden)
+    embed, audio = lm.model.embed_tokens.weight.data, depth.audio_embeddings.weight.data
+    for step in (0, 2):
+        frame_tail(lm_hidden, depth_hidden, frames, codes, torch.tensor([step], dtype=torch.int32), embed, audio,
+                   feedback, 151675, 16384, 1024, block=16)
+        expected = embed_audio_frame(lm, depth, codes[step].long().unsqueeze(0).repeat(2, 1))[:, 0]
+        _close(feedback, expected, torch.float32)
+    assert torch.equal(frames[1], torch.cat((lm_hidden[0], depth_hidden[0].flatten())))
+    assert not frames[0].any() and not frames[2].any()  # step 0 emits nothing; step 2 wrote frame 1
+
+
+def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models):
+    from music3_demo.semantic.graph import GraphEngine
+
+    lm, depth = tiny_models
+    engine = GraphEngine(lm, depth, "cpu", attention_splits=2)
+    generator = torch.Generator().manual_seed(20)
+    text_ids = torch.randint(0, 250, (2, 10), generator=generator)
+    codes = random_codes(3, generator)
+    logits, frames = engine.teacher_forced(text_ids, codes)
+    ref_logits, ref_frames = reference_teacher_forced(lm, depth, text_ids, codes)
+    assert relative_error(logits, ref_logits).max() < 1e-5
+    assert relative_error(frames, ref_frames).max() < 1e-5
+    assert torch.equal(engine._state.codes[:3].long(), codes)
+
+
+def test_graph_engine_needs_cuda(tiny_models, monkeypatch):
+    from music3_demo.pipeline import Music3Pipeline
+    from music3_demo.semantic.graph import GraphEngine
+
+    with pytest.raises(ValueError, match="graph engine needs a CUDA GPU"):
+        resolve_engine_name("graph", torch.device("cpu"))
+    assert resolve_engine_name("auto", torch.device("cpu")) == "reference"
+    assert resolve_engine_name("auto", torch.device("cuda")) == "graph"
+    with pytest.raises(ValueError, match="Unknown engine 'fast'"):
+        resolve_engine_name("fast", torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        Music3Pipeline.from_pretrained("tiny", device="cpu", engine="graph")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        GraphEngine(*tiny_models, "cpu")
