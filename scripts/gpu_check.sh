@@ -9,12 +9,12 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${TUNE:-0}" = 1 ]; then
-  timeout 240 python3 scripts/tune_gemv.py 2>&1 | tee "$OUT/tune.log"
+  timeout ${TUNE_TIMEOUT:-240} python3 scripts/tune_gemv.py 2>&1 | tee "$OUT/tune.log"
 fi
-timeout 300 python3 -m pytest -m gpu ${TESTS:-tests/gpu} -q -s -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/pytest.log"
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu ${TESTS:-tests/gpu} -q -s -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/pytest.log"
 for spec in "400 reference,graph" "4000 graph"; do
   set -- $spec
-  timeout 200 python3 -m music3_demo.bench --model random-full --engine "$2" --prompt-tokens "$1" --frames 500 \
+  timeout ${BENCH_TIMEOUT:-200} python3 -m music3_demo.bench --model random-full --engine "$2" --prompt-tokens "$1" --frames 500 \
     ${BENCH_ARGS:-} --output "$OUT/bench_$1.json" 2>&1 | tail -n 80 > "$OUT/bench_$1.log"
   cat "$OUT/bench_$1.json" 2>/dev/null || tail -n 30 "$OUT/bench_$1.log"
 done
