@@ -1,0 +1,93 @@
+"""MiniMax Music 3 in the browser: `python app.py [--model M] [--engine E] [--host H] [--port P] [--share] ...`.
+
+Also the Hugging Face Space's app_file. Flags → model holder (loads in the background, so the page opens at once)
+→ song store with its TTL cleaner → Gradio page with a bounded queue → launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a local demo should not phone home
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from music3_demo.checkpoint import default_model
+    from music3_demo.semantic import ENGINE_NAMES
+
+    parser = argparse.ArgumentParser(description="MiniMax Music 3 song generator (Gradio app).")
+    parser.add_argument("--model", default=default_model(),
+                        help="Hub repo id, local checkpoint folder, 'tiny' or 'random-full' (default: $MUSIC3_MODEL "
+                             "or MiniMaxAI/MiniMax-Music3)")
+    parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
+                        help="semantic-stage engine: graph on CUDA, reference elsewhere (default: auto)")
+    parser.add_argument("--devices", default=None,
+                        help="comma-separated devices, one generation at a time on each (default: every CUDA GPU, "
+                             "else the CPU)")
+    parser.add_argument("--host", default=None, help="address to listen on (default: Gradio's, 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default: Gradio's, 7860 or the next free)")
+    parser.add_argument("--share", action="store_true", help="also open a temporary public gradio.live link")
+    parser.add_argument("--max-queue", type=int, default=32, help="requests that may wait; more are refused (32)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="generations running at once (default: one per device)")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--preload", dest="preload", action="store_true", default=True,
+                      help="load the model at start-up, in the background (default)")
+    load.add_argument("--lazy-load", dest="preload", action="store_false", help="load the model on the first song")
+    parser.add_argument("--output-dir", default=None,
+                        help="where finished songs are written (default: $MUSIC3_OUTPUTS or <tmp>/music3_demo_outputs)")
+    parser.add_argument("--ttl-hours", type=float, default=24.0, help="delete finished songs after this long (24)")
+    args = parser.parse_args(argv)
+    if args.max_queue < 1 or (args.concurrency is not None and args.concurrency < 1):
+        parser.error("--max-queue and --concurrency must be at least 1.")
+    if args.ttl_hours <= 0:
+        parser.error("--ttl-hours must be positive.")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per internal HTTP request is noise
+
+    import torch
+
+    from music3_demo.holder import ModelHolder, default_devices
+    from music3_demo.semantic import resolve_engine_name
+    from music3_demo.ui import AppContext, build_ui, launch_options
+    from music3_demo.ui.gpu import spaces_available
+    from music3_demo.ui.runner import JobRegistry
+    from music3_demo.ui.store import SongStore
+
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else default_devices()
+    try:
+        for device in devices:
+            resolve_engine_name(args.engine, torch.device(device))
+    except (ValueError, RuntimeError) as error:
+        sys.exit(f"app.py: {error}")
+    holder = ModelHolder(args.model, devices, args.engine)
+    if args.preload:
+        # ZeroGPU wants the weights placed at start-up in the main process; elsewhere load behind the open page.
+        holder.preload(background=not spaces_available())
+    store = SongStore(args.output_dir, ttl_s=args.ttl_hours * 3600)
+    store.start_cleaner()
+    concurrency = args.concurrency or len(devices)
+    ctx = AppContext(holder, store, JobRegistry(), live_audio=shutil.which("ffmpeg") is not None)
+    if not ctx.live_audio:
+        logging.warning("ffmpeg not found: live playback is off; songs appear when finished (install ffmpeg).")
+    demo = build_ui(ctx, concurrency)
+    demo.queue(max_size=args.max_queue, default_concurrency_limit=concurrency)
+    try:
+        demo.launch(server_name=args.host, server_port=args.port, share=args.share,
+                    allowed_paths=[str(store.root)], show_error=True, **launch_options())
+    finally:
+        store.stop_cleaner()
+        holder.release()
+
+
+if __name__ == "__main__":
+    main()

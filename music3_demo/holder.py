@@ -1,0 +1,247 @@
+"""Process-wide cache of loaded pipelines: one load per device, one running generation per device, visible status.
+
+Every request borrows a pipeline through `ModelHolder.acquire()`, which picks a free device, loads the model there the
+first time (concurrent first requests wait for that one load) and holds the device's lock for the whole generation.
+A failed load is remembered with its message (the page shows it) and retried by the next request, so a fixed network
+or a finished licence click-through needs no restart.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .checkpoint import CheckpointError, ModelSource, default_device, resolve
+from .request import GenerationRequest
+from .semantic import Cancelled
+
+# How a failed load tells users what to do, whatever the cause.
+FIX_HINT = (
+    "To run without the Hub, start the app with --model /path/to/MiniMax-Music3 (a local copy in the Hub layout, "
+    "with modular_model_index.json) or --model tiny (a built-in test model whose output is noise)."
+)
+
+PhaseCallback = Callable[[str], None]
+WARMUP_REQUEST = GenerationRequest("warm-up", duration=1.0, num_steps=2, seed=0, instrumental=True)
+
+
+@dataclass(frozen=True)
+class HolderStatus:
+    """What the page shows about the model: one line of state plus the error or noise notice when there is one."""
+
+    model: str
+    state: str  # "idle" (lazy, not loaded yet) | "loading" | "ready" | "failed"
+    phase: str  # what the current load is doing, or what happened last
+    devices: tuple[str, ...]
+    busy: tuple[str, ...]  # devices running a generation now
+    engine: str | None
+    error: str | None
+    notice: str | None  # set when the loaded model is a built-in random one
+    loading_for_s: float | None
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__, devices=list(self.devices), busy=list(self.busy))
+
+
+class _Slot:
+    """One device: its pipeline (once loaded), a lock for loading and a lock held while generating."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.pipeline = None
+        self.load_lock = threading.Lock()
+        self.busy = False
+
+
+@dataclass
+class Lease:
+    pipeline: object  # Music3Pipeline
+    device: str
+
+
+class ModelHolder:
+    def __init__(
+        self, model: str, devices: list[str] | None = None, engine: str = "auto", warmup: bool = True
+    ) -> None:
+        self.model = model
+        self.engine = engine
+        self.warmup = warmup
+        self.devices = devices or default_devices()
+        self._slots = [_Slot(device) for device in self.devices]
+        self._free = threading.Condition()  # guards every slot's `busy` flag
+        self._source: ModelSource | None = None
+        self._source_lock = threading.Lock()
+        self._tokenizer = None
+        self._phase = "not loaded yet: the model loads on the first song"
+        self._error: str | None = None
+        self._loading_since: float | None = None
+
+    # ---- status -------------------------------------------------------------------------------------------------
+    def status(self) -> HolderStatus:
+        loaded = [slot.pipeline for slot in self._slots if slot.pipeline is not None]
+        if self._loading_since is not None:
+            state = "loading"
+        elif loaded:
+            state = "ready"
+        elif self._error is not None:
+            state = "failed"
+        else:
+            state = "idle"
+        with self._free:
+            busy = tuple(slot.device for slot in self._slots if slot.busy)
+        return HolderStatus(
+            model=self.model,
+            state=state,
+            phase=self._phase,
+            devices=tuple(self.devices),
+            busy=busy,
+            engine=loaded[0].engine_name if loaded else None,
+            error=self._error if not loaded else None,
+            notice=self._source.notice if self._source is not None else None,
+            loading_for_s=None if self._loading_since is None else time.monotonic() - self._loading_since,
+        )
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
+
+    def count_tokens(self, description: str, lyrics: str) -> int | None:
+        """Exact prompt length with the model's own tokenizer; None until the tokenizer has been fetched."""
+        if self._tokenizer is None:
+            return None
+        from .prompt import count_prompt_tokens
+
+        return count_prompt_tokens(self._tokenizer, description, lyrics)
+
+    # ---- loading ------------------------------------------------------------------------------------------------
+    def preload(self, background: bool = True) -> threading.Thread | None:
+        """Load on every device now (in a thread, so the page opens while it loads)."""
+
+        def load_all() -> None:
+            for slot in self._slots:
+                try:
+                    self._ensure_loaded(slot, None)
+                except Exception:  # noqa: BLE001 - remembered in status and raised again to the next request
+                    return
+
+        if not background:
+            load_all()
+            return None
+        thread = threading.Thread(target=load_all, name="music3-preload", daemon=True)
+        thread.start()
+        return thread
+
+    def _set_phase(self, phase: str, on_phase: PhaseCallback | None) -> None:
+        self._phase = phase
+        if on_phase is not None:
+            on_phase(phase)
+
+    def _resolve(self, on_phase: PhaseCallback | None) -> ModelSource:
+        with self._source_lock:
+            if self._source is None:
+                self._set_phase(f"fetching {self.model} (downloads once, then comes from the local cache)", on_phase)
+                self._source = resolve(self.model)
+                if self._source.folder is not None:
+                    self._tokenizer = _load_tokenizer(self._source)
+            return self._source
+
+    def _ensure_loaded(self, slot: _Slot, on_phase: PhaseCallback | None):
+        if slot.pipeline is not None:
+            return slot.pipeline
+        with slot.load_lock:  # concurrent first requests: one loads, the others wait here and reuse it
+            if slot.pipeline is not None:
+                return slot.pipeline
+            from .pipeline import Music3Pipeline
+
+            self._loading_since = time.monotonic()
+            self._error = None
+            try:
+                source = self._resolve(on_phase)
+                self._set_phase(f"loading {self.model} onto {slot.device}", on_phase)
+                target = str(source.folder) if source.folder is not None else source.name
+                pipeline = Music3Pipeline.from_pretrained(target, device=slot.device, engine=self.engine)
+                if self._tokenizer is None:
+                    self._tokenizer = pipeline.tokenizer
+                if self.warmup:
+                    # The first song on a fresh pipeline pays one-off costs (kernel selection, graph capture,
+                    # allocator growth); a one-second song here keeps them away from the first user.
+                    self._set_phase(f"warming up on {slot.device}", on_phase)
+                    pipeline.generate(WARMUP_REQUEST)
+            except Exception as error:
+                self._error = load_error_message(self.model, error)
+                self._phase = "failed to load"
+                raise CheckpointError(self._error) from error
+            finally:
+                elapsed = time.monotonic() - self._loading_since
+                self._loading_since = None
+            slot.pipeline = pipeline
+            self._set_phase(f"ready on {', '.join(self.devices)} (loaded in {elapsed:.1f} s)", on_phase)
+            return pipeline
+
+    # ---- use ----------------------------------------------------------------------------------------------------
+    @contextmanager
+    def acquire(
+        self, on_phase: PhaseCallback | None = None, cancel: threading.Event | None = None
+    ) -> Iterator[Lease]:
+        """Borrow a free device's pipeline (loading it if needed) for one generation."""
+        slot = self._take_slot(on_phase, cancel)
+        try:
+            yield Lease(self._ensure_loaded(slot, on_phase), slot.device)
+        finally:
+            with self._free:
+                slot.busy = False
+                self._free.notify_all()
+
+    def _take_slot(self, on_phase: PhaseCallback | None, cancel: threading.Event | None) -> _Slot:
+        announced = False
+        with self._free:
+            while True:
+                # Prefer a device that already holds the model, so a free but unloaded GPU does not cost a load.
+                free = sorted((s for s in self._slots if not s.busy), key=lambda s: s.pipeline is None)
+                if free:
+                    free[0].busy = True
+                    return free[0]
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled()
+                if not announced and on_phase is not None:
+                    on_phase("waiting for a free device")
+                    announced = True
+                self._free.wait(timeout=0.1)
+
+    def release(self) -> None:
+        """Free every loaded pipeline (shutdown); later requests load again."""
+        for slot in self._slots:
+            with slot.load_lock:
+                if slot.pipeline is not None:
+                    slot.pipeline.release()
+                    slot.pipeline = None
+        self._phase = "released"
+
+
+def default_devices() -> list[str]:
+    if torch.cuda.is_available():
+        return [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    return [str(default_device())]
+
+
+def load_error_message(model: str, error: Exception) -> str:
+    """One paragraph: what failed (the checkpoint code's own sentence when it has one) and how to get going."""
+    why = str(error).strip() or type(error).__name__
+    if not isinstance(error, CheckpointError):
+        why = f"Could not load {model}: {why}"
+    return f"{why} {FIX_HINT}" if FIX_HINT not in why else why
+
+
+def _load_tokenizer(source: ModelSource):
+    """Fetch just the tokenizer (fast) so the prompt counter is exact while the weights still load."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(source.folder / "tokenizer"))
+    except Exception:  # noqa: BLE001 - the counter falls back to the pipeline's tokenizer once loaded
+        return None

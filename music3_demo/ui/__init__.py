@@ -1,0 +1,6 @@
+"""The Gradio front end: page (layout + wiring), API endpoints, job runner, song store, history."""
+
+from .core import AppContext
+from .page import build_ui, launch_options
+
+__all__ = ["AppContext", "build_ui", "launch_options"]

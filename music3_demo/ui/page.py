@@ -1,0 +1,193 @@
+"""The Gradio page: layout and the wiring between controls, the running job, results and history."""
+
+from __future__ import annotations
+
+import time
+from contextlib import closing
+from dataclasses import replace
+
+import gradio as gr
+import numpy as np
+
+from .. import contract as c
+from ..events import AudioPiece
+from ..semantic import Cancelled
+from . import assets
+from .api import GPU_GROUP, add_api
+from .controls import (
+    CARET_TRACKER_JS,
+    build_controls,
+    insert_tag_js,
+    new_seed,
+    reset_targets,
+    reset_values,
+    settings_values,
+    token_counter_markdown,
+)
+from .core import AppContext, Outcome, check, make_request, run, wav_bytes
+from .history import PLAIN_PLAYER, add_entry, render_history
+from .report import report_markdown
+
+GENERATE_LABEL = "🎵 Generate"
+# Gradio's stream encoder keeps the song's last ~0.7 s until the stream is flushed at the end of the run, and the
+# browser never fetches that final segment. Two short silences after the last piece push the real tail out in
+# segments the player does load; only silence is left for the lost flush.
+STREAM_PAD = wav_bytes(np.zeros((2, c.SAMPLE_RATE // 4), dtype=np.float32), c.SAMPLE_RATE)
+STREAM_PAD_GAP_S = 0.15
+STREAM_SEGMENT = c.SAMPLE_RATE  # samples per streamed chunk
+
+
+def launch_options() -> dict:
+    """What Gradio 6 takes at launch() rather than in Blocks(): theme, CSS, extra <head>."""
+    return {"theme": gr.themes.Soft(primary_hue="indigo", secondary_hue="pink"), "css": assets.read_text("style.css"),
+            "head": CARET_TRACKER_JS}
+
+
+def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
+    holder = ctx.holder
+    with gr.Blocks(title="MiniMax Music 3", delete_cache=(3600, int(ctx.store.ttl_s))) as demo:
+        gr.Markdown(assets.read_text("header.md"), elem_id="header")
+        banner = gr.HTML(assets.banner_html(holder.status()), elem_id="banner")
+        banner_timer = gr.Timer(1.0)
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=5, min_width=360):
+                controls = build_controls()
+            with gr.Column(scale=6, min_width=360):
+                with gr.Row():
+                    generate_button = gr.Button(GENERATE_LABEL, variant="primary", size="lg", scale=3,
+                                                elem_id="generate")
+                    stop_button = gr.Button("⏹ Stop", variant="stop", size="lg", scale=1, visible=False,
+                                            elem_id="stop")
+                status = gr.Markdown("Press **Generate**: the song starts playing here while it is being made.",
+                                     elem_id="run-status")
+                live = gr.Audio(label="Live (plays while the song is made)", streaming=True, autoplay=True,
+                                interactive=False, elem_id="live-audio", visible=ctx.live_audio)
+                if not ctx.live_audio:
+                    gr.Markdown("Live playback needs `ffmpeg` on the server; the song appears when it is finished.",
+                                elem_classes="m3-muted")
+                with gr.Group(visible=False, elem_id="result") as result:
+                    final_audio = gr.Audio(label="Finished song", type="filepath", interactive=False,
+                                           buttons=["download"], waveform_options=PLAIN_PLAYER,
+                                           elem_id="result-audio")
+                    waveform = gr.Image(show_label=False, interactive=False, type="filepath", height=120,
+                                        elem_id="waveform", buttons=[])
+                    with gr.Row():
+                        wav_button = gr.DownloadButton("⬇ Download WAV", elem_id="download-wav", size="md")
+                        flac_button = gr.DownloadButton("⬇ Download FLAC", elem_id="download-flac", size="md")
+                    report = gr.Markdown(elem_id="report")
+                history = gr.State([])
+                with gr.Accordion("Your songs (this session)", open=True, elem_id="history"):
+
+                    @gr.render(inputs=[history])
+                    def _history(entries: list[dict]) -> None:
+                        render_history(entries, controls.settable(), settings_values)
+
+        examples = assets.load_examples()
+        gr.Examples(
+            examples=[[e.description, e.lyrics, e.duration, e.instrumental] for e in examples],
+            inputs=[controls.description, controls.lyrics, controls.duration, controls.instrumental],
+            example_labels=[e.label for e in examples],
+            label="Examples: click one to fill in the form",
+            examples_per_page=12,
+        )
+        gr.Markdown(assets.footer_markdown(), elem_id="licence")
+        add_api(ctx, concurrency)
+
+        # ---- model banner: polled while a load is pending, refreshed after every run ------------------------
+        def refresh_banner() -> tuple:
+            state = holder.status()
+            return assets.banner_html(state), gr.Timer(active=state.state in ("loading", "idle"))
+
+        banner_timer.tick(refresh_banner, None, [banner, banner_timer], queue=False, show_progress="hidden",
+                          api_visibility="private")
+
+        # ---- controls ---------------------------------------------------------------------------------------
+        count_inputs = [controls.description, controls.lyrics, controls.instrumental]
+        gr.on([controls.description.change, controls.lyrics.change, controls.instrumental.change, demo.load],
+              lambda d, l, i: token_counter_markdown(holder, d, l, i), count_inputs, controls.token_counter,
+              queue=False, show_progress="hidden", trigger_mode="always_last", api_visibility="private")
+        controls.instrumental.change(
+            lambda on: [gr.update(interactive=not on)] * (1 + len(controls.tag_buttons)), controls.instrumental,
+            [controls.lyrics, *controls.tag_buttons], queue=False, show_progress="hidden", api_visibility="private")
+        for button, tag in zip(controls.tag_buttons, assets.SECTION_TAGS):
+            button.click(None, controls.lyrics, controls.lyrics, js=insert_tag_js(tag), api_visibility="private")
+        controls.dice.click(lambda: (new_seed(), False), None, [controls.seed, controls.random_seed], queue=False,
+                            api_visibility="private")
+        controls.reset.click(reset_values, None, reset_targets(controls), queue=False, api_visibility="private")
+
+        # ---- generate / stop --------------------------------------------------------------------------------
+        def prepare(*values) -> tuple:
+            """Instant check before queueing (a bad input should not wait behind other people's songs)."""
+            *request_values, random_seed = values
+            request = make_request(*request_values)
+            if random_seed:
+                request = replace(request, seed=new_seed())
+            check(holder, request)
+            return request.seed, gr.update(interactive=False, value="Generating…"), gr.update(visible=True)
+
+        def generate(description: str, lyrics: str, duration: float, guidance_scale: float, num_steps: float,
+                     seed: float | None, lm_cfg_scale: float, top_k: float, instrumental: bool, entries: list[dict],
+                     request: gr.Request, progress: gr.Progress = gr.Progress()):
+            song_request = check(holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
+                                                      lm_cfg_scale, top_k, instrumental))
+            yield {status: "", result: gr.update(visible=False)}
+            try:
+                with closing(run(ctx, song_request, request.session_hash, progress)) as items:
+                    for item in items:
+                        if isinstance(item, AudioPiece):
+                            if not ctx.live_audio:
+                                yield gr.skip()
+                                continue
+                            # ~1 s stream segments: the player re-reads the playlist about once per longest segment,
+                            # so a 4 s piece sent whole would leave it waiting for seconds between pieces.
+                            for start in range(0, item.samples.shape[-1], STREAM_SEGMENT):
+                                yield {live: wav_bytes(item.samples[:, start:start + STREAM_SEGMENT], c.SAMPLE_RATE)}
+                        elif isinstance(item, Outcome):
+                            entries = add_entry(entries, item, ctx.history_limit)
+                            if ctx.live_audio:
+                                yield {live: STREAM_PAD}
+                                time.sleep(STREAM_PAD_GAP_S)
+                            yield {
+                                status: _done_line(item),
+                                result: gr.update(visible=True),
+                                final_audio: item.saved.wav,
+                                waveform: item.saved.waveform,
+                                wav_button: item.saved.wav,
+                                flac_button: item.saved.flac,
+                                report: report_markdown(item.report),
+                                history: entries,
+                                **({live: STREAM_PAD} if ctx.live_audio else {}),
+                            }
+                        else:
+                            yield gr.skip()
+            except Cancelled:
+                yield {status: "⏹ Stopped."}
+
+        def stop(request: gr.Request) -> tuple:
+            ctx.registry.stop(request.session_hash)  # direct, so the worker stops even before Gradio's cancel lands
+            return "⏹ Stopped.", gr.update(interactive=True, value=GENERATE_LABEL), gr.update(visible=False)
+
+        def restore() -> tuple:
+            return gr.update(interactive=True, value=GENERATE_LABEL), gr.update(visible=False)
+
+        request_inputs = controls.request_inputs()
+        run_event = generate_button.click(
+            prepare, [*request_inputs, controls.random_seed], [controls.seed, generate_button, stop_button],
+            queue=False, show_progress="hidden", api_visibility="private",
+        ).success(
+            generate, [*request_inputs, history],
+            [status, live, result, final_audio, waveform, wav_button, flac_button, report, history],
+            concurrency_id=GPU_GROUP, concurrency_limit=concurrency, show_progress_on=[status],
+            api_visibility="private",
+        )
+        run_event.then(restore, None, [generate_button, stop_button], queue=False, api_visibility="private").then(
+            refresh_banner, None, [banner, banner_timer], queue=False, api_visibility="private")
+        stop_button.click(stop, None, [status, generate_button, stop_button], cancels=[run_event], queue=False,
+                          api_visibility="private")
+    return demo
+
+
+def _done_line(outcome: Outcome) -> str:
+    report = outcome.report
+    return (f"✅ Finished: a {report['duration_s']:.1f} s song in {report['timings'].get('total_s', 0):.1f} s "
+            f"({report['realtime_factor']:.2f}× realtime). It is also in **Your songs** below.")

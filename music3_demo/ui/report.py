@@ -1,0 +1,56 @@
+"""The short report shown under a finished song and returned by the API (seed, engine, frames, stage times)."""
+
+from __future__ import annotations
+
+from ..events import Song
+from ..request import GenerationRequest
+from .runner import JobRecord
+
+STAGE_LABELS = (("prompt_s", "prompt"), ("semantic_s", "semantic"), ("flow_s", "flow"), ("vocoder_s", "vocoder"))
+
+
+def song_report(song: Song, request: GenerationRequest, record: JobRecord, model: str) -> dict:
+    timings = {key: round(value, 4) for key, value in song.timings.items()}
+    semantic_s = song.timings.get("semantic_s") or 0.0
+    return {
+        "job": record.id,
+        "model": model,
+        "engine": song.engine,
+        "device": record.device,
+        "seed": song.seed,
+        "frames": song.frames,
+        "duration_s": round(song.duration, 4),
+        "sample_rate": song.sample_rate,
+        "channels": int(song.audio.shape[0]),
+        "timings": timings,
+        "semantic_frames_per_s": round(song.frames / semantic_s, 2) if semantic_s > 0 else None,
+        "realtime_factor": round(song.timings.get("realtime_factor", 0.0), 3),
+        "waited_for_device_s": round(record.started_at - record.submitted_at, 3) if record.started_at else None,
+        "started_at": record.started_at,
+        "ended_at": record.ended_at,
+        "settings": request.as_dict() | {"seed": song.seed},
+        "notice": song.model_notice,
+    }
+
+
+def _clock(seconds: float) -> str:
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}:{rest:05.2f}"
+
+
+def report_markdown(report: dict) -> str:
+    timings = report["timings"]
+    stages = " · ".join(f"{label} {timings[key]:.2f} s" for key, label in STAGE_LABELS if key in timings)
+    rate = report["semantic_frames_per_s"]
+    first = timings.get("first_audio_s")
+    lines = [
+        f"**{_clock(report['duration_s'])}** · {report['frames']} frames · {report['sample_rate'] / 1000:g} kHz "
+        f"stereo · seed `{report['seed']}` · engine `{report['engine']}` on `{report['device']}`",
+        f"Stages: {stages} · total **{timings.get('total_s', 0):.2f} s** · "
+        f"**{report['realtime_factor']:.2f}× realtime**"
+        + (f" · semantic {rate:.1f} frames/s" if rate else "")
+        + (f" · first audio after {first:.2f} s" if first is not None else ""),
+    ]
+    if report.get("notice"):
+        lines.append(f"⚠️ {report['notice']}")
+    return "\n\n".join(lines)

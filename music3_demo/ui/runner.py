@@ -1,0 +1,151 @@
+"""One generation as a background job: the pipeline runs in a worker thread, the caller iterates its events.
+
+The caller (a Gradio handler) must get control back often: Gradio can only close a generator between two `next()`
+calls, and closing is how a Stop press or a vanished browser tab reaches us. So `Job.events()` yields `None` every
+`tick` seconds when nothing happened, and closing it sets the cancel flag the pipeline checks every frame / step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from ..events import Event
+from ..holder import ModelHolder
+from ..request import GenerationRequest
+from .gpu import on_gpu
+
+_DONE = object()
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Model loading / waiting for a device: text for the progress bar."""
+
+    text: str
+
+
+@dataclass
+class JobRecord:
+    """What the server remembers about a job (the `status` endpoint shows the recent ones)."""
+
+    id: int
+    duration: float
+    state: str = "queued"  # queued | running | finished | cancelled | failed
+    submitted_at: float = field(default_factory=time.time)
+    started_at: float | None = None  # the device was ours from here...
+    ended_at: float | None = None  # ...to here
+    device: str | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def generation_events(
+    holder: ModelHolder, request: GenerationRequest, cancel: threading.Event, record: JobRecord, tick: float = 0.2
+) -> Iterator[Event | Phase | None]:
+    """Run one generation in a worker thread and yield its events in order (`None` on idle ticks).
+
+    A generator so that it can run under `spaces.GPU` on ZeroGPU, which streams a generator's yields back from the
+    GPU process; raises what the pipeline raised. Closing it sets `cancel`.
+    """
+    events: queue.Queue = queue.Queue()
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with holder.acquire(on_phase=lambda text: events.put(Phase(text)), cancel=cancel) as lease:
+                record.state, record.device = "running", lease.device
+                record.started_at = time.time()
+                try:
+                    lease.pipeline.generate(request, on_event=events.put, cancel=cancel)
+                finally:
+                    # Stamped before the device is handed on, so two jobs' [started, ended] never overlap.
+                    record.ended_at = time.time()
+            record.state = "finished"
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer's thread
+            failure.append(error)
+            record.state = "cancelled" if cancel.is_set() else "failed"
+            record.error = str(error) or type(error).__name__
+        finally:
+            events.put(_DONE)
+
+    thread = threading.Thread(target=work, name=f"music3-job-{record.id}", daemon=True)
+    thread.start()
+    try:
+        while True:
+            try:
+                item = events.get(timeout=tick)
+            except queue.Empty:
+                yield None
+                continue
+            if item is _DONE:
+                break
+            yield item
+        if failure:
+            raise failure[0]
+    finally:
+        cancel.set()  # no-op after a normal end; stops the worker when the consumer went away
+
+
+_gpu_generation_events = on_gpu(generation_events)
+
+
+class Job:
+    """One request's generation, its cancel flag and its record."""
+
+    def __init__(self, holder: ModelHolder, request: GenerationRequest, registry: "JobRegistry | None" = None) -> None:
+        self.holder = holder
+        self.request = request
+        self.cancel = threading.Event()
+        self.record = JobRecord(next(_ids), request.duration)
+        if registry is not None:
+            registry.remember(self.record)
+
+    def events(self, tick: float = 0.2) -> Iterator[Event | Phase | None]:
+        return _gpu_generation_events(self.holder, self.request, self.cancel, self.record, tick)
+
+    def stop(self) -> None:
+        self.cancel.set()
+
+
+class JobRegistry:
+    """The running job of each browser session (for Stop) and the recent job records (for the status endpoint)."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self._active: dict[str, Job] = {}
+        self._recent: deque[JobRecord] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+
+    def remember(self, record: JobRecord) -> None:
+        with self._lock:
+            self._recent.append(record)
+
+    def start(self, session: str | None, job: Job) -> None:
+        if session:
+            with self._lock:
+                self._active[session] = job
+
+    def finish(self, session: str | None, job: Job) -> None:
+        with self._lock:
+            if session and self._active.get(session) is job:
+                del self._active[session]
+
+    def stop(self, session: str | None) -> bool:
+        """Set the cancel flag of the session's running job; False when it has none."""
+        with self._lock:
+            job = self._active.get(session) if session else None
+        if job is not None:
+            job.stop()
+        return job is not None
+
+    def recent(self) -> list[dict]:
+        with self._lock:
+            return [record.as_dict() for record in self._recent]

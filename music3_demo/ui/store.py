@@ -1,0 +1,86 @@
+"""Finished songs on disk (WAV, FLAC, waveform picture) and the background cleaner that deletes them after a TTL."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..audio import waveform_image, write_audio
+from ..events import Song
+
+DEFAULT_TTL_S = 24 * 3600
+
+
+def default_root() -> Path:
+    return Path(os.environ.get("MUSIC3_OUTPUTS") or Path(tempfile.gettempdir()) / "music3_demo_outputs")
+
+
+@dataclass(frozen=True)
+class SavedSong:
+    id: str
+    wav: str
+    flac: str
+    waveform: str
+    created: float
+
+
+def _slug(text: str, limit: int = 40) -> str:
+    words = re.sub(r"[^\w]+", "-", text.lower(), flags=re.UNICODE).strip("-")
+    return words[:limit].rstrip("-") or "song"
+
+
+class SongStore:
+    def __init__(self, root: str | Path | None = None, ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.root = Path(root) if root is not None else default_root()
+        self.ttl_s = ttl_s
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._cleaner: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def save(self, song: Song, title: str) -> SavedSong:
+        """Write one folder per song: `<slug>.wav` (16-bit), `<slug>.flac` and `waveform.png`."""
+        song_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+        folder = self.root / song_id
+        name = f"{_slug(title)}-seed{song.seed}"
+        wav = write_audio(folder / f"{name}.wav", song.audio, song.sample_rate)
+        flac = write_audio(folder / f"{name}.flac", song.audio, song.sample_rate)
+        picture = folder / "waveform.png"
+        waveform_image(song.audio).save(picture)
+        return SavedSong(song_id, str(wav), str(flac), str(picture), time.time())
+
+    def sweep(self, now: float | None = None) -> int:
+        """Delete song folders older than the TTL; returns how many went."""
+        now = time.time() if now is None else now
+        removed = 0
+        for folder in self.root.iterdir():
+            try:
+                if folder.is_dir() and now - folder.stat().st_mtime > self.ttl_s:
+                    shutil.rmtree(folder)
+                    removed += 1
+            except FileNotFoundError:  # another sweeper (a second app process) got there first
+                continue
+        return removed
+
+    def start_cleaner(self, every_s: float | None = None) -> threading.Thread:
+        """Sweep now and then every `every_s` (default: a quarter of the TTL, at most hourly)."""
+        interval = every_s if every_s is not None else max(10.0, min(self.ttl_s / 4, 3600.0))
+
+        def loop() -> None:
+            while True:
+                self.sweep()
+                if self._stop.wait(interval):
+                    return
+
+        self._cleaner = threading.Thread(target=loop, name="music3-cleaner", daemon=True)
+        self._cleaner.start()
+        return self._cleaner
+
+    def stop_cleaner(self) -> None:
+        self._stop.set()

@@ -1,0 +1,156 @@
+"""The app through its public API: a real `python app.py --model tiny` server driven with gradio_client."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+from gradio_client.utils import Status
+
+from music3_demo import contract as c
+from music3_demo.prompt import count_prompt_tokens
+from music3_demo.request import GenerationRequest, InvalidRequest, validate
+from tests.app_server import running_app
+
+FRAME_S = 1 / c.FRAME_RATE
+QUICK = {"description": "bright synth-pop, 120 BPM", "lyrics": "[verse]\nhello there\n\n[chorus]\nla la la",
+         "num_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    with running_app(tmp_path_factory.mktemp("app")) as server:
+        yield server
+
+
+@pytest.fixture
+def client(app) -> Client:
+    return Client(app.url, verbose=False)
+
+
+def generate(client: Client, **values) -> tuple[str, dict]:
+    return client.predict(**(QUICK | values), api_name="/generate")
+
+
+@pytest.mark.parametrize("duration", [3.4, 9.0])  # one flow chunk, and two overlapping chunks
+def test_song_has_the_requested_duration_rate_and_channels(client, duration):
+    wav, report = generate(client, duration=duration, seed=11)
+    info = sf.info(wav)
+    assert info.samplerate == c.SAMPLE_RATE == report["sample_rate"]
+    assert info.channels == 2 == report["channels"]
+    assert abs(info.frames / info.samplerate - duration) <= FRAME_S
+    assert report["frames"] == c.max_frames_for(duration) and report["seed"] == 11
+    assert report["engine"] == "reference" and report["realtime_factor"] > 0
+    assert {"prompt_s", "semantic_s", "flow_s", "vocoder_s", "total_s"} <= set(report["timings"])
+    flac = sf.info(report["files"]["flac"])  # the FLAC download holds the same song
+    assert (flac.frames, flac.samplerate, flac.channels) == (info.frames, info.samplerate, info.channels)
+    assert report["notice"] and "noise" in report["notice"]  # a random model says so
+
+
+def test_same_seed_same_song(client):
+    first, _ = generate(client, duration=2.0, seed=5)
+    second, _ = generate(client, duration=2.0, seed=5)
+    assert (sf.read(first)[0] == sf.read(second)[0]).all()
+
+
+def test_three_concurrent_clients_finish_one_generation_at_a_time(app):
+    busy_samples: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:  # the server's own view: never more than one device busy
+        watcher = Client(app.url, verbose=False)
+        while not done.is_set():
+            busy_samples.append(len(watcher.predict(api_name="/status")["busy"]))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(generate, Client(app.url, verbose=False), duration=2.0, seed=seed)
+                       for seed in (1, 2, 3)]
+            results = [future.result(timeout=300) for future in futures]
+    finally:
+        done.set()
+        watcher.join()
+    reports = sorted((report for _, report in results), key=lambda report: report["started_at"])
+    assert len({report["job"] for report in reports}) == 3
+    for wav, report in results:
+        assert abs(sf.info(wav).frames / c.SAMPLE_RATE - 2.0) <= FRAME_S
+    for earlier, later in zip(reports, reports[1:]):
+        assert earlier["ended_at"] <= later["started_at"], "two generations overlapped"
+    assert busy_samples and max(busy_samples) <= 1 and 1 in busy_samples
+
+
+def test_cancelled_job_stops_within_a_second_and_the_next_one_succeeds(app, client):
+    job = client.submit(**(QUICK | {"duration": 120.0, "seed": 3}), api_name="/generate")
+    deadline = time.monotonic() + 120
+    while not app.status()["busy"]:  # wait until it really generates (not just queued)
+        assert time.monotonic() < deadline, "the long job never started"
+        time.sleep(0.1)
+    time.sleep(1.0)
+    cancelled_at = time.time()
+    job.cancel()
+    while app.status()["busy"]:
+        assert time.time() - cancelled_at < 5, "the device is still busy after the cancel"
+        time.sleep(0.05)
+    record = [r for r in app.status()["jobs"] if r["duration"] == 120.0][-1]
+    assert record["state"] == "cancelled"
+    assert record["ended_at"] - cancelled_at < 1.0, "generation went on for more than a second after the cancel"
+    assert job.status().code == Status.CANCELLED
+    wav, report = generate(client, duration=2.0, seed=4)
+    assert abs(sf.info(wav).frames / c.SAMPLE_RATE - 2.0) <= FRAME_S and report["started_at"] > cancelled_at
+
+
+BAD_INPUTS = {
+    "empty description": {"description": "  "},
+    "no lyrics": {"lyrics": ""},
+    "too short": {"duration": 0.5},
+    "too long": {"duration": 400},
+    "zero steps": {"num_steps": 0},
+    "fractional steps": {"num_steps": 2.5},
+    "low guidance": {"guidance_scale": 0.5},
+    "high lm cfg": {"lm_cfg_scale": 11},
+    "zero top-k": {"top_k": 0},
+    "negative seed": {"seed": -5},
+    "huge seed": {"seed": 2**33},
+    "prompt too long": {"lyrics": "[verse]\n" + "la la la, " * 700},
+}
+
+
+@pytest.mark.parametrize("change", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_bad_input_returns_validates_sentence(client, tiny_folder, change):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(tiny_folder) / "tokenizer"))
+    values = {"duration": 2.0, "seed": 1, "guidance_scale": 1.7, "lm_cfg_scale": 1.5, "top_k": 50} | QUICK | change
+    with pytest.raises(InvalidRequest) as expected:
+        validate(GenerationRequest(**values), lambda d, l: count_prompt_tokens(tokenizer, d, l))
+    with pytest.raises(AppError) as got:
+        generate(client, **values)
+    assert str(got.value) == str(expected.value)
+
+
+def test_server_keeps_serving_after_bad_inputs(client):
+    with pytest.raises(AppError):
+        generate(client, description="")
+    wav, _ = generate(client, duration=1.0, seed=2)
+    assert sf.info(wav).channels == 2
+
+
+def test_unloadable_model_still_opens_the_page_and_says_why(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with running_app(tmp_path, "--model", str(missing), wait_for=("failed",)) as server:
+        page = Client(server.url, verbose=False)
+        status = page.predict(api_name="/status")
+        assert status["state"] == "failed"
+        assert str(missing) in status["error"] and "--model tiny" in status["error"]
+        with pytest.raises(AppError) as error:
+            generate(page, duration=1.0)
+        assert str(missing) in str(error.value) and "--model tiny" in str(error.value)
