@@ -37,6 +37,7 @@ from music3_demo.semantic.kernels import (  # noqa: E402
     rmsnorm,
 )
 from music3_demo.semantic.reference import embed_audio_frame  # noqa: E402
+from music3_demo.semantic.sampling import guide, reference_semantic_logits  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -86,8 +87,8 @@ def test_gemv_rejects_bad_shapes():
     x = torch.zeros(2, 64)
     with pytest.raises(ValueError, match="shape mismatch"):
         gemv(x, torch.zeros(8, 32), torch.zeros(2, 8))
-    with pytest.raises(ValueError, match="at most 4 rows"):
-        gemv(torch.zeros(5, 64), torch.zeros(8, 64), torch.zeros(5, 8))
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemv(torch.zeros(17, 64), torch.zeros(8, 64), torch.zeros(17, 8))
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -177,11 +178,18 @@ def test_rmsnorm_rows_with_strides(dtype):
 
 def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it():
     vocab, top_k, scale = 64, 7, 1.5
-    logits = _rand(2, vocab, seed=14).round(decimals=1)  # coarse values: ties at the threshold happen
+    logits = _rand(2, vocab, seed=14).round(decimals=1)  # coarse values: ties at the thresholds happen
+    logits[0, 10:14] = logits[0].max() + 1  # 4 tied conditional logits straddle the top-7 threshold...
+    logits[0, 20:25] = logits[0].max() + 2
+    logits[1, 10:14] = torch.tensor([0.0, 3.0, -3.0, 1.0])  # ...and their guided values differ
     for conditional in (True, False):
-        ranked = logits[0] if conditional else logits[1] + (logits[0] - logits[1]) * scale
-        kept = ranked >= torch.topk(ranked, top_k).values[-1]  # the reference's `values < threshold` mask
-        guided = logits[1] + (logits[0] - logits[1]) * scale
+        if conditional:
+            ranked = reference_semantic_logits(logits, torch.zeros(vocab, dtype=torch.bool), scale, top_k)[0]
+            assert (ranked > float("-inf")).sum() == 9  # the conditional top-7 with ties holds 9 codes
+        else:
+            ranked = guide(logits[0], logits[1], scale)
+        kept = ranked >= torch.topk(ranked, top_k).values[-1]  # reference_sample_top_k's `values < threshold`
+        guided = guide(logits[0], logits[1], scale)
         # Draw j gets a near-zero Exp(1) value at j (a huge race bonus): j wins exactly when it is a candidate.
         noise = torch.ones(vocab, vocab)
         noise.fill_diagonal_(1e-30)

@@ -109,8 +109,9 @@ class _State:
         self.codes = torch.zeros(steps, e.num_codebooks, device=dev, dtype=torch.int32)
         self.forced = torch.zeros_like(self.codes)
         self.record: torch.Tensor | None = None  # teacher forcing: LM audio logits per step
-        # Per-frame scratch.
-        self.lm_h = torch.zeros(2, hid, device=dev, dtype=dt)  # LM residual stream (the feedback lands here)
+        # Per-frame scratch. Residual streams are float32: over 36 layers bf16 adds are the largest rounding error
+        # (the fp32 reference is the oracle; the bf16 HF model is itself ~1.5e-2 away from it).
+        self.lm_h = torch.zeros(2, hid, device=dev, dtype=torch.float32)  # LM residual stream (feedback lands here)
         self.lm_hidden = torch.zeros(2, hid, device=dev, dtype=dt)  # final-normed LM state
         self.qkv = torch.zeros(2, (heads + 2 * kv_heads) * hd, device=dev, dtype=dt)
         self.q = torch.zeros(2, heads * hd, device=dev, dtype=dt)
@@ -124,8 +125,8 @@ class _State:
         )
         self.logits = torch.zeros(2, AUDIO_CODES, device=dev, dtype=dt)
         depth_hid = e.hidden
-        self.dx = torch.zeros(4, depth_hid, device=dev, dtype=dt)  # pass 1: [b0 p0, b0 p1, b1 p0, b1 p1]
-        self.dh = torch.zeros(2, depth_hid, device=dev, dtype=dt)  # passes 2..7
+        self.dx = torch.zeros(4, depth_hid, device=dev, dtype=torch.float32)  # pass 1: [b0 p0, b0 p1, b1 p0, b1 p1]
+        self.dh = torch.zeros(2, depth_hid, device=dev, dtype=torch.float32)  # passes 2..7
         self.dqkv = torch.zeros(4, 3 * depth_hid, device=dev, dtype=dt)
         self.do = torch.zeros(4, depth_hid, device=dev, dtype=dt)
         self.dact = torch.zeros(4, e.depth_intermediate, device=dev, dtype=dt)

@@ -4,6 +4,7 @@ reuse across songs, the end-token stop, cancel."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 
@@ -44,20 +45,31 @@ def _song(engine: GraphEngine, text_ids: torch.Tensor, frames: int, seed: int, t
 
 
 def test_teacher_forced_logits_and_hiddens_match_reference(full):
+    """Same codes fed to both. The oracle is the reference computation in float32 on the same (bf16) weights; the
+    bf16 reference's own distance from it is printed beside ours: over 36 random layers bf16 rounding alone moves
+    the logits by ~1.5e-2, so both bf16 implementations are compared with the exact computation."""
     lm, depth, engine = full
     text_ids = random_prompt(300, seed=3, device=DEVICE)
     codes = random_codes(201, torch.Generator().manual_seed(4))
     logits, frames = engine.teacher_forced(text_ids, codes)
-    ref_logits, ref_frames = reference_teacher_forced(lm, depth, text_ids, codes)
+    bf16 = reference_teacher_forced(lm, depth, text_ids, codes)
+    exact = reference_teacher_forced(copy.deepcopy(lm).float(), copy.deepcopy(depth).float(), text_ids, codes)
+    torch.cuda.empty_cache()
     hidden = lm.config.hidden_size
-    logit_err = relative_error(logits, ref_logits)
-    lm_err = relative_error(frames[:, :hidden], ref_frames[:, :hidden])
-    depth_err = relative_error(frames[:, hidden:], ref_frames[:, hidden:])
-    print(f"\nrelative error over {len(frames)} frames (max / mean): logits {logit_err.max():.2e} / "
-          f"{logit_err.mean():.2e}, LM hidden {lm_err.max():.2e} / {lm_err.mean():.2e}, depth hiddens "
-          f"{depth_err.max():.2e} / {depth_err.mean():.2e}")
+    errors = {}
+    for name, (got_logits, got_frames) in {"graph": (logits, frames), "bf16 reference": bf16}.items():
+        errors[name] = (
+            relative_error(got_logits, exact[0]),
+            relative_error(got_frames[:, :hidden], exact[1][:, :hidden]),
+            relative_error(got_frames[:, hidden:], exact[1][:, hidden:]),
+        )
+        print(f"\n{name} vs float32 reference over {len(got_frames)} frames, max / mean: "
+              + ", ".join(f"{part} {e.max():.2e} / {e.mean():.2e}"
+                          for part, e in zip(("logits", "LM hidden", "depth hiddens"), errors[name])))
+    versus_bf16 = relative_error(logits, bf16[0])
+    print(f"graph vs bf16 reference logits: max {versus_bf16.max():.2e} / mean {versus_bf16.mean():.2e}")
     assert frames.shape[0] == 200 and torch.isfinite(frames).all()
-    assert logit_err.max() < 2e-2 and lm_err.max() < 2e-2 and depth_err.max() < 2e-2
+    assert all(e.max() < 2e-2 for e in errors["graph"])
 
 
 def _reference_probs(logits: torch.Tensor, scale: float, top_k: int, conditional: bool) -> torch.Tensor:

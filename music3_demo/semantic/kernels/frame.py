@@ -3,7 +3,8 @@
 Sampling is exact top-k sampling by an exponential race: with E_i ~ Exp(1) drawn by torch's generator, the winner
 of argmax_i (logit_i - log E_i) over the kept candidates has probability softmax(logits)_i — the reference
 multinomial's distribution, not its stream. The k-th largest value is found by a binary search on the float's
-ordered integer key (32 rounds of a count), so ties at the threshold are kept exactly like `values < threshold`.
+ordered integer key (32 rounds of a count), so ties at a threshold are kept exactly like the reference's
+`values < threshold` masks (bf16 logits tie often), including its second top-k over the guided logits.
 """
 
 from __future__ import annotations
@@ -34,6 +35,23 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float
 
 
 @triton.jit
+def _kth_largest_key(values, valid, top_k):
+    """The ordered-integer key of the k-th largest of `values` (invalid lanes never count)."""
+    bits = values.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # integer order == float order
+    key = tl.where(valid, key, -2147483648)
+    # Largest t with count(key >= t) >= top_k, by bisection over the int32 range.
+    lo = tl.min(key, axis=0).to(tl.int64)
+    hi = tl.max(key, axis=0).to(tl.int64)
+    for _ in range(32):
+        mid = (lo + hi + 1) >> 1
+        ok = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0) >= top_k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return key, lo.to(tl.int32)
+
+
+@triton.jit
 def _cfg_sample_kernel(
     logits_ptr, stride_lr, stride_lc, noise_ptr, stride_nr, scale_ptr, top_k, V,
     codes_ptr, stride_cr, step_ptr, stride_cs, forced_ptr, end_ptr, end_index,
@@ -49,29 +67,19 @@ def _cfg_sample_kernel(
     offs = tl.arange(0, BLOCK_V)
     valid = offs < V
     base = logits_ptr + r * stride_lr
-    cond = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr)
-    ranked = cond
-    if not COND_TOPK:
-        ranked = tl.load(base + stride_lc + offs, mask=valid, other=0.0).to(tl.float32)
-        ranked = ranked + (cond - ranked) * scale
-    bits = ranked.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # integer order == float order
-    key = tl.where(valid, key, -2147483648)
-    # Largest threshold t with count(key >= t) >= top_k, i.e. the k-th largest key.
-    lo = tl.min(key, axis=0).to(tl.int64)
-    hi = tl.max(key, axis=0).to(tl.int64)
-    for _ in range(32):
-        mid = (lo + hi + 1) >> 1
-        count = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-        ok = count >= top_k
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    keep = valid & (key >= lo.to(tl.int32))
-    # Reload rather than keep the rows live through the search (16k-wide rows would spill registers).
+    keep = valid
+    if COND_TOPK:
+        # The reference keeps the conditional row's top-k (ties included) ...
+        cond_key, cond_threshold = _kth_largest_key(tl.load(base + offs, mask=valid, other=0.0).to(tl.float32),
+                                                     valid, top_k)
+        keep = valid & (cond_key >= cond_threshold)
+    # ... then (and for the depth codes, only) the top-k of the guided logits among those kept.
     cond = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
     uncond = tl.load(base + stride_lc + offs, mask=valid, other=0.0).to(tl.float32)
     guided = uncond + (cond - uncond) * scale
+    key, threshold = _kth_largest_key(guided, keep, top_k)
+    keep = keep & (key >= threshold)
     noise = tl.load(noise_ptr + r * stride_nr + offs, mask=valid, other=1.0)
     score = tl.where(keep, guided - tl.log(noise), float("-inf"))
     code = tl.argmax(score, axis=0).to(tl.int32)
@@ -106,8 +114,8 @@ def cfg_sample(
 ) -> None:
     """Sample one code per CFG pair of logits ([2, V], or [R, 2, V] for R independent draws).
 
-    guided = u + (c - u)·scale (scale: float32 [1] on device). The candidates are the top_k of the conditional row
-    (`conditional_top_k`, the LM's semantic code) or of the guided logits (the depth codes). noise: Exp(1) draws,
+    guided = u + (c - u)·scale (scale: float32 [1] on device). The candidates are the top_k of the guided logits,
+    among the top_k of the conditional row with `conditional_top_k` (the LM's semantic code). noise: Exp(1) draws,
     [V] or [R, V]. The code goes to codes[r + step·step_stride] (step: int32 [1] on device); `forced` (same layout)
     overrides it (teacher forcing); `end` = (flag int32 [1], index) records the first step that sampled `index`;
     `copy` = (table [rows, H], dest [2, H]) writes table[code] to both dest rows.
@@ -148,7 +156,7 @@ def _frame_tail_kernel(
     codes = codes_ptr + step * NCB
     emit = (cols * 0 + step) >= 1
     row = frames_ptr + (step - 1).to(tl.int64) * stride_frame
-    dtype = feedback_ptr.dtype.element_ty
+    dtype = embed_ptr.dtype.element_ty  # the model's precision, as the reference rounds the feedback
     tl.store(row + cols, tl.load(lm_hidden_ptr + cols), mask=emit)
     extra = tl.zeros([BLOCK], tl.float32)
     for i in tl.static_range(1, NCB):

@@ -1,16 +1,21 @@
-"""y = x · Wᵀ for M <= 4 rows (the CFG pair, or both pairs of the depth decoder's first pass), streaming W once.
+"""y = x · Wᵀ for M <= 16 rows (the CFG pair, or both pairs of the depth decoder's first pass), streaming W once.
 
-cuBLAS reaches 1.2-3.3 TB/s on these skinny products; a plain row-block GEMV keeps the H200's memory busy instead.
-Each program owns BLOCK_N rows of W and walks K with the next tile already loading. Fused on the way:
+cuBLAS reaches 1.2-3.7 TB/s on these skinny products. Here each program owns BLOCK_N rows of W and computes
+acc[n, m] = Σ_k W[n, k] x[m, k] with `tl.dot`, the weight tile on the MMA's M side and the rows of x padded to 16 on
+its N side ("swap AB"): the weight stream then goes through Triton's multi-stage asynchronous-copy pipeline
+(num_stages tiles in flight per program) and the tensor cores' spare throughput absorbs the padding.
+Fused on the way:
 - NORM: RMSNorm of x folded in as y = rstd · W(x ⊙ g): rstd is a per-row scalar, so it is accumulated alongside the
-  dot product and no normalised copy of x is written or re-read.
+  product and no normalised copy of x is written or re-read.
 - SILU_MUL: W holds [gate; up] (2N rows); the program computes both halves of its rows and writes silu(g) · u.
-- RESIDUAL: out = residual + y (in place when out is the residual), with HF's bf16 rounding of each step.
-- PDL (Hopper): the first weight tile is loaded before waiting on the previous kernel (programmatic dependent launch).
+- RESIDUAL: out = residual + y (in place when out is the residual); with a bf16 residual, HF's rounding of each step.
+- PDL (Hopper): the program waits for the previous kernel only once it is resident (programmatic dependent launch).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,39 +32,10 @@ except ImportError:  # pragma: no cover - older Triton
 
 @dataclass(frozen=True)
 class GemvConfig:
-    block_n: int = 8
-    block_k: int = 512
+    block_n: int = 16
+    block_k: int = 256
     num_warps: int = 4
-
-
-@triton.jit
-def _accumulate_row(acc, up_acc, sumsq, x_row, kk, gain, w, u, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
-    x = tl.load(x_row + kk).to(tl.float32)
-    if NORM:
-        sumsq += x * x
-        x = x * gain
-    acc += w * x[None, :]
-    if SILU_MUL:
-        up_acc += u * x[None, :]
-    return acc, up_acc, sumsq
-
-
-@triton.jit
-def _store_row(acc, up_acc, sumsq, out_row, res_row, offs_n, n_mask, K, eps,
-               NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr):
-    dtype = out_row.dtype.element_ty
-    y = tl.sum(acc, axis=1)
-    rstd = 1.0
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / K + eps)
-        y = y * rstd
-    if SILU_MUL:
-        gate = y.to(dtype).to(tl.float32)
-        up = (tl.sum(up_acc, axis=1) * rstd).to(dtype).to(tl.float32)
-        y = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up
-    if RESIDUAL:
-        y = tl.load(res_row + offs_n, mask=n_mask, other=0.0).to(tl.float32) + y.to(dtype).to(tl.float32)
-    tl.store(out_row + offs_n, y.to(dtype), mask=n_mask)
+    num_stages: int = 4
 
 
 @triton.jit
@@ -69,70 +45,72 @@ def _gemv_kernel(
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
 ):
+    BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
+    m_mask = offs_m < M
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    w_mask = n_mask[:, None]
-    # Weights never depend on the previous kernel: start streaming them before waiting for it.
-    w_next = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    u_next = w_next
-    if SILU_MUL:
-        u_next = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    zero = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    zero_k = tl.zeros([BLOCK_K], tl.float32)
-    a0, a1, a2, a3 = zero, zero, zero, zero
-    u0, u1, u2, u3 = zero, zero, zero, zero
-    s0, s1, s2, s3 = zero_k, zero_k, zero_k, zero_k
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    sumsq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w = w_next.to(tl.float32)
-        u = u_next.to(tl.float32)
-        next_mask = w_mask & (k0 + BLOCK_K + offs_k < K)[None, :]
-        w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=next_mask, other=0.0)
-        if SILU_MUL:
-            u_next = tl.load(w_ptrs + (up_offset + k0 + BLOCK_K), mask=next_mask, other=0.0)
-        kk = k0 + offs_k
-        gain = zero_k
+        w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
         if NORM:
-            gain = tl.load(g_ptr + kk).to(tl.float32)
-        a0, u0, s0 = _accumulate_row(a0, u0, s0, x_ptr, kk, gain, w, u, NORM, SILU_MUL)
-        if M > 1:
-            a1, u1, s1 = _accumulate_row(a1, u1, s1, x_ptr + stride_xm, kk, gain, w, u, NORM, SILU_MUL)
-        if M > 2:
-            a2, u2, s2 = _accumulate_row(a2, u2, s2, x_ptr + 2 * stride_xm, kk, gain, w, u, NORM, SILU_MUL)
-        if M > 3:
-            a3, u3, s3 = _accumulate_row(a3, u3, s3, x_ptr + 3 * stride_xm, kk, gain, w, u, NORM, SILU_MUL)
-    _store_row(a0, u0, s0, out_ptr, res_ptr, offs_n, n_mask, K, eps, NORM, RESIDUAL, SILU_MUL)
-    if M > 1:
-        _store_row(a1, u1, s1, out_ptr + stride_om, res_ptr + stride_rm, offs_n, n_mask, K, eps,
-                   NORM, RESIDUAL, SILU_MUL)
-    if M > 2:
-        _store_row(a2, u2, s2, out_ptr + 2 * stride_om, res_ptr + 2 * stride_rm, offs_n, n_mask, K, eps,
-                   NORM, RESIDUAL, SILU_MUL)
-    if M > 3:
-        _store_row(a3, u3, s3, out_ptr + 3 * stride_om, res_ptr + 3 * stride_rm, offs_n, n_mask, K, eps,
-                   NORM, RESIDUAL, SILU_MUL)
+            xf = x.to(tl.float32)
+            sumsq += tl.sum(xf * xf, axis=1)
+            x = xf * tl.load(g_ptr + k0 + offs_k).to(tl.float32)[None, :]
+        xt = tl.trans(x.to(w.dtype))
+        acc = tl.dot(w, xt, acc)
+        if SILU_MUL:
+            u = tl.load(w_ptrs + (up_offset + k0), mask=n_mask[:, None], other=0.0)
+            acc_up = tl.dot(u, xt, acc_up)
+    dtype = out_ptr.dtype.element_ty
+    if NORM:
+        rstd = 1.0 / tl.sqrt(sumsq / K + eps)
+        acc = acc * rstd[None, :]
+        acc_up = acc_up * rstd[None, :]
+    y = acc
+    if SILU_MUL:
+        gate = acc.to(dtype).to(tl.float32)
+        y = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    mask = n_mask[:, None] & m_mask[None, :]
+    if RESIDUAL:
+        res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
+        y = res.to(tl.float32) + y.to(res_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(dtype), mask=mask)
 
 
-# Tuned on an H200 (see docs/PERFORMANCE.md); keyed by (rows, N, K, silu). Anything else gets the heuristic.
+# Tuned on an H200 by scripts/tune_gemv.py (see docs/PERFORMANCE.md); keyed by (rows, N, K, silu). Anything else
+# gets the heuristic. MUSIC3_GEMV_TUNED=<json written by the script> overrides entries (tuning runs).
 TUNED: dict[tuple[int, int, int, bool], GemvConfig] = {}
+
+
+def load_tuned(path: str) -> None:
+    with open(path) as handle:
+        for entry in json.load(handle):
+            TUNED[tuple(entry["key"])] = GemvConfig(*entry["config"])
+
+
+if os.environ.get("MUSIC3_GEMV_TUNED"):
+    load_tuned(os.environ["MUSIC3_GEMV_TUNED"])
 
 
 def default_config(m: int, n: int, k: int, silu_mul: bool) -> GemvConfig:
     tuned = TUNED.get((m, n, k, silu_mul))
     if tuned is not None:
         return tuned
-    # Keep the fp32 accumulators (rows x (1 + silu) x BLOCK_N x BLOCK_K) near 64 registers per thread.
-    block_k = next(b for b in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if k % b == 0)
-    budget = 2 * 4096 // ((1 + int(silu_mul)) * m)
-    block_n = max(2, min(16, budget // block_k))
+    block_k = next(b for b in (256, 128, 64, 32, 16) if k % b == 0)
     if interpreting():
-        block_n = 256  # the CPU interpreter runs programs one after another: few wide ones are fastest
-    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4)
+        return GemvConfig(block_n=256, block_k=block_k)  # the CPU interpreter runs programs one by one: few, wide
+    return GemvConfig(block_n=16, block_k=block_k, num_warps=4, num_stages=4)
 
 
 def gemv(
@@ -147,15 +125,15 @@ def gemv(
     config: GemvConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """out[m] = epilogue(W · prologue(x[m])) for each of the M <= 4 rows of x ([M, K], unit stride along K).
+    """out[m] = epilogue(W · prologue(x[m])) for each of the M <= 16 rows of x ([M, K], unit stride along K).
 
     `weight` is [N, K] ([2N, K] = [gate; up] with `silu_mul`); `out` is [M, N] with any row stride; `residual` is
     [M, N] or [1, N] expanded to M rows (stride 0), and may be `out` itself.
     """
     m, k = x.shape
     n = out.shape[1]
-    if m > 4 or x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError("gemv needs at most 4 rows with unit stride along the last dim and a contiguous weight")
+    if m > 16 or x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("gemv needs at most 16 rows with unit stride along the last dim and a contiguous weight")
     if weight.shape != ((2 * n) if silu_mul else n, k) or out.shape[0] != m:
         raise ValueError(f"gemv shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
     cfg = config or default_config(m, n, k, silu_mul)
@@ -169,6 +147,6 @@ def gemv(
         n, k, x.stride(0), out.stride(0), stride_rm, n * k, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul, PDL=pdl,
-        num_warps=cfg.num_warps, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     return out
