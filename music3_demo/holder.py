@@ -27,6 +27,8 @@ FIX_HINT = (
 )
 
 PhaseCallback = Callable[[str], None]
+# A load reports these phases in order, each as the first word of its text (the page shows "step k of 3").
+LOAD_PHASES = ("fetching", "loading", "warming")
 WARMUP_REQUEST = GenerationRequest("warm-up", duration=1.0, num_steps=2, seed=0, instrumental=True)
 
 
@@ -43,6 +45,7 @@ class HolderStatus:
     error: str | None
     notice: str | None  # set when the loaded model is a built-in random one
     loading_for_s: float | None
+    loads: int
 
     def as_dict(self) -> dict:
         return dict(self.__dict__, devices=list(self.devices), busy=list(self.busy))
@@ -80,6 +83,7 @@ class ModelHolder:
         self._phase = "not loaded yet: the model loads on the first song"
         self._error: str | None = None
         self._loading_since: float | None = None
+        self.loads = 0  # completed loads (one per device in a healthy process: the status endpoint shows it)
 
     # ---- status -------------------------------------------------------------------------------------------------
     def status(self) -> HolderStatus:
@@ -104,6 +108,7 @@ class ModelHolder:
             error=self._error if not loaded else None,
             notice=self._source.notice if self._source is not None else None,
             loading_for_s=None if self._loading_since is None else time.monotonic() - self._loading_since,
+            loads=self.loads,
         )
 
     @property
@@ -144,7 +149,8 @@ class ModelHolder:
     def _resolve(self, on_phase: PhaseCallback | None) -> ModelSource:
         with self._source_lock:
             if self._source is None:
-                self._set_phase(f"fetching {self.model} (downloads once, then comes from the local cache)", on_phase)
+                self._set_phase(f"{LOAD_PHASES[0]} {self.model} (downloads once, then comes from the local cache)",
+                                on_phase)
                 self._source = resolve(self.model)
                 if self._source.folder is not None:
                     self._tokenizer = _load_tokenizer(self._source)
@@ -162,7 +168,7 @@ class ModelHolder:
             self._error = None
             try:
                 source = self._resolve(on_phase)
-                self._set_phase(f"loading {self.model} onto {slot.device}", on_phase)
+                self._set_phase(f"{LOAD_PHASES[1]} {self.model} onto {slot.device}", on_phase)
                 target = str(source.folder) if source.folder is not None else source.name
                 pipeline = Music3Pipeline.from_pretrained(target, device=slot.device, engine=self.engine)
                 if self._tokenizer is None:
@@ -170,7 +176,7 @@ class ModelHolder:
                 if self.warmup:
                     # The first song on a fresh pipeline pays one-off costs (kernel selection, graph capture,
                     # allocator growth); a one-second song here keeps them away from the first user.
-                    self._set_phase(f"warming up on {slot.device}", on_phase)
+                    self._set_phase(f"{LOAD_PHASES[2]} up on {slot.device}", on_phase)
                     pipeline.generate(WARMUP_REQUEST)
             except Exception as error:
                 self._error = load_error_message(self.model, error)
@@ -180,6 +186,7 @@ class ModelHolder:
                 elapsed = time.monotonic() - self._loading_since
                 self._loading_since = None
             slot.pipeline = pipeline
+            self.loads += 1
             self._set_phase(f"ready on {', '.join(self.devices)} (loaded in {elapsed:.1f} s)", on_phase)
             return pipeline
 

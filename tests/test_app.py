@@ -154,3 +154,52 @@ def test_unloadable_model_still_opens_the_page_and_says_why(tmp_path):
         with pytest.raises(AppError) as error:
             generate(page, duration=1.0)
         assert str(missing) in str(error.value) and "--model tiny" in str(error.value)
+
+
+def test_concurrent_first_requests_load_the_model_once():
+    from music3_demo.holder import ModelHolder
+
+    holder = ModelHolder("tiny", ["cpu"], engine="reference", warmup=False)
+    holder.preload()  # start-up load in the background, racing the first requests below
+    seen = []
+
+    def first_request() -> None:
+        with holder.acquire() as lease:
+            seen.append(lease.pipeline)
+
+    threads = [threading.Thread(target=first_request) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(seen) == 3 and len({id(pipeline) for pipeline in seen}) == 1
+    assert holder.loads == 1 and holder.status().state == "ready" and holder.status().busy == ()
+    holder.release()
+
+
+def test_finished_songs_expire_after_the_ttl(tmp_path):
+    import os
+
+    import numpy as np
+
+    from music3_demo.events import Song
+    from music3_demo.ui.store import SongStore
+
+    store = SongStore(tmp_path, ttl_s=3600)
+    song = Song(np.zeros((2, 4410), dtype=np.float32), c.SAMPLE_RATE, frames=2, seed=1)
+    old, new = store.save(song, "old song"), store.save(song, "new song")
+    two_hours_ago = time.time() - 7200
+    os.utime(Path(old.wav).parent, (two_hours_ago, two_hours_ago))
+    assert store.sweep() == 1
+    assert not Path(old.wav).exists() and Path(new.wav).exists() and Path(new.flac).exists()
+
+
+def test_zero_gpu_duration_grows_with_the_song():
+    from music3_demo.ui.gpu import MAX_GPU_S, estimate_gpu_seconds, on_gpu, spaces_available
+
+    short, long = GenerationRequest("x", duration=10), GenerationRequest("x", duration=240)
+    assert 0 < estimate_gpu_seconds(short) < estimate_gpu_seconds(long) <= MAX_GPU_S
+    assert estimate_gpu_seconds(GenerationRequest("x", duration=60, num_steps=100)) > estimate_gpu_seconds(
+        GenerationRequest("x", duration=60, num_steps=10))
+    if not spaces_available():
+        assert on_gpu(test_zero_gpu_duration_grows_with_the_song) is test_zero_gpu_duration_grows_with_the_song

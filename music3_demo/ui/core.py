@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -101,17 +102,21 @@ def run(
     tracker.report(progress, force=True)
     events = job.events(ctx.tick)
     song: Song | None = None
+    last_yield = time.monotonic()
     try:
         for event in events:
             if isinstance(event, (Phase, Progress)):
                 tracker.update(event)
-            elif isinstance(event, AudioPiece):
-                yield event
-                continue
             elif isinstance(event, Finished):
                 song = event.song  # saved once the worker has ended and stamped the job's times
-            tracker.report(progress)
-            yield None
+            if isinstance(event, AudioPiece) or time.monotonic() - last_yield >= ctx.tick:
+                # Yield only for audio or once a tick: every page update blanks Gradio's progress bar until the
+                # next progress message, so yielding per frame would make it flicker. Re-send progress at once.
+                yield event if isinstance(event, AudioPiece) else None
+                last_yield = time.monotonic()
+                tracker.report(progress, force=True)
+            else:
+                tracker.report(progress)
         if song is None:
             raise RuntimeError("the pipeline ended without a song")
         yield finish(ctx, request, job, song)

@@ -130,7 +130,7 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
                      request: gr.Request, progress: gr.Progress = gr.Progress()):
             song_request = check(holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
                                                       lm_cfg_scale, top_k, instrumental))
-            yield {status: "", result: gr.update(visible=False)}
+            yield {status: "", result: gr.update(visible=False), live: None}  # a new run: the old stream goes
             try:
                 with closing(run(ctx, song_request, request.session_hash, progress)) as items:
                     for item in items:
@@ -184,6 +184,10 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
             refresh_banner, None, [banner, banner_timer], queue=False, api_visibility="private")
         stop_button.click(stop, None, [status, generate_button, stop_button], cancels=[run_event], queue=False,
                           api_visibility="private")
+        def tab_closed(request: gr.Request) -> None:
+            ctx.registry.stop(request.session_hash)  # a closed tab must not keep a GPU busy for nobody
+
+        demo.unload(tab_closed)
     return demo
 
 

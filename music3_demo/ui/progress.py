@@ -11,6 +11,7 @@ from typing import Callable
 
 from .. import contract as c
 from ..events import Progress
+from ..holder import LOAD_PHASES
 from .runner import Phase
 
 # gr.Progress signature: (progress, desc=None, total=None, unit="steps")
@@ -49,7 +50,7 @@ class StageTracker:
     def description(self) -> str:
         if self.phase is not None:
             waited = time.monotonic() - self._phase_started
-            label = "Loading model: " if self.phase.startswith(("fetching", "loading", "warming")) else ""
+            label = "Loading model: " if self._load_step() is not None else ""
             return f"{label}{self.phase}" + (f" ({_seconds(waited)})" if waited >= 1 else "")
         parts = []
         if self.semantic is not None:
@@ -67,10 +68,19 @@ class StageTracker:
             parts.append("Vocoder")
         return " │ ".join(parts) or "Starting"
 
+    def _load_step(self) -> int | None:
+        """1-3 while the model loads (fetch, weights, warm-up): Gradio shows a description only with a fraction."""
+        for step, prefix in enumerate(LOAD_PHASES, start=1):
+            if self.phase is not None and self.phase.startswith(prefix):
+                return step
+        return None
+
     def _semantic_running(self) -> bool:
         return self.semantic is not None and self.semantic.done < self.semantic.total
 
     def fraction(self) -> tuple[int, int] | None:
+        if self._load_step() is not None:
+            return self._load_step(), len(LOAD_PHASES)
         if self._semantic_running() or (self.semantic is not None and self.flow is None):
             return self.semantic.done, self.semantic.total
         if self.flow is not None:
@@ -83,5 +93,10 @@ class StageTracker:
         if not force and now - self._last_sent < self.min_interval:
             return
         self._last_sent = now
-        on_semantic = self._semantic_running() or (self.semantic is not None and self.flow is None)
-        progress(self.fraction(), desc=self.description(), unit="frames" if on_semantic else "steps")
+        if self._load_step() is not None:
+            unit = "loading steps"
+        elif self._semantic_running() or (self.semantic is not None and self.flow is None):
+            unit = "frames"
+        else:
+            unit = "steps"
+        progress(self.fraction(), desc=self.description(), unit=unit)

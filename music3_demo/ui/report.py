@@ -35,7 +35,7 @@ def song_report(song: Song, request: GenerationRequest, record: JobRecord, model
 
 def _clock(seconds: float) -> str:
     minutes, rest = divmod(seconds, 60)
-    return f"{int(minutes)}:{rest:05.2f}"
+    return f"{int(minutes)}:{rest:04.1f}"
 
 
 def report_markdown(report: dict) -> str:
