@@ -101,7 +101,7 @@ def run_song(engine: SemanticEngine, text_ids: torch.Tensor, frames: int, seed: 
 
 def bench_semantic(
     components: dict, engines: list[str], prompt_tokens: list[int], frames: int, reference_frames: int, seed: int,
-    pdl: bool | None = None,
+    pdl: bool = False,
 ) -> dict:
     from .semantic.graph import GraphEngine
     from .semantic.reference import ReferenceEngine
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-frames", type=int, default=100,
                         help="frames for the reference engine (it runs ~9 frames/s; its rate is steady)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pdl", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--pdl", choices=("on", "off"), default="off", help="programmatic dependent launch (Hopper)")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update(
         bench_semantic(
             components, engines, report["prompt_tokens"], args.frames, args.reference_frames, args.seed,
-            pdl={"auto": None, "on": True, "off": False}[args.pdl],
+            pdl=args.pdl == "on",
         )
     )
     text = json.dumps(report, indent=1)

@@ -7,9 +7,12 @@ its N side ("swap AB"): the weight stream then goes through Triton's multi-stage
 Fused on the way:
 - NORM: RMSNorm of x folded in as y = rstd · W(x ⊙ g): rstd is a per-row scalar, so it is accumulated alongside the
   product and no normalised copy of x is written or re-read.
-- SILU_MUL: W holds [gate; up] (2N rows); the program computes both halves of its rows and writes silu(g) · u.
+- SWIGLU_INPUT: x is [M, 2K] = [gate | up] (the fused gate/up projection's output); the activation silu(g) · u
+  is formed as it is loaded, with HF's bf16 rounding. (Fusing SwiGLU into the gate/up product's epilogue instead
+  needs two weight tiles per pipeline stage, which halves the programs per SM: measured 2.0-2.6 TB/s vs 3.0-4.0.)
 - RESIDUAL: out = residual + y (in place when out is the residual); with a bf16 residual, HF's rounding of each step.
-- PDL (Hopper): the program waits for the previous kernel only once it is resident (programmatic dependent launch).
+- PDL (Hopper): the program waits for the previous kernel only once it is resident (programmatic dependent launch;
+  measured slower here, so off by default).
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ class GemvConfig:
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, g_ptr,
-    N, K, stride_xm, stride_om, stride_rm, up_offset, eps,
+    N, K, stride_xm, stride_om, stride_rm, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU_INPUT: tl.constexpr, PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     pid = tl.program_id(0)
@@ -58,29 +61,23 @@ def _gemv_kernel(
         gdc_launch_dependents()
         gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+        if SWIGLU_INPUT:
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptrs + (K + k0), mask=m_mask[:, None], other=0.0)
+            x = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32) * up.to(tl.float32)
         if NORM:
             xf = x.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
             x = xf * tl.load(g_ptr + k0 + offs_k).to(tl.float32)[None, :]
-        xt = tl.trans(x.to(w.dtype))
-        acc = tl.dot(w, xt, acc)
-        if SILU_MUL:
-            u = tl.load(w_ptrs + (up_offset + k0), mask=n_mask[:, None], other=0.0)
-            acc_up = tl.dot(u, xt, acc_up)
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     dtype = out_ptr.dtype.element_ty
-    if NORM:
-        rstd = 1.0 / tl.sqrt(sumsq / K + eps)
-        acc = acc * rstd[None, :]
-        acc_up = acc_up * rstd[None, :]
     y = acc
-    if SILU_MUL:
-        gate = acc.to(dtype).to(tl.float32)
-        y = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    if NORM:
+        y = acc * (1.0 / tl.sqrt(sumsq / K + eps))[None, :]
     mask = n_mask[:, None] & m_mask[None, :]
     if RESIDUAL:
         res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
@@ -88,9 +85,21 @@ def _gemv_kernel(
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(dtype), mask=mask)
 
 
-# Tuned on an H200 by scripts/tune_gemv.py (see docs/PERFORMANCE.md); keyed by (rows, N, K, silu). Anything else
-# gets the heuristic. MUSIC3_GEMV_TUNED=<json written by the script> overrides entries (tuning runs).
-TUNED: dict[tuple[int, int, int, bool], GemvConfig] = {}
+# Tuned on an H200 by scripts/tune_gemv.py (docs/PERFORMANCE.md); keyed by (rows, N, K, swiglu_input). Anything
+# else gets the heuristic. MUSIC3_GEMV_TUNED=<json written by the script> overrides entries (tuning runs).
+TUNED: dict[tuple[int, int, int, bool], GemvConfig] = {
+    (2, 6144, 4096, False): GemvConfig(64, 256, 4, 3),  # LM q|k|v (+ RMSNorm)
+    (2, 4096, 4096, False): GemvConfig(32, 256, 4, 5),  # LM o, depth out, depth projection
+    (2, 24576, 4096, False): GemvConfig(64, 256, 4, 3),  # LM gate|up (+ RMSNorm)
+    (2, 4096, 12288, True): GemvConfig(32, 256, 4, 5),  # LM down (SwiGLU formed on load)
+    (2, 16385, 4096, False): GemvConfig(64, 128, 4, 4),  # LM audio head
+    (4, 12288, 4096, False): GemvConfig(64, 256, 4, 3),  # depth q|k|v and gate|up, first pass
+    (2, 12288, 4096, False): GemvConfig(64, 256, 4, 3),  # depth q|k|v and gate|up
+    (4, 4096, 4096, False): GemvConfig(32, 256, 4, 5),
+    (4, 4096, 6144, True): GemvConfig(32, 256, 4, 5),  # depth down
+    (2, 4096, 6144, True): GemvConfig(32, 256, 4, 5),
+    (2, 1024, 4096, False): GemvConfig(16, 512, 4, 3),  # depth heads
+}
 
 
 def load_tuned(path: str) -> None:
@@ -103,8 +112,8 @@ if os.environ.get("MUSIC3_GEMV_TUNED"):
     load_tuned(os.environ["MUSIC3_GEMV_TUNED"])
 
 
-def default_config(m: int, n: int, k: int, silu_mul: bool) -> GemvConfig:
-    tuned = TUNED.get((m, n, k, silu_mul))
+def default_config(m: int, n: int, k: int, swiglu_input: bool) -> GemvConfig:
+    tuned = TUNED.get((m, n, k, swiglu_input))
     if tuned is not None:
         return tuned
     block_k = next(b for b in (256, 128, 64, 32, 16) if k % b == 0)
@@ -121,22 +130,22 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
-    silu_mul: bool = False,
+    swiglu_input: bool = False,
     config: GemvConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """out[m] = epilogue(W · prologue(x[m])) for each of the M <= 16 rows of x ([M, K], unit stride along K).
 
-    `weight` is [N, K] ([2N, K] = [gate; up] with `silu_mul`); `out` is [M, N] with any row stride; `residual` is
-    [M, N] or [1, N] expanded to M rows (stride 0), and may be `out` itself.
+    `weight` is [N, K]; with `swiglu_input` x is [M, 2K] = [gate | up]; `out` is [M, N] with any row stride;
+    `residual` is [M, N] or [1, N] expanded to M rows (stride 0), and may be `out` itself.
     """
-    m, k = x.shape
-    n = out.shape[1]
+    m = x.shape[0]
+    n, k = weight.shape
     if m > 16 or x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("gemv needs at most 16 rows with unit stride along the last dim and a contiguous weight")
-    if weight.shape != ((2 * n) if silu_mul else n, k) or out.shape[0] != m:
+    if x.shape[1] != (2 * k if swiglu_input else k) or out.shape != (m, n):
         raise ValueError(f"gemv shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
-    cfg = config or default_config(m, n, k, silu_mul)
+    cfg = config or default_config(m, n, k, swiglu_input)
     if k % cfg.block_k:
         raise ValueError(f"K={k} must be a multiple of block_k={cfg.block_k}")
     res = out if residual is None else residual
@@ -144,9 +153,9 @@ def gemv(
     launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, out, res, x if norm_weight is None else norm_weight,
-        n, k, x.stride(0), out.stride(0), stride_rm, n * k, eps,
+        n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        NORM=norm_weight is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul, PDL=pdl,
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU_INPUT=swiglu_input, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     return out
