@@ -81,9 +81,9 @@ def test_three_concurrent_clients_finish_one_generation_at_a_time(app):
         watcher.join()
     reports = sorted((report for _, report in results), key=lambda report: report["started_at"])
     assert len({report["job"] for report in reports}) == 3
-    for wav, report in results:
+    for wav, _report in results:
         assert abs(sf.info(wav).frames / c.SAMPLE_RATE - 2.0) <= FRAME_S
-    for earlier, later in zip(reports, reports[1:]):
+    for earlier, later in zip(reports, reports[1:], strict=False):
         assert earlier["ended_at"] <= later["started_at"], "two generations overlapped"
     assert busy_samples and max(busy_samples) <= 1 and 1 in busy_samples
 
@@ -131,7 +131,7 @@ def test_bad_input_returns_validates_sentence(client, tiny_folder, change):
     tokenizer = AutoTokenizer.from_pretrained(str(Path(tiny_folder) / "tokenizer"))
     values = {"duration": 2.0, "seed": 1, "guidance_scale": 1.7, "lm_cfg_scale": 1.5, "top_k": 50} | QUICK | change
     with pytest.raises(InvalidRequest) as expected:
-        validate(GenerationRequest(**values), lambda d, l: count_prompt_tokens(tokenizer, d, l))
+        validate(GenerationRequest(**values), lambda text, words: count_prompt_tokens(tokenizer, text, words))
     with pytest.raises(AppError) as got:
         generate(client, **values)
     assert str(got.value) == str(expected.value)
@@ -203,3 +203,26 @@ def test_zero_gpu_duration_grows_with_the_song():
         GenerationRequest("x", duration=60, num_steps=10))
     if not spaces_available():
         assert on_gpu(test_zero_gpu_duration_grows_with_the_song) is test_zero_gpu_duration_grows_with_the_song
+
+
+def test_progress_line_follows_overlapping_stages():
+    """On a GPU the flow stage runs while frames are still being made: the line shows both, the bar the frames."""
+    from music3_demo.events import Progress
+    from music3_demo.ui.progress import StageTracker
+    from music3_demo.ui.runner import Phase
+
+    sent = []
+    tracker = StageTracker(duration_s=20.0, steps=30, min_interval=0.0)  # 500 frames, 4 chunks
+    tracker.update(Phase("loading tiny onto cuda:0"))
+    tracker.report(lambda *args, **kwargs: sent.append((args, kwargs)))
+    assert sent[-1][0][0] == (2, 3) and sent[-1][1]["desc"].startswith("Loading model: loading tiny")
+    tracker.update(Progress("semantic", 300, 500, rate=150.0, eta=1.33))
+    tracker.update(Progress("flow", 45, 120))
+    tracker.report(lambda *args, **kwargs: sent.append((args, kwargs)))
+    (fraction,), kwargs = sent[-1]
+    assert fraction == (300, 500) and kwargs["unit"] == "frames"
+    assert "Semantic 300/500 frames · 150.0 frames/s · ETA 1 s" in kwargs["desc"]
+    assert "Flow chunk 2/4" in kwargs["desc"]
+    tracker.update(Progress("semantic", 500, 500, rate=150.0, eta=0.0))
+    tracker.report(lambda *args, **kwargs: sent.append((args, kwargs)))
+    assert sent[-1][0][0] == (45, 120) and sent[-1][1]["unit"] == "steps"

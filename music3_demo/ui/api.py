@@ -7,8 +7,8 @@ event. Both generation events share the `gpu` concurrency group, so the page and
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import closing
-from typing import Iterator
 
 import gradio as gr
 
@@ -61,7 +61,8 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
             gr.Number(label="duration", value=c.DEFAULT_DURATION_S),
             gr.Number(label="guidance_scale", value=c.DEFAULT_GUIDANCE),
             gr.Number(label="num_steps", value=c.DEFAULT_STEPS),
-            gr.Number(label="seed", value=RANDOM_SEED, info="-1 (the default) picks a random seed; the report says which"),
+            gr.Number(label="seed", value=RANDOM_SEED,
+                      info="-1 (the default) picks a random seed; the report says which"),
             gr.Number(label="lm_cfg_scale", value=c.AR_CFG_SCALE),
             gr.Number(label="top_k", value=c.AR_SAMPLING_TOP_K),
             gr.Checkbox(label="instrumental", value=False),

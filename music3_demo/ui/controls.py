@@ -88,7 +88,8 @@ def build_controls() -> Controls:
         lyrics = gr.Textbox(label="Lyrics", info=LYRICS_HELP, lines=10, max_lines=30, elem_id="lyrics",
                             placeholder="[verse]\nFirst line of the song\n…\n\n[chorus]\n…")
         with gr.Row(elem_classes="m3-tags"):
-            tag_buttons = [gr.Button(f"[{tag}]", size="sm", min_width=60, elem_classes="m3-tag") for tag in SECTION_TAGS]
+            tag_buttons = [gr.Button(f"[{tag}]", size="sm", min_width=60, elem_classes="m3-tag")
+                           for tag in SECTION_TAGS]
     token_counter = gr.Markdown(elem_id="token-counter")
     instrumental = gr.Checkbox(label="Instrumental (no vocals: the lyrics are ignored)", value=False,
                                elem_id="instrumental")

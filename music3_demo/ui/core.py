@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import gradio as gr
 import numpy as np

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from .. import contract as c
 from ..request import GenerationRequest

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import gradio as gr
 
@@ -50,7 +50,8 @@ def _summary(entry: dict) -> str:
     minutes, seconds = divmod(entry["duration_s"], 60)
     made = time.strftime("%H:%M", time.localtime(entry["created"]))
     kind = "instrumental" if entry["instrumental"] else "song"
-    return f"**{_escape(entry['title'])}**  \n{int(minutes)}:{seconds:04.1f} {kind} · seed `{entry['seed']}` · made at {made}"
+    return (f"**{_escape(entry['title'])}**  \n{int(minutes)}:{seconds:04.1f} {kind} · seed `{entry['seed']}` "
+            f"· made at {made}")
 
 
 def render_history(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from contextlib import closing
 from dataclasses import replace
+from functools import partial
 
 import gradio as gr
 import numpy as np
@@ -104,12 +105,12 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
         # ---- controls ---------------------------------------------------------------------------------------
         count_inputs = [controls.description, controls.lyrics, controls.instrumental]
         gr.on([controls.description.change, controls.lyrics.change, controls.instrumental.change, demo.load],
-              lambda d, l, i: token_counter_markdown(holder, d, l, i), count_inputs, controls.token_counter,
+              partial(token_counter_markdown, holder), count_inputs, controls.token_counter,
               queue=False, show_progress="hidden", trigger_mode="always_last", api_visibility="private")
         controls.instrumental.change(
             lambda on: [gr.update(interactive=not on)] * (1 + len(controls.tag_buttons)), controls.instrumental,
             [controls.lyrics, *controls.tag_buttons], queue=False, show_progress="hidden", api_visibility="private")
-        for button, tag in zip(controls.tag_buttons, assets.SECTION_TAGS):
+        for button, tag in zip(controls.tag_buttons, assets.SECTION_TAGS, strict=True):
             button.click(None, controls.lyrics, controls.lyrics, js=insert_tag_js(tag), api_visibility="private")
         controls.dice.click(lambda: (new_seed(), False), None, [controls.seed, controls.random_seed], queue=False,
                             api_visibility="private")
@@ -123,7 +124,8 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
             if random_seed:
                 request = replace(request, seed=new_seed())
             check(holder, request)
-            return request.seed, gr.update(interactive=False, value="Generating…"), gr.update(visible=True)
+            return (request.seed, gr.update(interactive=False, value="Generating…"), gr.update(visible=True),
+                    "⏳ Waiting for your turn: the song starts as soon as the model is free.")
 
         def generate(description: str, lyrics: str, duration: float, guidance_scale: float, num_steps: float,
                      seed: float | None, lm_cfg_scale: float, top_k: float, instrumental: bool, entries: list[dict],
@@ -172,7 +174,8 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
 
         request_inputs = controls.request_inputs()
         run_event = generate_button.click(
-            prepare, [*request_inputs, controls.random_seed], [controls.seed, generate_button, stop_button],
+            prepare, [*request_inputs, controls.random_seed],
+            [controls.seed, generate_button, stop_button, status],
             queue=False, show_progress="hidden", api_visibility="private",
         ).success(
             generate, [*request_inputs, history],

@@ -7,7 +7,7 @@ the semantic stage until it is done, then the flow stage.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .. import contract as c
 from ..events import Progress

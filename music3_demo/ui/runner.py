@@ -12,8 +12,8 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from ..events import Event
 from ..holder import ModelHolder
@@ -101,7 +101,7 @@ _gpu_generation_events = on_gpu(generation_events)
 class Job:
     """One request's generation, its cancel flag and its record."""
 
-    def __init__(self, holder: ModelHolder, request: GenerationRequest, registry: "JobRegistry | None" = None) -> None:
+    def __init__(self, holder: ModelHolder, request: GenerationRequest, registry: JobRegistry | None = None) -> None:
         self.holder = holder
         self.request = request
         self.cancel = threading.Event()
