@@ -146,11 +146,13 @@ def test_stop_a_long_run(page, app):
     time.sleep(1.0)
     shot(page, "04-long-run-progress")
     page.locator("#stop").click()
-    stopped_at = time.monotonic()
+    stopped_at = time.time()
     wait_text(page, "#run-status", "Stopped")
     while app.status()["busy"]:
-        assert time.monotonic() - stopped_at < 3, "the server kept generating after Stop"
+        assert time.time() - stopped_at < 5, "the server kept generating after Stop"
         time.sleep(0.05)
+    record = [job for job in app.status()["jobs"] if job["duration"] == 120.0][-1]
+    assert record["state"] == "cancelled" and record["ended_at"] - stopped_at < 1.0
     generate = page.locator("#generate")
     page.wait_for_function("() => !document.querySelector('#generate').disabled")
     assert "Generate" in generate.inner_text() and not page.locator("#stop").is_visible()

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from contextlib import closing
 from dataclasses import replace
 from functools import partial
 
 import gradio as gr
-import numpy as np
 
-from .. import contract as c
 from ..events import AudioPiece
 from ..semantic import Cancelled
 from . import assets
@@ -25,17 +22,11 @@ from .controls import (
     settings_values,
     token_counter_markdown,
 )
-from .core import AppContext, Outcome, check, make_request, run, wav_bytes
-from .history import PLAIN_PLAYER, add_entry, render_history
-from .report import report_markdown
+from .core import AppContext, Outcome, check, make_request, run
+from .history import add_entry, render_history
+from .run_view import STOPPED_TEXT, WAITING_TEXT, build_run_view
 
 GENERATE_LABEL = "🎵 Generate"
-# Gradio's stream encoder keeps the song's last ~0.7 s until the stream is flushed at the end of the run, and the
-# browser never fetches that final segment. Two short silences after the last piece push the real tail out in
-# segments the player does load; only silence is left for the lost flush.
-STREAM_PAD = wav_bytes(np.zeros((2, c.SAMPLE_RATE // 4), dtype=np.float32), c.SAMPLE_RATE)
-STREAM_PAD_GAP_S = 0.15
-STREAM_SEGMENT = c.SAMPLE_RATE  # samples per streamed chunk
 
 
 def launch_options() -> dict:
@@ -59,23 +50,7 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
                                                 elem_id="generate")
                     stop_button = gr.Button("⏹ Stop", variant="stop", size="lg", scale=1, visible=False,
                                             elem_id="stop")
-                status = gr.Markdown("Press **Generate**: the song starts playing here while it is being made.",
-                                     elem_id="run-status")
-                live = gr.Audio(label="Live (plays while the song is made)", streaming=True, autoplay=True,
-                                interactive=False, elem_id="live-audio", visible=ctx.live_audio)
-                if not ctx.live_audio:
-                    gr.Markdown("Live playback needs `ffmpeg` on the server; the song appears when it is finished.",
-                                elem_classes="m3-muted")
-                with gr.Group(visible=False, elem_id="result") as result:
-                    final_audio = gr.Audio(label="Finished song", type="filepath", interactive=False,
-                                           buttons=["download"], waveform_options=PLAIN_PLAYER,
-                                           elem_id="result-audio")
-                    waveform = gr.Image(show_label=False, interactive=False, type="filepath", height=120,
-                                        elem_id="waveform", buttons=[])
-                    with gr.Row():
-                        wav_button = gr.DownloadButton("⬇ Download WAV", elem_id="download-wav", size="md")
-                        flac_button = gr.DownloadButton("⬇ Download FLAC", elem_id="download-flac", size="md")
-                    report = gr.Markdown(elem_id="report")
+                view = build_run_view(ctx.live_audio)
                 history = gr.State([])
                 with gr.Accordion("Your songs (this session)", open=True, elem_id="history"):
 
@@ -125,49 +100,30 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
                 request = replace(request, seed=new_seed())
             check(holder, request)
             return (request.seed, gr.update(interactive=False, value="Generating…"), gr.update(visible=True),
-                    "⏳ Waiting for your turn: the song starts as soon as the model is free.")
+                    WAITING_TEXT)
 
         def generate(description: str, lyrics: str, duration: float, guidance_scale: float, num_steps: float,
                      seed: float | None, lm_cfg_scale: float, top_k: float, instrumental: bool, entries: list[dict],
                      request: gr.Request, progress: gr.Progress = gr.Progress()):
             song_request = check(holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
                                                       lm_cfg_scale, top_k, instrumental))
-            yield {status: "", result: gr.update(visible=False), live: None}  # a new run: the old stream goes
+            yield view.start()
             try:
                 with closing(run(ctx, song_request, request.session_hash, progress)) as items:
                     for item in items:
                         if isinstance(item, AudioPiece):
-                            if not ctx.live_audio:
-                                yield gr.skip()
-                                continue
-                            # ~1 s stream segments: the player re-reads the playlist about once per longest segment,
-                            # so a 4 s piece sent whole would leave it waiting for seconds between pieces.
-                            for start in range(0, item.samples.shape[-1], STREAM_SEGMENT):
-                                yield {live: wav_bytes(item.samples[:, start:start + STREAM_SEGMENT], c.SAMPLE_RATE)}
+                            yield from view.piece(item)
                         elif isinstance(item, Outcome):
                             entries = add_entry(entries, item, ctx.history_limit)
-                            if ctx.live_audio:
-                                yield {live: STREAM_PAD}
-                                time.sleep(STREAM_PAD_GAP_S)
-                            yield {
-                                status: _done_line(item),
-                                result: gr.update(visible=True),
-                                final_audio: item.saved.wav,
-                                waveform: item.saved.waveform,
-                                wav_button: item.saved.wav,
-                                flac_button: item.saved.flac,
-                                report: report_markdown(item.report),
-                                history: entries,
-                                **({live: STREAM_PAD} if ctx.live_audio else {}),
-                            }
+                            yield from view.finished(item, also={history: entries})
                         else:
-                            yield gr.skip()
+                            yield gr.skip()  # a tick: hands control back so a Stop can close this generator
             except Cancelled:
-                yield {status: "⏹ Stopped."}
+                yield {view.status: STOPPED_TEXT}
 
         def stop(request: gr.Request) -> tuple:
             ctx.registry.stop(request.session_hash)  # direct, so the worker stops even before Gradio's cancel lands
-            return "⏹ Stopped.", gr.update(interactive=True, value=GENERATE_LABEL), gr.update(visible=False)
+            return STOPPED_TEXT, gr.update(interactive=True, value=GENERATE_LABEL), gr.update(visible=False)
 
         def restore() -> tuple:
             return gr.update(interactive=True, value=GENERATE_LABEL), gr.update(visible=False)
@@ -175,26 +131,21 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
         request_inputs = controls.request_inputs()
         run_event = generate_button.click(
             prepare, [*request_inputs, controls.random_seed],
-            [controls.seed, generate_button, stop_button, status],
+            [controls.seed, generate_button, stop_button, view.status],
             queue=False, show_progress="hidden", api_visibility="private",
         ).success(
-            generate, [*request_inputs, history],
-            [status, live, result, final_audio, waveform, wav_button, flac_button, report, history],
-            concurrency_id=GPU_GROUP, concurrency_limit=concurrency, show_progress_on=[status],
+            generate, [*request_inputs, history], [*view.outputs(), history],
+            concurrency_id=GPU_GROUP, concurrency_limit=concurrency, show_progress_on=[view.status],
             api_visibility="private",
         )
         run_event.then(restore, None, [generate_button, stop_button], queue=False, api_visibility="private").then(
             refresh_banner, None, [banner, banner_timer], queue=False, api_visibility="private")
-        stop_button.click(stop, None, [status, generate_button, stop_button], cancels=[run_event], queue=False,
+        stop_button.click(stop, None, [view.status, generate_button, stop_button], cancels=[run_event], queue=False,
                           api_visibility="private")
+
         def tab_closed(request: gr.Request) -> None:
             ctx.registry.stop(request.session_hash)  # a closed tab must not keep a GPU busy for nobody
 
         demo.unload(tab_closed)
     return demo
 
-
-def _done_line(outcome: Outcome) -> str:
-    report = outcome.report
-    return (f"✅ Finished: a {report['duration_s']:.1f} s song in {report['timings'].get('total_s', 0):.1f} s "
-            f"({report['realtime_factor']:.2f}× realtime). It is also in **Your songs** below.")
