@@ -130,6 +130,7 @@ def bench_semantic(
                 fraction_of_limit=result.get("frames_per_s", 0.0) / limit,
             )
             runs.append(result)
+    check = teacher_forced_check(graph, lm, depth, random_prompt(prompt_tokens[0], seed, device))
     speedups = {}
     for tokens in prompt_tokens:
         rates = {r["engine"]: r.get("frames_per_s") for r in runs if r["prompt_tokens"] == tokens}
@@ -147,7 +148,21 @@ def bench_semantic(
         "graph_captures": graph.capture_count,
         "runs": runs,
         "graph_over_reference": speedups,
+        "teacher_forced_check": check,
     }
+
+
+def teacher_forced_check(graph, lm, depth, text_ids: torch.Tensor, steps: int = 8) -> dict:
+    """Speed means nothing if the function is wrong: the graph engine's LM audio logits on random forced codes vs
+    the bf16 reference computation (~1.7e-2 apart from bf16 rounding alone over 36 random layers; a broken kernel
+    gives ~1)."""
+    from .semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
+
+    codes = random_codes(steps, torch.Generator().manual_seed(0))
+    logits, frames = graph.teacher_forced(text_ids, codes)
+    ref_logits, ref_frames = reference_teacher_forced(lm, depth, text_ids, codes)
+    worst = max(relative_error(logits, ref_logits).max().item(), relative_error(frames, ref_frames).max().item())
+    return {"steps": steps, "max_relative_error_vs_bf16_reference": worst, "ok": worst < 5e-2}
 
 
 def _commit() -> str:

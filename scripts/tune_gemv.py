@@ -3,7 +3,7 @@
 Each candidate is timed inside a CUDA graph of 24 launches that rotate over enough weight copies to defeat the L2
 (as in the engine, where ~22 GB pass between two uses of a weight), checked against torch, and reported in TB/s of
 weight bytes. Prints a table and the `TUNED` dict to paste into kernels/linear.py (and writes it as JSON for
-MUSIC3_GEMV_TUNED when given a path). Run: python scripts/tune_gemv.py [tuned.json] [--changed]
+MUSIC3_GEMV_TUNED when given a path). Run: python scripts/tune_gemv.py [tuned.json]
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from music3_demo.semantic.kernels.linear import GemvConfig, gemv  # noqa: E402
 
-# (rows, N, K, epilogue) of one frame: LM (36x), depth decoder (4 blocks x 7 passes), heads. "swiglu": x is
-# [gate | up] and the activation is formed on load (the down projections).
+# (rows, N, K, epilogue) of one frame: LM (36x), depth decoder (4 blocks x 7 passes), heads.
 SHAPES = [
-    (2, 6144, 4096, "norm"), (2, 4096, 4096, "residual"), (2, 24576, 4096, "norm"), (2, 4096, 12288, "swiglu"),
+    (2, 6144, 4096, "norm"), (2, 4096, 4096, "residual"), (2, 24576, 4096, "norm"), (2, 4096, 12288, "residual"),
     (2, 16385, 4096, "plain"), (4, 12288, 4096, "norm"), (2, 12288, 4096, "norm"), (4, 4096, 4096, "residual"),
-    (2, 4096, 4096, "residual"), (4, 4096, 6144, "swiglu"), (2, 4096, 6144, "swiglu"), (2, 1024, 4096, "plain"),
+    (2, 4096, 4096, "residual"), (4, 4096, 6144, "residual"), (2, 4096, 6144, "residual"), (2, 1024, 4096, "plain"),
 ]
-CHANGED = {(2, 24576, 4096, "norm"), (2, 4096, 12288, "swiglu"), (4, 4096, 6144, "swiglu"), (2, 4096, 6144, "swiglu")}
 CANDIDATES = [
     GemvConfig(16, 128, 4, 6), GemvConfig(16, 256, 4, 4), GemvConfig(16, 256, 4, 6), GemvConfig(16, 512, 4, 3),
     GemvConfig(16, 512, 4, 4), GemvConfig(32, 128, 4, 6), GemvConfig(32, 256, 4, 4), GemvConfig(32, 256, 4, 5),
@@ -34,9 +32,9 @@ CANDIDATES = [
 LAUNCHES = 24
 
 
-def fits(cfg: GemvConfig, swiglu: bool) -> bool:
-    # shared memory of the pipeline: stages x (weight tile + the 16-row activation tile(s)), bf16
-    return cfg.num_stages * (cfg.block_n + 16 * (1 + swiglu)) * cfg.block_k * 2 <= 200 * 1024
+def fits(cfg: GemvConfig) -> bool:
+    # shared memory of the pipeline: stages x (weight tile + the 16-row activation tile), bf16
+    return cfg.num_stages * (cfg.block_n + 16) * cfg.block_k * 2 <= 200 * 1024
 
 
 def time_graph(launch, count: int) -> float:
@@ -63,32 +61,26 @@ def time_graph(launch, count: int) -> float:
 def main() -> None:
     device = torch.device("cuda")
     results, tuned = [], {}
-    only_changed = "--changed" in sys.argv
     for rows, n, k, epilogue in SHAPES:
-        if only_changed and (rows, n, k, epilogue) not in CHANGED:
-            continue
-        swiglu = epilogue == "swiglu"
         nbytes = n * k * 2
         copies = max(2, -(-(512 << 20) // nbytes))
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
-        x = torch.randn(rows, 2 * k if swiglu else k, device=device, dtype=torch.bfloat16)
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         gain = torch.rand(k, device=device, dtype=torch.bfloat16) + 0.5
         res = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
         out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
-        kw = {"norm_weight": gain if epilogue == "norm" else None, "swiglu_input": swiglu}
+        kw = {"norm_weight": gain if epilogue == "norm" else None}
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
         inp = (normed.to(torch.bfloat16) * gain).float() if kw["norm_weight"] is not None else x.float()
-        if swiglu:
-            inp = torch.nn.functional.silu(inp[:, :k]) * inp[:, k:]
         ref = inp @ weights[0].float().T
-        if epilogue in ("residual", "swiglu"):
+        if epilogue == "residual":
             ref = ref + res.float()
         row = {"shape": [rows, n, k, epilogue], "MB": round(nbytes / 1e6, 1)}
         best = None
         for cfg in CANDIDATES:
-            if not fits(cfg, swiglu) or k % cfg.block_k:
+            if not fits(cfg) or k % cfg.block_k:
                 continue
-            kw["residual"] = res if epilogue in ("residual", "swiglu") else None
+            kw["residual"] = res if epilogue == "residual" else None
             try:
                 gemv(x, weights[0], out, config=cfg, **kw)
             except Exception as error:  # noqa: BLE001 - a config the compiler rejects (resources) is skipped
@@ -108,7 +100,7 @@ def main() -> None:
                    triton_us=round(nbytes / best[1] / 1e6, 1))
         print(json.dumps(row), flush=True)
         results.append(row)
-        tuned[(rows, n, k, swiglu)] = best[0]
+        tuned[(rows, n, k)] = best[0]
         del weights
         torch.cuda.empty_cache()
     print("TUNED = {")

@@ -22,7 +22,6 @@ for _name in (  # modules imported earlier in this process were built for the GP
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from teacher_forcing import random_codes, reference_teacher_forced, relative_error  # noqa: E402
 
 from music3_demo import builtin  # noqa: E402
 from music3_demo.semantic import resolve_engine_name  # noqa: E402
@@ -35,8 +34,10 @@ from music3_demo.semantic.kernels import (  # noqa: E402
     gemv,
     qk_norm_rope,
     rmsnorm,
+    silu_mul,
 )
 from music3_demo.semantic.reference import embed_audio_frame  # noqa: E402
+from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error  # noqa: E402
 from music3_demo.semantic.sampling import guide, reference_semantic_logits  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
@@ -71,8 +72,8 @@ def test_gemv_epilogues_match_torch(dtype, rows):
     normed = gemv(x, w, torch.empty(rows, n, dtype=dtype), norm_weight=g, config=cfg)
     _close(normed, _hf_rmsnorm(x, g) @ w.T, dtype)
     gate_up = torch.cat((x, _rand(rows, k, dtype=dtype, seed=5)), dim=1)  # [gate | up]
-    swiglu = gemv(gate_up, w, torch.empty(rows, n, dtype=dtype), swiglu_input=True, config=cfg)
-    _close(swiglu, (F.silu(gate_up[:, :k]) * gate_up[:, k:]) @ w.T, dtype)
+    _close(silu_mul(gate_up, torch.empty(rows, k, dtype=dtype), block=64), F.silu(gate_up[:, :k]) * gate_up[:, k:],
+           dtype)
     inplace = res.clone()
     gemv(x, w, inplace, residual=inplace, config=cfg)
     _close(inplace, res + x @ w.T, dtype)

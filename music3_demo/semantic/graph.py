@@ -36,6 +36,7 @@ from .kernels import (
     pdl_supported,
     qk_norm_rope,
     rmsnorm,
+    silu_mul,
 )
 from .kernels.frame import NO_END
 
@@ -116,7 +117,8 @@ class _State:
         self.qkv = torch.zeros(2, (heads + 2 * kv_heads) * hd, device=dev, dtype=dt)
         self.q = torch.zeros(2, heads * hd, device=dev, dtype=dt)
         self.attn = torch.zeros(2, heads * hd, device=dev, dtype=dt)
-        self.act = torch.zeros(2, 2 * e.intermediate, device=dev, dtype=dt)  # [gate | up]
+        self.gate_up = torch.zeros(2, 2 * e.intermediate, device=dev, dtype=dt)
+        self.act = torch.zeros(2, e.intermediate, device=dev, dtype=dt)
         splits = e.attention_splits
         self.partials = (
             torch.zeros(2 * heads, splits, hd, device=dev, dtype=torch.float32),
@@ -129,7 +131,8 @@ class _State:
         self.dh = torch.zeros(2, depth_hid, device=dev, dtype=torch.float32)  # passes 2..7
         self.dqkv = torch.zeros(4, 3 * depth_hid, device=dev, dtype=dt)
         self.do = torch.zeros(4, depth_hid, device=dev, dtype=dt)
-        self.dact = torch.zeros(4, 2 * e.depth_intermediate, device=dev, dtype=dt)
+        self.dgate_up = torch.zeros(4, 2 * e.depth_intermediate, device=dev, dtype=dt)
+        self.dact = torch.zeros(4, e.depth_intermediate, device=dev, dtype=dt)
         self.dstates = torch.zeros(2, e.num_codebooks - 1, depth_hid, device=dev, dtype=dt)
         self.dlogits = torch.zeros(2, e.audio_vocab, device=dev, dtype=dt)
         self.dcache = torch.zeros(
@@ -459,8 +462,8 @@ class GraphEngine:
             qk_norm_rope(s.qkv, s.q, k_cache, v_cache, block.q_norm, block.k_norm, s.cos, s.sin, pos, self.eps)
             decode_attention(s.q, k_cache, v_cache, pos, s.attn, s.partials, scale)
             gemv(s.attn, block.o, s.lm_h, residual=s.lm_h, pdl=pdl)
-            gemv(s.lm_h, block.gate_up, s.act, norm_weight=block.ln2, eps=self.eps, pdl=pdl)
-            gemv(s.act, block.down, s.lm_h, residual=s.lm_h, swiglu_input=True, pdl=pdl)
+            gemv(s.lm_h, block.gate_up, s.gate_up, norm_weight=block.ln2, eps=self.eps, pdl=pdl)
+            gemv(silu_mul(s.gate_up, s.act), block.down, s.lm_h, residual=s.lm_h, pdl=pdl)
         rmsnorm(s.lm_h, self.final_norm, s.lm_hidden, self.eps)
         s.counters.add_(1)
 
@@ -468,14 +471,14 @@ class GraphEngine:
         """The depth decoder's blocks over `new` positions per CFG row (rows b·new + i of h), caching K/V."""
         s = self._state
         rows = h.shape[0]
-        qkv, out, act = s.dqkv[:rows], s.do[:rows], s.dact[:rows]
+        qkv, out, gate_up, act = s.dqkv[:rows], s.do[:rows], s.dgate_up[:rows], s.dact[:rows]
         scale = (self.hidden // self.depth_heads) ** -0.5
         for index, block in enumerate(self.depth_blocks):
             gemv(h, block.qkv, qkv, norm_weight=block.ln1, eps=self.depth_eps, pdl=pdl)
             depth_attention(qkv, out, s.dcache[index, 0], s.dcache[index, 1], base, new, scale)
             gemv(out, block.o, h, residual=h, pdl=pdl)
-            gemv(h, block.gate_up, act, norm_weight=block.ln2, eps=self.depth_eps, pdl=pdl)
-            gemv(act, block.down, h, residual=h, swiglu_input=True, pdl=pdl)
+            gemv(h, block.gate_up, gate_up, norm_weight=block.ln2, eps=self.depth_eps, pdl=pdl)
+            gemv(silu_mul(gate_up, act), block.down, h, residual=h, pdl=pdl)
 
     # ------------------------------------------------------------------ host loop
     def _replay(

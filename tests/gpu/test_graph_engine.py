@@ -10,7 +10,6 @@ import threading
 
 import pytest
 import torch
-from teacher_forcing import random_codes, reference_teacher_forced, relative_error
 
 from music3_demo import builtin
 from music3_demo import contract as c
@@ -18,6 +17,7 @@ from music3_demo.bench import random_prompt
 from music3_demo.semantic import Cancelled, SamplingSettings
 from music3_demo.semantic.graph import AUDIO_CODES, GraphEngine
 from music3_demo.semantic.kernels import cfg_sample
+from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 from music3_demo.semantic.sampling import guide, reference_semantic_logits
 
 pytestmark = pytest.mark.gpu

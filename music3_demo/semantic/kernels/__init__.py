@@ -1,4 +1,4 @@
-"""Triton kernels of the graph engine: M<=4 GEMV with fused norm/residual/SwiGLU, decode attention over the live
+"""Triton kernels of the graph engine: M<=16 GEMV with fused norm/residual, SwiGLU, decode attention over the live
 context, RMSNorm, on-device CFG/top-k sampling and the per-frame tail (emit + feedback embedding).
 
 Every kernel reads positions, steps and codes from device tensors, never from Python ints, so a CUDA graph that
@@ -31,7 +31,7 @@ def pdl_supported(device: torch.device) -> bool:
 
 from .attention import decode_attention, depth_attention, qk_norm_rope  # noqa: E402
 from .linear import GemvConfig, gemv  # noqa: E402
-from .frame import cfg_sample, frame_tail, rmsnorm  # noqa: E402
+from .frame import cfg_sample, frame_tail, rmsnorm, silu_mul  # noqa: E402
 
 __all__ = [
     "GemvConfig",
@@ -44,4 +44,5 @@ __all__ = [
     "pdl_supported",
     "qk_norm_rope",
     "rmsnorm",
+    "silu_mul",
 ]

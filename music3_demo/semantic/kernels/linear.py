@@ -7,9 +7,8 @@ its N side ("swap AB"): the weight stream then goes through Triton's multi-stage
 Fused on the way:
 - NORM: RMSNorm of x folded in as y = rstd · W(x ⊙ g): rstd is a per-row scalar, so it is accumulated alongside the
   product and no normalised copy of x is written or re-read.
-- SWIGLU_INPUT: x is [M, 2K] = [gate | up] (the fused gate/up projection's output); the activation silu(g) · u
-  is formed as it is loaded, with HF's bf16 rounding. (Fusing SwiGLU into the gate/up product's epilogue instead
-  needs two weight tiles per pipeline stage, which halves the programs per SM: measured 2.0-2.6 TB/s vs 3.0-4.0.)
+SwiGLU is not fused: in the gate|up epilogue it needs two weight tiles per pipeline stage (2.0-2.6 TB/s measured),
+and formed on the down product's load it stalls the activation stream (1.5 TB/s); a separate tiny kernel costs ~3 µs.
 - RESIDUAL: out = residual + y (in place when out is the residual); with a bf16 residual, HF's rounding of each step.
 - PDL (Hopper): the program waits for the previous kernel only once it is resident (programmatic dependent launch;
   measured slower here, so off by default).
@@ -46,7 +45,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, g_ptr,
     N, K, stride_xm, stride_om, stride_rm, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU_INPUT: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     pid = tl.program_id(0)
@@ -65,10 +64,6 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-        if SWIGLU_INPUT:
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptrs + (K + k0), mask=m_mask[:, None], other=0.0)
-            x = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32) * up.to(tl.float32)
         if NORM:
             xf = x.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
@@ -85,20 +80,20 @@ def _gemv_kernel(
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(dtype), mask=mask)
 
 
-# Tuned on an H200 by scripts/tune_gemv.py (docs/PERFORMANCE.md); keyed by (rows, N, K, swiglu_input). Anything
-# else gets the heuristic. MUSIC3_GEMV_TUNED=<json written by the script> overrides entries (tuning runs).
-TUNED: dict[tuple[int, int, int, bool], GemvConfig] = {
-    (2, 6144, 4096, False): GemvConfig(64, 256, 4, 3),  # LM q|k|v (+ RMSNorm)
-    (2, 4096, 4096, False): GemvConfig(32, 256, 4, 5),  # LM o, depth out, depth projection
-    (2, 24576, 4096, False): GemvConfig(64, 256, 4, 3),  # LM gate|up (+ RMSNorm)
-    (2, 4096, 12288, True): GemvConfig(32, 256, 4, 5),  # LM down (SwiGLU formed on load)
-    (2, 16385, 4096, False): GemvConfig(64, 128, 4, 4),  # LM audio head
-    (4, 12288, 4096, False): GemvConfig(64, 256, 4, 3),  # depth q|k|v and gate|up, first pass
-    (2, 12288, 4096, False): GemvConfig(64, 256, 4, 3),  # depth q|k|v and gate|up
-    (4, 4096, 4096, False): GemvConfig(32, 256, 4, 5),
-    (4, 4096, 6144, True): GemvConfig(32, 256, 4, 5),  # depth down
-    (2, 4096, 6144, True): GemvConfig(32, 256, 4, 5),
-    (2, 1024, 4096, False): GemvConfig(16, 512, 4, 3),  # depth heads
+# Tuned on an H200 by scripts/tune_gemv.py (docs/PERFORMANCE.md); keyed by (rows, N, K). Anything else gets the
+# heuristic. MUSIC3_GEMV_TUNED=<json written by the script> overrides entries (tuning runs).
+TUNED: dict[tuple[int, int, int], GemvConfig] = {
+    (2, 6144, 4096): GemvConfig(64, 256, 4, 3),  # LM q|k|v (+ RMSNorm)          2.95 TB/s
+    (2, 4096, 4096): GemvConfig(32, 256, 4, 5),  # LM o, depth out/projection  2.83
+    (2, 24576, 4096): GemvConfig(64, 256, 4, 3),  # LM gate|up (+ RMSNorm)      3.77
+    (2, 4096, 12288): GemvConfig(32, 256, 4, 5),  # LM down                    3.62
+    (2, 16385, 4096): GemvConfig(64, 128, 4, 4),  # LM audio head              4.01
+    (4, 12288, 4096): GemvConfig(64, 256, 4, 3),  # depth q|k|v, gate|up, pass 1 3.01
+    (2, 12288, 4096): GemvConfig(64, 256, 4, 3),  # depth q|k|v, gate|up        3.04
+    (4, 4096, 4096): GemvConfig(32, 256, 4, 5),  #                            2.79
+    (4, 4096, 6144): GemvConfig(32, 256, 4, 5),  # depth down, pass 1          3.19
+    (2, 4096, 6144): GemvConfig(32, 256, 4, 5),  # depth down                  3.17
+    (2, 1024, 4096): GemvConfig(16, 512, 4, 3),  # depth heads                 0.90
 }
 
 
@@ -112,8 +107,8 @@ if os.environ.get("MUSIC3_GEMV_TUNED"):
     load_tuned(os.environ["MUSIC3_GEMV_TUNED"])
 
 
-def default_config(m: int, n: int, k: int, swiglu_input: bool) -> GemvConfig:
-    tuned = TUNED.get((m, n, k, swiglu_input))
+def default_config(m: int, n: int, k: int) -> GemvConfig:
+    tuned = TUNED.get((m, n, k))
     if tuned is not None:
         return tuned
     block_k = next(b for b in (256, 128, 64, 32, 16) if k % b == 0)
@@ -130,22 +125,21 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
-    swiglu_input: bool = False,
     config: GemvConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """out[m] = epilogue(W · prologue(x[m])) for each of the M <= 16 rows of x ([M, K], unit stride along K).
 
-    `weight` is [N, K]; with `swiglu_input` x is [M, 2K] = [gate | up]; `out` is [M, N] with any row stride;
-    `residual` is [M, N] or [1, N] expanded to M rows (stride 0), and may be `out` itself.
+    `weight` is [N, K]; `out` is [M, N] with any row stride; `residual` is [M, N] or [1, N] expanded to M rows
+    (stride 0), and may be `out` itself.
     """
     m = x.shape[0]
     n, k = weight.shape
     if m > 16 or x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("gemv needs at most 16 rows with unit stride along the last dim and a contiguous weight")
-    if x.shape[1] != (2 * k if swiglu_input else k) or out.shape != (m, n):
+    if x.shape[1] != k or out.shape != (m, n):
         raise ValueError(f"gemv shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
-    cfg = config or default_config(m, n, k, swiglu_input)
+    cfg = config or default_config(m, n, k)
     if k % cfg.block_k:
         raise ValueError(f"K={k} must be a multiple of block_k={cfg.block_k}")
     res = out if residual is None else residual
@@ -155,7 +149,7 @@ def gemv(
         x, weight, out, res, x if norm_weight is None else norm_weight,
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU_INPUT=swiglu_input, PDL=pdl,
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     return out

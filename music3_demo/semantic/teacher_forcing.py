@@ -1,14 +1,14 @@
 """The reference computation under teacher forcing: the same steps as ReferenceEngine (HF LM with a DynamicCache,
 the depth decoder re-run over its whole prefix), with given codes in place of sampled ones. The oracle for the graph
-engine's `teacher_forced`."""
+engine's `teacher_forced` (GPU tests, and the bench's sanity check of the engine it times)."""
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
 
-from music3_demo import contract as c
-from music3_demo.semantic.reference import embed_audio_frame
+from .. import contract as c
+from .reference import embed_audio_frame
 
 
 @torch.no_grad()
