@@ -13,12 +13,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .checkpoint import CheckpointError, ModelSource, default_device, resolve
 from .request import GenerationRequest
 from .semantic import Cancelled
+
+if TYPE_CHECKING:  # the pipeline (diffusers, transformers) is imported on first load, not when the page is built
+    from .pipeline import Music3Pipeline
 
 # How a failed load tells users what to do, whatever the cause.
 FIX_HINT = (
@@ -63,7 +67,7 @@ class _Slot:
 
 @dataclass
 class Lease:
-    pipeline: object  # Music3Pipeline
+    pipeline: Music3Pipeline
     device: str
 
 
@@ -82,13 +86,14 @@ class ModelHolder:
         self._tokenizer = None
         self._phase = "not loaded yet: the model loads on the first song"
         self._error: str | None = None
-        self._loading_since: float | None = None
+        self._loading: dict[str, float] = {}  # device -> when its load began
         self.loads = 0  # completed loads (one per device in a healthy process: the status endpoint shows it)
 
     # ---- status -------------------------------------------------------------------------------------------------
     def status(self) -> HolderStatus:
         loaded = [slot.pipeline for slot in self._slots if slot.pipeline is not None]
-        if self._loading_since is not None:
+        loading = dict(self._loading)
+        if loading:
             state = "loading"
         elif loaded:
             state = "ready"
@@ -107,7 +112,7 @@ class ModelHolder:
             engine=loaded[0].engine_name if loaded else None,
             error=self._error if not loaded else None,
             notice=self._source.notice if self._source is not None else None,
-            loading_for_s=None if self._loading_since is None else time.monotonic() - self._loading_since,
+            loading_for_s=time.monotonic() - min(loading.values()) if loading else None,
             loads=self.loads,
         )
 
@@ -164,7 +169,7 @@ class ModelHolder:
                 return slot.pipeline
             from .pipeline import Music3Pipeline
 
-            self._loading_since = time.monotonic()
+            self._loading[slot.device] = started = time.monotonic()
             self._error = None
             try:
                 source = self._resolve(on_phase)
@@ -183,8 +188,8 @@ class ModelHolder:
                 self._phase = "failed to load"
                 raise CheckpointError(self._error) from error
             finally:
-                elapsed = time.monotonic() - self._loading_since
-                self._loading_since = None
+                elapsed = time.monotonic() - started
+                self._loading.pop(slot.device, None)
             slot.pipeline = pipeline
             self.loads += 1
             self._set_phase(f"ready on {', '.join(self.devices)} (loaded in {elapsed:.1f} s)", on_phase)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
+from app_server import running_app
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from gradio_client.utils import Status
@@ -16,7 +17,6 @@ from gradio_client.utils import Status
 from music3_demo import contract as c
 from music3_demo.prompt import count_prompt_tokens
 from music3_demo.request import GenerationRequest, InvalidRequest, validate
-from tests.app_server import running_app
 
 FRAME_S = 1 / c.FRAME_RATE
 QUICK = {"description": "bright synth-pop, 120 BPM", "lyrics": "[verse]\nhello there\n\n[chorus]\nla la la",

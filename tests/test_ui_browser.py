@@ -7,8 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.app_server import ARTIFACTS, running_app
+from app_server import ARTIFACTS, running_app
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
