@@ -3,8 +3,8 @@
 
 It reports frames/s of each engine, their ratio, the bytes one frame must read (counted from the engine's actual
 weight tensors, plus the KV cache at the song's mean context length), the copy bandwidth measured in the same run,
-and the fraction of the resulting limit reached. Importable without gradio/soundfile.
-(A `bench_song(...)` for the flow stage may be added beside `bench_semantic`.)
+and the fraction of the resulting limit reached. `--song SECONDS` adds bench_song.py's whole-song timing (flow stage
+included) to the same JSON; `--engine ""` skips the semantic part. Importable without gradio/soundfile.
 """
 
 from __future__ import annotations
@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="frames for the reference engine (it runs ~9 frames/s; its rate is steady)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pdl", choices=("on", "off"), default="off", help="programmatic dependent launch (Hopper)")
+    parser.add_argument("--song", type=float, help="also time a whole song of this many seconds (bench_song.py)")
+    parser.add_argument("--reference-song", type=float, default=10.0, help="seconds of the reference song to time")
+    parser.add_argument("--memory-song", type=float, help="also time a song of this length for peak memory")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -211,7 +214,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(engines) - {"reference", "graph"}
     if unknown:
         parser.error(f"unknown engine(s) {', '.join(sorted(unknown))}: choose from reference, graph")
-    components = load_for_bench(args.model)
     import triton
 
     report = {
@@ -225,12 +227,20 @@ def main(argv: list[str] | None = None) -> int:
         "frames": args.frames,
         "prompt_tokens": [int(t) for t in args.prompt_tokens.split(",")],
     }
-    report.update(
-        bench_semantic(
-            components, engines, report["prompt_tokens"], args.frames, args.reference_frames, args.seed,
-            pdl=args.pdl == "on",
+    if engines:
+        components = load_for_bench(args.model)
+        report.update(
+            bench_semantic(
+                components, engines, report["prompt_tokens"], args.frames, args.reference_frames, args.seed,
+                pdl=args.pdl == "on",
+            )
         )
-    )
+        del components
+        torch.cuda.empty_cache()
+    if args.song:
+        from .bench_song import bench_song
+
+        report["song"] = bench_song(args.song, args.reference_song, torch.device("cuda"), args.memory_song)
     text = json.dumps(report, indent=1)
     print(text)
     if args.output:
