@@ -70,7 +70,7 @@ def render_history(
                                   elem_classes="m3-reuse", key=f"reuse-{entry['id']}")
             if Path(entry["wav"]).exists():
                 with gr.Row(equal_height=True):
-                    gr.Audio(entry["wav"], show_label=False, interactive=False, buttons=["download"], scale=4,
+                    gr.Audio(entry["wav"], show_label=False, interactive=False, buttons=[], scale=4,
                              waveform_options=PLAIN_PLAYER, key=f"audio-{entry['id']}",
                              elem_classes="m3-history-audio")
                     with gr.Column(scale=1, min_width=120):

@@ -86,7 +86,7 @@ def build_run_view(live_enabled: bool) -> RunView:
         gr.Markdown("Live playback needs `ffmpeg` on the server; the song appears when it is finished.",
                     elem_classes="m3-muted")
     with gr.Group(visible=False, elem_id="result") as result:
-        final_audio = gr.Audio(label="Finished song", type="filepath", interactive=False, buttons=["download"],
+        final_audio = gr.Audio(label="Finished song", type="filepath", interactive=False, buttons=[],
                                waveform_options=PLAIN_PLAYER, elem_id="result-audio")
         waveform = gr.Image(show_label=False, interactive=False, type="filepath", height=120, elem_id="waveform",
                             buttons=[])
