@@ -69,10 +69,12 @@ def main(argv: list[str] | None = None) -> None:
             resolve_engine_name(args.engine, torch.device(device))
     except (ValueError, RuntimeError) as error:
         sys.exit(f"app.py: {error}")
-    holder = ModelHolder(args.model, devices, args.engine)
+    zero_gpu = spaces_available()
+    # ZeroGPU runs CUDA work only inside spaces.GPU calls: no warm-up song at start-up there.
+    holder = ModelHolder(args.model, devices, args.engine, warmup=not zero_gpu)
     if args.preload:
         # ZeroGPU wants the weights placed at start-up in the main process; elsewhere load behind the open page.
-        holder.preload(background=not spaces_available())
+        holder.preload(background=not zero_gpu)
     store = SongStore(args.output_dir, ttl_s=args.ttl_hours * 3600)
     store.start_cleaner()
     concurrency = args.concurrency or len(devices)

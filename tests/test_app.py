@@ -226,3 +226,21 @@ def test_progress_line_follows_overlapping_stages():
     tracker.update(Progress("semantic", 500, 500, rate=150.0, eta=0.0))
     tracker.report(lambda *args, **kwargs: sent.append((args, kwargs)))
     assert sent[-1][0][0] == (45, 120) and sent[-1][1]["unit"] == "steps"
+
+
+def test_queue_is_bounded(tmp_path):
+    from gradio_client.utils import QueueError
+
+    with running_app(tmp_path, "--max-queue", "1") as server:
+        clients = [Client(server.url, verbose=False) for _ in range(3)]
+        running = clients[0].submit(**(QUICK | {"duration": 120.0}), api_name="/generate")
+        while not server.status()["busy"]:
+            time.sleep(0.1)
+        waiting = clients[1].submit(**(QUICK | {"duration": 1.0}), api_name="/generate")
+        time.sleep(1.0)
+        refused = clients[2].submit(**(QUICK | {"duration": 1.0}), api_name="/generate")
+        with pytest.raises(QueueError):
+            refused.result(timeout=60)
+        assert waiting.status().code == Status.IN_QUEUE  # the one that fitted waits its turn...
+        running.cancel()
+        assert abs(sf.info(waiting.result(timeout=120)[0]).frames / c.SAMPLE_RATE - 1.0) <= FRAME_S  # ...and runs
