@@ -246,7 +246,7 @@ def load_error_message(model: str, error: Exception) -> str:
     why = str(error).strip() or type(error).__name__
     if not isinstance(error, CheckpointError):
         why = f"Could not load {model}: {why}"
-    return f"{why} {FIX_HINT}" if FIX_HINT not in why else why
+    return why if "--model" in why else f"{why} {FIX_HINT}"  # checkpoint.py's messages already name the fix
 
 
 def _load_tokenizer(source: ModelSource):
