@@ -40,7 +40,9 @@ class FlowWorker:
         self.abort = threading.Event()
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Higher priority than the semantic stream: when both have kernels ready, the flow chunk's go first, so a
+        # listener's first audio is not slowed by the frames still being made behind it.
+        self._stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._finished = False
         flow.cancel = AnyEvent(flow.cancel, self.abort)
         flow.on_step = self._on_step

@@ -62,11 +62,11 @@ def test_vocoder_runs_in_float32_because_bf16_misses_1e3(pipeline):
 
 
 def test_overlapped_song_is_deterministic_and_pieces_are_the_song(pipeline):
-    request = GenerationRequest("synth-pop", "[verse]\nla la", duration=12.0, num_steps=4, seed=9)
+    request = GenerationRequest("synth-pop", "[verse]\nla la", duration=30.0, num_steps=4, seed=9)
     events = []
     first = pipeline.generate(request, on_event=events.append)
     second = pipeline.generate(request)
-    assert first.frames == 300
+    assert first.frames == 750
     assert np.array_equal(first.audio, second.audio)
     pieces = [e.samples for e in events if isinstance(e, AudioPiece)]
     assert np.array_equal(np.concatenate(pieces, axis=-1), first.audio)
