@@ -135,7 +135,10 @@ class FlowStream:
         self.on_step = on_step or (lambda chunk, done, total: None)
         self.cancel = cancel
         self.timings = FlowTimings()
+        # Frames from index `_first_kept` on: earlier ones belong only to chunks already decoded and are dropped, so
+        # a long song neither keeps every frame hidden nor re-copies them for each chunk.
         self._frames: list[torch.Tensor] = []
+        self._first_kept = 0
         self._num_frames = 0
         self._next_chunk = 0
         self._previous_latent: torch.Tensor | None = None
@@ -173,7 +176,13 @@ class FlowStream:
     def _frame_window(self, start: int, length: int) -> torch.Tensor:
         if len(self._frames) > 1:
             self._frames = [torch.cat(self._frames)]
-        return self._frames[0][start : start + length].unsqueeze(0)
+        offset = start - self._first_kept
+        window = self._frames[0][offset : offset + length].unsqueeze(0)
+        next_start = start + c.CHUNK_HOP
+        if next_start > self._first_kept:  # the next chunk starts 100 frames later: nothing before it is needed
+            self._frames = [self._frames[0][next_start - self._first_kept :]]
+            self._first_kept = next_start
+        return window
 
     def _decode_chunk(self, start: int, length: int, last: bool) -> list[Piece]:
         chunk_index = self._next_chunk
