@@ -4,15 +4,10 @@ is broken there), the whole engine on the tiny model under teacher forcing, and 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-# Triton decides between its compiler and its CPU interpreter when functions are decorated, its own standard library
-# (tl.sum, tl.sigmoid...) included, i.e. when triton is first imported. If an earlier test module already imported
-# it (diffusers does), the in-process tests are skipped and one test reruns this file in a fresh interpreter.
-_TRITON_PRELOADED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+# Triton picks its CPU interpreter when it is first imported; tests/conftest.py switches it on before any test module
+# (or diffusers) imports it.
+assert os.environ.get("TRITON_INTERPRET") == "1", "run the CPU tests through pytest so conftest.py sets TRITON_INTERPRET"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -36,24 +31,6 @@ from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher
 from music3_demo.semantic.sampling import guide, reference_semantic_logits  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
-FRESH_PROCESS_TEST = "test_kernels_in_a_fresh_process"
-
-
-@pytest.fixture(autouse=True)
-def _needs_the_interpreter(request):
-    if _TRITON_PRELOADED and request.node.name != FRESH_PROCESS_TEST:
-        pytest.skip(f"Triton was imported before the interpreter was switched on: {FRESH_PROCESS_TEST} runs this")
-
-
-def test_kernels_in_a_fresh_process():
-    if not _TRITON_PRELOADED:
-        pytest.skip("the interpreter is on in this process: the tests run here")
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).relative_to(root))],
-        cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
