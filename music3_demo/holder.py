@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .checkpoint import CheckpointError, ModelSource, default_device, resolve
-from .request import GenerationRequest
 from .semantic import Cancelled
 
 if TYPE_CHECKING:  # the pipeline (diffusers, transformers) is imported on first load, not when the page is built
@@ -33,7 +32,6 @@ FIX_HINT = (
 PhaseCallback = Callable[[str], None]
 # A load reports these phases in order, each as the first word of its text (the page shows "step k of 3").
 LOAD_PHASES = ("fetching", "loading", "warming")
-WARMUP_REQUEST = GenerationRequest("warm-up", duration=1.0, num_steps=2, seed=0, instrumental=True)
 
 
 @dataclass(frozen=True)
@@ -182,7 +180,7 @@ class ModelHolder:
                     # The first song on a fresh pipeline pays one-off costs (kernel selection, graph capture,
                     # allocator growth); a one-second song here keeps them away from the first user.
                     self._set_phase(f"{LOAD_PHASES[2]} up on {slot.device}", on_phase)
-                    pipeline.generate(WARMUP_REQUEST)
+                    pipeline.warm()
             except Exception as error:
                 self._error = load_error_message(self.model, error)
                 self._phase = "failed to load"

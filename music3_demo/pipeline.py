@@ -115,6 +115,13 @@ class Music3Pipeline:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def warm(self) -> None:
+        """Pay the one-off costs (kernel selection, semantic and flow graph capture, allocator growth) with a
+        throw-away song, so the first real song does not. On CUDA the song is long enough for one full flow chunk,
+        whose guided DiT step is then captured here rather than inside a user's song."""
+        seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
+        self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0, instrumental=True))
+
     def _generators(self, seed: int) -> tuple[torch.Generator, torch.Generator]:
         if not self.separate_flow_rng:
             # diffusers' convention: one CPU generator shared by every stage (device-independent results).

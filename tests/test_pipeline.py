@@ -141,3 +141,4 @@ def test_cancel_stops_within_one_denoise_step(tiny_pipeline):
     # The pipeline still works afterwards.
     song = tiny_pipeline.generate(GenerationRequest("pop", "hi", duration=1.0, num_steps=1, seed=1))
     assert song.frames == 25
+
