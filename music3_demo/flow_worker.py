@@ -86,12 +86,13 @@ class FlowWorker:
                 self._stream.synchronize()
             self._outbox.put(_DONE)
 
-    def results(self, wait: bool) -> Iterator[list[Piece] | tuple]:
+    def results(self, wait: bool, until_audio: bool = False) -> Iterator[list[Piece] | tuple]:
         """Yield what the worker made: lists of pieces and ("step", chunk, done, total) tuples. With `wait`, block
-        until the worker is done; errors raised in the worker are re-raised here."""
+        until the worker is done; with `until_audio`, block until it hands back audio (only ask once it has the
+        frames for a chunk). Errors raised in the worker are re-raised here."""
         while True:
             try:
-                item = self._outbox.get(block=wait)
+                item = self._outbox.get(block=wait or until_audio)
             except queue.Empty:
                 return
             if item is _DONE:
@@ -100,6 +101,8 @@ class FlowWorker:
             if isinstance(item, BaseException):
                 raise item
             yield item
+            if until_audio and isinstance(item, list) and item:
+                return
 
     def close(self) -> None:
         """Stop the worker (if still running) and wait for its thread and stream to be idle."""

@@ -158,8 +158,8 @@ class Music3Pipeline:
         worker = FlowWorker(flow, self.device)
         pieces: list[np.ndarray] = []
 
-        def publish(wait: bool) -> None:
-            for item in worker.results(wait):
+        def publish(wait: bool, until_audio: bool = False) -> None:
+            for item in worker.results(wait, until_audio):
                 if isinstance(item, tuple):
                     emit(progress_from_step(item, expected_chunks))
                     continue
@@ -179,7 +179,9 @@ class Music3Pipeline:
                 emit(Progress("semantic", frames, max_frames, rate, (max_frames - frames) / rate))
                 if self.overlap:
                     worker.submit(block)
-                    publish(wait=False)
+                    # Time to first audio matters more than the last half second of the song: while chunk 0 is
+                    # denoised the semantic stage waits (stops enqueueing frames) instead of sharing the GPU with it.
+                    publish(wait=False, until_audio=not pieces and frames >= c.CHUNK_FRAMES)
                 else:
                     held.append(block)
             timings["semantic_s"] = time.perf_counter() - semantic_started
