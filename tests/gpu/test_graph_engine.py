@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from music3_demo import builtin
-from music3_demo import contract as c
 from music3_demo.bench import random_prompt
 from music3_demo.semantic import Cancelled, SamplingSettings
 from music3_demo.semantic.graph import AUDIO_CODES, GraphEngine
