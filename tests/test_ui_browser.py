@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from app_server import ARTIFACTS, running_app
 
+from music3_demo.ui.assets import load_examples
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -64,6 +66,19 @@ def set_number(page, elem_id: str, value: float) -> None:
     box = page.locator(f"#{elem_id} input[type=number]")
     box.fill(str(value))
     box.press("Enter")
+    page.wait_for_function("([s, v]) => Number(document.querySelector(s).value) === v",
+                           arg=[f"#{elem_id} input[type=number]", value])
+
+
+def pick_example(page, label: str) -> None:
+    """Click an example and wait until it has filled the form: it fills asynchronously, so a value typed before
+    that would be overwritten."""
+    example = next(e for e in load_examples() if e.label == label)
+    page.get_by_role("button", name=label).click()
+    page.wait_for_function(
+        "([d, n]) => document.querySelector('#description textarea').value === d"
+        " && Number(document.querySelector('#duration input[type=number]').value) === n",
+        arg=[example.description, example.duration])
 
 
 def audio_duration(page, selector: str, at_least: float = 0.0) -> float:
@@ -112,8 +127,7 @@ def test_instrumental_switch_and_reset_to_defaults(page):
 
 
 def test_example_generate_progress_and_playable_song(page, app):
-    page.get_by_role("button", name="Synth-pop · English").click()
-    page.wait_for_function("() => document.querySelector('#description textarea').value.includes('synth-pop')")
+    pick_example(page, "Synth-pop · English")
     set_number(page, "duration", 3)
     set_number(page, "steps", 8)
     page.locator("#generate").click()
@@ -173,7 +187,7 @@ def test_reuse_settings_then_generate_again(page):
 
 def test_closing_the_tab_frees_the_device(browser, app):
     other = open_page(browser, app)
-    other.get_by_role("button", name="Lo-fi hip hop · instrumental").click()
+    pick_example(other, "Lo-fi hip hop · instrumental")
     set_number(other, "duration", 120)
     other.locator("#generate").click()
     wait_text(other, "#run-status", "Semantic \\d+/3000 frames", timeout=60_000)
