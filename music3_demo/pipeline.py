@@ -62,9 +62,11 @@ class Music3Pipeline:
         self.engine_name = resolve_engine_name(engine, device)
         self.engine = _make_engine(self.engine_name, components, device)
         if self.engine_name == "graph":
-            # The graph engine keeps its own copy of the 16,385 audio rows; the full 168k-row head (1.4 GB in bf16)
-            # is never read again.
+            # The graph engine keeps its own copies of the audio rows it reads per frame: the full 168k-row head
+            # (1.4 GB in bf16) is never read again, and the token embeddings are only read by the prefill, which
+            # gathers the prompt's rows on the host (another 1.24 GB of GPU memory).
             components["language_model"].lm_head = None
+            self.engine.text_embeddings_to_host()
         self.overlap = self.engine.separate_flow_rng if overlap is None else overlap
         self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
         # Full flow chunks share one shape: their guided DiT step is graph-replayed on CUDA (fast engines only).

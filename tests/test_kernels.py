@@ -14,6 +14,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from music3_demo import builtin  # noqa: E402
+from music3_demo import contract as c  # noqa: E402
 from music3_demo.semantic import resolve_engine_name  # noqa: E402
 from music3_demo.semantic.kernels import (  # noqa: E402
     GemvConfig,
@@ -229,21 +230,27 @@ def test_frame_tail_emits_the_frame_and_the_reference_feedback(tiny_models):
     codes = random_codes(3, torch.Generator().manual_seed(19)).to(torch.int32)
     frames = torch.zeros(3, 8 * hidden)
     feedback = torch.empty(2, hidden)
-    embed, audio = lm.model.embed_tokens.weight.data, depth.audio_embeddings.weight.data
+    semantic_rows = lm.model.embed_tokens.weight.data[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + 16384]
+    audio = depth.audio_embeddings.weight.data
     for step in (0, 2):
-        frame_tail(lm_hidden, depth_hidden, frames, codes, torch.tensor([step], dtype=torch.int32), embed, audio,
-                   feedback, 151675, 16384, 1024, block=16)
+        frame_tail(lm_hidden, depth_hidden, frames, codes, torch.tensor([step], dtype=torch.int32), semantic_rows,
+                   audio, feedback, 1024, block=16)
         expected = embed_audio_frame(lm, depth, codes[step].long().unsqueeze(0).repeat(2, 1))[:, 0]
         _close(feedback, expected, torch.float32)
     assert torch.equal(frames[1], torch.cat((lm_hidden[0], depth_hidden[0].flatten())))
     assert not frames[0].any() and not frames[2].any()  # step 0 emits nothing; step 2 wrote frame 1
 
 
-def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models):
+@pytest.mark.parametrize("text_embeddings_on_host", [False, True])
+def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, text_embeddings_on_host):
     from music3_demo.semantic.graph import GraphEngine
 
     lm, depth = tiny_models
     engine = GraphEngine(lm, depth, "cpu", attention_splits=2)
+    if text_embeddings_on_host:
+        engine.text_embeddings_to_host()
+        assert engine.text_embed.data_ptr() == lm.model.embed_tokens.weight.data_ptr()  # moved, not copied
+        assert engine.semantic_embed.data_ptr() != engine.text_embed.data_ptr()  # the per-frame rows stay put
     generator = torch.Generator().manual_seed(20)
     text_ids = torch.randint(0, 250, (2, 10), generator=generator)
     codes = random_codes(3, generator)

@@ -215,7 +215,10 @@ class GraphEngine:
                 )
             )
         self.final_norm = lm.model.norm.weight.data
-        self.embed = lm.model.embed_tokens.weight.data
+        # Token embeddings: the prompt's rows are read once per song (prefill), the 16,384 semantic-code rows every
+        # frame. The latter get their own device copy so the full table can leave the GPU (`text_embeddings_to_host`).
+        self.text_embed = lm.model.embed_tokens.weight.data
+        self.semantic_embed = self.text_embed[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE].clone()
         head = lm.lm_head.weight.data
         # Only the audio rows and the end row of the 200k-row head: a copy, so the full head can be dropped later.
         self.audio_head = torch.cat(
@@ -247,8 +250,7 @@ class GraphEngine:
         self.audio_embed = depth.audio_embeddings.weight.data
         # Depth inputs at positions 1..7 depend only on a code: precompute projection(embedding) + position, with
         # the reference's bf16 rounding of each step, instead of a 4096x4096 GEMV per pass.
-        semantic_rows = self.embed[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE]
-        self.semantic_table = F.linear(semantic_rows, self.projection) + self.pos_embed[1]
+        self.semantic_table = F.linear(self.semantic_embed, self.projection) + self.pos_embed[1]
         self.residual_tables = torch.stack(
             [
                 F.linear(self.audio_embed[i * self.audio_vocab : (i + 1) * self.audio_vocab], self.projection)
@@ -256,6 +258,20 @@ class GraphEngine:
                 for i in range(self.num_codebooks - 2)
             ]
         )
+
+    @torch.no_grad()
+    def text_embeddings_to_host(self) -> None:
+        """Move the language model's token-embedding table to (pinned) host memory: 1.4 GB of GPU memory for the
+        released checkpoint in bf16. Only the prefill reads it, gathering the prompt's rows on the host and copying
+        them over once per song; the per-frame feedback uses the engine's own copy of the semantic-code rows. The
+        module's weight moves too, so the model keeps no second copy (other engines on the same modules would then
+        embed on the host: pipelines call this only for the graph engine)."""
+        module = self.language_model.model.embed_tokens
+        host = module.weight.data.to("cpu")
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        module.weight.data = host
+        self.text_embed = host
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -382,7 +398,8 @@ class GraphEngine:
         state, lm = self._state, self.language_model
         length = text_ids.shape[1]
         heads, kv_heads, hd = self.heads, self.kv_heads, self.head_dim
-        h = F.embedding(text_ids, self.embed)
+        table = self.text_embed
+        h = F.embedding(text_ids.to(table.device), table).to(self.device, non_blocking=True)
         cos, sin = state.cos[None, :length], state.sin[None, :length]
         for index, (layer, block) in enumerate(zip(lm.model.layers, self.blocks)):
             attn = layer.self_attn
@@ -451,8 +468,8 @@ class GraphEngine:
             )
         # 3. Emit frame step-1 and write the feedback embedding into the LM's residual stream.
         frame_tail(
-            s.lm_hidden, s.dstates, s.frames, s.codes, step, self.embed, self.audio_embed, s.lm_h,
-            c.AUDIO_CODE_OFFSET, c.SEMANTIC_VOCAB_SIZE, self.audio_vocab,
+            s.lm_hidden, s.dstates, s.frames, s.codes, step, self.semantic_embed, self.audio_embed, s.lm_h,
+            self.audio_vocab,
         )
         # 4. One LM decode step at `pos`, attending over the live context only.
         scale = self.head_dim**-0.5

@@ -87,3 +87,12 @@ def test_cancel_during_overlap_stops_worker_and_frees_the_gpu(pipeline):
     assert not [t for t in threading.enumerate() if t.name == "music3-flow" and t.is_alive()]
     song = pipeline.generate(GenerationRequest("rock", "[verse]\nyeah", duration=2.0, num_steps=2, seed=3))
     assert song.frames == 50
+
+
+def test_graph_pipeline_keeps_only_the_audio_rows_of_head_and_embeddings_on_the_gpu(pipeline):
+    lm = pipeline.components["language_model"]
+    table = lm.model.embed_tokens.weight
+    assert lm.lm_head is None
+    assert table.device.type == "cpu" and table.is_pinned()
+    assert pipeline.engine.text_embed.data_ptr() == table.data_ptr()
+    assert pipeline.engine.semantic_embed.is_cuda and pipeline.engine.semantic_embed.shape[0] == 16384

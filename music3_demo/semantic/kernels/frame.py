@@ -166,12 +166,12 @@ def cfg_sample(
 def _frame_tail_kernel(
     lm_hidden_ptr, depth_ptr, frames_ptr, stride_frame, codes_ptr, step_ptr,
     embed_ptr, stride_embed, audio_ptr, stride_audio, feedback_ptr, stride_fb,
-    code_offset, code_rows, audio_vocab, scale,
+    code_rows, audio_vocab, scale,
     H: tl.constexpr, NCB: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Columns [pid·BLOCK, +BLOCK) of: the emitted frame row step-1 = [lm_hidden[cond], depth hiddens[cond] 1..7]
     (not on step 0, which only steps past <|audio_start|>), and the next LM input, the feedback embedding
-    (embed(code0 + offset) + Σ audio_emb(c_i + (i-1)·vocab)) · scale for both CFG rows."""
+    (semantic_embed(code0) + Σ audio_emb(c_i + (i-1)·vocab)) · scale for both CFG rows."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     step = tl.load(step_ptr)
     codes = codes_ptr + step * NCB
@@ -184,7 +184,7 @@ def _frame_tail_kernel(
         tl.store(row + i * H + cols, tl.load(depth_ptr + (i - 1) * H + cols), mask=emit)
         code = tl.load(codes + i).to(tl.int64) + (i - 1) * audio_vocab
         extra += tl.load(audio_ptr + code * stride_audio + cols).to(tl.float32)
-    code0 = tl.minimum(tl.load(codes), code_rows - 1).to(tl.int64) + code_offset
+    code0 = tl.minimum(tl.load(codes), code_rows - 1).to(tl.int64)  # the end token (16384) feeds nothing used
     first = tl.load(embed_ptr + code0 * stride_embed + cols).to(tl.float32)
     feedback = ((first + extra.to(dtype).to(tl.float32)).to(dtype).to(tl.float32) * scale).to(dtype)
     tl.store(feedback_ptr + cols, feedback)
@@ -193,17 +193,17 @@ def _frame_tail_kernel(
 
 def frame_tail(
     lm_hidden: torch.Tensor, depth_hidden: torch.Tensor, frames: torch.Tensor, codes: torch.Tensor,
-    step: torch.Tensor, embed: torch.Tensor, audio_embed: torch.Tensor, feedback: torch.Tensor,
-    code_offset: int, code_rows: int, audio_vocab: int, block: int = 512,
+    step: torch.Tensor, semantic_embed: torch.Tensor, audio_embed: torch.Tensor, feedback: torch.Tensor,
+    audio_vocab: int, block: int = 512,
 ) -> None:
     """lm_hidden [2, H] (row 0 emitted), depth_hidden [2, NCB-1, H] contiguous (row 0 emitted), frames [F, NCB·H],
-    codes int32 [steps, NCB], embed [V, H] (LM token embeddings), audio_embed [(NCB-1)·vocab, H], feedback [2, H]."""
+    codes int32 [steps, NCB], semantic_embed [16384, H] (the LM's embedding rows of the semantic codes), audio_embed [(NCB-1)·vocab, H], feedback [2, H]."""
     hidden = lm_hidden.shape[1]
     ncb = codes.shape[1]
     block = min(block, hidden)
     _frame_tail_kernel[(hidden // block,)](
         lm_hidden, depth_hidden, frames, frames.stride(0), codes, step,
-        embed, embed.stride(0), audio_embed, audio_embed.stride(0), feedback, feedback.stride(0),
-        code_offset, code_rows, audio_vocab, ncb**-0.5,
+        semantic_embed, semantic_embed.stride(0), audio_embed, audio_embed.stride(0), feedback, feedback.stride(0),
+        semantic_embed.shape[0], audio_vocab, ncb**-0.5,
         H=hidden, NCB=ncb, BLOCK=block, num_warps=4,
     )
