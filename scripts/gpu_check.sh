@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${TUNE:-0}" = 1 ]; then
-  timeout "${TUNE_TIMEOUT:-240}" python3 scripts/tune_gemv.py "$OUT/tuned.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -v '^SKIP'
+  timeout "${TUNE_TIMEOUT:-420}" python3 scripts/tune_gemv.py "$OUT/tuned.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -v '^SKIP'
   [ -s "$OUT/tuned.json" ] && export MUSIC3_GEMV_TUNED="$OUT/tuned.json"
 fi
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu ${TESTS:-tests/gpu} -q -s -p no:cacheprovider --durations=10 2>&1 \

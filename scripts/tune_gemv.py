@@ -1,4 +1,5 @@
-"""Sweep the GEMV's block shapes on the GPU for every product the graph engine runs per frame; compare with cuBLAS.
+"""Sweep the GEMV's block shapes and K splits on the GPU for every product the graph engine runs per frame; compare
+with cuBLAS.
 
 Each candidate is timed inside a CUDA graph of 24 launches that rotate over enough weight copies to defeat the L2
 (as in the engine, where ~22 GB pass between two uses of a weight), checked against torch, and reported in TB/s of
@@ -16,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from music3_demo.semantic.kernels.linear import GemvConfig, gemv  # noqa: E402
+from music3_demo.semantic.kernels.linear import GemvConfig, GemvWorkspace, gemv  # noqa: E402
 
 # (rows, N, K, epilogue) of one frame: LM (36x), depth decoder (4 blocks x 7 passes), heads.
 SHAPES = [
@@ -28,6 +29,10 @@ CANDIDATES = [
     GemvConfig(16, 128, 4, 6), GemvConfig(16, 256, 4, 4), GemvConfig(16, 256, 4, 6), GemvConfig(16, 512, 4, 3),
     GemvConfig(16, 512, 4, 4), GemvConfig(32, 128, 4, 6), GemvConfig(32, 256, 4, 4), GemvConfig(32, 256, 4, 5),
     GemvConfig(64, 128, 4, 4), GemvConfig(64, 256, 4, 3), GemvConfig(64, 128, 8, 6),
+    # Split-K: more programs for the products with few row blocks (each split keeps >= 4 K tiles for the pipeline).
+    GemvConfig(16, 128, 4, 6, 2), GemvConfig(16, 128, 4, 6, 4), GemvConfig(32, 128, 4, 6, 2),
+    GemvConfig(32, 128, 4, 6, 4), GemvConfig(64, 128, 4, 4, 2), GemvConfig(64, 128, 4, 4, 4),
+    GemvConfig(32, 256, 4, 4, 2), GemvConfig(64, 256, 4, 3, 2),
 ]
 LAUNCHES = 24
 
@@ -60,6 +65,7 @@ def time_graph(launch, count: int) -> float:
 
 def main() -> None:
     device = torch.device("cuda")
+    workspace = GemvWorkspace(device)
     results, tuned = [], {}
     for rows, n, k, epilogue in SHAPES:
         nbytes = n * k * 2
@@ -78,11 +84,11 @@ def main() -> None:
         row = {"shape": [rows, n, k, epilogue], "MB": round(nbytes / 1e6, 1)}
         best = None
         for cfg in CANDIDATES:
-            if not fits(cfg) or k % cfg.block_k:
+            if not fits(cfg) or k % (cfg.block_k * cfg.split_k):
                 continue
             kw["residual"] = res if epilogue == "residual" else None
             try:
-                gemv(x, weights[0], out, config=cfg, **kw)
+                gemv(x, weights[0], out, config=cfg, workspace=workspace, **kw)
             except Exception as error:  # noqa: BLE001 - a config the compiler rejects (resources) is skipped
                 print(f"SKIP {row['shape']} {cfg}: {type(error).__name__}", flush=True)
                 continue
@@ -90,7 +96,9 @@ def main() -> None:
             if not err < 2e-2:
                 print(f"WRONG {row['shape']} {cfg}: rel err {err:.2e}", flush=True)
                 continue
-            seconds = time_graph(lambda i: gemv(x, weights[i % copies], out, config=cfg, **kw), LAUNCHES)
+            seconds = time_graph(
+                lambda i: gemv(x, weights[i % copies], out, config=cfg, workspace=workspace, **kw), LAUNCHES
+            )
             tbps = nbytes / seconds / 1e12
             if best is None or tbps > best[1]:
                 best = (cfg, tbps)
@@ -105,7 +113,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     print("TUNED = {")
     for key, cfg in tuned.items():
-        print(f"    {key}: GemvConfig({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}),")
+        print(f"    {key}: GemvConfig({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}, {cfg.split_k}),")
     print("}")
     paths = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
     if paths:  # for MUSIC3_GEMV_TUNED

@@ -18,6 +18,7 @@ from music3_demo import contract as c  # noqa: E402
 from music3_demo.semantic import resolve_engine_name  # noqa: E402
 from music3_demo.semantic.kernels import (  # noqa: E402
     GemvConfig,
+    GemvWorkspace,
     cfg_sample,
     decode_attention,
     depth_attention,
@@ -73,6 +74,31 @@ def test_gemv_epilogues_match_torch(dtype, rows):
     gemv(x, w, out[0::2], residual=res[:1], config=cfg)
     _close(out[0::2], res[:1] + x @ w.T, dtype)
     assert not out[1::2].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_gemv_matches_the_unsplit_one_and_leaves_the_counters_at_zero(dtype, split):
+    rows, k, n = 2, 512, 40
+    x = _rand(rows, k, dtype=dtype, seed=6)
+    w = _rand(n, k, dtype=dtype, seed=7, scale=k**-0.5)
+    g = _rand(k, dtype=dtype, seed=8, scale=0.1) + 1
+    res = _rand(rows, n, dtype=dtype, seed=9)
+    workspace = GemvWorkspace("cpu")
+    whole, parts = GemvConfig(block_n=16, block_k=64), GemvConfig(block_n=16, block_k=64, split_k=split)
+    for kw in ({}, {"norm_weight": g}, {"residual": res}):
+        expected = gemv(x, w, torch.empty(rows, n, dtype=dtype), config=whole, **kw)
+        got = gemv(x, w, torch.empty(rows, n, dtype=dtype), config=parts, workspace=workspace, **kw)
+        again = gemv(x, w, torch.empty(rows, n, dtype=dtype), config=parts, workspace=workspace, **kw)
+        _close(got, expected, dtype)
+        assert torch.equal(got, again)  # the partials are added in split order, not arrival order
+        assert not workspace.counters.any()  # the last program of each row block resets its counter
+    assert workspace.counters.numel() == 3 and workspace.partials.numel() == 3 * split * 17 * 16
+    inplace = res.clone()  # the residual stream updated in place, as in the engine
+    gemv(x, w, inplace, residual=inplace, config=parts, workspace=workspace)
+    _close(inplace, res + x @ w.T, dtype)
+    with pytest.raises(ValueError, match="multiple of block_k=64 x split_k=16"):
+        gemv(x, w, torch.empty(rows, n, dtype=dtype), config=GemvConfig(16, 64, split_k=16), workspace=workspace)
 
 
 def test_gemv_rejects_bad_shapes():
@@ -241,13 +267,17 @@ def test_frame_tail_emits_the_frame_and_the_reference_feedback(tiny_models):
     assert not frames[0].any() and not frames[2].any()  # step 0 emits nothing; step 2 wrote frame 1
 
 
-@pytest.mark.parametrize("text_embeddings_on_host", [False, True])
-def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, text_embeddings_on_host):
+@pytest.mark.parametrize("variant", ["plain", "text_embeddings_on_host", "split_k"])
+def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, variant, monkeypatch):
     from music3_demo.semantic.graph import GraphEngine
+    from music3_demo.semantic.kernels import linear
 
     lm, depth = tiny_models
     engine = GraphEngine(lm, depth, "cpu", attention_splits=2)
-    if text_embeddings_on_host:
+    if variant == "split_k":  # every product split (K is 32, 48 or 64 here), through the engine's workspace
+        monkeypatch.setattr(linear, "default_config",
+                            lambda m, n, k: GemvConfig(256, 16, split_k=2 if k % 32 == 0 else 3))
+    if variant == "text_embeddings_on_host":
         engine.text_embeddings_to_host()
         assert engine.text_embed.data_ptr() == lm.model.embed_tokens.weight.data_ptr()  # moved, not copied
         assert engine.semantic_embed.data_ptr() != engine.text_embed.data_ptr()  # the per-frame rows stay put
@@ -259,6 +289,8 @@ def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, t
     assert relative_error(logits, ref_logits).max() < 1e-5
     assert relative_error(frames, ref_frames).max() < 1e-5
     assert torch.equal(engine._state.codes[:3].long(), codes)
+    if variant == "split_k":
+        assert engine._state.gemv_workspace.counters.numel() > 0 and not engine._state.gemv_workspace.counters.any()
 
 
 def test_graph_engine_needs_cuda(tiny_models, monkeypatch):

@@ -30,6 +30,7 @@ from .kernels import (
     cfg_sample,
     decode_attention,
     depth_attention,
+    GemvWorkspace,
     frame_tail,
     gemv,
     interpreting,
@@ -142,6 +143,7 @@ class _State:
         self.counters = torch.zeros(2, device=dev, dtype=torch.int32)  # [step, position of the LM's next token]
         self.end_at = torch.full((1,), NO_END, device=dev, dtype=torch.int32)
         self.scale = torch.ones(1, device=dev, dtype=torch.float32)
+        self.gemv_workspace = GemvWorkspace(dev)  # sized by the warm-up step that precedes every capture
 
 
 class GraphEngine:
@@ -432,7 +434,6 @@ class GraphEngine:
     def _step(self, top_k: int, forced: bool) -> None:
         s = self._state
         step, pos = s.counters[0:1], s.counters[1:2]
-        pdl = self.pdl
         forced_codes = s.forced if forced else None
 
         def sample(logits: torch.Tensor, slot: int, noise: torch.Tensor, **kw) -> None:
@@ -443,7 +444,7 @@ class GraphEngine:
 
         copy_programs = max(1, min(8, self.hidden // 512))
         # 1. Semantic code from the LM's current state (the audio slice of lm_head only).
-        gemv(s.lm_hidden, self.audio_head, s.logits, pdl=pdl)
+        self._gemv(s.lm_hidden, self.audio_head, s.logits)
         if forced:
             s.record.index_copy_(0, step.long(), s.logits.unsqueeze(0))
         s.noise.exponential_(generator=self._rng)
@@ -452,14 +453,14 @@ class GraphEngine:
             copy=(self.semantic_table, s.dx[1::2]), copy_programs=copy_programs,
         )
         # 2. Depth decoder: positions 0 (projected LM state) and 1 (semantic code) in one pass, then one per code.
-        gemv(s.lm_hidden, self.projection, s.dx[0::2], residual=self.pos_embed[0:1], pdl=pdl)
+        self._gemv(s.lm_hidden, self.projection, s.dx[0::2], residual=self.pos_embed[0:1])
         for index in range(1, self.num_codebooks):
             first = index == 1
             h = s.dx if first else s.dh
-            self._depth_pass(h, base=0 if first else index, new=2 if first else 1, pdl=pdl)
+            self._depth_pass(h, base=0 if first else index, new=2 if first else 1)
             out = s.dstates[:, index - 1]
             rmsnorm(h[(1 if first else 0) :: 2 if first else 1], self.depth_norm, out, self.depth_eps)
-            gemv(out, self.depth_heads_w[index - 1], s.dlogits, pdl=pdl)
+            self._gemv(out, self.depth_heads_w[index - 1], s.dlogits)
             noise = s.noise[AUDIO_CODES + (index - 1) * self.audio_vocab :][: self.audio_vocab]
             last = index == self.num_codebooks - 1
             sample(
@@ -475,27 +476,32 @@ class GraphEngine:
         scale = self.head_dim**-0.5
         for index, block in enumerate(self.blocks):
             k_cache, v_cache = s.kv[index, 0], s.kv[index, 1]
-            gemv(s.lm_h, block.qkv, s.qkv, norm_weight=block.ln1, eps=self.eps, pdl=pdl)
+            self._gemv(s.lm_h, block.qkv, s.qkv, norm_weight=block.ln1, eps=self.eps)
             qk_norm_rope(s.qkv, s.q, k_cache, v_cache, block.q_norm, block.k_norm, s.cos, s.sin, pos, self.eps)
             decode_attention(s.q, k_cache, v_cache, pos, s.attn, s.partials, scale)
-            gemv(s.attn, block.o, s.lm_h, residual=s.lm_h, pdl=pdl)
-            gemv(s.lm_h, block.gate_up, s.gate_up, norm_weight=block.ln2, eps=self.eps, pdl=pdl)
-            gemv(silu_mul(s.gate_up, s.act), block.down, s.lm_h, residual=s.lm_h, pdl=pdl)
+            self._gemv(s.attn, block.o, s.lm_h, residual=s.lm_h)
+            self._gemv(s.lm_h, block.gate_up, s.gate_up, norm_weight=block.ln2, eps=self.eps)
+            self._gemv(silu_mul(s.gate_up, s.act), block.down, s.lm_h, residual=s.lm_h)
         rmsnorm(s.lm_h, self.final_norm, s.lm_hidden, self.eps)
         s.counters.add_(1)
 
-    def _depth_pass(self, h: torch.Tensor, base: int, new: int, pdl: bool) -> None:
+    def _depth_pass(self, h: torch.Tensor, base: int, new: int) -> None:
         """The depth decoder's blocks over `new` positions per CFG row (rows b·new + i of h), caching K/V."""
         s = self._state
         rows = h.shape[0]
         qkv, out, gate_up, act = s.dqkv[:rows], s.do[:rows], s.dgate_up[:rows], s.dact[:rows]
         scale = (self.hidden // self.depth_heads) ** -0.5
         for index, block in enumerate(self.depth_blocks):
-            gemv(h, block.qkv, qkv, norm_weight=block.ln1, eps=self.depth_eps, pdl=pdl)
+            self._gemv(h, block.qkv, qkv, norm_weight=block.ln1, eps=self.depth_eps)
             depth_attention(qkv, out, s.dcache[index, 0], s.dcache[index, 1], base, new, scale)
-            gemv(out, block.o, h, residual=h, pdl=pdl)
-            gemv(h, block.gate_up, gate_up, norm_weight=block.ln2, eps=self.depth_eps, pdl=pdl)
-            gemv(silu_mul(gate_up, act), block.down, h, residual=h, pdl=pdl)
+            self._gemv(out, block.o, h, residual=h)
+            self._gemv(h, block.gate_up, gate_up, norm_weight=block.ln2, eps=self.depth_eps)
+            self._gemv(silu_mul(gate_up, act), block.down, h, residual=h)
+
+    def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, **epilogue) -> None:
+        # Split-K products share one workspace in stream order, which PDL's overlapping kernels would break.
+        workspace = None if self.pdl else self._state.gemv_workspace
+        gemv(x, weight, out, pdl=self.pdl, workspace=workspace, **epilogue)
 
     # ------------------------------------------------------------------ host loop
     def _replay(

@@ -30,11 +30,12 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 from .attention import decode_attention, depth_attention, qk_norm_rope  # noqa: E402
-from .linear import GemvConfig, gemv  # noqa: E402
+from .linear import GemvConfig, GemvWorkspace, gemv  # noqa: E402
 from .frame import cfg_sample, frame_tail, rmsnorm, silu_mul  # noqa: E402
 
 __all__ = [
     "GemvConfig",
+    "GemvWorkspace",
     "cfg_sample",
     "decode_attention",
     "depth_attention",

@@ -12,6 +12,11 @@ and formed on the down product's load it stalls the activation stream (1.5 TB/s)
 - RESIDUAL: out = residual + y (in place when out is the residual); with a bf16 residual, HF's rounding of each step.
 - PDL (Hopper): the program waits for the previous kernel only once it is resident (programmatic dependent launch;
   measured slower here, so off by default).
+Split-K (`GemvConfig.split_k` > 1): products with few row blocks (q|k|v: 96 programs, o/down: 128, the depth heads:
+64, on 132 SMs) leave SMs idle; splitting K multiplies the programs. Each program stores its fp32 partial (and its
+partial sum of squares for NORM) in a workspace and bumps its row block's counter; the last to arrive adds the
+partials in split order (so results do not depend on timing, and seeds stay reproducible), applies the epilogue and
+resets the counter, all in one launch. Kernels sharing a workspace must run in order on one stream (no PDL).
 """
 
 from __future__ import annotations
@@ -38,20 +43,57 @@ class GemvConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1
+
+
+class GemvWorkspace:
+    """Split-K scratch: fp32 partials and per-row-block arrival counters (zero between launches). Grows on demand
+    outside CUDA-graph capture; an engine makes one per set of captured graphs and warms every product up before
+    capturing, so captured launches never need a larger one."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.partials = torch.zeros(0, device=self.device, dtype=torch.float32)
+        self.counters = torch.zeros(0, device=self.device, dtype=torch.int32)
+
+    def reserve(self, partials: int, blocks: int) -> None:
+        if self.partials.numel() >= partials and self.counters.numel() >= blocks:
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("GemvWorkspace too small inside a CUDA-graph capture: warm the product up first")
+        self.partials = torch.zeros(max(partials, self.partials.numel()), device=self.device, dtype=torch.float32)
+        self.counters = torch.zeros(max(blocks, self.counters.numel()), device=self.device, dtype=torch.int32)
+
+
+@triton.jit
+def _gemv_epilogue(
+    acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, stride_om, stride_rm, eps, K,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+):
+    y = acc
+    if NORM:
+        y = acc * (1.0 / tl.sqrt(sumsq / K + eps))[None, :]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if RESIDUAL:
+        res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
+        y = res.to(tl.float32) + y.to(res_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, res_ptr, g_ptr,
+    x_ptr, w_ptr, out_ptr, res_ptr, g_ptr, part_ptr, count_ptr,
     N, K, stride_xm, stride_om, stride_rm, eps,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     pid = tl.program_id(0)
+    split = tl.program_id(1)
+    k_len = K // SPLIT_K
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = split * k_len + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
@@ -61,23 +103,39 @@ def _gemv_kernel(
         gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, k_len, BLOCK_K):
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
-            x = xf * tl.load(g_ptr + k0 + offs_k).to(tl.float32)[None, :]
+            x = xf * tl.load(g_ptr + offs_k + k0).to(tl.float32)[None, :]
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
-    dtype = out_ptr.dtype.element_ty
-    y = acc
-    if NORM:
-        y = acc * (1.0 / tl.sqrt(sumsq / K + eps))[None, :]
-    mask = n_mask[:, None] & m_mask[None, :]
-    if RESIDUAL:
-        res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
-        y = res.to(tl.float32) + y.to(res_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(dtype), mask=mask)
+    if SPLIT_K == 1:
+        _gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, stride_om, stride_rm, eps, K,
+                       NORM, RESIDUAL)
+    else:
+        # Partials of row block `pid`: [SPLIT_K, BLOCK_N, BLOCK_M] fp32, then [SPLIT_K, BLOCK_M] sums of squares.
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+        base = part_ptr + pid.to(tl.int64) * (SPLIT_K * (BLOCK_N + 1) * BLOCK_M)
+        squares = base + SPLIT_K * BLOCK_N * BLOCK_M
+        tl.store(base + split * BLOCK_N * BLOCK_M + tile, acc, mask=m_mask[None, :])
+        tl.store(squares + split * BLOCK_M + offs_m, sumsq, mask=m_mask)
+        # Every thread's stores, then one release/acquire atomic (CUTLASS's semaphore pattern: the barrier makes the
+        # CTA's stores precede the release); the last program of the row block then sees every partial. Its loads
+        # skip L1 (.cg), which is not coherent across SMs.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            total_sq = tl.zeros([BLOCK_M], tl.float32)
+            for part in tl.static_range(SPLIT_K):  # fixed order: the sum does not depend on who came last
+                total += tl.load(base + part * BLOCK_N * BLOCK_M + tile, mask=m_mask[None, :], other=0.0,
+                                 cache_modifier=".cg")
+                total_sq += tl.load(squares + part * BLOCK_M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg")
+            _gemv_epilogue(total, total_sq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, stride_om, stride_rm,
+                           eps, K, NORM, RESIDUAL)
+            tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (or graph replay)
 
 
 # Tuned on an H200 by scripts/tune_gemv.py (docs/PERFORMANCE.md); keyed by (rows, N, K). Anything else gets the
@@ -127,11 +185,12 @@ def gemv(
     residual: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool = False,
+    workspace: GemvWorkspace | None = None,
 ) -> torch.Tensor:
     """out[m] = epilogue(W · prologue(x[m])) for each of the M <= 16 rows of x ([M, K], unit stride along K).
 
     `weight` is [N, K]; `out` is [M, N] with any row stride; `residual` is [M, N] or [1, N] expanded to M rows
-    (stride 0), and may be `out` itself.
+    (stride 0), and may be `out` itself. A split-K config needs a `workspace` (without one it runs unsplit).
     """
     m = x.shape[0]
     n, k = weight.shape
@@ -140,15 +199,24 @@ def gemv(
     if x.shape[1] != k or out.shape != (m, n):
         raise ValueError(f"gemv shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
     cfg = config or default_config(m, n, k)
-    if k % cfg.block_k:
-        raise ValueError(f"K={k} must be a multiple of block_k={cfg.block_k}")
+    split = cfg.split_k if workspace is not None else 1
+    if k % (cfg.block_k * split):
+        raise ValueError(f"K={k} must be a multiple of block_k={cfg.block_k} x split_k={split}")
+    if split > 1 and pdl:
+        raise ValueError("split-K GEMVs share a workspace in stream order: they cannot run with PDL")
     res = out if residual is None else residual
     stride_rm = res.stride(0) if res.shape[0] > 1 else 0
     launch = {"launch_pdl": True} if pdl else {}
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, out, res, x if norm_weight is None else norm_weight,
+    blocks = triton.cdiv(n, cfg.block_n)
+    if split > 1:
+        workspace.reserve(blocks * split * (cfg.block_n + 1) * 16, blocks)
+        partials, counters = workspace.partials, workspace.counters
+    else:
+        partials, counters = x, x  # never read
+    _gemv_kernel[(blocks, split)](
+        x, weight, out, res, x if norm_weight is None else norm_weight, partials, counters,
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
-        M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
