@@ -20,10 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from music3_demo.semantic.kernels.linear import GemvConfig, GemvWorkspace, gemv  # noqa: E402
 
 # (rows, N, K, epilogue) of one frame: LM (36x), depth decoder (4 blocks x 7 passes), heads.
+# "swiglu": the gate|up products (interleaved rows, RMSNorm in, silu(gate)·up out).
 SHAPES = [
-    (2, 6144, 4096, "norm"), (2, 4096, 4096, "residual"), (2, 24576, 4096, "norm"), (2, 4096, 12288, "residual"),
-    (2, 16385, 4096, "plain"), (4, 12288, 4096, "norm"), (2, 12288, 4096, "norm"), (4, 4096, 4096, "residual"),
-    (2, 4096, 4096, "residual"), (4, 4096, 6144, "residual"), (2, 4096, 6144, "residual"), (2, 1024, 4096, "plain"),
+    (2, 6144, 4096, "norm"), (2, 4096, 4096, "residual"), (2, 24576, 4096, "swiglu"), (2, 4096, 12288, "residual"),
+    (2, 16385, 4096, "plain"), (4, 12288, 4096, "norm"), (2, 12288, 4096, "norm"), (4, 12288, 4096, "swiglu"),
+    (2, 12288, 4096, "swiglu"), (4, 4096, 4096, "residual"), (2, 4096, 4096, "residual"), (4, 4096, 6144, "residual"),
+    (2, 4096, 6144, "residual"), (2, 1024, 4096, "plain"),
 ]
 CANDIDATES = [
     GemvConfig(16, 128, 4, 6), GemvConfig(16, 256, 4, 4), GemvConfig(16, 256, 4, 6), GemvConfig(16, 512, 4, 3),
@@ -74,13 +76,16 @@ def main() -> None:
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         gain = torch.rand(k, device=device, dtype=torch.bfloat16) + 0.5
         res = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
-        out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
-        kw = {"norm_weight": gain if epilogue == "norm" else None}
+        swiglu = epilogue == "swiglu"
+        out = torch.empty(rows, n // 2 if swiglu else n, device=device, dtype=torch.bfloat16)
+        kw = {"norm_weight": gain if epilogue in ("norm", "swiglu") else None, "swiglu": swiglu}
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
         inp = (normed.to(torch.bfloat16) * gain).float() if kw["norm_weight"] is not None else x.float()
         ref = inp @ weights[0].float().T
         if epilogue == "residual":
             ref = ref + res.float()
+        if swiglu:
+            ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
         row = {"shape": [rows, n, k, epilogue], "MB": round(nbytes / 1e6, 1)}
         best = None
         for cfg in CANDIDATES:
@@ -102,13 +107,16 @@ def main() -> None:
             tbps = nbytes / seconds / 1e12
             if best is None or tbps > best[1]:
                 best = (cfg, tbps)
+        if best is None:
+            print(f"NO CONFIG {row['shape']}: every candidate was skipped or wrong", flush=True)
+            continue
         a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)  # cuBLAS baseline: the plain product
         cublas = time_graph(lambda i: torch.mm(a, weights[i % copies].T), LAUNCHES)
         row.update(best=best[0].__dict__, triton_TBps=round(best[1], 3), cublas_TBps=round(nbytes / cublas / 1e12, 3),
                    triton_us=round(nbytes / best[1] / 1e6, 1))
         print(json.dumps(row), flush=True)
         results.append(row)
-        tuned[(rows, n, k)] = best[0]
+        tuned[(rows, n, k, "swiglu") if swiglu else (rows, n, k)] = best[0]
         del weights
         torch.cuda.empty_cache()
     print("TUNED = {")

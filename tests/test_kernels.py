@@ -24,9 +24,9 @@ from music3_demo.semantic.kernels import (  # noqa: E402
     depth_attention,
     frame_tail,
     gemv,
+    interleave_rows,
     qk_norm_rope,
     rmsnorm,
-    silu_mul,
 )
 from music3_demo.semantic.reference import embed_audio_frame  # noqa: E402
 from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error  # noqa: E402
@@ -63,9 +63,6 @@ def test_gemv_epilogues_match_torch(dtype, rows):
     _close(plain, x @ w.T, dtype)
     normed = gemv(x, w, torch.empty(rows, n, dtype=dtype), norm_weight=g, config=cfg)
     _close(normed, _hf_rmsnorm(x, g) @ w.T, dtype)
-    gate_up = torch.cat((x, _rand(rows, k, dtype=dtype, seed=5)), dim=1)  # [gate | up]
-    _close(silu_mul(gate_up, torch.empty(rows, k, dtype=dtype), block=64), F.silu(gate_up[:, :k]) * gate_up[:, k:],
-           dtype)
     inplace = res.clone()
     gemv(x, w, inplace, residual=inplace, config=cfg)
     _close(inplace, res + x @ w.T, dtype)
@@ -99,6 +96,28 @@ def test_split_k_gemv_matches_the_unsplit_one_and_leaves_the_counters_at_zero(dt
     _close(inplace, res + x @ w.T, dtype)
     with pytest.raises(ValueError, match="multiple of block_k=64 x split_k=16"):
         gemv(x, w, torch.empty(rows, n, dtype=dtype), config=GemvConfig(16, 64, split_k=16), workspace=workspace)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [1, 2])
+def test_swiglu_gemv_on_interleaved_rows_matches_hf_mlp_activation(dtype, split):
+    rows, k, inter = 2, 128, 48
+    x = _rand(rows, k, dtype=dtype, seed=10)
+    gate = _rand(inter, k, dtype=dtype, seed=11, scale=k**-0.5)
+    up = _rand(inter, k, dtype=dtype, seed=12, scale=k**-0.5)
+    g = _rand(k, dtype=dtype, seed=13, scale=0.1) + 1
+    normed = _hf_rmsnorm(x, g)
+    expected = F.silu(normed @ gate.T) * (normed @ up.T)  # HF's MLP: act_fn(gate_proj(x)) * up_proj(x)
+    fused = interleave_rows(gate, up)
+    assert torch.equal(fused[0::2], gate) and torch.equal(fused[1::2], up)
+    out = torch.full((rows, inter), float("nan"), dtype=dtype)
+    config = GemvConfig(block_n=32, block_k=32, split_k=split)  # 96 rows: row block shrunk to 32's divisor 32
+    gemv(x, fused, out, norm_weight=g, config=config, workspace=GemvWorkspace("cpu"), swiglu=True)
+    _close(out, expected, dtype)
+    with pytest.raises(ValueError, match="no residual"):
+        gemv(x, fused, out, residual=out, swiglu=True, config=config)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        gemv(x, fused, torch.empty(rows, 2 * inter, dtype=dtype), swiglu=True)
 
 
 def test_gemv_rejects_bad_shapes():
@@ -276,7 +295,7 @@ def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, v
     engine = GraphEngine(lm, depth, "cpu", attention_splits=2)
     if variant == "split_k":  # every product split (K is 32, 48 or 64 here), through the engine's workspace
         monkeypatch.setattr(linear, "default_config",
-                            lambda m, n, k: GemvConfig(256, 16, split_k=2 if k % 32 == 0 else 3))
+                            lambda m, n, k, swiglu=False: GemvConfig(256, 16, split_k=2 if k % 32 == 0 else 3))
     if variant == "text_embeddings_on_host":
         engine.text_embeddings_to_host()
         assert engine.text_embed.data_ptr() == lm.model.embed_tokens.weight.data_ptr()  # moved, not copied

@@ -33,11 +33,11 @@ from .kernels import (
     GemvWorkspace,
     frame_tail,
     gemv,
+    interleave_rows,
     interpreting,
     pdl_supported,
     qk_norm_rope,
     rmsnorm,
-    silu_mul,
 )
 from .kernels.frame import NO_END
 
@@ -58,7 +58,7 @@ class _Block:
 
     qkv: torch.Tensor
     o: torch.Tensor
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor  # rows interleaved: gate j at 2j, up j at 2j+1 (the SwiGLU gemv's layout)
     down: torch.Tensor
     ln1: torch.Tensor
     ln2: torch.Tensor
@@ -91,6 +91,14 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
+@torch.no_grad()
+def _fuse_gate_up(gate: torch.nn.Linear, up: torch.nn.Linear) -> torch.Tensor:
+    """Interleave the rows of gate and up; the modules keep working on strided views of the one copy."""
+    fused = interleave_rows(gate.weight, up.weight).contiguous()
+    gate.weight.data, up.weight.data = fused[0::2], fused[1::2]
+    return fused
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -118,7 +126,6 @@ class _State:
         self.qkv = torch.zeros(2, (heads + 2 * kv_heads) * hd, device=dev, dtype=dt)
         self.q = torch.zeros(2, heads * hd, device=dev, dtype=dt)
         self.attn = torch.zeros(2, heads * hd, device=dev, dtype=dt)
-        self.gate_up = torch.zeros(2, 2 * e.intermediate, device=dev, dtype=dt)
         self.act = torch.zeros(2, e.intermediate, device=dev, dtype=dt)
         splits = e.attention_splits
         self.partials = (
@@ -132,7 +139,6 @@ class _State:
         self.dh = torch.zeros(2, depth_hid, device=dev, dtype=torch.float32)  # passes 2..7
         self.dqkv = torch.zeros(4, 3 * depth_hid, device=dev, dtype=dt)
         self.do = torch.zeros(4, depth_hid, device=dev, dtype=dt)
-        self.dgate_up = torch.zeros(4, 2 * e.depth_intermediate, device=dev, dtype=dt)
         self.dact = torch.zeros(4, e.depth_intermediate, device=dev, dtype=dt)
         self.dstates = torch.zeros(2, e.num_codebooks - 1, depth_hid, device=dev, dtype=dt)
         self.dlogits = torch.zeros(2, e.audio_vocab, device=dev, dtype=dt)
@@ -208,7 +214,7 @@ class GraphEngine:
                 _Block(
                     qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
                     o=attn.o_proj.weight.data,
-                    gate_up=_fuse([mlp.gate_proj, mlp.up_proj]),
+                    gate_up=_fuse_gate_up(mlp.gate_proj, mlp.up_proj),
                     down=mlp.down_proj.weight.data,
                     ln1=layer.input_layernorm.weight.data,
                     ln2=layer.post_attention_layernorm.weight.data,
@@ -238,7 +244,7 @@ class GraphEngine:
             _Block(
                 qkv=_fuse([blk.attn.to_q, blk.attn.to_k, blk.attn.to_v]),
                 o=blk.attn.to_out.weight.data,
-                gate_up=_fuse([blk.gate_proj, blk.up_proj]),
+                gate_up=_fuse_gate_up(blk.gate_proj, blk.up_proj),
                 down=blk.down_proj.weight.data,
                 ln1=blk.input_layernorm.weight.data,
                 ln2=blk.post_attention_layernorm.weight.data,
@@ -423,7 +429,7 @@ class GraphEngine:
                     scale=hd**-0.5,
                 ).transpose(1, 2)
             h = h + F.linear(out.reshape(2, length, heads * hd), block.o)
-            gate, up = F.linear(layer.post_attention_layernorm(h), block.gate_up).chunk(2, dim=-1)
+            gate, up = F.linear(layer.post_attention_layernorm(h), block.gate_up).unflatten(-1, (-1, 2)).unbind(-1)
             h = h + F.linear(F.silu(gate) * up, block.down)
         state.lm_hidden.copy_(lm.model.norm(h[:, -1]))
         state.counters[0].fill_(0)
@@ -480,8 +486,8 @@ class GraphEngine:
             qk_norm_rope(s.qkv, s.q, k_cache, v_cache, block.q_norm, block.k_norm, s.cos, s.sin, pos, self.eps)
             decode_attention(s.q, k_cache, v_cache, pos, s.attn, s.partials, scale)
             self._gemv(s.attn, block.o, s.lm_h, residual=s.lm_h)
-            self._gemv(s.lm_h, block.gate_up, s.gate_up, norm_weight=block.ln2, eps=self.eps)
-            self._gemv(silu_mul(s.gate_up, s.act), block.down, s.lm_h, residual=s.lm_h)
+            self._gemv(s.lm_h, block.gate_up, s.act, norm_weight=block.ln2, eps=self.eps, swiglu=True)
+            self._gemv(s.act, block.down, s.lm_h, residual=s.lm_h)
         rmsnorm(s.lm_h, self.final_norm, s.lm_hidden, self.eps)
         s.counters.add_(1)
 
@@ -489,14 +495,14 @@ class GraphEngine:
         """The depth decoder's blocks over `new` positions per CFG row (rows b·new + i of h), caching K/V."""
         s = self._state
         rows = h.shape[0]
-        qkv, out, gate_up, act = s.dqkv[:rows], s.do[:rows], s.dgate_up[:rows], s.dact[:rows]
+        qkv, out, act = s.dqkv[:rows], s.do[:rows], s.dact[:rows]
         scale = (self.hidden // self.depth_heads) ** -0.5
         for index, block in enumerate(self.depth_blocks):
             self._gemv(h, block.qkv, qkv, norm_weight=block.ln1, eps=self.depth_eps)
             depth_attention(qkv, out, s.dcache[index, 0], s.dcache[index, 1], base, new, scale)
             self._gemv(out, block.o, h, residual=h)
-            self._gemv(h, block.gate_up, gate_up, norm_weight=block.ln2, eps=self.depth_eps)
-            self._gemv(silu_mul(gate_up, act), block.down, h, residual=h)
+            self._gemv(h, block.gate_up, act, norm_weight=block.ln2, eps=self.depth_eps, swiglu=True)
+            self._gemv(act, block.down, h, residual=h)
 
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, **epilogue) -> None:
         # Split-K products share one workspace in stream order, which PDL's overlapping kernels would break.

@@ -1,5 +1,6 @@
-"""Triton kernels of the graph engine: M<=16 GEMV with fused norm/residual, SwiGLU, decode attention over the live
-context, RMSNorm, on-device CFG/top-k sampling and the per-frame tail (emit + feedback embedding).
+"""Triton kernels of the graph engine: M<=16 GEMV with fused norm/residual/SwiGLU (split-K when tuned), decode
+attention over the live context, RMSNorm, on-device CFG/top-k sampling and the per-frame tail (emit + feedback
+embedding).
 
 Every kernel reads positions, steps and codes from device tensors, never from Python ints, so a CUDA graph that
 holds them stays valid as a song advances. Under `TRITON_INTERPRET=1` they run on CPU tensors (fp16/fp32) for tests.
@@ -30,8 +31,8 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 from .attention import decode_attention, depth_attention, qk_norm_rope  # noqa: E402
-from .linear import GemvConfig, GemvWorkspace, gemv  # noqa: E402
-from .frame import cfg_sample, frame_tail, rmsnorm, silu_mul  # noqa: E402
+from .linear import GemvConfig, GemvWorkspace, gemv, interleave_rows  # noqa: E402
+from .frame import cfg_sample, frame_tail, rmsnorm  # noqa: E402
 
 __all__ = [
     "GemvConfig",
@@ -41,9 +42,9 @@ __all__ = [
     "depth_attention",
     "frame_tail",
     "gemv",
+    "interleave_rows",
     "interpreting",
     "pdl_supported",
     "qk_norm_rope",
     "rmsnorm",
-    "silu_mul",
 ]

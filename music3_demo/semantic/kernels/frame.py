@@ -35,27 +35,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, N, BLOCK: tl.constexpr):
-    row = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = cols < N
-    dtype = out_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + N + cols, mask=live, other=0.0).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up
-    tl.store(out_ptr + row * stride_out + cols, act.to(dtype), mask=live)
-
-
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """out = silu(gate) · up for gate_up [R, 2N] = [gate | up] (HF's bf16 rounding of silu, then of the product)."""
-    rows, n = out.shape
-    _silu_mul_kernel[(triton.cdiv(n, block), rows)](
-        gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
-    )
-    return out
-
-
-@triton.jit
 def _kth_largest_key(values, valid, top_k):
     """The ordered-integer key of the k-th largest of `values` (invalid lanes never count)."""
     bits = values.to(tl.int32, bitcast=True)
@@ -197,7 +176,8 @@ def frame_tail(
     audio_vocab: int, block: int = 512,
 ) -> None:
     """lm_hidden [2, H] (row 0 emitted), depth_hidden [2, NCB-1, H] contiguous (row 0 emitted), frames [F, NCB·H],
-    codes int32 [steps, NCB], semantic_embed [16384, H] (the LM's embedding rows of the semantic codes), audio_embed [(NCB-1)·vocab, H], feedback [2, H]."""
+    codes int32 [steps, NCB], semantic_embed [16384, H] (the LM's embedding rows of the semantic codes),
+    audio_embed [(NCB-1)·vocab, H], feedback [2, H]."""
     hidden = lm_hidden.shape[1]
     ncb = codes.shape[1]
     block = min(block, hidden)

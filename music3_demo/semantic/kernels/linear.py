@@ -7,8 +7,10 @@ its N side ("swap AB"): the weight stream then goes through Triton's multi-stage
 Fused on the way:
 - NORM: RMSNorm of x folded in as y = rstd · W(x ⊙ g): rstd is a per-row scalar, so it is accumulated alongside the
   product and no normalised copy of x is written or re-read.
-SwiGLU is not fused: in the gate|up epilogue it needs two weight tiles per pipeline stage (2.0-2.6 TB/s measured),
-and formed on the down product's load it stalls the activation stream (1.5 TB/s); a separate tiny kernel costs ~3 µs.
+- SWIGLU: out = silu(gate) · up from a gate|up weight whose rows are interleaved (gate row j at 2j, up row j at
+  2j+1), so each tile's accumulator holds matching gate and up rows and one weight tile per stage suffices. (With
+  the halves stacked, a program needed two weight tiles per stage: 2.0-2.6 TB/s; formed on the down product's
+  load instead, it stalled the activation stream: 1.5 TB/s; see docs/PERFORMANCE.md runs 2-4.)
 - RESIDUAL: out = residual + y (in place when out is the residual); with a bf16 residual, HF's rounding of each step.
 - PDL (Hopper): the program waits for the previous kernel only once it is resident (programmatic dependent launch;
   measured slower here, so off by default).
@@ -22,8 +24,9 @@ resets the counter, all in one launch. Kernels sharing a workspace must run in o
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -68,16 +71,26 @@ class GemvWorkspace:
 @triton.jit
 def _gemv_epilogue(
     acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, stride_om, stride_rm, eps, K,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     y = acc
     if NORM:
         y = acc * (1.0 / tl.sqrt(sumsq / K + eps))[None, :]
-    mask = n_mask[:, None] & m_mask[None, :]
-    if RESIDUAL:
-        res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
-        y = res.to(tl.float32) + y.to(res_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=mask)
+    if SWIGLU:  # rows 2j, 2j+1 of the tile are gate and up of output column j (N is a multiple of BLOCK_N)
+        BLOCK_N: tl.constexpr = acc.shape[0]
+        BLOCK_M: tl.constexpr = acc.shape[1]
+        dtype = out_ptr.dtype.element_ty
+        gate, up = tl.split(tl.permute(tl.reshape(y, [BLOCK_N // 2, 2, BLOCK_M]), (0, 2, 1)))
+        gate = gate.to(dtype).to(tl.float32)  # HF's rounding: each projection, silu(gate), then the product
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+        cols = tl.split(tl.reshape(offs_n, [BLOCK_N // 2, 2]))[0] // 2
+        tl.store(out_ptr + offs_m[None, :] * stride_om + cols[:, None], act.to(dtype), mask=m_mask[None, :])
+    else:
+        mask = n_mask[:, None] & m_mask[None, :]
+        if RESIDUAL:
+            res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
+            y = res.to(tl.float32) + y.to(res_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -85,7 +98,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, g_ptr, part_ptr, count_ptr,
     N, K, stride_xm, stride_om, stride_rm, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     pid = tl.program_id(0)
@@ -113,7 +126,7 @@ def _gemv_kernel(
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     if SPLIT_K == 1:
         _gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, stride_om, stride_rm, eps, K,
-                       NORM, RESIDUAL)
+                       NORM, RESIDUAL, SWIGLU)
     else:
         # Partials of row block `pid`: [SPLIT_K, BLOCK_N, BLOCK_M] fp32, then [SPLIT_K, BLOCK_M] sums of squares.
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
@@ -134,13 +147,14 @@ def _gemv_kernel(
                                  cache_modifier=".cg")
                 total_sq += tl.load(squares + part * BLOCK_M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg")
             _gemv_epilogue(total, total_sq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, stride_om, stride_rm,
-                           eps, K, NORM, RESIDUAL)
+                           eps, K, NORM, RESIDUAL, SWIGLU)
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (or graph replay)
 
 
-# Tuned on an H200 by scripts/tune_gemv.py (docs/PERFORMANCE.md); keyed by (rows, N, K). Anything else gets the
-# heuristic. MUSIC3_GEMV_TUNED=<json written by the script> overrides entries (tuning runs).
-TUNED: dict[tuple[int, int, int], GemvConfig] = {
+# Tuned on an H200 by scripts/tune_gemv.py (docs/PERFORMANCE.md); keyed by (rows, N, K), or (rows, N, K, "swiglu")
+# for the SwiGLU epilogue (which falls back to its shape's entry). Anything else gets the heuristic.
+# MUSIC3_GEMV_TUNED=<json written by the script> overrides entries (tuning runs).
+TUNED: dict[tuple, GemvConfig] = {
     (2, 6144, 4096): GemvConfig(64, 256, 4, 3),  # LM q|k|v (+ RMSNorm)          2.95 TB/s
     (2, 4096, 4096): GemvConfig(32, 256, 4, 5),  # LM o, depth out/projection  2.83
     (2, 24576, 4096): GemvConfig(64, 256, 4, 3),  # LM gate|up (+ RMSNorm)      3.77
@@ -165,14 +179,19 @@ if os.environ.get("MUSIC3_GEMV_TUNED"):
     load_tuned(os.environ["MUSIC3_GEMV_TUNED"])
 
 
-def default_config(m: int, n: int, k: int) -> GemvConfig:
-    tuned = TUNED.get((m, n, k))
+def default_config(m: int, n: int, k: int, swiglu: bool = False) -> GemvConfig:
+    tuned = (swiglu and TUNED.get((m, n, k, "swiglu"))) or TUNED.get((m, n, k))
     if tuned is not None:
         return tuned
     block_k = next(b for b in (256, 128, 64, 32, 16) if k % b == 0)
     if interpreting():
         return GemvConfig(block_n=256, block_k=block_k)  # the CPU interpreter runs programs one by one: few, wide
     return GemvConfig(block_n=16, block_k=block_k, num_warps=4, num_stages=4)
+
+
+def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The [2I, K] weight of a SwiGLU gemv: gate row j at 2j, up row j at 2j+1."""
+    return torch.stack((gate, up), dim=1).flatten(0, 1)
 
 
 def gemv(
@@ -186,19 +205,25 @@ def gemv(
     config: GemvConfig | None = None,
     pdl: bool = False,
     workspace: GemvWorkspace | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """out[m] = epilogue(W · prologue(x[m])) for each of the M <= 16 rows of x ([M, K], unit stride along K).
 
     `weight` is [N, K]; `out` is [M, N] with any row stride; `residual` is [M, N] or [1, N] expanded to M rows
     (stride 0), and may be `out` itself. A split-K config needs a `workspace` (without one it runs unsplit).
+    With `swiglu`, `weight` is a row-interleaved gate|up (`interleave_rows`) and `out` is [M, N/2].
     """
     m = x.shape[0]
     n, k = weight.shape
     if m > 16 or x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("gemv needs at most 16 rows with unit stride along the last dim and a contiguous weight")
-    if x.shape[1] != k or out.shape != (m, n):
+    if x.shape[1] != k or out.shape != (m, n // 2 if swiglu else n):
         raise ValueError(f"gemv shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
-    cfg = config or default_config(m, n, k)
+    cfg = config or default_config(m, n, k, swiglu)
+    if swiglu:  # whole gate/up pairs per tile: the row block must divide N
+        cfg = replace(cfg, block_n=math.gcd(cfg.block_n, n))
+        if residual is not None or cfg.block_n < 16:
+            raise ValueError(f"a SwiGLU gemv takes no residual and needs N={n} to be a multiple of 16")
     split = cfg.split_k if workspace is not None else 1
     if k % (cfg.block_k * split):
         raise ValueError(f"K={k} must be a multiple of block_k={cfg.block_k} x split_k={split}")
@@ -217,7 +242,7 @@ def gemv(
         x, weight, out, res, x if norm_weight is None else norm_weight, partials, counters,
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        NORM=norm_weight is not None, RESIDUAL=residual is not None, PDL=pdl,
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     return out
