@@ -179,13 +179,13 @@ def build_components(
     for name, model in models.items():
         model.to_empty(device=device)
         _randomize(name, model, generator)
-        # Buffers that initialisation computed (rotary inverse frequencies) were lost on `meta`: recompute them.
+        # Buffers that initialisation computed (rotary inverse frequencies) were lost on `meta` (`to_empty` leaves
+        # them uninitialised): take them from a fresh instance, whatever the library computes them with.
         for module in model.modules():
-            if hasattr(module, "rope_init_fn") and hasattr(module, "inv_freq"):
-                inv_freq, _ = module.rope_init_fn(module.config, device)
-                module.inv_freq.copy_(inv_freq)
-                if hasattr(module, "original_inv_freq"):
-                    module.original_inv_freq = inv_freq.clone()
+            if hasattr(module, "inv_freq") and hasattr(module, "config"):
+                fresh = type(module)(module.config)
+                for buffer_name, buffer in fresh.named_buffers(recurse=False):
+                    getattr(module, buffer_name).copy_(buffer)
         if dtype != torch.float32:
             model.to(dtype=dtype)
         model.eval()

@@ -98,3 +98,17 @@ def test_corrupt_component_reports_which_one(tmp_path, tiny_folder):
 def test_random_full_needs_a_gpu():
     with pytest.raises(CheckpointError, match="use --model tiny on a CPU"):
         Music3Pipeline.from_pretrained("random-full", device="cpu")
+
+
+def test_components_built_from_meta_have_the_buffers_a_normal_construction_computes():
+    """`build_components` fills parameters on the device from `meta`; buffers computed at construction (the LM's
+    rotary frequencies) must match a plain construction, not be left as uninitialised memory."""
+    built = builtin.build_components(builtin.TINY, seed=0)
+    plain = builtin._make_models(builtin.TINY)
+    for name, model in plain.items():
+        expected = dict(model.named_buffers())
+        got = dict(built[name].named_buffers())
+        assert expected.keys() == got.keys()
+        for key, buffer in expected.items():
+            assert torch.equal(got[key], buffer), f"{name}.{key}"
+    assert any("inv_freq" in key for key in dict(plain["language_model"].named_buffers()))
