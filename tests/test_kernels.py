@@ -272,18 +272,22 @@ def test_frame_tail_emits_the_frame_and_the_reference_feedback(tiny_models):
     hidden = lm.config.hidden_size
     lm_hidden = _rand(2, hidden, seed=17)
     depth_hidden = _rand(2, 7, hidden, seed=18)
-    codes = random_codes(3, torch.Generator().manual_seed(19)).to(torch.int32)
-    frames = torch.zeros(3, 8 * hidden)
+    codes = random_codes(6, torch.Generator().manual_seed(19)).to(torch.int32)
+    frames = torch.zeros(3, 8 * hidden)  # a ring of 3 rows: frame f lands in row f % 3
     feedback = torch.empty(2, hidden)
     semantic_rows = lm.model.embed_tokens.weight.data[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + 16384]
     audio = depth.audio_embeddings.weight.data
-    for step in (0, 2):
+    emitted = torch.cat((lm_hidden[0], depth_hidden[0].flatten()))
+    for step, row in ((0, None), (2, 1), (5, 1)):
+        frames.zero_()
         frame_tail(lm_hidden, depth_hidden, frames, codes, torch.tensor([step], dtype=torch.int32), semantic_rows,
                    audio, feedback, 1024, block=16)
         expected = embed_audio_frame(lm, depth, codes[step].long().unsqueeze(0).repeat(2, 1))[:, 0]
         _close(feedback, expected, torch.float32)
-    assert torch.equal(frames[1], torch.cat((lm_hidden[0], depth_hidden[0].flatten())))
-    assert not frames[0].any() and not frames[2].any()  # step 0 emits nothing; step 2 wrote frame 1
+        written = [i for i in range(3) if frames[i].any()]  # step 0 emits nothing; step s writes frame s-1
+        assert written == ([] if row is None else [row])
+        if row is not None:
+            assert torch.equal(frames[row], emitted)
 
 
 @pytest.mark.parametrize("variant", ["plain", "text_embeddings_on_host", "split_k"])
@@ -310,6 +314,23 @@ def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, v
     assert torch.equal(engine._state.codes[:3].long(), codes)
     if variant == "split_k":
         assert engine._state.gemv_workspace.counters.numel() > 0 and not engine._state.gemv_workspace.counters.any()
+
+
+def test_graph_engine_song_through_a_wrapping_frame_ring_equals_teacher_forcing(tiny_models):
+    """A song's yielded frames (copied out of a 2-row ring that wraps) equal the frames teacher forcing makes
+    from the song's own codes (copied out step by step)."""
+    from music3_demo.semantic import SamplingSettings
+    from music3_demo.semantic.graph import GraphEngine
+
+    engine = GraphEngine(*tiny_models, "cpu", attention_splits=2)
+    engine.REPLAY_BLOCK, engine.IN_FLIGHT, engine.FRAME_RING = 1, 0, 2
+    text_ids = torch.randint(0, 250, (2, 6), generator=torch.Generator().manual_seed(21))
+    blocks = list(engine.frames(text_ids, 4, SamplingSettings(), torch.Generator().manual_seed(22)))
+    song = torch.cat(blocks)
+    assert song.shape[0] == engine.last_song.frames == 4  # the tiny model's end row is not boosted: full length
+    codes = engine.song_codes().long()
+    _, forced = engine.teacher_forced(text_ids, codes)
+    assert torch.equal(song, forced)
 
 
 def test_graph_engine_needs_cuda(tiny_models, monkeypatch):

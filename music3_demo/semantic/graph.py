@@ -8,8 +8,9 @@ counters. Randomness comes from a generator registered with the graphs (torch's 
 from the caller's generator at each song.
 
 The host replays blocks of frames and reads the end flag through pinned memory a few blocks late; frames made after
-the end token are never yielded. Yielded blocks are views of the frame buffer: complete when yielded, valid until
-the next call of `frames` or `teacher_forced`.
+the end token are never yielded. Frame hiddens land in a small ring buffer (64 KB a frame in bf16: a whole-song
+buffer would be 0.5 GB for 6 minutes); each yielded block is a copy taken out of it on the engine's stream before
+any later replay is queued, so the ring only has to hold the frames in flight.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class _State:
         ids = torch.arange(positions, device=dev).unsqueeze(0)
         cos, sin = rotary(torch.empty(1, device=dev, dtype=dt), ids)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
-        self.frames = torch.zeros(steps, e.num_codebooks * hid, device=dev, dtype=dt)
+        self.frames = torch.zeros(e.FRAME_RING, e.num_codebooks * hid, device=dev, dtype=dt)
         self.codes = torch.zeros(steps, e.num_codebooks, device=dev, dtype=torch.int32)
         self.forced = torch.zeros_like(self.codes)
         self.record: torch.Tensor | None = None  # teacher forcing: LM audio logits per step
@@ -158,6 +159,7 @@ class GraphEngine:
 
     REPLAY_BLOCK = 8  # frames replayed between two looks at the end flag (and the yield granularity)
     IN_FLIGHT = 3  # blocks queued ahead of the one being waited for: cancel and end latency <= 32 frames
+    FRAME_RING = 64  # frame-hidden rows on the device; must hold the blocks in flight plus the one being copied
 
     def __init__(
         self,
@@ -181,6 +183,8 @@ class GraphEngine:
         # Programmatic dependent launch measured 10% slower on the H200 (105 vs 115 frames/s): opt-in only.
         self.pdl = bool(pdl) and pdl_supported(device)
         self.attention_splits = attention_splits
+        if self.FRAME_RING < (self.IN_FLIGHT + 2) * self.REPLAY_BLOCK:
+            raise ValueError("FRAME_RING must hold the blocks in flight plus the one being copied out")
         self.capture_count = 0
         self.last_song: SongStats | None = None
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
@@ -306,12 +310,15 @@ class GraphEngine:
         steps = codes.shape[0]
         with self._exclusive():
             advance = self._start(text_ids, steps - 1, SamplingSettings(cfg_scale), 0, forced=codes)
-            with self._on_stream():
-                for _ in range(steps):
-                    advance()
-            self._synchronize()
             state = self._state
-            return state.record[:steps].float(), state.frames[: steps - 1].clone()
+            frames = torch.empty(steps - 1, state.frames.shape[1], device=self.device, dtype=self.dtype)
+            with self._on_stream():
+                for step in range(steps):
+                    advance()
+                    if step:  # step s wrote frame s-1 into the ring
+                        frames[step - 1].copy_(state.frames[(step - 1) % self.FRAME_RING])
+            self._synchronize()
+            return state.record[:steps].float(), frames
 
     def song_codes(self) -> torch.Tensor:
         """[steps, 8] codes of the last song's steps (step 0 included; a sampled end token shows as 16384)."""
@@ -532,7 +539,7 @@ class GraphEngine:
             # Step s writes frame s-1; a step that sampled the end token ends the song before its frame.
             ready = max(0, min(max_frames, done - 1 if end >= done else end - 1))
             if ready > emitted:
-                yield state.frames[emitted:ready]
+                yield self._take(emitted, ready)
                 emitted = ready
             if end < done or emitted >= max_frames:
                 start, prefilled = self._song_marks
@@ -540,6 +547,20 @@ class GraphEngine:
                     emitted, done, self._seconds(start, prefilled), self._seconds(prefilled, mark), self.capture_count
                 )
                 return
+
+    def _take(self, start: int, stop: int) -> torch.Tensor:
+        """Frames [start, stop) copied out of the ring on the engine's stream, so replays queued later cannot
+        overwrite them first; the caller's stream waits for the copy (and only for it)."""
+        ring = self._state.frames
+        with self._on_stream():
+            rows = torch.arange(start, stop, device=self.device) % ring.shape[0]
+            block = ring.index_select(0, rows)
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+            torch.cuda.current_stream(self.device).wait_event(copied)
+            block.record_stream(torch.cuda.current_stream(self.device))
+        return block
 
     def _end_flag(self) -> Callable[[], int]:
         """Snapshot the end flag after the work queued so far; the returned call waits for it."""

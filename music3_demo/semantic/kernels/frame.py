@@ -143,19 +143,19 @@ def cfg_sample(
 
 @triton.jit
 def _frame_tail_kernel(
-    lm_hidden_ptr, depth_ptr, frames_ptr, stride_frame, codes_ptr, step_ptr,
+    lm_hidden_ptr, depth_ptr, frames_ptr, stride_frame, ring, codes_ptr, step_ptr,
     embed_ptr, stride_embed, audio_ptr, stride_audio, feedback_ptr, stride_fb,
     code_rows, audio_vocab, scale,
     H: tl.constexpr, NCB: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Columns [pid·BLOCK, +BLOCK) of: the emitted frame row step-1 = [lm_hidden[cond], depth hiddens[cond] 1..7]
-    (not on step 0, which only steps past <|audio_start|>), and the next LM input, the feedback embedding
-    (semantic_embed(code0) + Σ audio_emb(c_i + (i-1)·vocab)) · scale for both CFG rows."""
+    """Columns [pid·BLOCK, +BLOCK) of: the emitted frame step-1 = [lm_hidden[cond], depth hiddens[cond] 1..7] into
+    ring row (step-1) % ring (not on step 0, which only steps past <|audio_start|>), and the next LM input, the
+    feedback embedding (semantic_embed(code0) + Σ audio_emb(c_i + (i-1)·vocab)) · scale for both CFG rows."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     step = tl.load(step_ptr)
     codes = codes_ptr + step * NCB
     emit = (cols * 0 + step) >= 1
-    row = frames_ptr + (step - 1).to(tl.int64) * stride_frame
+    row = frames_ptr + ((tl.maximum(step, 1) - 1) % ring).to(tl.int64) * stride_frame
     dtype = embed_ptr.dtype.element_ty  # the model's precision, as the reference rounds the feedback
     tl.store(row + cols, tl.load(lm_hidden_ptr + cols), mask=emit)
     extra = tl.zeros([BLOCK], tl.float32)
@@ -175,14 +175,14 @@ def frame_tail(
     step: torch.Tensor, semantic_embed: torch.Tensor, audio_embed: torch.Tensor, feedback: torch.Tensor,
     audio_vocab: int, block: int = 512,
 ) -> None:
-    """lm_hidden [2, H] (row 0 emitted), depth_hidden [2, NCB-1, H] contiguous (row 0 emitted), frames [F, NCB·H],
-    codes int32 [steps, NCB], semantic_embed [16384, H] (the LM's embedding rows of the semantic codes),
+    """lm_hidden [2, H] (row 0 emitted), depth_hidden [2, NCB-1, H] contiguous (row 0 emitted), frames [R, NCB·H]
+    (a ring: frame f lands in row f % R), codes int32 [steps, NCB], semantic_embed [16384, H] (the LM's embedding rows of the semantic codes),
     audio_embed [(NCB-1)·vocab, H], feedback [2, H]."""
     hidden = lm_hidden.shape[1]
     ncb = codes.shape[1]
     block = min(block, hidden)
     _frame_tail_kernel[(hidden // block,)](
-        lm_hidden, depth_hidden, frames, frames.stride(0), codes, step,
+        lm_hidden, depth_hidden, frames, frames.stride(0), frames.shape[0], codes, step,
         semantic_embed, semantic_embed.stride(0), audio_embed, audio_embed.stride(0), feedback, feedback.stride(0),
         semantic_embed.shape[0], audio_vocab, ncb**-0.5,
         H=hidden, NCB=ncb, BLOCK=block, num_warps=4,
