@@ -117,7 +117,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         results.append(row)
         tuned[(rows, n, k, "swiglu") if swiglu else (rows, n, k)] = best[0]
-        del weights
+        weights.clear()  # free this shape's copies before the next
         torch.cuda.empty_cache()
     print("TUNED = {")
     for key, cfg in tuned.items():

@@ -17,6 +17,7 @@ from music3_demo import builtin  # noqa: E402
 from music3_demo import contract as c  # noqa: E402
 from music3_demo.semantic import resolve_engine_name  # noqa: E402
 from music3_demo.semantic.kernels import (  # noqa: E402
+    AttentionScratch,
     GemvConfig,
     GemvWorkspace,
     cfg_sample,
@@ -145,18 +146,15 @@ def test_decode_attention_reads_only_the_live_context(dtype, pos):
     v_cache = _rand(batch, kv_heads, capacity, dim, dtype=dtype, seed=7)
     k_cache[:, :, pos + 1 :] = float("nan")  # beyond the live length: must never be read
     v_cache[:, :, pos + 1 :] = float("nan")
-    out = torch.empty(batch, heads * dim, dtype=dtype)
-    partials = (
-        torch.empty(batch * heads, splits, dim),
-        torch.empty(batch * heads, splits),
-        torch.empty(batch * heads, splits),
-    )
+    out = torch.full((batch, heads * dim), float("nan"), dtype=dtype)
+    scratch = AttentionScratch.allocate(batch, heads, kv_heads, dim, splits, "cpu")
     scale = dim**-0.5
-    decode_attention(q, k_cache, v_cache, torch.tensor([pos], dtype=torch.int32), out, partials, scale, block=16)
+    decode_attention(q, k_cache, v_cache, torch.tensor([pos], dtype=torch.int32), out, scratch, scale, block=16)
     for b in range(batch):
         expected = _attention(q[b].view(heads, dim), k_cache[b, :, : pos + 1].transpose(0, 1),
                               v_cache[b, :, : pos + 1].transpose(0, 1), scale)
         _close(out[b].view(heads, dim), expected, dtype)
+    assert not scratch.counters.any()  # the combining program of each (row, kv head) reset its counter
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from .. import contract as c
 from . import SamplingSettings, check_cancel
 from .kernels import (
+    AttentionScratch,
+    GemvWorkspace,
     cfg_sample,
     decode_attention,
     depth_attention,
-    GemvWorkspace,
     frame_tail,
     gemv,
     interleave_rows,
@@ -128,12 +129,7 @@ class _State:
         self.q = torch.zeros(2, heads * hd, device=dev, dtype=dt)
         self.attn = torch.zeros(2, heads * hd, device=dev, dtype=dt)
         self.act = torch.zeros(2, e.intermediate, device=dev, dtype=dt)
-        splits = e.attention_splits
-        self.partials = (
-            torch.zeros(2 * heads, splits, hd, device=dev, dtype=torch.float32),
-            torch.zeros(2 * heads, splits, device=dev, dtype=torch.float32),
-            torch.zeros(2 * heads, splits, device=dev, dtype=torch.float32),
-        )
+        self.attention = AttentionScratch.allocate(2, heads, kv_heads, hd, e.attention_splits, dev)
         self.logits = torch.zeros(2, AUDIO_CODES, device=dev, dtype=dt)
         depth_hid = e.hidden
         self.dx = torch.zeros(4, depth_hid, device=dev, dtype=torch.float32)  # pass 1: [b0 p0, b0 p1, b1 p0, b1 p1]
@@ -491,7 +487,7 @@ class GraphEngine:
             k_cache, v_cache = s.kv[index, 0], s.kv[index, 1]
             self._gemv(s.lm_h, block.qkv, s.qkv, norm_weight=block.ln1, eps=self.eps)
             qk_norm_rope(s.qkv, s.q, k_cache, v_cache, block.q_norm, block.k_norm, s.cos, s.sin, pos, self.eps)
-            decode_attention(s.q, k_cache, v_cache, pos, s.attn, s.partials, scale)
+            decode_attention(s.q, k_cache, v_cache, pos, s.attn, s.attention, scale)
             self._gemv(s.attn, block.o, s.lm_h, residual=s.lm_h)
             self._gemv(s.lm_h, block.gate_up, s.act, norm_weight=block.ln2, eps=self.eps, swiglu=True)
             self._gemv(s.act, block.down, s.lm_h, residual=s.lm_h)
@@ -520,7 +516,6 @@ class GraphEngine:
     def _replay(
         self, advance: Callable[[], None], max_frames: int, cancel: threading.Event | None
     ) -> Iterator[torch.Tensor]:
-        state = self._state
         total = max_frames + 1  # step 0 only steps past <|audio_start|>
         launched = emitted = 0
         pending: deque[tuple[int, object, Callable[[], int]]] = deque()

@@ -1,11 +1,12 @@
-"""GPU: the split-K GEMV under real concurrency (programs of a row block on different SMs, arriving in any order)."""
+"""GPU: the kernels that combine partial results in the launch (split-K GEMV, decode attention) under real
+concurrency: the programs of a row block run on different SMs and arrive in any order."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, gemv
+from music3_demo.semantic.kernels import AttentionScratch, GemvConfig, GemvWorkspace, decode_attention, gemv
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -43,3 +44,34 @@ def test_split_k_gemv_is_exact_and_deterministic_across_graph_replays(shape, spl
         torch.cuda.synchronize()
         assert all(torch.equal(out, first) for out in outs)  # fixed-order reduction: bitwise the same every time
     assert not workspace.counters.any()
+
+
+@pytest.mark.parametrize("pos", [0, 399, 4399])
+def test_decode_attention_combines_in_one_launch_exactly_and_deterministically(pos):
+    batch, heads, kv_heads, dim, capacity, splits = 2, 32, 8, 128, 4608, 16
+    generator = torch.Generator(DEVICE).manual_seed(pos)
+    q = torch.randn(batch, heads * dim, device=DEVICE, generator=generator).bfloat16()
+    k_cache = torch.randn(batch, kv_heads, capacity, dim, device=DEVICE, generator=generator).bfloat16()
+    v_cache = torch.randn(batch, kv_heads, capacity, dim, device=DEVICE, generator=generator).bfloat16()
+    position = torch.tensor([pos], device=DEVICE, dtype=torch.int32)
+    scratch = AttentionScratch.allocate(batch, heads, kv_heads, dim, splits, DEVICE)
+    outs = torch.zeros(20, batch, heads * dim, device=DEVICE, dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    decode_attention(q, k_cache, v_cache, position, outs[0], scratch, dim**-0.5)  # compile outside the capture
+    with torch.cuda.graph(graph):
+        for out in outs:
+            decode_attention(q, k_cache, v_cache, position, out, scratch, dim**-0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    keys = k_cache[:, :, : pos + 1].repeat_interleave(heads // kv_heads, dim=1).float()
+    values = v_cache[:, :, : pos + 1].repeat_interleave(heads // kv_heads, dim=1).float()
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float().view(batch, heads, 1, dim), keys, values)
+    first = outs[0].clone()
+    error = ((first.float() - expected.view(batch, -1)).norm() / expected.norm()).item()
+    assert error < 1e-2, f"relative error {error:.2e}"
+    for _ in range(5):
+        outs.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, first) for out in outs)
+    assert not scratch.counters.any()

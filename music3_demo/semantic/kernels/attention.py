@@ -2,9 +2,13 @@
 
 The LM's live length comes from a device scalar (`pos` + 1), so one captured graph serves every position: each
 program splits the live context evenly (split-K, flash-decoding style) and programs past the end return at once.
+The split results are combined in the same launch: the last program of a (row, kv head) to finish (an arrival
+counter) merges the partials in split order, so the result does not depend on which program came last.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -66,14 +70,34 @@ def qk_norm_rope(
     )
 
 
+@dataclass
+class AttentionScratch:
+    """Decode attention's per-split partials (float32) and one arrival counter per (row, kv head), zero between
+    launches. SPLITS must be a power of two."""
+
+    o: torch.Tensor  # [B·H, SPLITS, D]
+    m: torch.Tensor  # [B·H, SPLITS] running max
+    l: torch.Tensor  # [B·H, SPLITS] running sum
+    counters: torch.Tensor  # int32 [B·KVH]
+
+    @classmethod
+    def allocate(cls, batch: int, heads: int, kv_heads: int, head_dim: int, splits: int,
+                 device: torch.device | str) -> "AttentionScratch":
+        rows = batch * heads
+        zeros = dict(device=device, dtype=torch.float32)
+        return cls(torch.zeros(rows, splits, head_dim, **zeros), torch.zeros(rows, splits, **zeros),
+                   torch.zeros(rows, splits, **zeros), torch.zeros(batch * kv_heads, device=device, dtype=torch.int32))
+
+
 @triton.jit
-def _attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    stride_q, stride_cb, stride_ch, stride_cs, scale,
+def _decode_attn_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
+    stride_q, stride_cb, stride_ch, stride_cs, stride_out, scale,
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    """Program (row·kv-head, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context."""
+    """Program (row·kv-head, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context;
+    the last of the SPLITS programs to finish combines them."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // KVH
@@ -110,48 +134,43 @@ def _attn_split_kernel(
     tl.store(part_o_ptr + (row * SPLITS + split)[:, None] * D + d[None, :], acc, mask=keep[:, None])
     tl.store(part_m_ptr + row * SPLITS + split, m_i, mask=keep)
     tl.store(part_l_ptr + row * SPLITS + split, l_i, mask=keep)
-
-
-@triton.jit
-def _attn_combine_kernel(
-    part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_out,
-    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-):
-    row = tl.program_id(0)  # b * H + head
-    s = tl.arange(0, SPLITS)
-    d = tl.arange(0, D)
-    m = tl.load(part_m_ptr + row * SPLITS + s)
-    l_s = tl.load(part_l_ptr + row * SPLITS + s)
-    m_max = tl.max(m, axis=0)
-    weight = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
-    o = tl.load(part_o_ptr + (row * SPLITS + s)[:, None] * D + d[None, :])
-    out = tl.sum(o * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
-    b = row // H
-    head = row % H
-    tl.store(out_ptr + b * stride_out + head * D + d, out.to(out_ptr.dtype.element_ty))
+    # The split-K GEMV's semaphore pattern (kernels/linear.py): every thread's stores, a barrier, one acq_rel atomic.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        s = tl.arange(0, SPLITS)
+        m_all = tl.load(part_m_ptr + row[:, None] * SPLITS + s[None, :], mask=keep[:, None], other=0.0,
+                        cache_modifier=".cg")
+        l_all = tl.load(part_l_ptr + row[:, None] * SPLITS + s[None, :], mask=keep[:, None], other=0.0,
+                        cache_modifier=".cg")
+        m_max = tl.max(m_all, axis=1)  # split 0 always holds position 0, so every row has a finite max
+        denominator = tl.sum(l_all * tl.where(m_all > float("-inf"), tl.exp(m_all - m_max[:, None]), 0.0), axis=1)
+        out = tl.zeros([GROUP_PAD, D], tl.float32)
+        for part in tl.static_range(SPLITS):  # fixed order: the sum does not depend on who came last
+            m_s = tl.load(part_m_ptr + row * SPLITS + part, mask=keep, other=0.0, cache_modifier=".cg")
+            o_s = tl.load(part_o_ptr + (row * SPLITS + part)[:, None] * D + d[None, :], mask=keep[:, None],
+                          other=0.0, cache_modifier=".cg")
+            out += o_s * tl.where(m_s > float("-inf"), tl.exp(m_s - m_max), 0.0)[:, None]
+        out = out / tl.where(keep, denominator, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_out + (h * GROUP + g)[:, None] * D + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+        tl.atomic_xchg(count_ptr + bh, 0)  # ready for the next launch (or graph replay)
 
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float, block: int = 64,
+    scratch: AttentionScratch, scale: float, block: int = 64,
 ) -> None:
-    """out[b] = softmax(q k[: pos + 1]ᵀ) v for q [B, H·D], caches [B, KVH, S, D], pos int32 [1].
-
-    `partials` = (o [B·H, SPLITS, D], m [B·H, SPLITS], l [B·H, SPLITS]) float32 scratch; SPLITS a power of two.
-    """
+    """out[b] = softmax(q k[: pos + 1]ᵀ) v for q [B, H·D], caches [B, KVH, S, D], pos int32 [1]; one launch."""
     batch, kv_heads, _, head_dim = k_cache.shape
     heads = q.shape[1] // head_dim
     group = heads // kv_heads
-    part_o, part_m, part_l = partials
-    splits = part_o.shape[1]
-    _attn_split_kernel[(batch * kv_heads, splits)](
-        q, k_cache, v_cache, pos, part_o, part_m, part_l,
-        q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale,
+    splits = scratch.o.shape[1]
+    _decode_attn_kernel[(batch * kv_heads, splits)](
+        q, k_cache, v_cache, pos, scratch.o, scratch.m, scratch.l, scratch.counters, out,
+        q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), scale,
         KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
         BLOCK=block, SPLITS=splits, num_warps=4,
-    )
-    _attn_combine_kernel[(batch * heads,)](
-        part_o, part_m, part_l, out, out.stride(0), H=heads, D=head_dim, SPLITS=splits, num_warps=4,
     )
 
 

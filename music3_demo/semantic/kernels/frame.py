@@ -176,8 +176,8 @@ def frame_tail(
     audio_vocab: int, block: int = 512,
 ) -> None:
     """lm_hidden [2, H] (row 0 emitted), depth_hidden [2, NCB-1, H] contiguous (row 0 emitted), frames [R, NCB·H]
-    (a ring: frame f lands in row f % R), codes int32 [steps, NCB], semantic_embed [16384, H] (the LM's embedding rows of the semantic codes),
-    audio_embed [(NCB-1)·vocab, H], feedback [2, H]."""
+    (a ring: frame f lands in row f % R), codes int32 [steps, NCB], semantic_embed [16384, H] (the LM's embedding
+    rows of the semantic codes), audio_embed [(NCB-1)·vocab, H], feedback [2, H]."""
     hidden = lm_hidden.shape[1]
     ncb = codes.shape[1]
     block = min(block, hidden)
