@@ -26,7 +26,6 @@ from music3_demo.semantic.kernels import (  # noqa: E402
     frame_tail,
     gemv,
     interleave_rows,
-    qk_norm_rope,
     rmsnorm,
 )
 from music3_demo.semantic.reference import embed_audio_frame  # noqa: E402
@@ -139,46 +138,39 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pos", [0, 37, 150])
-def test_decode_attention_reads_only_the_live_context(dtype, pos):
-    batch, heads, kv_heads, dim, capacity, splits = 2, 8, 2, 16, 192, 4
-    q = _rand(batch, heads * dim, dtype=dtype, seed=5)
-    k_cache = _rand(batch, kv_heads, capacity, dim, dtype=dtype, seed=6)
-    v_cache = _rand(batch, kv_heads, capacity, dim, dtype=dtype, seed=7)
-    k_cache[:, :, pos + 1 :] = float("nan")  # beyond the live length: must never be read
-    v_cache[:, :, pos + 1 :] = float("nan")
-    out = torch.full((batch, heads * dim), float("nan"), dtype=dtype)
-    scratch = AttentionScratch.allocate(batch, heads, kv_heads, dim, splits, "cpu")
-    scale = dim**-0.5
-    decode_attention(q, k_cache, v_cache, torch.tensor([pos], dtype=torch.int32), out, scratch, scale, block=16)
-    for b in range(batch):
-        expected = _attention(q[b].view(heads, dim), k_cache[b, :, : pos + 1].transpose(0, 1),
-                              v_cache[b, :, : pos + 1].transpose(0, 1), scale)
-        _close(out[b].view(heads, dim), expected, dtype)
-    assert not scratch.counters.any()  # the combining program of each (row, kv head) reset its counter
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_qk_norm_rope_matches_hf_and_writes_the_cache(dtype):
+def test_decode_attention_normalises_rotates_caches_and_reads_only_the_live_context(dtype, pos):
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-    batch, heads, kv_heads, dim, capacity, pos = 2, 4, 2, 16, 12, 9
-    qkv = _rand(batch, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=8)
+    batch, heads, kv_heads, dim, capacity, splits = 2, 8, 2, 16, 192, 4
+    qkv = _rand(batch, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=5)
     q_norm, k_norm = _rand(dim, dtype=dtype, seed=9) + 1, _rand(dim, dtype=dtype, seed=10) + 1
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2).float() / dim))
     freqs = torch.arange(capacity).float()[:, None] * inv_freq
     cos, sin = torch.cat((freqs, freqs), -1).cos().to(dtype), torch.cat((freqs, freqs), -1).sin().to(dtype)
-    q_out = torch.empty(batch, heads * dim, dtype=dtype)
-    k_cache = torch.zeros(batch, kv_heads, capacity, dim, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    qk_norm_rope(qkv, q_out, k_cache, v_cache, q_norm, k_norm, cos, sin, torch.tensor([pos], dtype=torch.int32), 1e-6)
+    k_cache = _rand(batch, kv_heads, capacity, dim, dtype=dtype, seed=6)
+    v_cache = _rand(batch, kv_heads, capacity, dim, dtype=dtype, seed=7)
+    k_cache[:, :, pos:] = float("nan")  # the current position is written by the kernel; later ones never read
+    v_cache[:, :, pos:] = float("nan")
+    before_k, before_v = k_cache[:, :, :pos].clone(), v_cache[:, :, :pos].clone()
+    out = torch.full((batch, heads * dim), float("nan"), dtype=dtype)
+    scratch = AttentionScratch.allocate(batch, heads, kv_heads, dim, splits, "cpu")
+    scale = dim**-0.5
+    decode_attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, torch.tensor([pos], dtype=torch.int32), out,
+                     scratch, scale, 1e-6, block=16)
+    # HF's Qwen3 attention: per-head RMSNorm of q and k, then rotary at the position.
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q = _hf_rmsnorm(q.view(batch, 1, heads, dim), q_norm).transpose(1, 2)
     k = _hf_rmsnorm(k.view(batch, 1, kv_heads, dim), k_norm).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q, k, cos[None, pos : pos + 1], sin[None, pos : pos + 1])
-    _close(q_out, q.reshape(batch, heads * dim), dtype)
     _close(k_cache[:, :, pos], k[:, :, 0], dtype)
     assert torch.equal(v_cache[:, :, pos], v.view(batch, kv_heads, dim))
-    assert not k_cache[:, :, :pos].any() and not v_cache[:, :, pos + 1 :].any()
+    assert torch.equal(k_cache[:, :, :pos], before_k) and torch.equal(v_cache[:, :, :pos], before_v)
+    assert k_cache[:, :, pos + 1 :].isnan().all()  # nothing past the current position is written
+    for b in range(batch):
+        expected = _attention(q[b, :, 0], k_cache[b, :, : pos + 1].transpose(0, 1),
+                              v_cache[b, :, : pos + 1].transpose(0, 1), scale)
+        _close(out[b].view(heads, dim), expected, dtype)
+    assert not scratch.counters.any()  # the combining program of each (row, kv head) reset its counter
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -38,7 +38,6 @@ from .kernels import (
     interleave_rows,
     interpreting,
     pdl_supported,
-    qk_norm_rope,
     rmsnorm,
 )
 from .kernels.frame import NO_END
@@ -126,7 +125,6 @@ class _State:
         self.lm_h = torch.zeros(2, hid, device=dev, dtype=torch.float32)  # LM residual stream (feedback lands here)
         self.lm_hidden = torch.zeros(2, hid, device=dev, dtype=dt)  # final-normed LM state
         self.qkv = torch.zeros(2, (heads + 2 * kv_heads) * hd, device=dev, dtype=dt)
-        self.q = torch.zeros(2, heads * hd, device=dev, dtype=dt)
         self.attn = torch.zeros(2, heads * hd, device=dev, dtype=dt)
         self.act = torch.zeros(2, e.intermediate, device=dev, dtype=dt)
         self.attention = AttentionScratch.allocate(2, heads, kv_heads, hd, e.attention_splits, dev)
@@ -486,8 +484,8 @@ class GraphEngine:
         for index, block in enumerate(self.blocks):
             k_cache, v_cache = s.kv[index, 0], s.kv[index, 1]
             self._gemv(s.lm_h, block.qkv, s.qkv, norm_weight=block.ln1, eps=self.eps)
-            qk_norm_rope(s.qkv, s.q, k_cache, v_cache, block.q_norm, block.k_norm, s.cos, s.sin, pos, self.eps)
-            decode_attention(s.q, k_cache, v_cache, pos, s.attn, s.attention, scale)
+            decode_attention(s.qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, s.attn,
+                             s.attention, scale, self.eps)
             self._gemv(s.attn, block.o, s.lm_h, residual=s.lm_h)
             self._gemv(s.lm_h, block.gate_up, s.act, norm_weight=block.ln2, eps=self.eps, swiglu=True)
             self._gemv(s.act, block.down, s.lm_h, residual=s.lm_h)

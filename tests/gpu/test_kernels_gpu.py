@@ -47,25 +47,47 @@ def test_split_k_gemv_is_exact_and_deterministic_across_graph_replays(shape, spl
 
 
 @pytest.mark.parametrize("pos", [0, 399, 4399])
-def test_decode_attention_combines_in_one_launch_exactly_and_deterministically(pos):
+def test_decode_attention_in_one_launch_is_exact_and_deterministic(pos):
+    """Norm, rotary, cache write, split attention and combine in one launch, at the LM's real sizes."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
     batch, heads, kv_heads, dim, capacity, splits = 2, 32, 8, 128, 4608, 16
     generator = torch.Generator(DEVICE).manual_seed(pos)
-    q = torch.randn(batch, heads * dim, device=DEVICE, generator=generator).bfloat16()
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, device=DEVICE, generator=generator).bfloat16()
+    q_norm = (torch.rand(dim, device=DEVICE, generator=generator) + 0.5).bfloat16()
+    k_norm = (torch.rand(dim, device=DEVICE, generator=generator) + 0.5).bfloat16()
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    freqs = torch.arange(capacity, device=DEVICE).float()[:, None] * inv_freq
+    cos, sin = torch.cat((freqs, freqs), -1).cos().bfloat16(), torch.cat((freqs, freqs), -1).sin().bfloat16()
     k_cache = torch.randn(batch, kv_heads, capacity, dim, device=DEVICE, generator=generator).bfloat16()
     v_cache = torch.randn(batch, kv_heads, capacity, dim, device=DEVICE, generator=generator).bfloat16()
     position = torch.tensor([pos], device=DEVICE, dtype=torch.int32)
     scratch = AttentionScratch.allocate(batch, heads, kv_heads, dim, splits, DEVICE)
     outs = torch.zeros(20, batch, heads * dim, device=DEVICE, dtype=torch.bfloat16)
+
+    def launch(out: torch.Tensor) -> None:
+        decode_attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, position, out, scratch, dim**-0.5, 1e-6)
+
+    launch(outs[0])  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
-    decode_attention(q, k_cache, v_cache, position, outs[0], scratch, dim**-0.5)  # compile outside the capture
     with torch.cuda.graph(graph):
         for out in outs:
-            decode_attention(q, k_cache, v_cache, position, out, scratch, dim**-0.5)
+            launch(out)
     graph.replay()
     torch.cuda.synchronize()
+    q, k, v = qkv.float().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+
+    def rms(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.float()
+
+    q = rms(q.view(batch, heads, 1, dim), q_norm)
+    k = rms(k.view(batch, kv_heads, 1, dim), k_norm)
+    q, k = apply_rotary_pos_emb(q, k, cos[None, pos : pos + 1].float(), sin[None, pos : pos + 1].float())
+    assert ((k_cache[:, :, pos].float() - k[:, :, 0]).norm() / k.norm()).item() < 1e-2
+    assert torch.equal(v_cache[:, :, pos], qkv[:, (heads + kv_heads) * dim :].view(batch, kv_heads, dim))
     keys = k_cache[:, :, : pos + 1].repeat_interleave(heads // kv_heads, dim=1).float()
     values = v_cache[:, :, : pos + 1].repeat_interleave(heads // kv_heads, dim=1).float()
-    expected = torch.nn.functional.scaled_dot_product_attention(q.float().view(batch, heads, 1, dim), keys, values)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values)
     first = outs[0].clone()
     error = ((first.float() - expected.view(batch, -1)).norm() / expected.norm()).item()
     assert error < 1e-2, f"relative error {error:.2e}"

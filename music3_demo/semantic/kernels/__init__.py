@@ -30,7 +30,7 @@ def pdl_supported(device: torch.device) -> bool:
     return "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
-from .attention import AttentionScratch, decode_attention, depth_attention, qk_norm_rope  # noqa: E402
+from .attention import AttentionScratch, decode_attention, depth_attention  # noqa: E402
 from .linear import GemvConfig, GemvWorkspace, gemv, interleave_rows  # noqa: E402
 from .frame import cfg_sample, frame_tail, rmsnorm  # noqa: E402
 
@@ -46,6 +46,5 @@ __all__ = [
     "interleave_rows",
     "interpreting",
     "pdl_supported",
-    "qk_norm_rope",
     "rmsnorm",
 ]

@@ -16,58 +16,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _qk_norm_rope_kernel(
-    qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr,
-    stride_qkv, stride_q, stride_cb, stride_ch, stride_cs, eps,
-    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-):
-    """One program per (row, head) of the fused q|k|v output: per-head RMSNorm + rotary for q and k (HF's bf16
-    rounding at each step), then q to its buffer and k, v into the cache at the current position."""
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    pos = tl.load(pos_ptr)
-    d = tl.arange(0, D)
+def _norm_rope(src, rows, valid, d, gain_ptr, cos, sin, eps, D: tl.constexpr, dtype: tl.constexpr):
+    """Per-head RMSNorm then rotary of the [R, D] heads at src + rows·D (HF's bf16 rounding at each step)."""
     partner = (d + D // 2) % D
-    src = qkv_ptr + b * stride_qkv + head * D
-    x = tl.load(src + d).to(tl.float32)
-    dtype = q_out_ptr.dtype.element_ty
-    if head < H + KVH:
-        is_q = head < H
-        gain = tl.where(is_q, tl.load(q_norm_ptr + d), tl.load(k_norm_ptr + d)).to(tl.float32)
-        gain_p = tl.where(is_q, tl.load(q_norm_ptr + partner), tl.load(k_norm_ptr + partner)).to(tl.float32)
-        x_p = tl.load(src + partner).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-        xn = (x * rstd).to(dtype).to(tl.float32) * gain
-        xn = xn.to(dtype).to(tl.float32)
-        xp = ((x_p * rstd).to(dtype).to(tl.float32) * gain_p).to(dtype).to(tl.float32)
-        rotated = tl.where(d < D // 2, -xp, xp)
-        cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
-        y = (xn * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)
-        if is_q:
-            tl.store(q_out_ptr + b * stride_q + head * D + d, y.to(dtype))
-        else:
-            dst = k_cache_ptr + b * stride_cb + (head - H) * stride_ch + pos.to(tl.int64) * stride_cs
-            tl.store(dst + d, y.to(dtype))
-    else:
-        dst = v_cache_ptr + b * stride_cb + (head - H - KVH) * stride_ch + pos.to(tl.int64) * stride_cs
-        tl.store(dst + d, x.to(dtype))
-
-
-def qk_norm_rope(
-    qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-    eps: float,
-) -> None:
-    """qkv [B, (H + 2 KVH) D]; caches [B, KVH, S, D] (unit stride along D); cos/sin [S, D]; pos int32 [1]."""
-    batch = qkv.shape[0]
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    heads = q_out.shape[1] // head_dim
-    _qk_norm_rope_kernel[(batch, heads + 2 * kv_heads)](
-        qkv, q_out, k_cache, v_cache, q_norm, k_norm, cos, sin, pos,
-        qkv.stride(0), q_out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        H=heads, KVH=kv_heads, D=head_dim, num_warps=1,
-    )
+    x = tl.load(src + rows[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    x_p = tl.load(src + rows[:, None] * D + partner[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    xn = ((x * rstd[:, None]).to(dtype).to(tl.float32) * tl.load(gain_ptr + d).to(tl.float32)[None, :])
+    xp = ((x_p * rstd[:, None]).to(dtype).to(tl.float32) * tl.load(gain_ptr + partner).to(tl.float32)[None, :])
+    rotated = tl.where((d < D // 2)[None, :], -xp.to(dtype).to(tl.float32), xp.to(dtype).to(tl.float32))
+    y = (xn.to(dtype).to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32) + (rotated * sin[None, :]).to(dtype).to(
+        tl.float32)
+    return y.to(dtype)
 
 
 @dataclass
@@ -91,27 +51,42 @@ class AttentionScratch:
 
 @triton.jit
 def _decode_attn_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
-    stride_q, stride_cb, stride_ch, stride_cs, stride_out, scale,
+    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr,
+    part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
+    stride_qkv, stride_cb, stride_ch, stride_cs, stride_out, scale, eps,
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Program (row·kv-head, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context;
-    the last of the SPLITS programs to finish combines them."""
+    the last of the SPLITS programs to finish combines them. The heads come raw from the q|k|v GEMV: each program
+    normalises and rotates its queries, and the one whose split holds the current position also writes that
+    position's key and value into the cache before reading them back."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // KVH
     h = bh % KVH
-    length = tl.load(pos_ptr) + 1
+    pos = tl.load(pos_ptr)
+    length = pos + 1
     per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
     start = split * per_split
     end = tl.minimum(start + per_split, length)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
     j = tl.arange(0, BLOCK)
-    q = tl.load(q_ptr + b * stride_q + (h * GROUP + g)[:, None] * D + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+    dtype = k_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
+    heads = qkv_ptr + b * stride_qkv
+    q = _norm_rope(heads, h * GROUP + g, g < GROUP, d, q_norm_ptr, cos, sin, eps, D, dtype)
     k_base = k_ptr + b * stride_cb + h * stride_ch
     v_base = v_ptr + b * stride_cb + h * stride_ch
+    if (start <= pos) & (pos < end):
+        one = tl.zeros([1], tl.int32)
+        k_new = _norm_rope(heads, one + GROUP * KVH + h, one == 0, d, k_norm_ptr, cos, sin, eps, D, dtype)
+        v_new = tl.load(heads + (GROUP * KVH + KVH + h) * D + d)
+        tl.store(k_base + pos.to(tl.int64) * stride_cs + d[None, :], k_new)
+        tl.store(v_base + pos.to(tl.int64) * stride_cs + d, v_new)
+        tl.debug_barrier()  # the loop below reads them back from the cache
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
@@ -158,17 +133,21 @@ def _decode_attn_kernel(
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
-    scratch: AttentionScratch, scale: float, block: int = 64,
+    qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, scratch: AttentionScratch,
+    scale: float, eps: float, block: int = 64,
 ) -> None:
-    """out[b] = softmax(q k[: pos + 1]ᵀ) v for q [B, H·D], caches [B, KVH, S, D], pos int32 [1]; one launch."""
+    """One launch: q and k of the raw q|k|v GEMV output get the per-head RMSNorm and rotary at `pos`, k and v are
+    written into the caches at `pos`, and out[b] = softmax(q k[: pos + 1]ᵀ) v.
+
+    qkv [B, (H + 2 KVH) D]; caches [B, KVH, S, D] (unit stride along D); cos/sin [S, D]; pos int32 [1]."""
     batch, kv_heads, _, head_dim = k_cache.shape
-    heads = q.shape[1] // head_dim
+    heads = out.shape[1] // head_dim
     group = heads // kv_heads
     splits = scratch.o.shape[1]
     _decode_attn_kernel[(batch * kv_heads, splits)](
-        q, k_cache, v_cache, pos, scratch.o, scratch.m, scratch.l, scratch.counters, out,
-        q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), scale,
+        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, scratch.o, scratch.m, scratch.l, scratch.counters, out,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), scale, eps,
         KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
         BLOCK=block, SPLITS=splits, num_warps=4,
     )
