@@ -68,6 +68,9 @@ def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_S
         "flow_chunk_s_mean": round((busy["flow_s"] + busy["vocoder_s"]) / max(len(c.chunk_starts(song.frames)), 1), 3),
         "realtime_factor": round(song.duration / wall, 2),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+        # The budget is in GB (10^9 bytes); "reserved" adds the caching allocator's slack, what the GPU holds.
+        "peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2),
+        "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / 1e9, 2),
     }
 
 
