@@ -305,8 +305,8 @@ class GraphEngine:
         with self._exclusive():
             advance = self._start(text_ids, steps - 1, SamplingSettings(cfg_scale), 0, forced=codes)
             state = self._state
-            frames = torch.empty(steps - 1, state.frames.shape[1], device=self.device, dtype=self.dtype)
-            with self._on_stream():
+            with self._on_stream():  # allocated on the stream that writes it
+                frames = torch.empty(steps - 1, state.frames.shape[1], device=self.device, dtype=self.dtype)
                 for step in range(steps):
                     advance()
                     if step:  # step s wrote frame s-1 into the ring
