@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from . import contract as c
+from . import flow_attention
 from .checkpoint import (
     CheckpointError,
     ModelSource,
@@ -69,12 +70,12 @@ class Music3Pipeline:
             self.engine.text_embeddings_to_host()
         self.overlap = self.engine.separate_flow_rng if overlap is None else overlap
         self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
-        # Full flow chunks share one shape: their guided DiT step is graph-replayed on CUDA (fast engines only).
-        self.velocity_graphs = (
-            VelocityGraphs(components["transformer"], (full_chunk_latents(components),))
-            if device.type == "cuda" and self.separate_flow_rng
-            else None
-        )
+        # The fast flow path (CUDA, fast engines): fused q|k|v + one-launch rotary in the DiT, and full chunks, which
+        # share one shape, replay a captured graph of the guided DiT step.
+        self.velocity_graphs = None
+        if device.type == "cuda" and self.separate_flow_rng:
+            flow_attention.install(components["transformer"])
+            self.velocity_graphs = VelocityGraphs(components["transformer"], (full_chunk_latents(components),))
 
     @classmethod
     def from_pretrained(

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import contract as c
+from ..fused_weights import fuse_rows
 from . import SamplingSettings, check_cancel
 from .kernels import (
     AttentionScratch,
@@ -78,18 +79,6 @@ class SongStats:
     @property
     def frames_per_s(self) -> float:
         return self.frames / max(self.decode_s, 1e-9)
-
-
-@torch.no_grad()
-def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
-    """Concatenate the weights by rows and point each module at its slice, so the fused copy is the only copy."""
-    fused = torch.cat([linear.weight for linear in linears]).contiguous()
-    start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight.data = fused[start : start + rows]
-        start += rows
-    return fused
 
 
 @torch.no_grad()
@@ -210,7 +199,7 @@ class GraphEngine:
             attn, mlp = layer.self_attn, layer.mlp
             self.blocks.append(
                 _Block(
-                    qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    qkv=fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj]),
                     o=attn.o_proj.weight.data,
                     gate_up=_fuse_gate_up(mlp.gate_proj, mlp.up_proj),
                     down=mlp.down_proj.weight.data,
@@ -240,7 +229,7 @@ class GraphEngine:
         self.depth_eps = depth.norm.eps
         self.depth_blocks = [
             _Block(
-                qkv=_fuse([blk.attn.to_q, blk.attn.to_k, blk.attn.to_v]),
+                qkv=fuse_rows([blk.attn.to_q, blk.attn.to_k, blk.attn.to_v]),
                 o=blk.attn.to_out.weight.data,
                 gate_up=_fuse_gate_up(blk.gate_proj, blk.up_proj),
                 down=blk.down_proj.weight.data,
@@ -250,7 +239,7 @@ class GraphEngine:
             for blk in depth.layers
         ]
         self.depth_norm = depth.norm.weight.data
-        self.depth_heads_w = _fuse(list(depth.audio_heads)).view(self.num_codebooks - 1, self.audio_vocab, -1)
+        self.depth_heads_w = fuse_rows(list(depth.audio_heads)).view(self.num_codebooks - 1, self.audio_vocab, -1)
         self.projection = depth.projection.weight.data
         self.pos_embed = depth.pos_embedding.weight.data
         self.audio_embed = depth.audio_embeddings.weight.data

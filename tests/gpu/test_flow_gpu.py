@@ -96,3 +96,26 @@ def test_graph_pipeline_keeps_only_the_audio_rows_of_head_and_embeddings_on_the_
     assert table.device.type == "cpu" and table.is_pinned()
     assert pipeline.engine.text_embed.data_ptr() == table.data_ptr()
     assert pipeline.engine.semantic_embed.is_cuda and pipeline.engine.semantic_embed.shape[0] == 16384
+
+
+def test_fused_attention_processor_matches_diffusers_at_full_size(pipeline):
+    from diffusers.models.transformers.transformer_minimax_music3 import MiniMaxMusic3AttnProcessor
+
+    from music3_demo.flow_attention import FusedQKVAttnProcessor
+
+    transformer = pipeline.components["transformer"]
+    blocks = transformer.transformer_blocks
+    assert all(isinstance(block.attn.processor, FusedQKVAttnProcessor) for block in blocks)
+    latents = torch.randn(2, transformer.config.in_channels, 689, device=DEVICE, dtype=torch.bfloat16)
+    condition = torch.randn(2, 689, transformer.config.condition_dim, device=DEVICE, dtype=torch.bfloat16)
+    timestep = torch.tensor([0.2, 0.8], device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        fused = transformer(latents, timestep, condition, return_dict=False)[0]
+        for block in blocks:
+            block.attn.set_processor(MiniMaxMusic3AttnProcessor())
+        try:
+            plain = transformer(latents, timestep, condition, return_dict=False)[0]
+        finally:
+            for block in blocks:
+                block.attn.set_processor(FusedQKVAttnProcessor())
+    assert _relative(fused, plain) < 1e-2
