@@ -8,31 +8,41 @@ import numpy as np
 import soundfile as sf
 
 WAV_SUBTYPES = ("PCM_16", "PCM_24", "FLOAT")
+FLAC_SUBTYPES = ("PCM_16", "PCM_24")
+MP3_KBPS = 320  # constant bitrate: songs are music, and the file is still ~1/4 of a 16-bit WAV
 
 
-def format_for(path: str | Path) -> str:
-    suffix = Path(path).suffix.lower()
+def output_format(path: str | Path, subtype: str | None = None) -> tuple[str, str]:
+    """(soundfile format, subtype) for an output path, or a ValueError saying what to change."""
+    name, suffix = Path(path).name, Path(path).suffix.lower()
+    wanted = subtype.upper() if subtype else None
     if suffix == ".wav":
-        return "WAV"
+        if wanted not in (None, *WAV_SUBTYPES):
+            raise ValueError(f"Unknown WAV sample format {subtype}: choose one of {', '.join(WAV_SUBTYPES)}.")
+        return "WAV", wanted or "PCM_16"
     if suffix == ".flac":
-        return "FLAC"
-    raise ValueError(f"Cannot write {Path(path).name}: the output file must end in .wav or .flac.")
+        if wanted not in (None, *FLAC_SUBTYPES):
+            raise ValueError(f"FLAC cannot store {subtype} samples: use PCM_16 or PCM_24, or write a .wav file.")
+        return "FLAC", wanted or "PCM_16"
+    if suffix == ".mp3":
+        if wanted is not None:
+            raise ValueError(f"MP3 has no sample format to choose ({subtype}): leave --subtype out for .mp3 files.")
+        return "MP3", "MPEG_LAYER_III"
+    raise ValueError(f"Cannot write {name}: the output file must end in .wav, .flac or .mp3.")
+
+
+def _mp3_options(fmt: str) -> dict:
+    # libsndfile maps compression level 0..1 to LAME's bitrate range 320..32 kb/s.
+    return {"bitrate_mode": "CONSTANT", "compression_level": 1 - MP3_KBPS / 320} if fmt == "MP3" else {}
 
 
 def write_audio(path: str | Path, audio: np.ndarray, sample_rate: int, subtype: str | None = None) -> Path:
-    """Write [channels, samples] float audio. WAV defaults to PCM_16 (`subtype="FLOAT"` keeps float32); FLAC is 16-bit."""
+    """Write [channels, samples] float audio as WAV (16-bit by default; `subtype="FLOAT"` keeps float32), FLAC
+    (16-bit) or MP3 (320 kb/s), by the file's extension."""
     path = Path(path)
-    fmt = format_for(path)
-    if fmt == "FLAC":
-        if subtype not in (None, "PCM_16", "PCM_24"):
-            raise ValueError(f"FLAC cannot store {subtype} samples: use PCM_16 or PCM_24, or write a .wav file.")
-        subtype = subtype or "PCM_16"
-    else:
-        subtype = (subtype or "PCM_16").upper()
-        if subtype not in WAV_SUBTYPES:
-            raise ValueError(f"Unknown WAV subtype {subtype}: choose one of {', '.join(WAV_SUBTYPES)}.")
+    fmt, subtype = output_format(path, subtype)
     path.parent.mkdir(parents=True, exist_ok=True)
-    sf.write(str(path), np.ascontiguousarray(audio.T), sample_rate, subtype=subtype, format=fmt)
+    sf.write(str(path), np.ascontiguousarray(audio.T), sample_rate, subtype=subtype, format=fmt, **_mp3_options(fmt))
     return path
 
 
@@ -41,10 +51,10 @@ class AudioFileWriter:
 
     def __init__(self, path: str | Path, sample_rate: int, channels: int = 2, subtype: str | None = None) -> None:
         self.path = Path(path)
-        fmt = format_for(self.path)
+        fmt, subtype = output_format(self.path, subtype)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        subtype = (subtype or "PCM_16").upper()
-        self._file = sf.SoundFile(str(self.path), "w", sample_rate, channels, subtype=subtype, format=fmt)
+        self._file = sf.SoundFile(str(self.path), "w", sample_rate, channels, subtype=subtype, format=fmt,
+                                  **_mp3_options(fmt))
 
     def write(self, samples: np.ndarray) -> None:
         self._file.write(np.ascontiguousarray(samples.T))

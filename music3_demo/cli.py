@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from . import contract as c
-from .audio import AudioFileWriter, format_for
+from .audio import AudioFileWriter, output_format
 from .checkpoint import CheckpointError, default_model
 from .events import AudioPiece, Event, Progress
 from .request import GenerationRequest, InvalidRequest, validate
@@ -18,7 +18,7 @@ from .semantic import ENGINE_NAMES
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m music3_demo", description="MiniMax Music 3 song generator")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="make one song and write it to a .wav or .flac file")
+    gen = commands.add_parser("generate", help="make one song and write it to a .wav, .flac or .mp3 file")
     gen.add_argument("--model", default=None, help=f"Hub repo id, local folder, 'tiny' or 'random-full' "
                      f"(default: $MUSIC3_MODEL or {c.HUB_REPO_ID})")
     gen.add_argument("--prompt", required=True, help="music description: genre, BPM, key, vocals, arrangement")
@@ -35,8 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--engine", choices=ENGINE_NAMES, default="auto", help="auto = graph on CUDA, else reference")
     gen.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available)")
     gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    gen.add_argument("--out", type=Path, default=Path("song.wav"), help="output .wav or .flac")
-    gen.add_argument("--subtype", default=None, help="sample format: PCM_16 (default), PCM_24, FLOAT (WAV only)")
+    gen.add_argument("--out", type=Path, default=Path("song.wav"), help="output .wav, .flac or .mp3 (320 kb/s)")
+    gen.add_argument("--subtype", default=None, help="sample format: PCM_16 (default), PCM_24, FLOAT (WAV only); not for .mp3")
     gen.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
 
@@ -80,7 +80,7 @@ def generate(args: argparse.Namespace) -> int:
         instrumental=args.instrumental,
     )
     validate(request)  # the cheap checks before a long model load
-    format_for(args.out)
+    output_format(args.out, args.subtype)
     from .pipeline import Music3Pipeline  # heavy imports only once the request is sane
 
     pipeline = Music3Pipeline.from_pretrained(args.model or default_model(), device=args.device,

@@ -48,6 +48,13 @@ def test_flac_float_and_lyrics_file(tmp_path, tiny_folder):
     assert result.returncode == 0, result.stderr
     data, rate = sf.read(str(wav), dtype="float32")
     assert sf.info(str(wav)).subtype == "FLOAT" and data.shape[1] == 2 and abs(data).max() > 0
+    mp3 = tmp_path / "song.mp3"  # written progressively too, as pieces arrive
+    result = run_cli("generate", "--model", "tiny", "--prompt", "ambient", "--instrumental", "--duration", "1",
+                     "--steps", "1", "--seed", "1", "--out", str(mp3), "--quiet")
+    assert result.returncode == 0, result.stderr
+    info = sf.info(str(mp3))
+    assert info.format == "MP3" and info.channels == 2 and info.samplerate == 44100
+    assert abs(info.duration - len(data) / rate) < 0.06  # the encoder's frame padding at most
 
 
 def test_bad_input_exits_nonzero_with_the_sentence(tmp_path):
@@ -56,7 +63,13 @@ def test_bad_input_exits_nonzero_with_the_sentence(tmp_path):
         (["--prompt", "", "--lyrics", "hi"], "description is empty"),
         (["--prompt", "pop"], "switch on Instrumental"),
         (["--prompt", "pop", "--lyrics", "hi", "--steps", "0"], "Steps must be between 1 and 100"),
-        (["--prompt", "pop", "--lyrics", "hi", "--out", str(tmp_path / "x.mp3")], "must end in .wav or .flac"),
+        (["--prompt", "pop", "--lyrics", "hi", "--out", str(tmp_path / "x.ogg")], "must end in .wav, .flac or .mp3"),
+        (["--prompt", "pop", "--lyrics", "hi", "--out", str(tmp_path / "x.flac"), "--subtype", "FLOAT"],
+         "FLAC cannot store FLOAT samples"),
+        (["--prompt", "pop", "--lyrics", "hi", "--out", str(tmp_path / "x.wav"), "--subtype", "PCM_8"],
+         "Unknown WAV sample format PCM_8"),
+        (["--prompt", "pop", "--lyrics", "hi", "--out", str(tmp_path / "x.mp3"), "--subtype", "PCM_24"],
+         "leave --subtype out for .mp3"),
         (["--prompt", "pop", "--lyrics-file", str(tmp_path / "none.txt")], "Cannot read the lyrics file"),
         (["--prompt", "pop", "--lyrics", "hi", "--model", str(tmp_path / "missing")], "does not exist"),
         (["--prompt", "pop", "--lyrics", "hi", "--engine", "graph", "--device", "cpu", "--model", "tiny"],
