@@ -50,6 +50,9 @@ def test_song_has_the_requested_duration_rate_and_channels(client, duration):
     assert {"prompt_s", "semantic_s", "flow_s", "vocoder_s", "total_s"} <= set(report["timings"])
     flac = sf.info(report["files"]["flac"])  # the FLAC download holds the same song
     assert (flac.frames, flac.samplerate, flac.channels) == (info.frames, info.samplerate, info.channels)
+    mp3 = sf.info(report["files"]["mp3"])  # and the MP3, up to the encoder's frame padding
+    assert mp3.format == "MP3" and (mp3.samplerate, mp3.channels) == (info.samplerate, info.channels)
+    assert abs(mp3.duration - info.frames / info.samplerate) < 0.06
     assert report["notice"] and "noise" in report["notice"]  # a random model says so
 
 
@@ -191,7 +194,7 @@ def test_finished_songs_expire_after_the_ttl(tmp_path):
     two_hours_ago = time.time() - 7200
     os.utime(Path(old.wav).parent, (two_hours_ago, two_hours_ago))
     assert store.sweep() == 1
-    assert not Path(old.wav).exists() and Path(new.wav).exists() and Path(new.flac).exists()
+    assert not Path(old.wav).exists() and all(Path(path).exists() for path in (new.wav, new.flac, new.mp3))
 
 
 def test_zero_gpu_duration_grows_with_the_song():

@@ -145,8 +145,10 @@ def test_example_generate_progress_and_playable_song(page, app):
     else:  # Gradio needs ffmpeg to stream; without it the page says so and shows the song when it is done
         assert not page.locator("#live-audio").is_visible()
         assert page.get_by_text("Live playback needs").is_visible()
-    assert page.locator("#download-wav").is_visible() and page.locator("#download-flac").is_visible()
+    assert all(page.locator(f"#download-{kind}").is_visible() for kind in ("wav", "flac", "mp3"))
     assert "realtime" in page.locator("#report").inner_text()
+    # The history re-renders in its own update after the result: wait for it rather than race it.
+    page.wait_for_function("() => document.querySelectorAll('.m3-reuse').length === 1")
     assert page.get_by_role("button", name="↺ Reuse these settings").count() == 1
     page.wait_for_timeout(500)
     shot(page, "03-finished")

@@ -138,7 +138,7 @@ def finish(ctx: AppContext, request: GenerationRequest, job: Job, song: Song) ->
     title = request.description.strip().splitlines()[0] if request.description.strip() else "song"
     saved = ctx.store.save(song, title)
     report = song_report(song, request, job.record, ctx.holder.model)
-    report["files"] = {"wav": saved.wav, "flac": saved.flac}
+    report["files"] = {"wav": saved.wav, "flac": saved.flac, "mp3": saved.mp3}
     log.info("song %s: %.2f s, seed %s, %.2fx realtime", saved.id, song.duration, song.seed,
              song.timings.get("realtime_factor", 0.0))
     return Outcome(song, saved, report)

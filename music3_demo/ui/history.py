@@ -30,6 +30,7 @@ def add_entry(history: list[dict] | None, outcome: Outcome, limit: int) -> list[
         "seed": report["seed"],
         "wav": outcome.saved.wav,
         "flac": outcome.saved.flac,
+        "mp3": outcome.saved.mp3,
         "settings": settings,
         "instrumental": settings["instrumental"],
     }
@@ -76,6 +77,7 @@ def render_history(
                     with gr.Column(scale=1, min_width=120):
                         gr.DownloadButton("⬇ WAV", entry["wav"], size="sm", key=f"wav-{entry['id']}")
                         gr.DownloadButton("⬇ FLAC", entry["flac"], size="sm", key=f"flac-{entry['id']}")
+                        gr.DownloadButton("⬇ MP3", entry["mp3"], size="sm", key=f"mp3-{entry['id']}")
             else:
                 gr.Markdown("The files of this song have expired on the server.", elem_classes="m3-muted")
         reuse.click(lambda settings=entry["settings"]: values_for(settings), outputs=settable, queue=False,

@@ -42,11 +42,12 @@ class RunView:
     waveform: gr.Image
     wav_button: gr.DownloadButton
     flac_button: gr.DownloadButton
+    mp3_button: gr.DownloadButton
     report: gr.Markdown
 
     def outputs(self) -> list:
         return [self.status, self.live, self.result, self.final_audio, self.waveform, self.wav_button,
-                self.flac_button, self.report]
+                self.flac_button, self.mp3_button, self.report]
 
     def start(self) -> dict:
         """A new run: the last result is hidden (it lives on in the history) and the old stream goes."""
@@ -74,6 +75,7 @@ class RunView:
             self.waveform: outcome.saved.waveform,
             self.wav_button: outcome.saved.wav,
             self.flac_button: outcome.saved.flac,
+            self.mp3_button: outcome.saved.mp3,
             self.report: report_markdown(report),
         }
 
@@ -93,5 +95,7 @@ def build_run_view(live_enabled: bool) -> RunView:
         with gr.Row():
             wav_button = gr.DownloadButton("⬇ Download WAV", elem_id="download-wav", size="md")
             flac_button = gr.DownloadButton("⬇ Download FLAC", elem_id="download-flac", size="md")
+            mp3_button = gr.DownloadButton("⬇ Download MP3", elem_id="download-mp3", size="md")
         report = gr.Markdown(elem_id="report")
-    return RunView(status, live, live_enabled, result, final_audio, waveform, wav_button, flac_button, report)
+    return RunView(status, live, live_enabled, result, final_audio, waveform, wav_button, flac_button, mp3_button,
+                   report)
