@@ -222,7 +222,8 @@ def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it():
         noise.fill_diagonal_(1e-30)
         codes = torch.full((vocab,), -1, dtype=torch.int32)
         step = torch.zeros(1, dtype=torch.int32)
-        cfg_sample(logits.expand(vocab, 2, vocab), noise, torch.tensor([scale]), top_k, codes, step,
+        top_k_t = torch.tensor([top_k], dtype=torch.int32)
+        cfg_sample(logits.expand(vocab, 2, vocab), noise, torch.tensor([scale]), top_k_t, codes, step,
                    conditional_top_k=conditional)
         best_kept = int(torch.where(kept, guided, float("-inf")).argmax())
         expected = torch.where(kept, torch.arange(vocab), torch.full((vocab,), best_kept))
@@ -239,14 +240,15 @@ def test_cfg_sample_forced_codes_end_flag_and_row_copy():
     end_flag = torch.tensor([2**31 - 1], dtype=torch.int32)
     table = _rand(vocab - 1, hidden, seed=16)
     dest = torch.zeros(4, hidden)
-    cfg_sample(logits, torch.ones(vocab), torch.tensor([1.5]), 5, history[:, 0], step, conditional_top_k=True,
+    five = torch.tensor([5], dtype=torch.int32)  # top-k lives on the device, like the scale
+    cfg_sample(logits, torch.ones(vocab), torch.tensor([1.5]), five, history[:, 0], step, conditional_top_k=True,
                step_stride=8, forced=forced[:, 0], end=(end_flag, vocab - 1), copy=(table, dest[1::2]),
                copy_programs=2)
     assert history[2, 0] == vocab - 1 and int(end_flag) == 2
     assert torch.equal(dest[1], table[-1]) and torch.equal(dest[3], table[-1]) and not dest[0::2].any()
     step.fill_(3)
     forced[3, 0] = 4
-    cfg_sample(logits, torch.ones(vocab), torch.tensor([1.5]), 5, history[:, 0], step, conditional_top_k=True,
+    cfg_sample(logits, torch.ones(vocab), torch.tensor([1.5]), five, history[:, 0], step, conditional_top_k=True,
                step_stride=8, forced=forced[:, 0], end=(end_flag, vocab - 1))
     assert history[3, 0] == 4 and int(end_flag) == 2  # the first end step is kept
 

@@ -1,6 +1,6 @@
 """CUDA-graph semantic engine: one graph replay per frame, nothing on the host per frame but the replay.
 
-Per frame, on the device (captured once per (top_k, teacher-forcing) and capacity): LM audio-slice head -> CFG +
+Per frame, on the device (captured once per teacher-forcing mode and capacity): LM audio-slice head -> CFG +
 conditional top-k sampling of the semantic code -> depth decoder with its own KV cache (positions 0 and 1 in one
 pass, then 6 single-position passes, each followed by its CFG/top-k residual sample) -> the frame's hidden written
 into a per-song device buffer -> the feedback embedding -> one LM decode step over the live context -> step/position
@@ -133,6 +133,7 @@ class _State:
         self.counters = torch.zeros(2, device=dev, dtype=torch.int32)  # [step, position of the LM's next token]
         self.end_at = torch.full((1,), NO_END, device=dev, dtype=torch.int32)
         self.scale = torch.ones(1, device=dev, dtype=torch.float32)
+        self.top_k = torch.ones(1, device=dev, dtype=torch.int32)
         self.gemv_workspace = GemvWorkspace(dev)  # sized by the warm-up step that precedes every capture
 
 
@@ -170,7 +171,7 @@ class GraphEngine:
             raise ValueError("FRAME_RING must hold the blocks in flight plus the one being copied out")
         self.capture_count = 0
         self.last_song: SongStats | None = None
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self._state: _State | None = None
         self._lock = threading.Lock()
         self._load_weights()
@@ -335,7 +336,7 @@ class GraphEngine:
             raise ValueError(f"top_k must be in 1..{MAX_TOP_K}, got {sampling.top_k}")
         text_ids = text_ids.to(self.device)
         self._ensure_capacity(text_ids.shape[1] + max_frames + 1, max_frames + 1)
-        advance = self._advance(sampling.top_k, forced is not None)  # captures on first use (before seeding)
+        advance = self._advance(forced is not None)  # captures on first use (before seeding)
         state = self._state
         if self.device.type == "cuda":
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -343,6 +344,7 @@ class GraphEngine:
         with self._on_stream():
             self._rng.manual_seed(seed)
             state.scale.fill_(float(sampling.cfg_scale))
+            state.top_k.fill_(sampling.top_k)
             if forced is not None:
                 state.forced[: forced.shape[0]].copy_(forced.to(self.device, torch.int32))
             self._song_marks = (self._mark(),)
@@ -362,29 +364,29 @@ class GraphEngine:
             torch.cuda.empty_cache()
         self._state = _State(self, _round_up(positions, 256), _round_up(steps, 256))
 
-    def _advance(self, top_k: int, forced: bool) -> Callable[[], None]:
+    def _advance(self, forced: bool) -> Callable[[], None]:
         state = self._state
         if forced and state.record is None:
             state.record = torch.zeros(state.steps, 2, AUDIO_CODES, device=self.device, dtype=self.dtype)
         if not self.use_graphs:
-            return lambda: self._step(top_k, forced)
-        graph = self._graphs.get((top_k, forced))
+            return lambda: self._step(forced)
+        graph = self._graphs.get(forced)
         if graph is None:
-            graph = self._graphs[(top_k, forced)] = self._capture(top_k, forced)
+            graph = self._graphs[forced] = self._capture(forced)
         return graph.replay
 
-    def _capture(self, top_k: int, forced: bool) -> torch.cuda.CUDAGraph:
+    def _capture(self, forced: bool) -> torch.cuda.CUDAGraph:
         state = self._state
         with self._on_stream():
             # Warm-up outside the graph compiles every kernel; counters at 0 keep its writes in bounds.
             state.counters.zero_()
-            self._step(top_k, forced)
+            self._step(forced)
             state.counters.zero_()
         self._stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(self._rng)
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            self._step(top_k, forced)
+            self._step(forced)
         self.capture_count += 1
         return graph
 
@@ -427,14 +429,14 @@ class GraphEngine:
         state.end_at.fill_(NO_END)
 
     # ------------------------------------------------------------------ the frame (what the graph holds)
-    def _step(self, top_k: int, forced: bool) -> None:
+    def _step(self, forced: bool) -> None:
         s = self._state
         step, pos = s.counters[0:1], s.counters[1:2]
         forced_codes = s.forced if forced else None
 
         def sample(logits: torch.Tensor, slot: int, noise: torch.Tensor, **kw) -> None:
             cfg_sample(
-                logits, noise, s.scale, top_k, s.codes[:, slot], step, step_stride=self.num_codebooks,
+                logits, noise, s.scale, s.top_k, s.codes[:, slot], step, step_stride=self.num_codebooks,
                 forced=None if forced_codes is None else forced_codes[:, slot], **kw,
             )
 

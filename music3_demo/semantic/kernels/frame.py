@@ -53,7 +53,7 @@ def _kth_largest_key(values, valid, top_k):
 
 @triton.jit
 def _cfg_sample_kernel(
-    logits_ptr, stride_lr, stride_lc, noise_ptr, stride_nr, scale_ptr, top_k, V,
+    logits_ptr, stride_lr, stride_lc, noise_ptr, stride_nr, scale_ptr, top_k_ptr, V,
     codes_ptr, stride_cr, step_ptr, stride_cs, forced_ptr, end_ptr, end_index,
     table_ptr, stride_t, table_rows, copy_ptr, stride_copy,
     BLOCK_V: tl.constexpr, COPY_BLOCK: tl.constexpr, COND_TOPK: tl.constexpr, FORCED: tl.constexpr,
@@ -68,6 +68,7 @@ def _cfg_sample_kernel(
     valid = offs < V
     base = logits_ptr + r * stride_lr
     scale = tl.load(scale_ptr)
+    top_k = tl.load(top_k_ptr)
     keep = valid
     if COND_TOPK:
         # The reference keeps the conditional row's top-k (ties included) ...
@@ -101,7 +102,7 @@ def cfg_sample(
     logits: torch.Tensor,
     noise: torch.Tensor,
     scale: torch.Tensor,
-    top_k: int,
+    top_k: torch.Tensor,
     codes: torch.Tensor,
     step: torch.Tensor,
     *,
@@ -114,7 +115,8 @@ def cfg_sample(
 ) -> None:
     """Sample one code per CFG pair of logits ([2, V], or [R, 2, V] for R independent draws).
 
-    guided = u + (c - u)·scale (scale: float32 [1] on device). The candidates are the top_k of the guided logits,
+    guided = u + (c - u)·scale (scale: float32 [1] on device). The candidates are the top_k (int32 [1] on device, so
+    one captured graph serves every top-k) of the guided logits,
     among the top_k of the conditional row with `conditional_top_k` (the LM's semantic code). noise: Exp(1) draws,
     [V] or [R, V]. The code goes to codes[r + step·step_stride] (step: int32 [1] on device); `forced` (same layout)
     overrides it (teacher forcing); `end` = (flag int32 [1], index) records the first step that sampled `index`;

@@ -218,7 +218,9 @@ def gemv(
     if m > 16 or x.stride(1) != 1 or out.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("gemv needs at most 16 rows with unit stride along the last dim and a contiguous weight")
     if x.shape[1] != k or out.shape != (m, n // 2 if swiglu else n):
-        raise ValueError(f"gemv shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
+        raise ValueError(
+            f"gemv shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}"
+        )
     cfg = config or default_config(m, n, k, swiglu)
     if swiglu:  # whole gate/up pairs per tile: the row block must divide N
         cfg = replace(cfg, block_n=math.gcd(cfg.block_n, n))
