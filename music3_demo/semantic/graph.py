@@ -3,8 +3,9 @@
 Per frame, on the device (captured once per teacher-forcing mode and capacity): LM audio-slice head -> CFG +
 conditional top-k sampling of the semantic code -> depth decoder with its own KV cache (positions 0 and 1 in one
 pass, then 6 single-position passes, each followed by its CFG/top-k residual sample) -> the frame's hidden written
-into a device ring -> the feedback embedding -> one LM decode step over the live context -> step/position counters. Randomness comes from a generator registered with the graphs (torch's graph-safe philox state), seeded
-from the caller's generator at each song.
+into a device ring -> the feedback embedding -> one LM decode step over the live context -> step/position counters.
+Randomness comes from a generator registered with the graphs (torch's graph-safe philox state), seeded from the
+caller's generator at each song.
 
 The host replays blocks of frames and reads the end flag through pinned memory a few blocks late; frames made after
 the end token are never yielded. Frame hiddens land in a small ring buffer (64 KB a frame in bf16: a whole-song
