@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call for the semantic engine: carried wheels, [GEMV sweep,] GPU tests, the bench at 400 (both engines)
-# and 4000 prompt tokens (graph). At most 8 files come back from $OUT: gpu.txt tune.log tuned.json pytest.log
-# bench_400.json bench_4000.json bench.log.
-# Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TESTS=path] [BENCH_ARGS=...] bash scripts/gpu_check.sh
+# One device call: carried wheels, [GEMV sweep,] GPU tests, the semantic bench at 400 (both engines) and 4000 prompt
+# tokens (graph), [the whole-song bench]. Files in $OUT: gpu.txt tune.log tuned.json pytest.log bench_400.json
+# bench_4000.json bench.log [song.json song.log].
+# Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TESTS=path | TESTS=none] [SEMANTIC=0] [SONG=1] [BENCH_ARGS=...]
+#   bash scripts/gpu_check.sh
 set -o pipefail
 OUT=${OUT:-/tmp/music3_out}
 mkdir -p "$OUT"
@@ -14,11 +15,20 @@ if [ "${TUNE:-0}" = 1 ]; then
   timeout "${TUNE_TIMEOUT:-420}" python3 scripts/tune_gemv.py "$OUT/tuned.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -v '^SKIP'
   [ -s "$OUT/tuned.json" ] && export MUSIC3_GEMV_TUNED="$OUT/tuned.json"
 fi
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu ${TESTS:-tests/gpu} -q -s -p no:cacheprovider --durations=10 2>&1 \
-  | grep -v 'should be kept in float32' | tee "$OUT/pytest.log" | tail -n 40
-for spec in "400 reference,graph" "4000 graph"; do
+if [ "${TESTS:-}" != none ]; then
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu ${TESTS:-tests/gpu} -q -s -p no:cacheprovider --durations=10 \
+    2>&1 | grep -v 'should be kept in float32' | tee "$OUT/pytest.log" | tail -n 40
+fi
+[ "${SEMANTIC:-1}" = 0 ] || for spec in "400 reference,graph" "4000 graph"; do
   set -- $spec
   timeout "${BENCH_TIMEOUT:-200}" python3 -m music3_demo.bench --model random-full --engine "$2" --prompt-tokens "$1" \
     --frames 500 ${BENCH_ARGS:-} --output "$OUT/bench_$1.json" 2>&1 | grep -v 'should be kept in float32' >> "$OUT/bench.log"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], 'pdl', d['graph_pdl'], [(r['engine'], r['prompt_tokens'], round(r['frames_per_s'], 1), round(r['fraction_of_limit'], 3)) for r in d['runs']], d['graph_over_reference'])" "$OUT/bench_$1.json" || tail -n 20 "$OUT/bench.log"
 done
+if [ "${SONG:-0}" = 1 ]; then
+  timeout "${SONG_TIMEOUT:-420}" python3 -m music3_demo.bench --model random-full --engine "" --song 120 \
+    --memory-song 300 --reference-song 8 --output "$OUT/song.json" 2>&1 | grep -v 'should be kept in float32' \
+    > "$OUT/song.log"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:3000])" "$OUT/song.json" \
+    || tail -n 20 "$OUT/song.log"
+fi
