@@ -64,7 +64,7 @@ def bytes_model(engine) -> BytesModel:
     passes = engine.num_codebooks - 1
     depth_blocks = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2) for b in engine.depth_blocks)
     depth = size(engine.projection) + passes * (depth_blocks + size(engine.depth_norm)) + size(engine.depth_heads_w)
-    kv = len(engine.blocks) * 2 * 2 * engine.kv_heads * engine.head_dim * engine.embed.element_size()
+    kv = len(engine.blocks) * 2 * 2 * engine.kv_heads * engine.head_dim * engine.audio_head.element_size()
     return BytesModel(lm, depth, kv)
 
 

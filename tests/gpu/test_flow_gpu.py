@@ -98,7 +98,11 @@ def test_graph_pipeline_keeps_only_the_audio_rows_of_head_and_embeddings_on_the_
     assert pipeline.engine.semantic_embed.is_cuda and pipeline.engine.semantic_embed.shape[0] == 16384
 
 
-def test_fused_attention_processor_matches_diffusers_at_full_size(pipeline):
+def test_fused_attention_processor_is_as_accurate_as_diffusers_at_full_size(pipeline):
+    """Both processors run bf16 products in different orders, so through 36 random layers they drift apart by a few
+    percent; the fused one must be as close as diffusers' own to the float32 computation on the same weights."""
+    import copy
+
     from diffusers.models.transformers.transformer_minimax_music3 import MiniMaxMusic3AttnProcessor
 
     from music3_demo.flow_attention import FusedQKVAttnProcessor
@@ -115,7 +119,13 @@ def test_fused_attention_processor_matches_diffusers_at_full_size(pipeline):
             block.attn.set_processor(MiniMaxMusic3AttnProcessor())
         try:
             plain = transformer(latents, timestep, condition, return_dict=False)[0]
+            oracle_model = copy.deepcopy(transformer).float()
         finally:
             for block in blocks:
                 block.attn.set_processor(FusedQKVAttnProcessor())
-    assert _relative(fused, plain) < 1e-2
+        oracle = oracle_model(latents.float(), timestep.float(), condition.float(), return_dict=False)[0]
+        del oracle_model
+    fused_error, plain_error = _relative(fused, oracle), _relative(plain, oracle)
+    print(f"DiT output vs float32: fused processor {fused_error:.4f}, diffusers' processor {plain_error:.4f}")
+    assert plain_error < 0.1
+    assert fused_error < 1.25 * plain_error
