@@ -165,7 +165,7 @@ TUNED: dict[tuple, GemvConfig] = {
     (4, 4096, 4096): GemvConfig(32, 256, 4, 5),  #                            2.79
     (4, 4096, 6144): GemvConfig(32, 256, 4, 5),  # depth down, pass 1          3.19
     (2, 4096, 6144): GemvConfig(32, 256, 4, 5),  # depth down                  3.17
-    (2, 1024, 4096): GemvConfig(16, 512, 4, 3),  # depth heads                 0.90
+    (2, 1024, 4096): GemvConfig(64, 128, 4, 4, 4),  # depth heads, split-K 4   1.13 (unsplit 0.90)
 }
 
 
