@@ -98,6 +98,24 @@ def test_split_k_gemv_matches_the_unsplit_one_and_leaves_the_counters_at_zero(dt
         gemv(x, w, torch.empty(rows, n, dtype=dtype), config=GemvConfig(16, 64, split_k=16), workspace=workspace)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_residual_gemv_writes_the_rounded_copy_of_a_float32_stream(split):
+    """The graph engine's residual streams: float32 updated in place, plus the fp16/bf16 copy the next RMSNorm
+    product reads."""
+    rows, k, n = 2, 256, 48
+    x = _rand(rows, k, dtype=torch.float16, seed=14)
+    w = _rand(n, k, dtype=torch.float16, seed=15, scale=k**-0.5)
+    stream = _rand(rows, n, dtype=torch.float32, seed=16)
+    expected = stream + x.float() @ w.float().T
+    copy = torch.full((rows, n), float("nan"), dtype=torch.float16)
+    config = GemvConfig(block_n=16, block_k=64, split_k=split)
+    gemv(x, w, stream, residual=stream, out_copy=copy, config=config, workspace=GemvWorkspace("cpu"))
+    _close(stream, expected, torch.float32)
+    assert torch.equal(copy, stream.half())
+    with pytest.raises(ValueError, match="out_copy needs out's shape"):
+        gemv(x, w, stream, residual=stream, out_copy=copy[:1], config=config)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 2])
 def test_swiglu_gemv_on_interleaved_rows_matches_hf_mlp_activation(dtype, split):

@@ -111,7 +111,10 @@ class _State:
         self.record: torch.Tensor | None = None  # teacher forcing: LM audio logits per step
         # Per-frame scratch. Residual streams are float32: over 36 layers bf16 adds are the largest rounding error
         # (the fp32 reference is the oracle; the bf16 HF model is itself ~1.5e-2 away from it).
+        # Each residual product also writes the stream rounded to the model dtype (`gemv`'s out_copy): the next
+        # RMSNorm product reads that copy, since a float32 activation tile per pipeline stage slows it 10-15%.
         self.lm_h = torch.zeros(2, hid, device=dev, dtype=torch.float32)  # LM residual stream (feedback lands here)
+        self.lm_h16 = torch.zeros(2, hid, device=dev, dtype=dt)
         self.lm_hidden = torch.zeros(2, hid, device=dev, dtype=dt)  # final-normed LM state
         self.qkv = torch.zeros(2, (heads + 2 * kv_heads) * hd, device=dev, dtype=dt)
         self.attn = torch.zeros(2, heads * hd, device=dev, dtype=dt)
@@ -121,6 +124,7 @@ class _State:
         depth_hid = e.hidden
         self.dx = torch.zeros(4, depth_hid, device=dev, dtype=torch.float32)  # pass 1: [b0 p0, b0 p1, b1 p0, b1 p1]
         self.dh = torch.zeros(2, depth_hid, device=dev, dtype=torch.float32)  # passes 2..7
+        self.dx16, self.dh16 = torch.zeros_like(self.dx, dtype=dt), torch.zeros_like(self.dh, dtype=dt)
         self.dqkv = torch.zeros(4, 3 * depth_hid, device=dev, dtype=dt)
         self.do = torch.zeros(4, depth_hid, device=dev, dtype=dt)
         self.dact = torch.zeros(4, e.depth_intermediate, device=dev, dtype=dt)
@@ -454,8 +458,8 @@ class GraphEngine:
         self._gemv(s.lm_hidden, self.projection, s.dx[0::2], residual=self.pos_embed[0:1])
         for index in range(1, self.num_codebooks):
             first = index == 1
-            h = s.dx if first else s.dh
-            self._depth_pass(h, base=0 if first else index, new=2 if first else 1)
+            h, h16 = (s.dx, s.dx16) if first else (s.dh, s.dh16)
+            self._depth_pass(h, h16, base=0 if first else index, new=2 if first else 1)
             out = s.dstates[:, index - 1]
             rmsnorm(h[(1 if first else 0) :: 2 if first else 1], self.depth_norm, out, self.depth_eps)
             self._gemv(out, self.depth_heads_w[index - 1], s.dlogits)
@@ -474,27 +478,30 @@ class GraphEngine:
         scale = self.head_dim**-0.5
         for index, block in enumerate(self.blocks):
             k_cache, v_cache = s.kv[index, 0], s.kv[index, 1]
-            self._gemv(s.lm_h, block.qkv, s.qkv, norm_weight=block.ln1, eps=self.eps)
+            # layer 0 reads the feedback embedding frame_tail wrote (float32 only)
+            self._gemv(s.lm_h16 if index else s.lm_h, block.qkv, s.qkv, norm_weight=block.ln1, eps=self.eps)
             decode_attention(s.qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, s.attn,
                              s.attention, scale, self.eps)
-            self._gemv(s.attn, block.o, s.lm_h, residual=s.lm_h)
-            self._gemv(s.lm_h, block.gate_up, s.act, norm_weight=block.ln2, eps=self.eps, swiglu=True)
-            self._gemv(s.act, block.down, s.lm_h, residual=s.lm_h)
+            self._gemv(s.attn, block.o, s.lm_h, residual=s.lm_h, out_copy=s.lm_h16)
+            self._gemv(s.lm_h16, block.gate_up, s.act, norm_weight=block.ln2, eps=self.eps, swiglu=True)
+            self._gemv(s.act, block.down, s.lm_h, residual=s.lm_h, out_copy=s.lm_h16)
         rmsnorm(s.lm_h, self.final_norm, s.lm_hidden, self.eps)
         s.counters.add_(1)
 
-    def _depth_pass(self, h: torch.Tensor, base: int, new: int) -> None:
-        """The depth decoder's blocks over `new` positions per CFG row (rows b·new + i of h), caching K/V."""
+    def _depth_pass(self, h: torch.Tensor, h16: torch.Tensor, base: int, new: int) -> None:
+        """The depth decoder's blocks over `new` positions per CFG row (rows b·new + i of h, rounded copy h16),
+        caching K/V."""
         s = self._state
         rows = h.shape[0]
         qkv, out, act = s.dqkv[:rows], s.do[:rows], s.dact[:rows]
         scale = (self.hidden // self.depth_heads) ** -0.5
         for index, block in enumerate(self.depth_blocks):
-            self._gemv(h, block.qkv, qkv, norm_weight=block.ln1, eps=self.depth_eps)
+            # block 0 reads what the projection or the sampler's copy wrote (float32 only)
+            self._gemv(h16 if index else h, block.qkv, qkv, norm_weight=block.ln1, eps=self.depth_eps)
             depth_attention(qkv, out, s.dcache[index, 0], s.dcache[index, 1], base, new, scale)
-            self._gemv(out, block.o, h, residual=h)
-            self._gemv(h, block.gate_up, act, norm_weight=block.ln2, eps=self.depth_eps, swiglu=True)
-            self._gemv(act, block.down, h, residual=h)
+            self._gemv(out, block.o, h, residual=h, out_copy=h16)
+            self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=self.depth_eps, swiglu=True)
+            self._gemv(act, block.down, h, residual=h, out_copy=h16)
 
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, **epilogue) -> None:
         # Split-K products share one workspace in stream order, which PDL's overlapping kernels would break.

@@ -70,8 +70,8 @@ class GemvWorkspace:
 
 @triton.jit
 def _gemv_epilogue(
-    acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, stride_om, stride_rm, eps, K,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
+    acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm, eps, K,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr,
 ):
     y = acc
     if NORM:
@@ -91,14 +91,17 @@ def _gemv_epilogue(
             res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
             y = res.to(tl.float32) + y.to(res_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=mask)
+        if COPY:
+            tl.store(copy_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(copy_ptr.dtype.element_ty),
+                     mask=mask)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, res_ptr, g_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, out_ptr, res_ptr, copy_ptr, g_ptr, part_ptr, count_ptr,
     N, K, stride_xm, stride_om, stride_rm, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     pid = tl.program_id(0)
@@ -125,8 +128,8 @@ def _gemv_kernel(
             x = xf * tl.load(g_ptr + offs_k + k0).to(tl.float32)[None, :]
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     if SPLIT_K == 1:
-        _gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, stride_om, stride_rm, eps, K,
-                       NORM, RESIDUAL, SWIGLU)
+        _gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm,
+                       eps, K, NORM, RESIDUAL, SWIGLU, COPY)
     else:
         # Partials of row block `pid`: [SPLIT_K, BLOCK_N, BLOCK_M] fp32, then [SPLIT_K, BLOCK_M] sums of squares.
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
@@ -146,8 +149,8 @@ def _gemv_kernel(
                 total += tl.load(base + part * BLOCK_N * BLOCK_M + tile, mask=m_mask[None, :], other=0.0,
                                  cache_modifier=".cg")
                 total_sq += tl.load(squares + part * BLOCK_M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg")
-            _gemv_epilogue(total, total_sq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, stride_om, stride_rm,
-                           eps, K, NORM, RESIDUAL, SWIGLU)
+            _gemv_epilogue(total, total_sq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om,
+                           stride_rm, eps, K, NORM, RESIDUAL, SWIGLU, COPY)
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (or graph replay)
 
 
@@ -206,12 +209,16 @@ def gemv(
     pdl: bool = False,
     workspace: GemvWorkspace | None = None,
     swiglu: bool = False,
+    out_copy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[m] = epilogue(W · prologue(x[m])) for each of the M <= 16 rows of x ([M, K], unit stride along K).
 
     `weight` is [N, K]; `out` is [M, N] with any row stride; `residual` is [M, N] or [1, N] expanded to M rows
     (stride 0), and may be `out` itself. A split-K config needs a `workspace` (without one it runs unsplit).
     With `swiglu`, `weight` is a row-interleaved gate|up (`interleave_rows`) and `out` is [M, N/2].
+    `out_copy` (out's shape and strides, another dtype) receives out rounded to its dtype: the graph engine keeps a
+    bf16 copy of each float32 residual stream, which the next RMSNorm product reads (a float32 activation tile per
+    pipeline stage costs those products 10-15%: scripts/tune_gemv.py's `bf16_input_us`).
     """
     m = x.shape[0]
     n, k = weight.shape
@@ -231,6 +238,8 @@ def gemv(
         raise ValueError(f"K={k} must be a multiple of block_k={cfg.block_k} x split_k={split}")
     if split > 1 and pdl:
         raise ValueError("split-K GEMVs share a workspace in stream order: they cannot run with PDL")
+    if out_copy is not None and (swiglu or out_copy.shape != out.shape or out_copy.stride() != out.stride()):
+        raise ValueError("out_copy needs out's shape and strides (and no SwiGLU epilogue)")
     res = out if residual is None else residual
     stride_rm = res.stride(0) if res.shape[0] > 1 else 0
     launch = {"launch_pdl": True} if pdl else {}
@@ -241,10 +250,11 @@ def gemv(
     else:
         partials, counters = x, x  # never read
     _gemv_kernel[(blocks, split)](
-        x, weight, out, res, x if norm_weight is None else norm_weight, partials, counters,
+        x, weight, out, res, out if out_copy is None else out_copy, x if norm_weight is None else norm_weight,
+        partials, counters,
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, PDL=pdl,
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     return out
