@@ -73,10 +73,10 @@ def main() -> None:
         nbytes = n * k * 2
         copies = max(2, -(-(512 << 20) // nbytes))
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
-        # Dtypes as in the engine: RMSNorm products read the float32 residual stream, residual products update it
-        # in place (float32); the others read and write bf16.
+        # Dtypes as in the engine: residual products update the float32 stream in place; RMSNorm products read its
+        # bf16 copy (run #7: a float32 input tile per stage made them 10-15% slower); the rest is bf16.
         swiglu, normed_input = epilogue == "swiglu", epilogue in ("norm", "swiglu")
-        x = torch.randn(rows, k, device=device, dtype=torch.float32 if normed_input else torch.bfloat16)
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         gain = torch.rand(k, device=device, dtype=torch.bfloat16) + 0.5
         res = torch.randn(rows, n, device=device, dtype=torch.float32)
         out_dtype = torch.float32 if epilogue == "residual" else torch.bfloat16
@@ -113,11 +113,6 @@ def main() -> None:
         if best is None:
             print(f"NO CONFIG {row['shape']}: every candidate was skipped or wrong", flush=True)
             continue
-        if normed_input:  # what a bf16 copy of the residual stream would save the RMSNorm products
-            x16 = x.to(torch.bfloat16)
-            row["bf16_input_us"] = round(1e6 * time_graph(
-                lambda i: gemv(x16, weights[i % copies], out, config=best[0], workspace=workspace, **kw), LAUNCHES
-            ), 1)
         a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)  # cuBLAS baseline: the plain product
         cublas = time_graph(lambda i: torch.mm(a, weights[i % copies].T), LAUNCHES)
         row.update(best=best[0].__dict__, triton_TBps=round(best[1], 3), cublas_TBps=round(nbytes / cublas / 1e12, 3),

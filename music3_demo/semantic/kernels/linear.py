@@ -218,7 +218,7 @@ def gemv(
     With `swiglu`, `weight` is a row-interleaved gate|up (`interleave_rows`) and `out` is [M, N/2].
     `out_copy` (out's shape and strides, another dtype) receives out rounded to its dtype: the graph engine keeps a
     bf16 copy of each float32 residual stream, which the next RMSNorm product reads (a float32 activation tile per
-    pipeline stage costs those products 10-15%: scripts/tune_gemv.py's `bf16_input_us`).
+    pipeline stage cost those products 10-15%: docs/PERFORMANCE.md, run #7).
     """
     m = x.shape[0]
     n, k = weight.shape
