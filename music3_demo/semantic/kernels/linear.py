@@ -69,19 +69,6 @@ class GemvWorkspace:
 
 
 @triton.jit
-def _prefetch_l2(base, nbytes):
-    """Hint L2 to fetch [base, base + nbytes): 128 threads each issue one Hopper bulk prefetch of a 16-byte aligned
-    slice (the tail below 128 x 16 bytes is left out; it is only a hint)."""
-    THREADS: tl.constexpr = 128
-    chunk = nbytes // (THREADS * 16) * 16
-    starts = (base.to(tl.pointer_type(tl.int8)) + tl.arange(0, THREADS).to(tl.int64) * chunk)
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-        [starts, tl.full([THREADS], chunk, tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
 def _gemv_epilogue(
     acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm, eps, K,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr,
@@ -128,10 +115,6 @@ def _gemv_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     if PDL:
-        # The weights never depend on the previous kernel: while it finishes, pull this program's rows (one
-        # contiguous range; SPLIT_K is 1 under PDL) into L2, then wait for x.
-        rows = tl.minimum(N - pid * BLOCK_N, BLOCK_N)
-        _prefetch_l2(w_ptr + pid.to(tl.int64) * BLOCK_N * K, rows * K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
         gdc_launch_dependents()
         gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
