@@ -4,6 +4,7 @@
 # bench_4000.json bench.log [song.json song.log].
 # Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TESTS=path | TESTS=none] [SEMANTIC=0] [SONG=1] [BENCH_ARGS=...]
 #   bash scripts/gpu_check.sh
+# Put this checkout's sha in MUSIC3_COMMIT here, not `git rev-parse` run there: the device's copy of .git can be stale.
 set -o pipefail
 OUT=${OUT:-/tmp/music3_out}
 mkdir -p "$OUT"
