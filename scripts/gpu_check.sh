@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: carried wheels, [GEMV sweep,] GPU tests, the semantic bench at 400 (both engines) and 4000 prompt
-# tokens (graph), [the frame profile,] [the whole-song bench]. Files in $OUT: gpu.txt tune.log tuned.json pytest.log
-# bench_400.json bench_4000.json bench.log [profile.json profile.log] [song.json song.log].
+# tokens (graph), [the kernel profiles of a frame and of a flow chunk,] [the whole-song bench]. Files in $OUT:
+# gpu.txt tune.log tuned.json pytest.log bench_400.json bench_4000.json bench.log [profile_{semantic,flow}.{json,log}]
+# [song.json song.log].
 # Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TESTS=path | TESTS=none] [SEMANTIC=0] [PROFILE=1] [SONG=1]
 #   [BENCH_ARGS=...]
 #   bash scripts/gpu_check.sh
@@ -28,8 +29,10 @@ fi
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], 'pdl', d['graph_pdl'], [(r['engine'], r['prompt_tokens'], round(r['frames_per_s'], 1), round(r['fraction_of_limit'], 3)) for r in d['runs']], d['graph_over_reference'])" "$OUT/bench_$1.json" || tail -n 20 "$OUT/bench.log"
 done
 if [ "${PROFILE:-0}" = 1 ]; then
-  timeout "${PROFILE_TIMEOUT:-150}" python3 scripts/profile_frame.py "$OUT/profile.json" 2>&1 \
-    | grep -v 'should be kept in float32' | tee "$OUT/profile.log" | tail -n 12
+  for mode in semantic flow; do
+    timeout "${PROFILE_TIMEOUT:-150}" python3 scripts/profile_kernels.py $mode "$OUT/profile_$mode.json" 2>&1 \
+      | grep -v 'should be kept in float32' | tee "$OUT/profile_$mode.log" | tail -n 12
+  done
 fi
 if [ "${SONG:-0}" = 1 ]; then
   timeout "${SONG_TIMEOUT:-420}" python3 -m music3_demo.bench --model random-full --engine "" --song 120 \

@@ -1,0 +1,113 @@
+"""Where the GPU time goes, kernel by kernel, traced by CUPTI through torch.profiler (kernels inside replayed CUDA
+graphs included), grouped by kernel name and grid.
+
+- `semantic` (default): one graph-engine frame (random-full weights, 400 prompt tokens, 200 frames). Wall time per
+  frame minus summed kernel time is what launch gaps cost (kernels of one stream never overlap).
+- `flow`: one full flow chunk alone (graphed batch-2 DiT steps + vocoder), reported per chunk.
+
+Run on the GPU: python scripts/profile_kernels.py [semantic|flow] [out.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from music3_demo import contract as c  # noqa: E402
+from music3_demo.bench import load_for_bench, random_prompt, run_song  # noqa: E402
+
+PROMPT_TOKENS, FRAMES = 400, 200
+
+
+def kernel_times(work: Callable[[], object]) -> dict[str, list[float]]:
+    """Run `work` under the profiler; durations in ms of each kernel, keyed by "name [grid]"."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        work()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.loads(Path(trace.name).read_text())["traceEvents"]
+    groups: dict[str, list[float]] = defaultdict(list)
+    for event in events:
+        if event.get("cat") == "kernel":
+            groups[f"{event['name'][:48]} {event.get('args', {}).get('grid')}"].append(event["dur"] / 1e3)
+    return groups
+
+
+def report(groups: dict[str, list[float]], units: int, unit: str, wall_ms: float) -> dict:
+    """Per-`unit` table (count, mean µs, ms) against the unprofiled wall time of one unit; printed, and returned."""
+    rows = sorted(
+        ({"kernel": name, f"per_{unit}": len(t) / units, "mean_us": 1e3 * sum(t) / len(t),
+          f"ms_per_{unit}": sum(t) / units} for name, t in groups.items()),
+        key=lambda r: -r[f"ms_per_{unit}"],
+    )
+    kernel_ms = sum(r[f"ms_per_{unit}"] for r in rows)
+    summary = {f"wall_ms_per_{unit}": wall_ms, f"kernel_ms_per_{unit}": kernel_ms,
+               f"gap_ms_per_{unit}": wall_ms - kernel_ms, f"kernels_per_{unit}": sum(r[f"per_{unit}"] for r in rows)}
+    for r in rows[:30]:
+        print(f"{r['kernel']:72s} {r[f'per_{unit}']:8.2f}/{unit} {r['mean_us']:9.2f} us {r[f'ms_per_{unit}']:8.3f} ms")
+    print(summary)
+    return {**summary, "groups": rows}
+
+
+def profile_semantic() -> dict:
+    from music3_demo.semantic.graph import GraphEngine
+
+    components = load_for_bench("random-full")
+    engine = GraphEngine(components["language_model"], components["rvq_depth_decoder"], torch.device("cuda"))
+    text_ids = random_prompt(PROMPT_TOKENS, 0, torch.device("cuda"))
+    engine.reserve(PROMPT_TOKENS, FRAMES)
+    run_song(engine, text_ids, 32, 1)  # compile + capture
+    unprofiled = run_song(engine, text_ids, FRAMES, 2)
+    profiled: dict = {}
+    groups = kernel_times(lambda: profiled.update(run_song(engine, text_ids, FRAMES, 2)))
+    result = report(groups, profiled["frames"], "frame", 1e3 / unprofiled["frames_per_s"])
+    return {"prompt_tokens": PROMPT_TOKENS, "frames": profiled["frames"],
+            "frames_per_s": unprofiled["frames_per_s"], **result}
+
+
+def profile_flow() -> dict:
+    """A full chunk as `bench_song.time_flow_chunk` times it (graphed DiT steps, then the vocoder)."""
+    from music3_demo.bench_song import full_size_pipeline
+    from music3_demo.flow import FlowSettings, FlowStream
+
+    device = torch.device("cuda")
+    pipeline = full_size_pipeline("graph", device)
+    hidden = pipeline.components["language_model"].config.hidden_size
+    frames = torch.randn(c.CHUNK_FRAMES, 8 * hidden, device=device, dtype=torch.bfloat16)
+
+    def chunk(seed: int) -> float:
+        flow = FlowStream(pipeline.components, FlowSettings(c.DEFAULT_STEPS, batched_cfg=True),
+                          torch.Generator(device).manual_seed(seed), device, graphs=pipeline.velocity_graphs)
+        torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        flow.push(frames)
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - began
+
+    chunk(0)  # capture the DiT step graph
+    wall_s = sorted(chunk(seed) for seed in (1, 2, 3))[1]
+    result = report(kernel_times(lambda: chunk(4)), 1, "chunk", 1e3 * wall_s)
+    return {"steps": c.DEFAULT_STEPS, "chunk_s": wall_s, **result}
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    mode = args.pop(0) if args and args[0] in ("semantic", "flow") else "semantic"
+    result = {"semantic": profile_semantic, "flow": profile_flow}[mode]()
+    if args:
+        Path(args[0]).write_text(json.dumps({"mode": mode, **result}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
