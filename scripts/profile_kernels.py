@@ -1,5 +1,5 @@
 """Where the GPU time goes, kernel by kernel, traced by CUPTI through torch.profiler (kernels inside replayed CUDA
-graphs included), grouped by kernel name and grid.
+graphs included), grouped by kernel name, grid and block size.
 
 - `semantic` (default): one graph-engine frame (random-full weights, 400 prompt tokens, 200 frames). Wall time per
   frame minus summed kernel time is what launch gaps cost (kernels of one stream never overlap).
@@ -30,7 +30,7 @@ PROMPT_TOKENS, FRAMES = 400, 200
 
 
 def kernel_times(work: Callable[[], object]) -> dict[str, list[float]]:
-    """Run `work` under the profiler; durations in ms of each kernel, keyed by "name [grid]"."""
+    """Run `work` under the profiler; durations in ms of each kernel, keyed by "name [grid] x<threads>"."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         work()
         torch.cuda.synchronize()
@@ -40,7 +40,8 @@ def kernel_times(work: Callable[[], object]) -> dict[str, list[float]]:
     groups: dict[str, list[float]] = defaultdict(list)
     for event in events:
         if event.get("cat") == "kernel":
-            groups[f"{event['name'][:48]} {event.get('args', {}).get('grid')}"].append(event["dur"] / 1e3)
+            args = event.get("args", {})  # the block size separates launches of one kernel on equal grids
+            groups[f"{event['name'][:48]} {args.get('grid')} x{args.get('block', [0])[0]}"].append(event["dur"] / 1e3)
     return groups
 
 
