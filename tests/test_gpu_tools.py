@@ -1,0 +1,34 @@
+"""The GPU scripts run only on a lent GPU, where a broken import costs device time: their CPU-side parts are checked
+here."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_report_sums_kernels_per_unit_and_sorts_by_time():
+    profile = _script("profile_kernels")
+    groups = {"gemv [128, 1, 1] x128": [0.010, 0.012, 0.011, 0.013], "attn [16, 16, 1] x128": [0.005, 0.007]}
+    result = profile.report(groups, units=2, unit="frame", wall_ms=0.05)
+    assert [r["kernel"] for r in result["groups"]] == ["gemv [128, 1, 1] x128", "attn [16, 16, 1] x128"]
+    assert abs(result["kernel_ms_per_frame"] - 0.029) < 1e-12 and result["kernels_per_frame"] == 3
+    assert abs(result["gap_ms_per_frame"] - 0.021) < 1e-12
+    assert abs(result["groups"][0]["mean_us"] - 11.5) < 1e-9
+
+
+def test_every_tuned_gemv_config_comes_from_a_swept_product():
+    tune = _script("tune_gemv")
+    from music3_demo.semantic.kernels.linear import TUNED
+
+    swept = {(rows, n, k, "swiglu") if epilogue == "swiglu" else (rows, n, k) for rows, n, k, epilogue in tune.SHAPES}
+    assert set(TUNED) <= swept
