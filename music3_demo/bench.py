@@ -101,7 +101,6 @@ def run_song(engine: SemanticEngine, text_ids: torch.Tensor, frames: int, seed: 
 
 def bench_semantic(
     components: dict, engines: list[str], prompt_tokens: list[int], frames: int, reference_frames: int, seed: int,
-    pdl: bool = False,
 ) -> dict:
     from .semantic.graph import GraphEngine
     from .semantic.reference import ReferenceEngine
@@ -109,17 +108,21 @@ def bench_semantic(
     device = torch.device("cuda")
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
     bandwidth = measure_copy_bandwidth(device)
-    graph = GraphEngine(lm, depth, device, pdl=pdl)
+    graph = GraphEngine(lm, depth, device)
     model = bytes_model(graph)
     built = {"graph": graph, "reference": ReferenceEngine(lm, depth)}
+    if "graph-pdl" in engines:  # the same kernels launched with programmatic dependent launch, same weights
+        built["graph-pdl"] = GraphEngine(lm, depth, device, pdl=True)
     runs = []
     for tokens in prompt_tokens:
         text_ids = random_prompt(tokens, seed, device)
-        graph.reserve(tokens, frames)
         for name in engines:
             engine = built[name]
-            count = frames if name == "graph" else min(frames, reference_frames)
-            run_song(engine, text_ids, WARMUP_FRAMES if name == "graph" else 2, seed + 1)  # compile + capture
+            graphed = name.startswith("graph")
+            if graphed:
+                engine.reserve(tokens, frames)
+            count = frames if graphed else min(frames, reference_frames)
+            run_song(engine, text_ids, WARMUP_FRAMES if graphed else 2, seed + 1)  # compile + capture
             result = {"engine": name, "prompt_tokens": tokens, "requested_frames": count}
             result.update(run_song(engine, text_ids, count, seed))
             bytes_per_frame = model.per_frame(tokens + result["frames"] / 2)
@@ -130,7 +133,8 @@ def bench_semantic(
                 fraction_of_limit=result.get("frames_per_s", 0.0) / limit,
             )
             runs.append(result)
-    check = teacher_forced_check(graph, lm, depth, random_prompt(prompt_tokens[0], seed, device))
+    checks = {name: teacher_forced_check(built[name], lm, depth, random_prompt(prompt_tokens[0], seed, device))
+              for name in engines if name.startswith("graph")}
     speedups = {}
     for tokens in prompt_tokens:
         rates = {r["engine"]: r.get("frames_per_s") for r in runs if r["prompt_tokens"] == tokens}
@@ -144,11 +148,10 @@ def bench_semantic(
             "kv_bytes_per_context_position": model.kv_per_position,
             "note": "bytes_per_frame = lm + depth + kv * (prompt + frames / 2); limit = copy bandwidth / that",
         },
-        "graph_pdl": graph.pdl,
         "graph_captures": graph.capture_count,
         "runs": runs,
         "graph_over_reference": speedups,
-        "teacher_forced_check": check,
+        "teacher_forced_check": checks,
     }
 
 
@@ -195,13 +198,14 @@ def load_for_bench(model: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m music3_demo.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random-full")
-    parser.add_argument("--engine", default="reference,graph", help="comma list of reference, graph")
+    parser.add_argument("--engine", default="reference,graph",
+                        help="comma list of reference, graph, graph-pdl (graph launched with programmatic dependent "
+                        "launch, Hopper)")
     parser.add_argument("--prompt-tokens", default="400", help="comma list of prompt lengths")
     parser.add_argument("--frames", type=int, default=500)
     parser.add_argument("--reference-frames", type=int, default=100,
                         help="frames for the reference engine (it runs ~9 frames/s; its rate is steady)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pdl", choices=("on", "off"), default="off", help="programmatic dependent launch (Hopper)")
     parser.add_argument("--song", type=float, help="also time a whole song of this many seconds (bench_song.py)")
     parser.add_argument("--reference-song", type=float, default=10.0, help="seconds of the reference song to time")
     parser.add_argument("--memory-song", type=float, help="also time a song of this length for peak memory")
@@ -211,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         print("The bench needs a CUDA GPU.", file=sys.stderr)
         return 2
     engines = [name.strip() for name in args.engine.split(",") if name.strip()]
-    unknown = set(engines) - {"reference", "graph"}
+    unknown = set(engines) - {"reference", "graph", "graph-pdl"}
     if unknown:
-        parser.error(f"unknown engine(s) {', '.join(sorted(unknown))}: choose from reference, graph")
+        parser.error(f"unknown engine(s) {', '.join(sorted(unknown))}: choose from reference, graph, graph-pdl")
     import triton
 
     report = {
@@ -230,10 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if engines:
         components = load_for_bench(args.model)
         report.update(
-            bench_semantic(
-                components, engines, report["prompt_tokens"], args.frames, args.reference_frames, args.seed,
-                pdl=args.pdl == "on",
-            )
+            bench_semantic(components, engines, report["prompt_tokens"], args.frames, args.reference_frames, args.seed)
         )
         del components
         torch.cuda.empty_cache()

@@ -3,8 +3,8 @@
 # tokens (graph), [the kernel profiles of a frame and of a flow chunk,] [the whole-song bench]. Files in $OUT:
 # gpu.txt tune.log tuned.json pytest.log bench_400.json bench_4000.json bench.log [profile_{semantic,flow}.{json,log}]
 # [song.json song.log].
-# Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TESTS=path | TESTS=none] [SEMANTIC=0] [PROFILE=1] [SONG=1]
-#   [BENCH_ARGS=...]
+# Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TESTS=path | TESTS=none] [SEMANTIC=0] [ENGINES=reference,graph]
+#   [ENGINES_4000=graph] [PROFILE=1 [PROFILE_MODES="semantic flow"]] [SONG=1] [BENCH_ARGS=...]
 #   bash scripts/gpu_check.sh
 # Put this checkout's sha in MUSIC3_COMMIT here, not `git rev-parse` run there: the device's copy of .git can be stale.
 set -o pipefail
@@ -22,14 +22,14 @@ if [ "${TESTS:-}" != none ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu ${TESTS:-tests/gpu} -q -s -p no:cacheprovider --durations=10 \
     2>&1 | grep -v 'should be kept in float32' | tee "$OUT/pytest.log" | tail -n 40
 fi
-[ "${SEMANTIC:-1}" = 0 ] || for spec in "400 reference,graph" "4000 graph"; do
+[ "${SEMANTIC:-1}" = 0 ] || for spec in "400 ${ENGINES:-reference,graph}" "4000 ${ENGINES_4000:-graph}"; do
   set -- $spec
   timeout "${BENCH_TIMEOUT:-200}" python3 -m music3_demo.bench --model random-full --engine "$2" --prompt-tokens "$1" \
     --frames 500 ${BENCH_ARGS:-} --output "$OUT/bench_$1.json" 2>&1 | grep -v 'should be kept in float32' >> "$OUT/bench.log"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], 'pdl', d['graph_pdl'], [(r['engine'], r['prompt_tokens'], round(r['frames_per_s'], 1), round(r['fraction_of_limit'], 3)) for r in d['runs']], d['graph_over_reference'])" "$OUT/bench_$1.json" || tail -n 20 "$OUT/bench.log"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], [(r['engine'], r['prompt_tokens'], round(r['frames_per_s'], 1), round(r['fraction_of_limit'], 3)) for r in d['runs']], d['graph_over_reference'])" "$OUT/bench_$1.json" || tail -n 20 "$OUT/bench.log"
 done
 if [ "${PROFILE:-0}" = 1 ]; then
-  for mode in semantic flow; do
+  for mode in ${PROFILE_MODES:-semantic flow}; do
     timeout "${PROFILE_TIMEOUT:-150}" python3 scripts/profile_kernels.py $mode "$OUT/profile_$mode.json" 2>&1 \
       | grep -v 'should be kept in float32' | tee "$OUT/profile_$mode.log" | tail -n 12
   done

@@ -481,7 +481,7 @@ class GraphEngine:
             # layer 0 reads the feedback embedding frame_tail wrote (float32 only)
             self._gemv(s.lm_h16 if index else s.lm_h, block.qkv, s.qkv, norm_weight=block.ln1, eps=self.eps)
             decode_attention(s.qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, s.attn,
-                             s.attention, scale, self.eps)
+                             s.attention, scale, self.eps, pdl=self.pdl)
             self._gemv(s.attn, block.o, s.lm_h, residual=s.lm_h, out_copy=s.lm_h16)
             self._gemv(s.lm_h16, block.gate_up, s.act, norm_weight=block.ln2, eps=self.eps, swiglu=True)
             self._gemv(s.act, block.down, s.lm_h, residual=s.lm_h, out_copy=s.lm_h16)
@@ -498,7 +498,7 @@ class GraphEngine:
         for index, block in enumerate(self.depth_blocks):
             # block 0 reads what the projection or the sampler's copy wrote (float32 only)
             self._gemv(h16 if index else h, block.qkv, qkv, norm_weight=block.ln1, eps=self.depth_eps)
-            depth_attention(qkv, out, s.dcache[index, 0], s.dcache[index, 1], base, new, scale)
+            depth_attention(qkv, out, s.dcache[index, 0], s.dcache[index, 1], base, new, scale, pdl=self.pdl)
             self._gemv(out, block.o, h, residual=h, out_copy=h16)
             self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=self.depth_eps, swiglu=True)
             self._gemv(act, block.down, h, residual=h, out_copy=h16)

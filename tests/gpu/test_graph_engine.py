@@ -71,6 +71,24 @@ def test_teacher_forced_logits_and_hiddens_match_reference(full):
     assert all(e.max() < 2e-2 for e in errors["graph"])
 
 
+def test_programmatic_dependent_launch_changes_no_bit(full):
+    """PDL only lets each kernel become resident early (prefetching weights) and wait for the previous one: every
+    value must be bit-identical to the plain launches over many replays, or a kernel read something too early."""
+    lm, depth, engine = full
+    pdl = GraphEngine(lm, depth, DEVICE, pdl=True)
+    if not pdl.pdl:
+        pytest.fail("this GPU/Triton cannot launch with PDL; the GPU suite runs on an H200")
+    text_ids = random_prompt(200, seed=7, device=DEVICE)
+    codes = random_codes(120, torch.Generator().manual_seed(8))
+    try:
+        plain_logits, plain_frames = engine.teacher_forced(text_ids, codes)
+        pdl_logits, pdl_frames = pdl.teacher_forced(text_ids, codes)
+    finally:
+        pdl.release()
+    assert torch.equal(plain_frames, pdl_frames)
+    assert torch.equal(plain_logits, pdl_logits)
+
+
 def _reference_probs(logits: torch.Tensor, scale: float, top_k: int, conditional: bool) -> torch.Tensor:
     """The reference engine's sampling distribution for one CFG pair (sampling.py's ops, then its top-k softmax)."""
     logits = logits.float()

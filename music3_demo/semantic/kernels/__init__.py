@@ -11,6 +11,12 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+
+try:  # Triton >= 3.3 on CUDA; never traced unless PDL is on
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton
+    gdc_launch_dependents = gdc_wait = None
 
 
 def interpreting() -> bool:
@@ -28,6 +34,20 @@ def pdl_supported(device: torch.device) -> bool:
     except ImportError:
         return False
     return "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+@triton.jit
+def pdl_enter():
+    """First thing a kernel launched with PDL does before touching activations: wait for the previous kernel, then
+    release the next one (which may then become resident and prefetch its weights, but waits in turn). Releasing
+    only after waiting keeps at most one kernel waiting behind a running one."""
+    gdc_wait()
+    gdc_launch_dependents()
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """Launch keywords for a kernel whose PDL constexpr is `pdl`."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 from .attention import AttentionScratch, decode_attention, depth_attention  # noqa: E402

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl_enter, pdl_launch
+
 
 @triton.jit
 def _norm_rope(src, rows, valid, d, gain_ptr, cos, sin, eps, D: tl.constexpr, dtype: tl.constexpr):
@@ -55,12 +57,14 @@ def _decode_attn_kernel(
     part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
     stride_qkv, stride_cb, stride_ch, stride_cs, stride_out, scale, eps,
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row·kv-head, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context;
     the last of the SPLITS programs to finish combines them. The heads come raw from the q|k|v GEMV: each program
     normalises and rotates its queries, and the one whose split holds the current position also writes that
     position's key and value into the cache before reading them back."""
+    if PDL:
+        pdl_enter()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // KVH
@@ -135,7 +139,7 @@ def _decode_attn_kernel(
 def decode_attention(
     qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, scratch: AttentionScratch,
-    scale: float, eps: float, block: int = 64,
+    scale: float, eps: float, block: int = 64, pdl: bool = False,
 ) -> None:
     """One launch: q and k of the raw q|k|v GEMV output get the per-head RMSNorm and rotary at `pos`, k and v are
     written into the caches at `pos`, and out[b] = softmax(q k[: pos + 1]ᵀ) v.
@@ -149,7 +153,7 @@ def decode_attention(
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, scratch.o, scratch.m, scratch.l, scratch.counters, out,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), scale, eps,
         KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
-        BLOCK=block, SPLITS=splits, num_warps=4,
+        BLOCK=block, SPLITS=splits, PDL=pdl, num_warps=4, **pdl_launch(pdl),
     )
 
 
@@ -158,10 +162,13 @@ def _depth_attn_kernel(
     qkv_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
     stride_qkv, stride_out, stride_cb, stride_ch, scale,
     NH: tl.constexpr, D: tl.constexpr, BASE: tl.constexpr, NEW: tl.constexpr, MAXP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, head): NEW new positions (rows b·NEW + i of qkv) attend causally to the BASE cached ones and
     to each other; their k, v are then appended to the cache. Keys of new positions come from registers, so no
     program reads what another one writes."""
+    if PDL:
+        pdl_enter()
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.arange(0, MAXP)
@@ -190,7 +197,7 @@ def _depth_attn_kernel(
 
 def depth_attention(
     qkv: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int, new: int,
-    scale: float,
+    scale: float, pdl: bool = False,
 ) -> None:
     """qkv [B·new, 3·NH·D] (rows b·new + i), out [B·new, NH·D], caches [B, NH, P, D] contiguous in (P, D)."""
     batch, heads, max_pos, head_dim = k_cache.shape
@@ -198,5 +205,6 @@ def depth_attention(
         raise ValueError(f"depth positions {base}+{new} exceed the cache ({max_pos})")
     _depth_attn_kernel[(batch, heads)](
         qkv, out, k_cache, v_cache, qkv.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1), scale,
-        NH=heads, D=head_dim, BASE=base, NEW=new, MAXP=triton.next_power_of_2(max_pos), num_warps=4,
+        NH=heads, D=head_dim, BASE=base, NEW=new, MAXP=triton.next_power_of_2(max_pos), PDL=pdl, num_warps=4,
+        **pdl_launch(pdl),
     )

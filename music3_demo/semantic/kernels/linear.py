@@ -12,8 +12,12 @@ Fused on the way:
   the halves stacked, a program needed two weight tiles per stage: 2.0-2.6 TB/s; formed on the down product's
   load instead, it stalled the activation stream: 1.5 TB/s; see docs/PERFORMANCE.md runs 2-4.)
 - RESIDUAL: out = residual + y (in place when out is the residual); with a bf16 residual, HF's rounding of each step.
-- PDL (Hopper): the program waits for the previous kernel only once it is resident (programmatic dependent launch;
-  measured slower here, so off by default).
+- PDL (Hopper, programmatic dependent launch): a product's weights never depend on the previous kernel, so its
+  programs are released while that kernel still runs: they pull their first weight tile into L2, wait for the
+  previous kernel (`gdc_wait`), and only then release their own dependents, so at most one kernel waits resident
+  behind a running one; only one tile per row is prefetched, which the running stream has no time to evict. (Run #8
+  released the dependents before waiting, which let a cascade of waiting kernels fill the SMs, and prefetched every
+  row whole, which the running stream evicted: -26%; docs/PERFORMANCE.md.)
 Split-K (`GemvConfig.split_k` > 1): products with few row blocks (q|k|v: 96 programs, o/down: 128, the depth heads:
 64, on 132 SMs) leave SMs idle; splitting K multiplies the programs. Each program stores its fp32 partial (and its
 partial sum of squares for NORM) in a workspace and bumps its row block's counter; the last to arrive adds the
@@ -32,12 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
-
-try:  # Triton >= 3.3 on CUDA; never traced unless PDL is on
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton
-    gdc_launch_dependents = gdc_wait = None
+from . import interpreting, pdl_enter, pdl_launch
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,15 @@ class GemvWorkspace:
             raise RuntimeError("GemvWorkspace too small inside a CUDA-graph capture: warm the product up first")
         self.partials = torch.zeros(max(partials, self.partials.numel()), device=self.device, dtype=torch.float32)
         self.counters = torch.zeros(max(blocks, self.counters.numel()), device=self.device, dtype=torch.int32)
+
+
+@triton.jit
+def _prefetch_rows_l2(row_ptrs, nbytes: tl.constexpr):
+    """Hint L2 to fetch `nbytes` from each row start (16-byte aligned): one Hopper bulk prefetch per row."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+        [row_ptrs, tl.full(row_ptrs.shape, nbytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+    )
 
 
 @triton.jit
@@ -114,9 +122,10 @@ def _gemv_kernel(
     m_mask = offs_m < M
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    if PDL:  # SPLIT_K is 1 under PDL: the first tile is at K offset 0
+        _prefetch_rows_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * K,
+                          BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        pdl_enter()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
@@ -242,7 +251,6 @@ def gemv(
         raise ValueError("out_copy needs out's shape and strides (and no SwiGLU epilogue)")
     res = out if residual is None else residual
     stride_rm = res.stride(0) if res.shape[0] > 1 else 0
-    launch = {"launch_pdl": True} if pdl else {}
     blocks = triton.cdiv(n, cfg.block_n)
     if split > 1:
         workspace.reserve(blocks * split * (cfg.block_n + 1) * 16, blocks)
@@ -255,6 +263,6 @@ def gemv(
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out
