@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -111,8 +112,9 @@ def bench_semantic(
     graph = GraphEngine(lm, depth, device)
     model = bytes_model(graph)
     built = {"graph": graph, "reference": ReferenceEngine(lm, depth)}
-    if "graph-pdl" in engines:  # the same kernels launched with programmatic dependent launch, same weights
-        built["graph-pdl"] = GraphEngine(lm, depth, device, pdl=True)
+    for name in engines:  # variants of the graph engine on the same weights, timed in the same process
+        if name not in built:
+            built[name] = GraphEngine(lm, depth, device, **graph_variant(name))
     runs = []
     for tokens in prompt_tokens:
         text_ids = random_prompt(tokens, seed, device)
@@ -153,6 +155,17 @@ def bench_semantic(
         "graph_over_reference": speedups,
         "teacher_forced_check": checks,
     }
+
+
+def graph_variant(name: str) -> dict:
+    """GraphEngine options of a bench engine name: graph[-pdl][-s<attention splits>], e.g. graph-pdl, graph-s8."""
+    match = re.fullmatch(r"graph(-pdl)?(?:-s(\d+))?", name)
+    if match is None:
+        raise ValueError(f"unknown engine {name!r}: choose reference or graph[-pdl][-s<splits>]")
+    options: dict = {"pdl": bool(match[1])}
+    if match[2]:
+        options["attention_splits"] = int(match[2])
+    return options
 
 
 def teacher_forced_check(graph, lm, depth, text_ids: torch.Tensor, steps: int = 8) -> dict:
@@ -199,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m music3_demo.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random-full")
     parser.add_argument("--engine", default="reference,graph",
-                        help="comma list of reference, graph, graph-pdl (graph launched with programmatic dependent "
-                        "launch, Hopper)")
+                        help="comma list of reference, graph and variants graph[-pdl][-s<splits>] (programmatic "
+                        "dependent launch; decode attention splits)")
     parser.add_argument("--prompt-tokens", default="400", help="comma list of prompt lengths")
     parser.add_argument("--frames", type=int, default=500)
     parser.add_argument("--reference-frames", type=int, default=100,
@@ -211,13 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-song", type=float, help="also time a song of this length for peak memory")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
+    engines = [name.strip() for name in args.engine.split(",") if name.strip()]
+    for name in engines:
+        if name != "reference":
+            try:
+                graph_variant(name)
+            except ValueError as error:
+                parser.error(str(error))
     if not torch.cuda.is_available():
         print("The bench needs a CUDA GPU.", file=sys.stderr)
         return 2
-    engines = [name.strip() for name in args.engine.split(",") if name.strip()]
-    unknown = set(engines) - {"reference", "graph", "graph-pdl"}
-    if unknown:
-        parser.error(f"unknown engine(s) {', '.join(sorted(unknown))}: choose from reference, graph, graph-pdl")
     import triton
 
     report = {

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from . import contract as c
-from . import flow_attention
+from . import flow_fast
 from .checkpoint import (
     CheckpointError,
     ModelSource,
@@ -74,7 +74,7 @@ class Music3Pipeline:
         # share one shape, replay a captured graph of the guided DiT step.
         self.velocity_graphs = None
         if device.type == "cuda" and self.separate_flow_rng:
-            flow_attention.install(components["transformer"])
+            flow_fast.install(components["transformer"])
             self.velocity_graphs = VelocityGraphs(components["transformer"], (full_chunk_latents(components),))
 
     @classmethod

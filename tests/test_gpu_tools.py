@@ -32,3 +32,17 @@ def test_every_tuned_gemv_config_comes_from_a_swept_product():
 
     swept = {(rows, n, k, "swiglu") if epilogue == "swiglu" else (rows, n, k) for rows, n, k, epilogue in tune.SHAPES}
     assert set(TUNED) <= swept
+
+
+def test_bench_engine_names_map_to_graph_engine_options():
+    import pytest
+
+    from music3_demo.bench import graph_variant, main
+
+    assert graph_variant("graph") == {"pdl": False}
+    assert graph_variant("graph-pdl-s8") == {"pdl": True, "attention_splits": 8}
+    assert graph_variant("graph-s32") == {"pdl": False, "attention_splits": 32}
+    with pytest.raises(ValueError, match="unknown engine 'graph-fast'"):
+        graph_variant("graph-fast")
+    with pytest.raises(SystemExit):  # refused before anything touches a GPU
+        main(["--engine", "reference,graph-x"])
