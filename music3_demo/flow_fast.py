@@ -1,14 +1,15 @@
 """The flow DiT's fast path (CUDA, fast engines), installed on diffusers' modules: the weights and the arithmetic stay
 diffusers', up to the order of bf16 roundings.
 
-Attention: diffusers' `MiniMaxMusic3AttnProcessor` runs, per layer and step, three q/k/v GEMMs of N = 2048 (176 output tiles of
-128x128 on 132 SMs: 1.3 waves) and ~14 small elementwise kernels for the partial rotary embedding of q and k
-(slices, a negation, concatenations, products). Here q|k|v is one GEMM over weights fused by rows (the modules keep
-views of the one copy) and the rotary embedding is one Triton launch that rotates q and k in place, with diffusers'
-bf16 rounding of each product and sum. Attention itself still goes through diffusers' `dispatch_attention_fn`.
+Attention: diffusers' `MiniMaxMusic3AttnProcessor` runs, per layer and step, three q/k/v GEMMs of N = 2048 (176
+output tiles of 128x128 on 132 SMs: 1.3 waves) and ~14 small elementwise kernels for the partial rotary embedding of
+q and k (slices, a negation, concatenations, products). Here q|k|v is one GEMM over weights fused by rows (the
+modules keep views of the one copy) and the rotary embedding is one Triton launch that rotates q and k in place, with
+diffusers' bf16 rounding of each product and sum.
+Attention itself still goes through diffusers' `dispatch_attention_fn`.
 
 Block: per layer and step, `gate_states * silu(gate)` on the two strided halves of the ff_in output ran as two
-non-vectorised elementwise kernels of 33 us each (71 of a full chunk's 470 ms; docs/PERFORMANCE.md), and the residual
+non-vectorised elementwise kernels of 33 us each (71 ms of a full chunk's 470; docs/PERFORMANCE.md), and the residual
 add before norm2 and the LayerNorm as two more (4.5 + 7.9 us). Here they are one launch each (`silu_mul`,
 `add_layer_norm`), with diffusers' rounding: each op's result rounded to the activations' dtype.
 """
