@@ -35,6 +35,10 @@ CANDIDATES = [
     GemvConfig(16, 128, 4, 6, 2), GemvConfig(16, 128, 4, 6, 4), GemvConfig(32, 128, 4, 6, 2),
     GemvConfig(32, 128, 4, 6, 4), GemvConfig(64, 128, 4, 4, 2), GemvConfig(64, 128, 4, 4, 4),
     GemvConfig(32, 256, 4, 4, 2), GemvConfig(64, 256, 4, 3, 2),
+    # Weight tiles by TMA (one bulk copy per tile instead of 16-byte cp.async per thread).
+    GemvConfig(16, 256, 4, 6, 1, True), GemvConfig(32, 128, 4, 6, 1, True), GemvConfig(32, 256, 4, 4, 1, True),
+    GemvConfig(32, 256, 4, 5, 1, True), GemvConfig(64, 128, 4, 4, 1, True), GemvConfig(64, 256, 4, 3, 1, True),
+    GemvConfig(128, 128, 4, 3, 1, True), GemvConfig(64, 64, 4, 8, 1, True),
 ]
 LAUNCHES = 24
 
@@ -124,7 +128,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     print("TUNED = {")
     for key, cfg in tuned.items():
-        print(f"    {key}: GemvConfig({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}, {cfg.split_k}),")
+        print(f"    {key}: GemvConfig({', '.join(str(value) for value in cfg.__dict__.values())}),")
     print("}")
     paths = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
     if paths:  # for MUSIC3_GEMV_TUNED

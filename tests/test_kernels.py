@@ -52,13 +52,14 @@ def _hf_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> tor
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 4])
-def test_gemv_epilogues_match_torch(dtype, rows):
-    k, n = 256, 72  # n not a multiple of the row block: the tail rows are masked
+@pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
+def test_gemv_epilogues_match_torch(dtype, rows, tma):
+    k, n = 256, 72  # n not a multiple of the row block: the tail rows are masked (TMA: zero-filled)
     x = _rand(rows, k, dtype=dtype, seed=1)
     w = _rand(n, k, dtype=dtype, seed=2, scale=k**-0.5)
     g = _rand(k, dtype=dtype, seed=3, scale=0.1) + 1
     res = _rand(rows, n, dtype=dtype, seed=4)
-    cfg = GemvConfig(block_n=16, block_k=64)
+    cfg = GemvConfig(block_n=16, block_k=64, tma=tma)
     plain = gemv(x, w, torch.empty(rows, n, dtype=dtype), config=cfg)
     _close(plain, x @ w.T, dtype)
     normed = gemv(x, w, torch.empty(rows, n, dtype=dtype), norm_weight=g, config=cfg)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import interpreting, pdl_enter, pdl_launch
 
@@ -46,6 +47,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1
+    tma: bool = False  # weight tiles by the Hopper tensor-memory accelerator (a host descriptor) instead of cp.async
 
 
 class GemvWorkspace:
@@ -106,10 +108,11 @@ def _gemv_epilogue(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, res_ptr, copy_ptr, g_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, w_desc, out_ptr, res_ptr, copy_ptr, g_ptr, part_ptr, count_ptr,
     N, K, stride_xm, stride_om, stride_rm, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     pid = tl.program_id(0)
@@ -129,7 +132,10 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
-        w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
+        if TMA:  # rows past N arrive as zeros
+            w = w_desc.load([pid * BLOCK_N, split * k_len + k0])
+        else:
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
@@ -257,12 +263,14 @@ def gemv(
         partials, counters = workspace.partials, workspace.counters
     else:
         partials, counters = x, x  # never read
+    w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if cfg.tma else weight
     _gemv_kernel[(blocks, split)](
-        x, weight, out, res, out if out_copy is None else out_copy, x if norm_weight is None else norm_weight,
+        x, weight, w_desc, out, res, out if out_copy is None else out_copy, x if norm_weight is None else norm_weight,
         partials, counters,
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl,
+        TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out
