@@ -172,18 +172,20 @@ def _gemv_kernel(
 # Tuned on an H200 by scripts/tune_gemv.py (docs/PERFORMANCE.md); keyed by (rows, N, K), or (rows, N, K, "swiglu")
 # for the SwiGLU epilogue (which falls back to its shape's entry). Anything else gets the heuristic.
 # MUSIC3_GEMV_TUNED=<json written by the script> overrides entries (tuning runs).
-TUNED: dict[tuple, GemvConfig] = {  # TB/s of weight bytes in session 3's sweeps (engine dtypes)
-    (2, 6144, 4096): GemvConfig(64, 256, 4, 3),  # LM q|k|v (+ RMSNorm)              2.99
-    (2, 4096, 4096): GemvConfig(32, 256, 4, 5),  # LM o, depth out/projection        2.82
-    (2, 24576, 4096, "swiglu"): GemvConfig(64, 256, 4, 3),  # LM gate|up (+ SwiGLU) 3.79
-    (2, 4096, 12288): GemvConfig(32, 256, 4, 5),  # LM down                          3.55
-    (2, 16385, 4096): GemvConfig(64, 128, 4, 4),  # LM audio head                    4.12
-    (4, 12288, 4096): GemvConfig(64, 256, 4, 3),  # depth q|k|v, gate|up, pass 1     3.04
-    (2, 12288, 4096): GemvConfig(64, 256, 4, 3),  # depth q|k|v, gate|up             3.09
-    (4, 4096, 4096): GemvConfig(32, 256, 4, 5),  #                                  2.84
-    (4, 4096, 6144): GemvConfig(32, 256, 4, 5),  # depth down, pass 1               3.18
-    (2, 4096, 6144): GemvConfig(32, 256, 4, 5),  # depth down                       3.18
-    (2, 1024, 4096): GemvConfig(64, 128, 4, 4, 4),  # depth heads, split-K 4        1.13 (unsplit 0.90)
+TUNED: dict[tuple, GemvConfig] = {  # TB/s of weight bytes in session 4's sweep (engine dtypes; TMA candidates)
+    (2, 6144, 4096): GemvConfig(64, 256, 4, 3),  # LM q|k|v (+ RMSNorm)              2.97
+    (2, 4096, 4096): GemvConfig(32, 256, 4, 5),  # LM o, depth out/projection        2.85
+    (2, 24576, 4096, "swiglu"): GemvConfig(128, 128, 4, 3, tma=True),  # LM gate|up (+ SwiGLU) 3.91
+    (2, 4096, 12288): GemvConfig(32, 256, 4, 5),  # LM down                          3.63
+    (2, 16385, 4096): GemvConfig(64, 128, 4, 4, tma=True),  # LM audio head          4.05
+    (4, 12288, 4096): GemvConfig(64, 64, 4, 8, tma=True),  # depth q|k|v, pass 1     3.29
+    (2, 12288, 4096): GemvConfig(64, 64, 4, 8, tma=True),  # depth q|k|v             3.33
+    (4, 12288, 4096, "swiglu"): GemvConfig(64, 64, 4, 8, tma=True),  # depth gate|up, pass 1  3.49
+    (2, 12288, 4096, "swiglu"): GemvConfig(64, 64, 4, 8, tma=True),  # depth gate|up  3.52
+    (4, 4096, 4096): GemvConfig(32, 256, 4, 5),  #                                  2.82
+    (4, 4096, 6144): GemvConfig(32, 256, 4, 5),  # depth down, pass 1               3.19
+    (2, 4096, 6144): GemvConfig(32, 256, 4, 5),  # depth down                       3.17
+    (2, 1024, 4096): GemvConfig(32, 128, 4, 6, 4),  # depth heads, split-K 4        1.18
 }
 
 
