@@ -74,6 +74,16 @@ def test_gemv_epilogues_match_torch(dtype, rows, tma):
     assert not out[1::2].any()
 
 
+def test_tma_configs_fall_back_to_cp_async_before_hopper(monkeypatch):
+    from music3_demo.semantic.kernels.linear import tma_supported
+
+    check = tma_supported.__wrapped__  # uncached
+    for capability, expected in (((8, 6), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        assert check(torch.device("cuda", 0)) is expected
+    assert check(torch.device("cpu"))  # the interpreter emulates TMA (the tests above use it)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [2, 4])
 def test_split_k_gemv_matches_the_unsplit_one_and_leaves_the_counters_at_zero(dtype, split):

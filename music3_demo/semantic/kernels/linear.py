@@ -18,6 +18,9 @@ Fused on the way:
   behind a running one; only one tile per row is prefetched, which the running stream has no time to evict. (Run #8
   released the dependents before waiting, which let a cascade of waiting kernels fill the SMs, and prefetched every
   row whole, which the running stream evicted: -26%; docs/PERFORMANCE.md.)
+TMA (`GemvConfig.tma`, Hopper): weight tiles arrive by one bulk tensor copy each instead of 16-byte copies from every
+thread, so more pipeline stages stay in flight with 4 warps; the sweep picks it for the gate|up, depth q|k|v and
+audio-head products (+4% per frame, docs/PERFORMANCE.md run #11). Older GPUs fall back to cp.async tiles.
 Split-K (`GemvConfig.split_k` > 1): products with few row blocks (q|k|v: 96 programs, o/down: 128, the depth heads:
 64, on 132 SMs) leave SMs idle; splitting K multiplies the programs. Each program stores its fp32 partial (and its
 partial sum of squares for NORM) in a workspace and bumps its row block's counter; the last to arrive adds the
@@ -27,6 +30,7 @@ resets the counter, all in one launch. Kernels sharing a workspace must run in o
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -199,6 +203,15 @@ if os.environ.get("MUSIC3_GEMV_TUNED"):
     load_tuned(os.environ["MUSIC3_GEMV_TUNED"])
 
 
+@functools.lru_cache(maxsize=None)
+def tma_supported(device: torch.device) -> bool:
+    """TMA needs Hopper or newer (the tuned table is an H200's; other GPUs fall back to cp.async tiles). The CPU
+    interpreter emulates it, which the tests use."""
+    if device.type != "cuda":
+        return interpreting()
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def default_config(m: int, n: int, k: int, swiglu: bool = False) -> GemvConfig:
     tuned = (swiglu and TUNED.get((m, n, k, "swiglu"))) or TUNED.get((m, n, k))
     if tuned is not None:
@@ -246,6 +259,8 @@ def gemv(
             f"gemv shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}"
         )
     cfg = config or default_config(m, n, k, swiglu)
+    if cfg.tma and not tma_supported(weight.device):
+        cfg = replace(cfg, tma=False)
     if swiglu:  # whole gate/up pairs per tile: the row block must divide N
         cfg = replace(cfg, block_n=math.gcd(cfg.block_n, n))
         if residual is not None or cfg.block_n < 16:
