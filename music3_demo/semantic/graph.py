@@ -168,7 +168,8 @@ class GraphEngine:
         self.language_model = language_model
         self.depth_decoder = depth_decoder
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
-        # Programmatic dependent launch measured 10% slower on the H200 (105 vs 115 frames/s): opt-in only.
+        # Programmatic dependent launch measured slower on the H200 every way it was tried (runs #2, #8, #9 in
+        # docs/PERFORMANCE.md; -6% as built now): opt-in only, kept for the bench's A/B and its no-bit-changes test.
         self.pdl = bool(pdl) and pdl_supported(device)
         self.attention_splits = attention_splits
         if self.FRAME_RING < (self.IN_FLIGHT + 2) * self.REPLAY_BLOCK:
