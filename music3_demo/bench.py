@@ -158,11 +158,11 @@ def bench_semantic(
 
 
 def graph_variant(name: str) -> dict:
-    """GraphEngine options of a bench engine name: graph[-pdl][-s<attention splits>], e.g. graph-pdl, graph-s8."""
-    match = re.fullmatch(r"graph(-pdl)?(?:-s(\d+))?", name)
+    """GraphEngine options of a bench engine name: graph[-pdl|-chain][-s<attention splits>], e.g. graph-chain."""
+    match = re.fullmatch(r"graph(-pdl|-chain)?(?:-s(\d+))?", name)
     if match is None:
-        raise ValueError(f"unknown engine {name!r}: choose reference or graph[-pdl][-s<splits>]")
-    options: dict = {"pdl": bool(match[1])}
+        raise ValueError(f"unknown engine {name!r}: choose reference or graph[-pdl|-chain][-s<splits>]")
+    options: dict = {"pdl": match[1] == "-pdl", "chain": match[1] == "-chain"}
     if match[2]:
         options["attention_splits"] = int(match[2])
     return options

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: carried wheels, [GEMV sweep,] GPU tests, the semantic bench at 400 (both engines) and 4000 prompt
 # tokens (graph), [the kernel profiles of a frame and of a flow chunk,] [the whole-song bench]. Files in $OUT:
-# gpu.txt tune.log tuned.json pytest.log bench_400.json bench_4000.json bench.log [profile_{semantic,flow}.{json,log}]
+# gpu.txt tune.log tuned.json pytest.log [tail.log tail.json tail.rows.json] bench_400.json bench_4000.json bench.log
+# [profile_{semantic,flow}.{json,log}]
 # [song.json song.log].
-# Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TESTS=path | TESTS=none] [SEMANTIC=0] [ENGINES=reference,graph]
+# Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TAIL=1] [TESTS=path | TESTS=none] [SEMANTIC=0] [ENGINES=reference,graph]
 #   [ENGINES_4000=graph] [PROFILE=1 [PROFILE_MODES="semantic flow"]] [SONG=1] [BENCH_ARGS=...]
 #   bash scripts/gpu_check.sh
 # Put this checkout's sha in MUSIC3_COMMIT here, not `git rev-parse` run there: the device's copy of .git can be stale.
@@ -21,6 +22,10 @@ fi
 if [ "${TESTS:-}" != none ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu ${TESTS:-tests/gpu} -q -s -p no:cacheprovider --durations=10 \
     2>&1 | grep -v 'should be kept in float32' | tee "$OUT/pytest.log" | tail -n 40
+fi
+if [ "${TAIL:-0}" = 1 ]; then  # the chained block tail's sweep (scripts/tune_tail.py)
+  timeout "${TAIL_TIMEOUT:-300}" python3 scripts/tune_tail.py "$OUT/tail.json" 2>&1 | tee "$OUT/tail.log" | grep -v '^  '
+  [ -s "$OUT/tail.json" ] && export MUSIC3_TAIL_TUNED="$OUT/tail.json"
 fi
 [ "${SEMANTIC:-1}" = 0 ] || for spec in "400 ${ENGINES:-reference,graph}" "4000 ${ENGINES_4000:-graph}"; do
   set -- $spec

@@ -149,6 +149,49 @@ def test_swiglu_gemv_on_interleaved_rows_matches_hf_mlp_activation(dtype, split)
         gemv(x, fused, torch.empty(rows, 2 * inter, dtype=dtype), swiglu=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("following", [True, False], ids=["next_qkv", "last_block"])
+@pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
+def test_block_tail_runs_the_blocks_products_as_the_gemvs_do(dtype, rows, following, tma):
+    """The chained tail (here one launch per product: the interpreter cannot hold a grid barrier) against the same
+    products through `gemv`: row blocks shared unevenly by 3 programs, SwiGLU pairs, residual copies."""
+    from music3_demo.semantic.kernels.block_tail import TailBarrier, TailConfig, block_tail
+
+    d, a, i, q = 64, 48, 96, 80
+    weights = [_rand(*shape, dtype=dtype, seed=seed, scale=shape[1] ** -0.5)
+               for seed, shape in enumerate([(d, a), (2 * i, d), (d, i), (q, d)])]
+    ln1, ln2 = (_rand(d, dtype=dtype, seed=seed, scale=0.1) + 1 for seed in (5, 6))
+    attn, start = _rand(rows, a, dtype=dtype, seed=7), _rand(rows, d, seed=8)
+    outputs = []
+    for chained in (False, True):
+        h, h16 = start.clone(), start.to(dtype, copy=True)
+        act, qkv = torch.zeros(rows, i, dtype=dtype), torch.zeros(rows, q, dtype=dtype)
+        if chained:
+            tile = GemvConfig(16, 16, tma=tma)
+            block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, TailBarrier("cpu", 3),
+                       next_qkv=(weights[3], ln1, qkv) if following else None, config=TailConfig(*[tile] * 4))
+        else:
+            gemv(attn, weights[0], h, residual=h, out_copy=h16)
+            gemv(h16, weights[1], act, norm_weight=ln2, swiglu=True)
+            gemv(act, weights[2], h, residual=h, out_copy=h16)
+            if following:
+                gemv(h16, weights[3], qkv, norm_weight=ln1)
+        outputs.append((h, h16, act, qkv))
+    for chained, separate in zip(outputs[1], outputs[0]):
+        _close(chained, separate, dtype)
+    assert outputs[1][3].any() == following  # the last block of a stack leaves q|k|v to the next launch
+
+
+def test_block_tail_rejects_mismatched_shapes():
+    from music3_demo.semantic.kernels.block_tail import TailBarrier, block_tail
+
+    h = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="block_tail shape mismatch"):
+        block_tail(torch.zeros(2, 48), h, h.half(), torch.zeros(2, 96), torch.zeros(64, 48), torch.zeros(192, 64),
+                   torch.zeros(64, 80), torch.ones(64), 1e-6, TailBarrier("cpu", 3))
+
+
 def test_gemv_rejects_bad_shapes():
     x = torch.zeros(2, 64)
     with pytest.raises(ValueError, match="shape mismatch"):
@@ -311,13 +354,13 @@ def test_frame_tail_emits_the_frame_and_the_reference_feedback(tiny_models):
             assert torch.equal(frames[row], emitted)
 
 
-@pytest.mark.parametrize("variant", ["plain", "text_embeddings_on_host", "split_k"])
+@pytest.mark.parametrize("variant", ["plain", "text_embeddings_on_host", "split_k", "chain"])
 def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, variant, monkeypatch):
     from music3_demo.semantic.graph import GraphEngine
     from music3_demo.semantic.kernels import linear
 
     lm, depth = tiny_models
-    engine = GraphEngine(lm, depth, "cpu", attention_splits=2)
+    engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=variant == "chain")
     if variant == "split_k":  # every product split (K is 32, 48 or 64 here), through the engine's workspace
         monkeypatch.setattr(linear, "default_config",
                             lambda m, n, k, swiglu=False: GemvConfig(256, 16, split_k=2 if k % 32 == 0 else 3))

@@ -41,6 +41,7 @@ from .kernels import (
     pdl_supported,
     rmsnorm,
 )
+from .kernels.block_tail import TailBarrier, block_tail
 from .kernels.frame import NO_END
 
 try:  # optional: FlashAttention-2 for the prefill; SDPA otherwise
@@ -139,6 +140,7 @@ class _State:
         self.scale = torch.ones(1, device=dev, dtype=torch.float32)
         self.top_k = torch.ones(1, device=dev, dtype=torch.int32)
         self.gemv_workspace = GemvWorkspace(dev)  # sized by the warm-up step that precedes every capture
+        self.tail_barrier = TailBarrier(dev)
 
 
 class GraphEngine:
@@ -158,6 +160,7 @@ class GraphEngine:
         use_graphs: bool | None = None,
         pdl: bool | None = None,
         attention_splits: int = 16,
+        chain: bool = False,
     ) -> None:
         device = torch.device(device)
         if device.type != "cuda" and not interpreting():
@@ -172,6 +175,11 @@ class GraphEngine:
         # docs/PERFORMANCE.md; -6% as built now): opt-in only, kept for the bench's A/B and its no-bit-changes test.
         self.pdl = bool(pdl) and pdl_supported(device)
         self.attention_splits = attention_splits
+        # Each block's products after attention (and the next block's q|k|v) in one persistent launch with grid
+        # barriers (`kernels/block_tail.py`); on the CPU interpreter, one launch per product of the same kernel.
+        self.chain = chain
+        if chain and self.pdl:
+            raise ValueError("the chained block tails take no PDL")
         if self.FRAME_RING < (self.IN_FLIGHT + 2) * self.REPLAY_BLOCK:
             raise ValueError("FRAME_RING must hold the blocks in flight plus the one being copied out")
         self.capture_count = 0
@@ -479,13 +487,12 @@ class GraphEngine:
         scale = self.head_dim**-0.5
         for index, block in enumerate(self.blocks):
             k_cache, v_cache = s.kv[index, 0], s.kv[index, 1]
-            # layer 0 reads the feedback embedding frame_tail wrote (float32 only)
-            self._gemv(s.lm_h16 if index else s.lm_h, block.qkv, s.qkv, norm_weight=block.ln1, eps=self.eps)
+            if index == 0 or not self.chain:  # layer 0 reads the feedback embedding frame_tail wrote (float32 only)
+                self._gemv(s.lm_h16 if index else s.lm_h, block.qkv, s.qkv, norm_weight=block.ln1, eps=self.eps)
             decode_attention(s.qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, s.attn,
                              s.attention, scale, self.eps, pdl=self.pdl)
-            self._gemv(s.attn, block.o, s.lm_h, residual=s.lm_h, out_copy=s.lm_h16)
-            self._gemv(s.lm_h16, block.gate_up, s.act, norm_weight=block.ln2, eps=self.eps, swiglu=True)
-            self._gemv(s.act, block.down, s.lm_h, residual=s.lm_h, out_copy=s.lm_h16)
+            following = self.blocks[index + 1] if index + 1 < len(self.blocks) else None
+            self._block_tail(block, following, s.attn, s.lm_h, s.lm_h16, s.act, s.qkv, self.eps)
         rmsnorm(s.lm_h, self.final_norm, s.lm_hidden, self.eps)
         s.counters.add_(1)
 
@@ -497,12 +504,26 @@ class GraphEngine:
         qkv, out, act = s.dqkv[:rows], s.do[:rows], s.dact[:rows]
         scale = (self.hidden // self.depth_heads) ** -0.5
         for index, block in enumerate(self.depth_blocks):
-            # block 0 reads what the projection or the sampler's copy wrote (float32 only)
-            self._gemv(h16 if index else h, block.qkv, qkv, norm_weight=block.ln1, eps=self.depth_eps)
+            if index == 0 or not self.chain:  # block 0 reads what the projection or the sampler wrote (float32)
+                self._gemv(h16 if index else h, block.qkv, qkv, norm_weight=block.ln1, eps=self.depth_eps)
             depth_attention(qkv, out, s.dcache[index, 0], s.dcache[index, 1], base, new, scale, pdl=self.pdl)
-            self._gemv(out, block.o, h, residual=h, out_copy=h16)
-            self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=self.depth_eps, swiglu=True)
-            self._gemv(act, block.down, h, residual=h, out_copy=h16)
+            following = self.depth_blocks[index + 1] if index + 1 < len(self.depth_blocks) else None
+            self._block_tail(block, following, out, h, h16, act, qkv, self.depth_eps)
+
+    def _block_tail(
+        self, block: _Block, following: _Block | None, attn: torch.Tensor, h: torch.Tensor, h16: torch.Tensor,
+        act: torch.Tensor, qkv: torch.Tensor, eps: float,
+    ) -> None:
+        """h += o·attn, the SwiGLU MLP on h, and when chained also the following block's q|k|v (which the
+        unchained loop runs at the top of the next block)."""
+        if self.chain:
+            next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
+            block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
+                       self._state.tail_barrier, next_qkv=next_qkv)
+            return
+        self._gemv(attn, block.o, h, residual=h, out_copy=h16)
+        self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True)
+        self._gemv(act, block.down, h, residual=h, out_copy=h16)
 
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, **epilogue) -> None:
         # Split-K products share one workspace in stream order, which PDL's overlapping kernels would break.

@@ -1,0 +1,283 @@
+"""A transformer block's products after attention in one persistent launch with grid barriers:
+o (+ residual, bf16 copy) -> gate|up (+ RMSNorm, SwiGLU) -> down (+ residual, bf16 copy) [-> next block's q|k|v
+(+ RMSNorm)].
+
+Why: as separate launches each product pays ~4 us of ramp and tail (the LM o product: 11.8 us for 33.6 MB, 8 us
+at copy bandwidth); ~260 products per frame make that ~1 ms of a 7.1-ms frame. PDL could not hide it (runs #2, #8,
+#9 in docs/PERFORMANCE.md). Here one grid of `programs` (<= the SM count, so all are resident together) runs the
+products in turn; between two products every program prefetches the first bytes of its next weight rows into L2
+and waits at a grid barrier, so DRAM keeps streaming while the slowest program finishes and the next product starts
+on warm tiles. Each program owns row blocks pid, pid + programs, ... of every product, walked as one flattened
+k-loop so the pipeline does not drain between its row blocks.
+
+The products are the GEMV's (`linear._gemv_epilogue`, the same roundings); activations written by other programs in
+the same launch are read with `.cg` (L2, not the SMs' incoherent L1). The barrier (`TailBarrier`) is an arrival
+count that only grows: each program spins until it reaches the next multiple of the grid size.
+
+A spin barrier needs every program resident, which Triton's CPU interpreter (programs one at a time) never has:
+there `block_tail` launches the same kernel once per product (`fused=False`), which is also the GPU test's oracle
+for the fused launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from .linear import GemvConfig, TensorDescriptor, _gemv_epilogue, _prefetch_rows_l2, tma_supported
+
+class TailBarrier:
+    """The grid barrier's arrival count; one per engine state, shared in stream order by launches that all use its
+    number of programs (the count stays a multiple of it between barriers)."""
+
+    def __init__(self, device: torch.device | str, programs: int | None = None) -> None:
+        device = torch.device(device)
+        self.programs = programs or default_programs(device)
+        self.count = torch.zeros(1, device=device, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class TailConfig:
+    o: GemvConfig
+    gate_up: GemvConfig
+    down: GemvConfig
+    qkv: GemvConfig
+    num_warps: int = 4
+    prefetch: int = 2048  # bytes per weight row pulled into L2 before each barrier (0: none)
+
+
+@functools.lru_cache(maxsize=None)
+def default_programs(device: torch.device) -> int:
+    """128 programs (the LM's and depth decoder's row blocks divide evenly) or fewer on smaller GPUs: every program
+    must be resident at once for the barrier."""
+    if device.type != "cuda":
+        return 4
+    return min(128, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+# Tuned on an H200 by scripts/tune_tail.py, keyed by (hidden, attention width, gate|up rows, q|k|v rows).
+# MUSIC3_TAIL_TUNED=<json written by the script> overrides entries (tuning runs).
+TAIL_TUNED: dict[tuple[int, int, int, int], TailConfig] = {}
+
+
+def load_tail_tuned(path: str) -> None:
+    with open(path) as handle:
+        for entry in json.load(handle):
+            cfg = entry["config"]
+            TAIL_TUNED[tuple(entry["key"])] = TailConfig(
+                *(GemvConfig(**cfg[name]) for name in ("o", "gate_up", "down", "qkv")),
+                num_warps=cfg["num_warps"], prefetch=cfg["prefetch"],
+            )
+
+
+if os.environ.get("MUSIC3_TAIL_TUNED"):
+    load_tail_tuned(os.environ["MUSIC3_TAIL_TUNED"])
+
+
+def default_tail_config(hidden: int, attn: int, gate_up: int, qkv: int, device: torch.device) -> TailConfig:
+    """The tuned entry, else row blocks that split evenly over 128 programs (o/down: 32 rows as tuned for the GEMV;
+    gate|up and q|k|v: 3 blocks of the LM's or depth decoder's rows each), TMA tiles of 8 KB, 8 in flight."""
+    tuned = TAIL_TUNED.get((hidden, attn, gate_up, qkv))
+    if tuned is not None and device.type == "cuda":
+        return tuned
+    if interpreting() or device.type != "cuda":
+        def small(k: int) -> GemvConfig:
+            return GemvConfig(block_n=16, block_k=next(b for b in (64, 32, 16) if k % b == 0))
+
+        return TailConfig(small(attn), small(hidden), small(gate_up // 2), small(hidden), prefetch=0)
+    tma = tma_supported(device)
+    return TailConfig(
+        o=GemvConfig(32, 256, 4, 5),
+        gate_up=_tma_tile(_even_block(gate_up), tma),
+        down=GemvConfig(32, 256, 4, 5),
+        qkv=_tma_tile(_even_block(qkv), tma),
+    )
+
+
+def _tma_tile(block_n: int, tma: bool) -> GemvConfig:
+    return GemvConfig(block_n, 4096 // block_n, 4, 8, tma=tma)
+
+
+def _even_block(rows: int, programs: int = 128) -> int:
+    """The widest power-of-two row block (16..64) that gives every one of `programs` programs the same number."""
+    return next((b for b in (64, 32, 16) if rows % (b * programs) == 0), 16)
+
+
+@triton.jit
+def _grid_barrier(count_ptr):
+    """Every program of the grid waits here until all have arrived (all resident: see the module docstring).
+    The int64 count only grows (by `programs` per barrier, never wrapping), so no program ever resets it."""
+    tl.debug_barrier()  # every thread's stores precede the release below (CUTLASS's semaphore pattern)
+    programs = tl.num_programs(0)
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    target = (arrived // programs + 1) * programs
+    while tl.load(count_ptr, volatile=True) < target:
+        pass
+    # a strong read that saw every arrival, then a fence: the acquire pattern, so the next product's loads see every
+    # program's stores
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [programs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+    """Between two products: start this program's next weight rows towards L2, then wait for the whole grid."""
+    if PREFETCH > 0:
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        _prefetch_rows_l2(w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * K, PREFETCH)
+    _grid_barrier(bar_ptr)
+
+
+@triton.jit
+def _product(
+    x_ptr, stride_x, w_ptr, w_desc, out_ptr, stride_o, copy_ptr, g_ptr, eps,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
+    COPY: tl.constexpr,
+):
+    """This program's row blocks of out = epilogue(W · prologue(x)), as `linear._gemv_kernel` computes each."""
+    BLOCK_M: tl.constexpr = 16
+    K_TILES: tl.constexpr = K // BLOCK_K
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    x_ptrs = x_ptr + offs_m[:, None] * stride_x + offs_k[None, :]
+    blocks = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    sumsq = tl.zeros([BLOCK_M], tl.float32)
+    for t in tl.range(0, blocks * K_TILES, num_stages=STAGES):
+        row0 = (pid + (t // K_TILES) * programs) * BLOCK_N
+        k0 = (t % K_TILES) * BLOCK_K
+        offs_n = row0 + tl.arange(0, BLOCK_N)
+        if TMA:  # rows past N arrive as zeros
+            w = w_desc.load([row0, k0])
+        else:
+            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :],
+                        mask=(offs_n < N)[:, None], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
+        if NORM:
+            xf = x.to(tl.float32)
+            sumsq += tl.sum(xf * xf, axis=1)
+            x = xf * tl.load(g_ptr + k0 + offs_k).to(tl.float32)[None, :]
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+        if t % K_TILES == K_TILES - 1:
+            _gemv_epilogue(acc, sumsq, offs_n, offs_m, offs_n < N, m_mask, out_ptr, out_ptr, copy_ptr, stride_o,
+                           stride_o, eps, K, NORM, RESIDUAL, SWIGLU, COPY)
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            sumsq = tl.zeros([BLOCK_M], tl.float32)
+
+
+@triton.jit
+def _block_tail_kernel(
+    attn_ptr, h_ptr, h16_ptr, act_ptr, qkv_ptr,
+    wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, ln2_ptr, ln1_ptr, bar_ptr,
+    s_attn, s_h, s_act, s_qkv, eps,
+    M: tl.constexpr, D: tl.constexpr, A: tl.constexpr, G: tl.constexpr, Q: tl.constexpr,
+    RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr, SYNC: tl.constexpr,
+    PF_GU: tl.constexpr, PF_D: tl.constexpr, PF_Q: tl.constexpr,
+    BN_O: tl.constexpr, BK_O: tl.constexpr, ST_O: tl.constexpr, TMA_O: tl.constexpr,
+    BN_GU: tl.constexpr, BK_GU: tl.constexpr, ST_GU: tl.constexpr, TMA_GU: tl.constexpr,
+    BN_D: tl.constexpr, BK_D: tl.constexpr, ST_D: tl.constexpr, TMA_D: tl.constexpr,
+    BN_Q: tl.constexpr, BK_Q: tl.constexpr, ST_Q: tl.constexpr, TMA_Q: tl.constexpr,
+):
+    """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows."""
+    if RUN_O:  # h += o(attn); h16 = bf16(h)
+        _product(attn_ptr, s_attn, wo_ptr, wo_desc, h_ptr, s_h, h16_ptr, ln2_ptr, eps,
+                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True)
+    if SYNC:
+        _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU)
+    if RUN_GU:  # act = silu(gate) * up of RMSNorm(h16) * ln2
+        _product(h16_ptr, s_h, wgu_ptr, wgu_desc, act_ptr, s_act, act_ptr, ln2_ptr, eps,
+                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False)
+    if SYNC:
+        _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D)
+    if RUN_D:  # h += down(act); h16 = bf16(h)
+        _product(act_ptr, s_act, wd_ptr, wd_desc, h_ptr, s_h, h16_ptr, ln2_ptr, eps,
+                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, True)
+    if SYNC and RUN_Q:
+        _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q)
+    if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h16) * its ln1
+        _product(h16_ptr, s_h, wq_ptr, wq_desc, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, eps,
+                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False)
+
+
+def _descriptor(weight: torch.Tensor, cfg: GemvConfig):
+    return TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if cfg.tma else weight
+
+
+def block_tail(
+    attn: torch.Tensor,
+    h: torch.Tensor,
+    h16: torch.Tensor,
+    act: torch.Tensor,
+    o: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ln2: torch.Tensor,
+    eps: float,
+    barrier: TailBarrier,
+    *,
+    next_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    config: TailConfig | None = None,
+    fused: bool | None = None,
+) -> None:
+    """h += o·attn (h16 = h in bf16); act = SwiGLU(gate_up · RMSNorm(h16; ln2)); h += down·act (h16 again); and with
+    `next_qkv` = (weight, ln1, out) the next block's out = weight · RMSNorm(h16; ln1).
+
+    `gate_up` is row-interleaved (`linear.interleave_rows`); h is the float32 residual stream [M, D], h16 its copy
+    with the same strides. `fused` (default: on a GPU) runs everything in one launch with grid barriers; otherwise
+    one launch per product."""
+    m, d = h.shape
+    g, a = gate_up.shape[0], attn.shape[1]
+    q = next_qkv[0].shape[0] if next_qkv is not None else 16
+    if (m > 16 or h16.shape != h.shape or h16.stride() != h.stride() or o.shape != (d, a)
+            or gate_up.shape != (g, d) or down.shape != (d, g // 2) or act.shape != (m, g // 2)
+            or (next_qkv is not None and (next_qkv[0].shape != (q, d) or next_qkv[2].shape != (m, q)))):
+        raise ValueError(
+            f"block_tail shape mismatch: h {tuple(h.shape)}, attn {tuple(attn.shape)}, o {tuple(o.shape)}, "
+            f"gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, act {tuple(act.shape)}"
+        )
+    for t in (attn, h, act, o, gate_up, down) + (() if next_qkv is None else (next_qkv[0], next_qkv[2])):
+        if t.stride(-1) != 1:
+            raise ValueError("block_tail needs unit stride along the last dim")
+    device = h.device
+    cfg = config or default_tail_config(d, a, g, q, device)
+    if not tma_supported(device):
+        cfg = TailConfig(*(GemvConfig(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in
+                           (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)), num_warps=cfg.num_warps, prefetch=cfg.prefetch)
+    for c, k in ((cfg.o, a), (cfg.gate_up, d), (cfg.down, g // 2), (cfg.qkv, d)):
+        if k % c.block_k:
+            raise ValueError(f"K={k} must be a multiple of block_k={c.block_k}")
+    if g % cfg.gate_up.block_n:
+        raise ValueError(f"gate|up rows ({g}) must be a multiple of its row block ({cfg.gate_up.block_n})")
+    fused = (device.type == "cuda" and not interpreting()) if fused is None else fused
+    programs = barrier.programs
+    wq, ln1, qkv_out = next_qkv if next_qkv is not None else (o, ln2, act)
+    common = dict(
+        eps=eps, M=m, D=d, A=a, G=g, Q=q,
+        # bytes of each next weight row to prefetch (whole rows at most), only where a barrier waits
+        **{f"PF_{name}": min(cfg.prefetch, w.shape[1] * w.element_size()) if fused else 0
+           for name, w in (("GU", gate_up), ("D", down), ("Q", wq))},
+        **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
+           for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
+    )
+    args = (attn, h, h16, act, qkv_out, o, _descriptor(o, cfg.o), gate_up, _descriptor(gate_up, cfg.gate_up),
+            down, _descriptor(down, cfg.down), wq, _descriptor(wq, cfg.qkv), ln2, ln1, barrier.count,
+            attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
+    runs = [(True, True, True, next_qkv is not None)] if fused else [
+        tuple(i == j for j in range(4)) for i in range(4 if next_qkv is not None else 3)
+    ]
+    for run_o, run_gu, run_d, run_q in runs:
+        _block_tail_kernel[(programs,)](
+            *args, RUN_O=run_o, RUN_GU=run_gu, RUN_D=run_d, RUN_Q=run_q, SYNC=fused, num_warps=cfg.num_warps,
+            **common,
+        )
