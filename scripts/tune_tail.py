@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from music3_demo.semantic.kernels.block_tail import (  # noqa: E402
-    TailBarrier,
+    TailScratch,
     TailConfig,
     block_tail,
     default_tail_config,
@@ -83,7 +83,7 @@ def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dic
     h, h16 = start_h.clone(), start_h.to(bf16)
     act = torch.zeros(ROWS, g // 2, device=device, dtype=bf16)
     qkv = torch.zeros(ROWS, q, device=device, dtype=bf16)
-    barrier = TailBarrier(device)
+    scratch = TailScratch(device)
 
     def reset() -> None:
         h.copy_(start_h)
@@ -98,7 +98,7 @@ def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dic
 
     def chained(cfg: TailConfig, fused: bool = True) -> None:
         for w in blocks:
-            block_tail(attn, h, h16, act, w["o"], w["gate_up"], w["down"], w["ln2"], 1e-6, barrier,
+            block_tail(attn, h, h16, act, w["o"], w["gate_up"], w["down"], w["ln2"], 1e-6, scratch,
                        next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg, fused=fused)
 
     reset()
@@ -108,7 +108,7 @@ def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dic
     def correct(cfg: TailConfig) -> float:
         reset()
         w = blocks[0]
-        block_tail(attn, h, h16, act, w["o"], w["gate_up"], w["down"], w["ln2"], 1e-6, barrier,
+        block_tail(attn, h, h16, act, w["o"], w["gate_up"], w["down"], w["ln2"], 1e-6, scratch,
                    next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg)
         torch.cuda.synchronize()
         return max(((h - expected[0]).norm() / (expected[0] - start_h).norm()).item(),

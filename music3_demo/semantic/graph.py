@@ -41,7 +41,7 @@ from .kernels import (
     pdl_supported,
     rmsnorm,
 )
-from .kernels.block_tail import TailBarrier, block_tail
+from .kernels.block_tail import TailScratch, block_tail
 from .kernels.frame import NO_END
 
 try:  # optional: FlashAttention-2 for the prefill; SDPA otherwise
@@ -140,7 +140,7 @@ class _State:
         self.scale = torch.ones(1, device=dev, dtype=torch.float32)
         self.top_k = torch.ones(1, device=dev, dtype=torch.int32)
         self.gemv_workspace = GemvWorkspace(dev)  # sized by the warm-up step that precedes every capture
-        self.tail_barrier = TailBarrier(dev)
+        self.tail_scratch = TailScratch(dev)  # chained block tails: grid barrier and RMSNorm partial sums
 
 
 class GraphEngine:
@@ -515,11 +515,12 @@ class GraphEngine:
         act: torch.Tensor, qkv: torch.Tensor, eps: float,
     ) -> None:
         """h += o·attn, the SwiGLU MLP on h, and when chained also the following block's q|k|v (which the
-        unchained loop runs at the top of the next block)."""
+        unchained loop runs at the top of the next block). Chained, h16 is the tail's scratch for normalised inputs
+        (no later kernel reads a bf16 copy of h: each stack's first q|k|v and its final norm read h)."""
         if self.chain:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
-                       self._state.tail_barrier, next_qkv=next_qkv)
+                       self._state.tail_scratch, next_qkv=next_qkv)
             return
         self._gemv(attn, block.o, h, residual=h, out_copy=h16)
         self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True)

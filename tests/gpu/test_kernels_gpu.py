@@ -105,7 +105,7 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     """The grid barriers are the only difference between one persistent launch and one launch per product: any
     missing ordering (a program reading a row another has not written, a stale L1 line) changes bits. Three blocks
     in a row share the barrier, replayed 20 times."""
-    from music3_demo.semantic.kernels.block_tail import TailBarrier, block_tail
+    from music3_demo.semantic.kernels.block_tail import TailScratch, block_tail
 
     hidden, gate_up_rows, qkv_rows = shape
     generator = torch.Generator(DEVICE).manual_seed(rows + qkv_rows)
@@ -118,22 +118,22 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
                scale=hidden**-0.5), rand(hidden, scale=0.1) + 1, rand(hidden, scale=0.1) + 1) for _ in range(3)]
     start = torch.randn(rows, hidden, device=DEVICE, generator=generator)
     attn = rand(rows, hidden)
-    h, h16 = torch.empty_like(start), torch.empty(rows, hidden, device=DEVICE, dtype=torch.bfloat16)
+    h, xn = torch.empty_like(start), torch.empty(rows, hidden, device=DEVICE, dtype=torch.bfloat16)
     act = torch.empty(rows, gate_up_rows // 2, device=DEVICE, dtype=torch.bfloat16)
     qkv = torch.empty(rows, qkv_rows, device=DEVICE, dtype=torch.bfloat16)
-    barrier = TailBarrier(DEVICE)
+    scratch = TailScratch(DEVICE)
 
     def run(fused: bool) -> None:
         h.copy_(start)
-        h16.copy_(start)
         for o, gate_up, down, next_qkv, ln1, ln2 in blocks:
-            block_tail(attn, h, h16, act, o, gate_up, down, ln2, 1e-6, barrier, next_qkv=(next_qkv, ln1, qkv),
+            block_tail(attn, h, xn, act, o, gate_up, down, ln2, 1e-6, scratch, next_qkv=(next_qkv, ln1, qkv),
                        fused=fused)
 
     run(fused=False)
-    expected = [t.clone() for t in (h, h16, act, qkv)]
+    expected = [t.clone() for t in (h, xn, act, qkv)]
     o, gate_up, down, next_qkv, ln1, ln2 = blocks[-1]  # the last block's q|k|v against torch, loosely
-    normed = (h16.float() * torch.rsqrt(h16.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16() * ln1
+    h16 = h.bfloat16().float()
+    normed = (h16 * torch.rsqrt(h16.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16() * ln1
     reference = normed.float() @ next_qkv.float().T
     assert ((qkv.float() - reference).norm() / reference.norm()).item() < 1e-2
     run(fused=True)  # compiles outside the capture
@@ -145,6 +145,6 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
         qkv.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        assert all(torch.equal(t, e) for t, e in zip((h, h16, act, qkv), expected))
+        assert all(torch.equal(t, e) for t, e in zip((h, xn, act, qkv), expected))
     launches = 21 * len(blocks)
-    assert barrier.count.item() == launches * 3 * barrier.programs  # three barriers per launch, nobody lost
+    assert scratch.count.item() == launches * 3 * scratch.programs  # three barriers per launch, nobody lost

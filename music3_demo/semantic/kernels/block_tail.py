@@ -1,6 +1,5 @@
 """A transformer block's products after attention in one persistent launch with grid barriers:
-o (+ residual, bf16 copy) -> gate|up (+ RMSNorm, SwiGLU) -> down (+ residual, bf16 copy) [-> next block's q|k|v
-(+ RMSNorm)].
+o (+ residual) -> gate|up (+ RMSNorm, SwiGLU) -> down (+ residual) [-> next block's q|k|v (+ RMSNorm)].
 
 Why: as separate launches each product pays ~4 us of ramp and tail (the LM o product: 11.8 us for 33.6 MB, 8 us
 at copy bandwidth); ~260 products per frame make that ~1 ms of a 7.1-ms frame. PDL could not hide it (runs #2, #8,
@@ -10,8 +9,10 @@ and waits at a grid barrier, so DRAM keeps streaming while the slowest program f
 on warm tiles. Each program owns row blocks pid, pid + programs, ... of every product, walked as one flattened
 k-loop so the pipeline does not drain between its row blocks.
 
-The products are the GEMV's (`linear._gemv_epilogue`, the same roundings); activations written by other programs in
-the same launch are read with `.cg` (L2, not the SMs' incoherent L1). The barrier (`TailBarrier`) is an arrival
+The products are the GEMV's with the same roundings, except that an RMSNorm product's input arrives normalised: the
+product before it writes bf16(h) ⊙ gain and its programs' partial sums of squares, so the NORM product's k-loop is
+a plain one and 1/rms scales its output rows. Activations written by other programs in the same launch are read
+with `.cg` (L2, not the SMs' incoherent L1). The barrier (`TailScratch.count`) is an arrival
 count that only grows: each program spins until it reaches the next multiple of the grid size.
 
 A spin barrier needs every program resident, which Triton's CPU interpreter (programs one at a time) never has:
@@ -33,14 +34,16 @@ import triton.language as tl
 from . import interpreting
 from .linear import GemvConfig, TensorDescriptor, _gemv_epilogue, _prefetch_rows_l2, tma_supported
 
-class TailBarrier:
-    """The grid barrier's arrival count; one per engine state, shared in stream order by launches that all use its
-    number of programs (the count stays a multiple of it between barriers)."""
+class TailScratch:
+    """The grid barrier's arrival count and each program's partial sums of squares (one row per program, 16 columns
+    for the rows of x); one per engine state, shared in stream order by launches that all use its number of
+    programs (the count stays a multiple of it between barriers)."""
 
     def __init__(self, device: torch.device | str, programs: int | None = None) -> None:
         device = torch.device(device)
         self.programs = programs or default_programs(device)
         self.count = torch.zeros(1, device=device, dtype=torch.int64)
+        self.partials = torch.zeros(triton.next_power_of_2(self.programs), 16, device=device, dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ if os.environ.get("MUSIC3_TAIL_TUNED"):
 
 def default_tail_config(hidden: int, attn: int, gate_up: int, qkv: int, device: torch.device) -> TailConfig:
     """The tuned entry, else row blocks that split evenly over 128 programs (o/down: 32 rows as tuned for the GEMV;
-    gate|up and q|k|v: 3 blocks of the LM's or depth decoder's rows each), TMA tiles of 8 KB, 8 in flight."""
+    gate|up and q|k|v: 3 blocks of the LM's or depth decoder's rows each)."""
     tuned = TAIL_TUNED.get((hidden, attn, gate_up, qkv))
     if tuned is not None and device.type == "cuda":
         return tuned
@@ -92,17 +95,18 @@ def default_tail_config(hidden: int, attn: int, gate_up: int, qkv: int, device: 
             return GemvConfig(block_n=16, block_k=next(b for b in (64, 32, 16) if k % b == 0))
 
         return TailConfig(small(attn), small(hidden), small(gate_up // 2), small(hidden), prefetch=0)
-    tma = tma_supported(device)
     return TailConfig(
         o=GemvConfig(32, 256, 4, 5),
-        gate_up=_tma_tile(_even_block(gate_up), tma),
+        gate_up=_tile(_even_block(gate_up)),
         down=GemvConfig(32, 256, 4, 5),
-        qkv=_tma_tile(_even_block(qkv), tma),
+        qkv=_tile(_even_block(qkv)),
     )
 
 
-def _tma_tile(block_n: int, tma: bool) -> GemvConfig:
-    return GemvConfig(block_n, 4096 // block_n, 4, 8, tma=tma)
+def _tile(block_n: int) -> GemvConfig:
+    """The o/down products' tiles (a plain k-loop, as every product of the tail is), narrower pipelines for 64 rows
+    to fit shared memory."""
+    return GemvConfig(block_n, 256, 4, 5 if block_n <= 32 else 4)
 
 
 def _even_block(rows: int, programs: int = 128) -> int:
@@ -137,12 +141,19 @@ def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH
 
 @triton.jit
 def _product(
-    x_ptr, stride_x, w_ptr, w_desc, out_ptr, stride_o, copy_ptr, g_ptr, eps,
+    x_ptr, stride_x, w_ptr, w_desc, out_ptr, stride_o, next_ptr, gain_ptr, part_ptr, eps,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-    COPY: tl.constexpr,
+    NEXT: tl.constexpr, PARTS: tl.constexpr,
 ):
-    """This program's row blocks of out = epilogue(W · prologue(x)), as `linear._gemv_kernel` computes each."""
+    """This program's row blocks of out = epilogue(W · x).
+
+    NORM: x already holds bf16(bf16(h) ⊙ gain), written by the previous product, and the RMSNorm's 1/rms comes from
+    the per-program partial sums of squares in part_ptr (a scale of each output row, applied in the epilogue): the
+    k-loop is a plain product, with no per-tile reduction (which made 16-32-row tiles 2-3x slower, run #12).
+    RESIDUAL: out (float32) += y; with NEXT, also next = bf16(bf16(out) ⊙ gain) for the next NORM product and this
+    program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s.
+    """
     BLOCK_M: tl.constexpr = 16
     K_TILES: tl.constexpr = K // BLOCK_K
     pid = tl.program_id(0)
@@ -152,62 +163,81 @@ def _product(
     m_mask = offs_m < M
     x_ptrs = x_ptr + offs_m[:, None] * stride_x + offs_k[None, :]
     blocks = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:  # every program's partial, in program order (deterministic)
+        parts = tl.arange(0, PARTS)
+        sumsq = tl.sum(tl.load(part_ptr + parts[:, None] * BLOCK_M + offs_m[None, :],
+                               mask=(parts < programs)[:, None] & m_mask[None, :], other=0.0, cache_modifier=".cg"),
+                       axis=0)
+    part = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for t in tl.range(0, blocks * K_TILES, num_stages=STAGES):
         row0 = (pid + (t // K_TILES) * programs) * BLOCK_N
         k0 = (t % K_TILES) * BLOCK_K
         offs_n = row0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
         if TMA:  # rows past N arrive as zeros
             w = w_desc.load([row0, k0])
         else:
-            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :],
-                        mask=(offs_n < N)[:, None], other=0.0)
+            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :], mask=n_mask[:, None],
+                        other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
-        if NORM:
-            xf = x.to(tl.float32)
-            sumsq += tl.sum(xf * xf, axis=1)
-            x = xf * tl.load(g_ptr + k0 + offs_k).to(tl.float32)[None, :]
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
         if t % K_TILES == K_TILES - 1:
-            _gemv_epilogue(acc, sumsq, offs_n, offs_m, offs_n < N, m_mask, out_ptr, out_ptr, copy_ptr, stride_o,
-                           stride_o, eps, K, NORM, RESIDUAL, SWIGLU, COPY)
+            if RESIDUAL:
+                mask = n_mask[:, None] & m_mask[None, :]
+                out_ptrs = out_ptr + offs_m[None, :] * stride_o + offs_n[:, None]
+                # .cg: another program of this launch may have written these rows (L1 is not coherent)
+                y = tl.load(out_ptrs, mask=mask, other=0.0, cache_modifier=".cg") + acc.to(out_ptr.dtype.element_ty)
+                tl.store(out_ptrs, y, mask=mask)
+                if NEXT:
+                    rounded = y.to(next_ptr.dtype.element_ty).to(tl.float32)
+                    part += tl.sum(rounded * rounded, axis=0)  # masked rows and columns are zero
+                    gain = tl.load(gain_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                    tl.store(next_ptr + offs_m[None, :] * stride_o + offs_n[:, None],
+                             (rounded * gain[:, None]).to(next_ptr.dtype.element_ty), mask=mask)
+            else:
+                _gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, out_ptr, out_ptr, stride_o,
+                               stride_o, eps, K, NORM, False, SWIGLU, False)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            sumsq = tl.zeros([BLOCK_M], tl.float32)
+    if NEXT:
+        tl.store(part_ptr + pid * BLOCK_M + offs_m, part)
 
 
 @triton.jit
 def _block_tail_kernel(
-    attn_ptr, h_ptr, h16_ptr, act_ptr, qkv_ptr,
-    wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, ln2_ptr, ln1_ptr, bar_ptr,
+    attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr,
+    wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, ln2_ptr, ln1_ptr, part_ptr, bar_ptr,
     s_attn, s_h, s_act, s_qkv, eps,
     M: tl.constexpr, D: tl.constexpr, A: tl.constexpr, G: tl.constexpr, Q: tl.constexpr,
-    RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr, SYNC: tl.constexpr,
+    RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr, HAS_NEXT: tl.constexpr,
+    SYNC: tl.constexpr, PARTS: tl.constexpr,
     PF_GU: tl.constexpr, PF_D: tl.constexpr, PF_Q: tl.constexpr,
     BN_O: tl.constexpr, BK_O: tl.constexpr, ST_O: tl.constexpr, TMA_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, ST_GU: tl.constexpr, TMA_GU: tl.constexpr,
     BN_D: tl.constexpr, BK_D: tl.constexpr, ST_D: tl.constexpr, TMA_D: tl.constexpr,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, ST_Q: tl.constexpr, TMA_Q: tl.constexpr,
 ):
-    """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows."""
-    if RUN_O:  # h += o(attn); h16 = bf16(h)
-        _product(attn_ptr, s_attn, wo_ptr, wo_desc, h_ptr, s_h, h16_ptr, ln2_ptr, eps,
-                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True)
+    """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
+    input of the next NORM product, bf16(bf16(h) ⊙ gain)."""
+    if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
+        _product(attn_ptr, s_attn, wo_ptr, wo_desc, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps,
+                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS)
     if SYNC:
         _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU)
-    if RUN_GU:  # act = silu(gate) * up of RMSNorm(h16) * ln2
-        _product(h16_ptr, s_h, wgu_ptr, wgu_desc, act_ptr, s_act, act_ptr, ln2_ptr, eps,
-                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False)
+    if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
+        _product(xn_ptr, s_h, wgu_ptr, wgu_desc, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps,
+                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS)
     if SYNC:
         _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D)
-    if RUN_D:  # h += down(act); h16 = bf16(h)
-        _product(act_ptr, s_act, wd_ptr, wd_desc, h_ptr, s_h, h16_ptr, ln2_ptr, eps,
-                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, True)
-    if SYNC and RUN_Q:
+    if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
+        _product(act_ptr, s_act, wd_ptr, wd_desc, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps,
+                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS)
+    if SYNC and HAS_NEXT:
         _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q)
-    if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h16) * its ln1
-        _product(h16_ptr, s_h, wq_ptr, wq_desc, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, eps,
-                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False)
+    if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
+        _product(xn_ptr, s_h, wq_ptr, wq_desc, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps,
+                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS)
 
 
 def _descriptor(weight: torch.Tensor, cfg: GemvConfig):
@@ -217,29 +247,31 @@ def _descriptor(weight: torch.Tensor, cfg: GemvConfig):
 def block_tail(
     attn: torch.Tensor,
     h: torch.Tensor,
-    h16: torch.Tensor,
+    xn: torch.Tensor,
     act: torch.Tensor,
     o: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     ln2: torch.Tensor,
     eps: float,
-    barrier: TailBarrier,
+    scratch: TailScratch,
     *,
     next_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: TailConfig | None = None,
     fused: bool | None = None,
 ) -> None:
-    """h += o·attn (h16 = h in bf16); act = SwiGLU(gate_up · RMSNorm(h16; ln2)); h += down·act (h16 again); and with
-    `next_qkv` = (weight, ln1, out) the next block's out = weight · RMSNorm(h16; ln1).
+    """h += o·attn; act = SwiGLU(gate_up · RMSNorm(h; ln2)); h += down·act; and with `next_qkv` = (weight, ln1, out)
+    the next block's out = weight · RMSNorm(h; ln1). Each RMSNorm reads h rounded to bf16, as `gemv` reads the
+    engine's bf16 copy of the stream.
 
-    `gate_up` is row-interleaved (`linear.interleave_rows`); h is the float32 residual stream [M, D], h16 its copy
-    with the same strides. `fused` (default: on a GPU) runs everything in one launch with grid barriers; otherwise
-    one launch per product."""
+    h is the float32 residual stream [M, D]; `xn` (bf16, h's shape and strides) is scratch that carries each NORM
+    product's input from the product before it (bf16(h) ⊙ gain; no bf16 copy of h itself is left behind).
+    `gate_up` is row-interleaved (`linear.interleave_rows`). `fused` (default: on a GPU) runs everything in one
+    launch with grid barriers; otherwise one launch per product."""
     m, d = h.shape
     g, a = gate_up.shape[0], attn.shape[1]
     q = next_qkv[0].shape[0] if next_qkv is not None else 16
-    if (m > 16 or h16.shape != h.shape or h16.stride() != h.stride() or o.shape != (d, a)
+    if (m > 16 or xn.shape != h.shape or xn.stride() != h.stride() or o.shape != (d, a)
             or gate_up.shape != (g, d) or down.shape != (d, g // 2) or act.shape != (m, g // 2)
             or (next_qkv is not None and (next_qkv[0].shape != (q, d) or next_qkv[2].shape != (m, q)))):
         raise ValueError(
@@ -260,24 +292,23 @@ def block_tail(
     if g % cfg.gate_up.block_n:
         raise ValueError(f"gate|up rows ({g}) must be a multiple of its row block ({cfg.gate_up.block_n})")
     fused = (device.type == "cuda" and not interpreting()) if fused is None else fused
-    programs = barrier.programs
     wq, ln1, qkv_out = next_qkv if next_qkv is not None else (o, ln2, act)
     common = dict(
-        eps=eps, M=m, D=d, A=a, G=g, Q=q,
+        eps=eps, M=m, D=d, A=a, G=g, Q=q, HAS_NEXT=next_qkv is not None, SYNC=fused,
+        PARTS=scratch.partials.shape[0],
         # bytes of each next weight row to prefetch (whole rows at most), only where a barrier waits
         **{f"PF_{name}": min(cfg.prefetch, w.shape[1] * w.element_size()) if fused else 0
            for name, w in (("GU", gate_up), ("D", down), ("Q", wq))},
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
     )
-    args = (attn, h, h16, act, qkv_out, o, _descriptor(o, cfg.o), gate_up, _descriptor(gate_up, cfg.gate_up),
-            down, _descriptor(down, cfg.down), wq, _descriptor(wq, cfg.qkv), ln2, ln1, barrier.count,
-            attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
+    args = (attn, h, xn, act, qkv_out, o, _descriptor(o, cfg.o), gate_up, _descriptor(gate_up, cfg.gate_up),
+            down, _descriptor(down, cfg.down), wq, _descriptor(wq, cfg.qkv), ln2, ln1, scratch.partials,
+            scratch.count, attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
     runs = [(True, True, True, next_qkv is not None)] if fused else [
         tuple(i == j for j in range(4)) for i in range(4 if next_qkv is not None else 3)
     ]
     for run_o, run_gu, run_d, run_q in runs:
-        _block_tail_kernel[(programs,)](
-            *args, RUN_O=run_o, RUN_GU=run_gu, RUN_D=run_d, RUN_Q=run_q, SYNC=fused, num_warps=cfg.num_warps,
-            **common,
+        _block_tail_kernel[(scratch.programs,)](
+            *args, RUN_O=run_o, RUN_GU=run_gu, RUN_D=run_d, RUN_Q=run_q, num_warps=cfg.num_warps, **common,
         )
