@@ -33,13 +33,15 @@ ROWS = 2
 REPLAYS = 7
 
 
-def candidates(block_n: int) -> list[GemvConfig]:
-    """Tile shapes for one product whose row block keeps every program's share equal (block_n from the default)."""
-    return [
-        GemvConfig(block_n, 256, 4, 5), GemvConfig(block_n, 128, 4, 8, tma=True),
-        GemvConfig(block_n, 256, 4, 4, tma=True), GemvConfig(block_n, 64, 4, 12, tma=True),
-        GemvConfig(block_n, 128, 4, 6, tma=True),
-    ]
+def candidates(block_n: int, rows: int) -> list[GemvConfig]:
+    """Tile shapes for one product: the default's row block and pipelines, and wider/narrower row blocks (whose
+    count need not divide evenly over the programs)."""
+    shapes = [GemvConfig(block_n, 256, 4, 5), GemvConfig(block_n, 128, 4, 8, tma=True),
+              GemvConfig(block_n, 256, 4, 4, tma=True), GemvConfig(block_n, 128, 4, 6, tma=True)]
+    for other in (block_n // 2, block_n * 2, block_n * 4):
+        if 16 <= other <= 128 and rows % other == 0:
+            shapes += [GemvConfig(other, 256, 4, 5 if other <= 32 else 3), GemvConfig(other, 128, 4, 6, tma=True)]
+    return shapes
 
 
 def fits(cfg: TailConfig) -> bool:
@@ -121,10 +123,10 @@ def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dic
     print(f"{name}: default chain {best_time * 1e6:.1f} us {best}", flush=True)
     for field in ("o", "gate_up", "down", "qkv", "prefetch"):
         if field == "prefetch":
-            options = [dataclasses.replace(best, prefetch=p) for p in (0, 1024, 4096, 8192)]
+            options = [dataclasses.replace(best, prefetch=p) for p in (0, 1024, 4096)]
         else:
-            block_n = getattr(best, field).block_n
-            options = [dataclasses.replace(best, **{field: c}) for c in candidates(block_n)]
+            rows = {"o": d, "gate_up": g, "down": d, "qkv": q}[field]
+            options = [dataclasses.replace(best, **{field: c}) for c in candidates(getattr(best, field).block_n, rows)]
         for cfg in options:
             if cfg == best or not fits(cfg):
                 continue

@@ -53,7 +53,7 @@ class TailConfig:
     down: GemvConfig
     qkv: GemvConfig
     num_warps: int = 4
-    prefetch: int = 2048  # bytes per weight row pulled into L2 before each barrier (0: none)
+    prefetch: int = 0  # bytes per weight row pulled into L2 before each barrier (run #12b: 1-8 KB only cost)
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,9 +144,10 @@ def _product(
     x_ptr, stride_x, w_ptr, w_desc, out_ptr, stride_o, next_ptr, gain_ptr, part_ptr, eps,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-    NEXT: tl.constexpr, PARTS: tl.constexpr,
+    NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr,
 ):
-    """This program's row blocks of out = epilogue(W · x).
+    """This program's row blocks of out = epilogue(W · x). FRESH: x and out were written earlier in this launch
+    (by other programs), so they are read through L2 only (`.cg`; L1 is not coherent).
 
     NORM: x already holds bf16(bf16(h) ⊙ gain), written by the previous product, and the RMSNorm's 1/rms comes from
     the per-program partial sums of squares in part_ptr (a scale of each output row, applied in the epilogue): the
@@ -181,14 +182,20 @@ def _product(
         else:
             w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :], mask=n_mask[:, None],
                         other=0.0)
-        x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
+        if FRESH:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
+        else:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
         if t % K_TILES == K_TILES - 1:
             if RESIDUAL:
                 mask = n_mask[:, None] & m_mask[None, :]
                 out_ptrs = out_ptr + offs_m[None, :] * stride_o + offs_n[:, None]
-                # .cg: another program of this launch may have written these rows (L1 is not coherent)
-                y = tl.load(out_ptrs, mask=mask, other=0.0, cache_modifier=".cg") + acc.to(out_ptr.dtype.element_ty)
+                if FRESH:
+                    res = tl.load(out_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                else:
+                    res = tl.load(out_ptrs, mask=mask, other=0.0)
+                y = res + acc.to(out_ptr.dtype.element_ty)
                 tl.store(out_ptrs, y, mask=mask)
                 if NEXT:
                     rounded = y.to(next_ptr.dtype.element_ty).to(tl.float32)
@@ -222,22 +229,22 @@ def _block_tail_kernel(
     input of the next NORM product, bf16(bf16(h) ⊙ gain)."""
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
         _product(attn_ptr, s_attn, wo_ptr, wo_desc, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps,
-                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS)
+                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False)
     if SYNC:
         _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
         _product(xn_ptr, s_h, wgu_ptr, wgu_desc, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps,
-                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS)
+                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC)
     if SYNC:
         _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
         _product(act_ptr, s_act, wd_ptr, wd_desc, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps,
-                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS)
+                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC)
     if SYNC and HAS_NEXT:
         _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
         _product(xn_ptr, s_h, wq_ptr, wq_desc, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps,
-                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS)
+                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC)
 
 
 def _descriptor(weight: torch.Tensor, cfg: GemvConfig):
