@@ -158,11 +158,12 @@ def bench_semantic(
 
 
 def graph_variant(name: str) -> dict:
-    """GraphEngine options of a bench engine name: graph[-pdl|-chain][-s<attention splits>], e.g. graph-chain."""
-    match = re.fullmatch(r"graph(-pdl|-chain)?(?:-s(\d+))?", name)
+    """GraphEngine options of a bench engine name: graph[-pdl|-chain|-unchained][-s<attention splits>]; plain
+    `graph` is the engine's default (chained block tails on a GPU), `graph-unchained` one launch per product."""
+    match = re.fullmatch(r"graph(-pdl|-chain|-unchained)?(?:-s(\d+))?", name)
     if match is None:
-        raise ValueError(f"unknown engine {name!r}: choose reference or graph[-pdl|-chain][-s<splits>]")
-    options: dict = {"pdl": match[1] == "-pdl", "chain": match[1] == "-chain"}
+        raise ValueError(f"unknown engine {name!r}: choose reference or graph[-pdl|-chain|-unchained][-s<splits>]")
+    options: dict = {"pdl": match[1] == "-pdl", "chain": {"-chain": True, "-unchained": False}.get(match[1])}
     if match[2]:
         options["attention_splits"] = int(match[2])
     return options

@@ -39,9 +39,10 @@ def test_bench_engine_names_map_to_graph_engine_options():
 
     from music3_demo.bench import graph_variant, main
 
-    assert graph_variant("graph") == {"pdl": False, "chain": False}
-    assert graph_variant("graph-pdl-s8") == {"pdl": True, "chain": False, "attention_splits": 8}
+    assert graph_variant("graph") == {"pdl": False, "chain": None}  # the engine's default
+    assert graph_variant("graph-pdl-s8") == {"pdl": True, "chain": None, "attention_splits": 8}
     assert graph_variant("graph-chain-s32") == {"pdl": False, "chain": True, "attention_splits": 32}
+    assert graph_variant("graph-unchained") == {"pdl": False, "chain": False}
     with pytest.raises(ValueError, match="unknown engine 'graph-pdl-chain'"):
         graph_variant("graph-pdl-chain")
     with pytest.raises(ValueError, match="unknown engine 'graph-fast'"):

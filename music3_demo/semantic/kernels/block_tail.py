@@ -67,7 +67,16 @@ def default_programs(device: torch.device) -> int:
 
 # Tuned on an H200 by scripts/tune_tail.py, keyed by (hidden, attention width, gate|up rows, q|k|v rows).
 # MUSIC3_TAIL_TUNED=<json written by the script> overrides entries (tuning runs).
-TAIL_TUNED: dict[tuple[int, int, int, int], TailConfig] = {}
+TAIL_TUNED: dict[tuple[int, int, int, int], TailConfig] = {  # session 5's sweep (run #12c): us per block in a graph
+    (4096, 4096, 24576, 6144): TailConfig(  # LM: 103.7 chained vs 105.7 as four GEMV launches
+        o=GemvConfig(32, 256, 4, 5), gate_up=GemvConfig(64, 256, 4, 4), down=GemvConfig(32, 256, 4, 5),
+        qkv=GemvConfig(64, 256, 4, 3),  # 96 row blocks: 32 programs idle, as the GEMV's 96 programs
+    ),
+    (4096, 4096, 12288, 12288): TailConfig(  # depth decoder: 81.2 vs 86.5
+        o=GemvConfig(32, 256, 4, 5), gate_up=GemvConfig(32, 256, 4, 5), down=GemvConfig(32, 256, 4, 5),
+        qkv=GemvConfig(32, 256, 4, 5),
+    ),
+}
 
 
 def load_tail_tuned(path: str) -> None:
