@@ -276,8 +276,9 @@ def test_rmsnorm_rows_with_strides(dtype):
     assert not out[:, 0].any() and not out[:, 2].any()
 
 
-def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it():
-    vocab, top_k, scale = 64, 7, 1.5
+@pytest.mark.parametrize("vocab", [64, 50])  # 50: lanes past the vocabulary in the kernel's block are masked
+def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it(vocab):
+    top_k, scale = 7, 1.5
     logits = _rand(2, vocab, seed=14).round(decimals=1)  # coarse values: ties at the thresholds happen
     logits[0, 10:14] = logits[0].max() + 1  # 4 tied conditional logits straddle the top-7 threshold...
     logits[0, 20:25] = logits[0].max() + 2
@@ -301,6 +302,18 @@ def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it():
         best_kept = int(torch.where(kept, guided, float("-inf")).argmax())
         expected = torch.where(kept, torch.arange(vocab), torch.full((vocab,), best_kept))
         assert torch.equal(codes.long(), expected)
+
+
+@pytest.mark.parametrize("conditional", [True, False])
+def test_cfg_sample_with_top_k_beyond_the_vocabulary_keeps_every_code(conditional):
+    vocab = 50
+    logits = _rand(2, vocab, seed=15)
+    noise = torch.ones(vocab, vocab)
+    noise.fill_diagonal_(1e-30)  # draw j wins at j whenever j is a candidate
+    codes = torch.full((vocab,), -1, dtype=torch.int32)
+    cfg_sample(logits.expand(vocab, 2, vocab), noise, torch.tensor([1.5]), torch.tensor([vocab + 10], dtype=torch.int32),
+               codes, torch.zeros(1, dtype=torch.int32), conditional_top_k=conditional)
+    assert torch.equal(codes.long(), torch.arange(vocab))
 
 
 def test_cfg_sample_forced_codes_end_flag_and_row_copy():
