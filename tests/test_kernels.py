@@ -312,7 +312,8 @@ def test_cfg_sample_with_top_k_beyond_the_vocabulary_keeps_every_code(conditiona
     noise.fill_diagonal_(1e-30)  # draw j wins at j whenever j is a candidate
     codes = torch.full((vocab,), -1, dtype=torch.int32)
     top_k = torch.tensor([vocab + 10], dtype=torch.int32)
-    cfg_sample(logits.expand(vocab, 2, vocab), noise, torch.tensor([1.5]), top_k, codes, torch.zeros(1, dtype=torch.int32),
+    step = torch.zeros(1, dtype=torch.int32)
+    cfg_sample(logits.expand(vocab, 2, vocab), noise, torch.tensor([1.5]), top_k, codes, step,
                conditional_top_k=conditional)
     assert torch.equal(codes.long(), torch.arange(vocab))
 
