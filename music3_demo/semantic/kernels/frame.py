@@ -2,8 +2,8 @@
 
 Sampling is exact top-k sampling by an exponential race: with E_i ~ Exp(1) drawn by torch's generator, the winner
 of argmax_i (logit_i - log E_i) over the kept candidates has probability softmax(logits)_i — the reference
-multinomial's distribution, not its stream. The k-th largest value is found exactly on the float's ordered integer
-key (a radix select over its 4 bytes), so ties at a threshold are kept exactly like the reference's
+multinomial's distribution, not its stream. The k-th largest value is found by a binary search on the float's
+ordered integer key (32 rounds of a count), so ties at a threshold are kept exactly like the reference's
 `values < threshold` masks (bf16 logits tie often), including its second top-k over the guided logits.
 """
 
@@ -36,27 +36,19 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float
 
 @triton.jit
 def _kth_largest_key(values, valid, top_k):
-    """The ordered-integer key of the k-th largest of `values` (invalid lanes never count), and every lane's key.
-
-    Radix select, most significant byte first: 4 masked 256-bin histograms of one byte of the keys that share the
-    bytes chosen so far, each picking the bin that holds the k-th largest. (A 32-round bisection of counts cost
-    ~45 us on the 16,385 semantic logits, ~1.4% of a frame: docs/PERFORMANCE.md run #13.)"""
+    """The ordered-integer key of the k-th largest of `values` (invalid lanes never count)."""
     bits = values.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # integer order == float order
     key = tl.where(valid, key, -2147483648)
-    ordered = key.to(tl.int64) + 2147483648  # the same order on [0, 2^32): bytes compare as unsigned
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros([], tl.int64)  # the bytes chosen so far
-    rank = tl.minimum(top_k, tl.sum(valid.to(tl.int32), axis=0))  # the k-th largest of the keys that share them
-    for byte in tl.static_range(4):
-        shift = 24 - 8 * byte
-        alike = valid & ((ordered >> (shift + 8)) == prefix)
-        hist = tl.histogram(((ordered >> shift) & 255).to(tl.int32), 256, mask=alike)
-        above_or_at = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys in bins >= b
-        chosen = tl.max(tl.where(above_or_at >= rank, bins, -1), axis=0)
-        rank -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-        prefix = prefix * 256 + chosen
-    return key, (prefix - 2147483648).to(tl.int32)
+    # Largest t with count(key >= t) >= top_k, by bisection over the int32 range.
+    lo = tl.min(key, axis=0).to(tl.int64)
+    hi = tl.max(key, axis=0).to(tl.int64)
+    for _ in range(32):
+        mid = (lo + hi + 1) >> 1
+        ok = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0) >= top_k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return key, lo.to(tl.int32)
 
 
 @triton.jit
