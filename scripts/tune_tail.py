@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from music3_demo.semantic.kernels.block_tail import (  # noqa: E402
     TailScratch,
@@ -26,11 +27,11 @@ from music3_demo.semantic.kernels.block_tail import (  # noqa: E402
     default_tail_config,
 )
 from music3_demo.semantic.kernels.linear import GemvConfig, gemv  # noqa: E402
+from tune_gemv import time_graph  # noqa: E402
 
 # The random-full model's (hidden, attention width, gate|up rows, q|k|v rows, blocks run per frame).
 FAMILIES = {"lm": (4096, 4096, 24576, 6144, 36), "depth": (4096, 4096, 12288, 12288, 28)}
 ROWS = 2
-REPLAYS = 7
 
 
 def candidates(block_n: int, rows: int) -> list[GemvConfig]:
@@ -49,24 +50,9 @@ def fits(cfg: TailConfig) -> bool:
                for c in (cfg.o, cfg.gate_up, cfg.down, cfg.qkv))
 
 
-def timed(launch, replays: int = REPLAYS) -> float:
-    """Median seconds of one replay of a graph of `launch()`."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        launch()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        launch()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[replays // 2]
+def timed(launch) -> float:
+    """Median seconds of one replay of a CUDA graph of `launch()` (tune_gemv's timer, one launch per graph)."""
+    return time_graph(lambda _: launch(), 1)
 
 
 def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dict]:
@@ -76,9 +62,11 @@ def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dic
     def weight(n: int, k: int) -> torch.Tensor:
         return torch.randn(n, k, device=device, dtype=bf16) * k**-0.5
 
-    blocks = [dict(o=weight(d, a), gate_up=weight(g, d), down=weight(d, g // 2), qkv=weight(q, d),
-                   ln1=torch.rand(d, device=device, dtype=bf16) + 0.5, ln2=torch.rand(d, device=device, dtype=bf16) + 0.5)
-              for _ in range(layers)]
+    def gain() -> torch.Tensor:
+        return torch.rand(d, device=device, dtype=bf16) + 0.5
+
+    blocks = [dict(o=weight(d, a), gate_up=weight(g, d), down=weight(d, g // 2), qkv=weight(q, d), ln1=gain(),
+                   ln2=gain()) for _ in range(layers)]
     nbytes = sum(t.numel() * 2 for t in blocks[0].values() if t.dim() == 2)
     attn = torch.randn(ROWS, a, device=device, dtype=bf16)
     start_h = torch.randn(ROWS, d, device=device)

@@ -34,6 +34,20 @@ def test_every_tuned_gemv_config_comes_from_a_swept_product():
     assert set(TUNED) <= swept
 
 
+def test_every_tuned_tail_config_comes_from_a_swept_shape_and_splits_its_rows():
+    tune = _script("tune_tail")
+    from music3_demo.semantic.kernels.block_tail import TAIL_TUNED
+
+    swept = {family[:4]: family for family in tune.FAMILIES.values()}
+    assert set(TAIL_TUNED) <= set(swept)
+    for (hidden, attn, gate_up, qkv), cfg in TAIL_TUNED.items():
+        products = ((cfg.o, hidden, attn), (cfg.gate_up, gate_up, hidden), (cfg.down, hidden, gate_up // 2),
+                    (cfg.qkv, qkv, hidden))
+        for product, rows, k in products:
+            assert rows % product.block_n == 0 and k % product.block_k == 0 and product.split_k == 1
+        assert tune.fits(cfg)
+
+
 def test_bench_engine_names_map_to_graph_engine_options():
     import pytest
 

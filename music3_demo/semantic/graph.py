@@ -31,6 +31,8 @@ from . import SamplingSettings, check_cancel
 from .kernels import (
     AttentionScratch,
     GemvWorkspace,
+    TailScratch,
+    block_tail,
     cfg_sample,
     decode_attention,
     depth_attention,
@@ -41,7 +43,6 @@ from .kernels import (
     pdl_supported,
     rmsnorm,
 )
-from .kernels.block_tail import TailScratch, block_tail
 from .kernels.frame import NO_END
 
 try:  # optional: FlashAttention-2 for the prefill; SDPA otherwise

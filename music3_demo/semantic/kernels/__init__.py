@@ -1,4 +1,5 @@
-"""Triton kernels of the graph engine: M<=16 GEMV with fused norm/residual/SwiGLU (split-K when tuned), decode
+"""Triton kernels of the graph engine: M<=16 GEMV with fused norm/residual/SwiGLU (split-K when tuned), a block's
+products after attention chained in one persistent launch (`block_tail`), decode
 attention over the live context, RMSNorm, on-device CFG/top-k sampling and the per-frame tail (emit + feedback
 embedding).
 
@@ -52,12 +53,15 @@ def pdl_launch(pdl: bool) -> dict:
 
 from .attention import AttentionScratch, decode_attention, depth_attention  # noqa: E402
 from .linear import GemvConfig, GemvWorkspace, gemv, interleave_rows  # noqa: E402
+from .block_tail import TailScratch, block_tail  # noqa: E402
 from .frame import cfg_sample, frame_tail, rmsnorm  # noqa: E402
 
 __all__ = [
     "AttentionScratch",
     "GemvConfig",
     "GemvWorkspace",
+    "TailScratch",
+    "block_tail",
     "cfg_sample",
     "decode_attention",
     "depth_attention",

@@ -1,21 +1,24 @@
 """A transformer block's products after attention in one persistent launch with grid barriers:
 o (+ residual) -> gate|up (+ RMSNorm, SwiGLU) -> down (+ residual) [-> next block's q|k|v (+ RMSNorm)].
 
-Why: as separate launches each product pays ~4 us of ramp and tail (the LM o product: 11.8 us for 33.6 MB, 8 us
-at copy bandwidth); ~260 products per frame make that ~1 ms of a 7.1-ms frame. PDL could not hide it (runs #2, #8,
-#9 in docs/PERFORMANCE.md). Here one grid of `programs` (<= the SM count, so all are resident together) runs the
-products in turn; between two products every program prefetches the first bytes of its next weight rows into L2
-and waits at a grid barrier, so DRAM keeps streaming while the slowest program finishes and the next product starts
-on warm tiles. Each program owns row blocks pid, pid + programs, ... of every product, walked as one flattened
-k-loop so the pipeline does not drain between its row blocks.
+Why: as separate launches each product pays ~4 us of launch, ramp and tail (the LM o product: 11.8 us for 33.6 MB,
+8 us at copy bandwidth). PDL could not hide it (runs #2, #8, #9 in docs/PERFORMANCE.md). Here one grid of
+`programs` (<= the SM count, so all are resident together) runs the products in turn with a grid barrier between
+two: ~2 us per boundary saved, +1.5-2% frames/s (run #12c; a barrier still waits for the slowest program). Each
+program owns row blocks pid, pid + programs, ... of every product, walked as one flattened k-loop so the pipeline
+does not drain between its row blocks. `TailConfig.prefetch` can pull each program's next weight rows into L2
+before a barrier; it only cost so far (run #12), so it is off.
 
 The products are the GEMV's with the same roundings, except that an RMSNorm product's input arrives normalised: the
 product before it writes bf16(h) ⊙ gain and its programs' partial sums of squares, so the NORM product's k-loop is
 a plain one and 1/rms scales its output rows. Activations written by other programs in the same launch are read
-with `.cg` (L2, not the SMs' incoherent L1). The barrier (`TailScratch.count`) is an arrival
-count that only grows: each program spins until it reaches the next multiple of the grid size.
+with `.cg` (L2, not the SMs' incoherent L1). The barrier (`TailScratch.count`) is an arrival count that only grows:
+each program spins until it reaches the next multiple of the grid size.
 
-A spin barrier needs every program resident, which Triton's CPU interpreter (programs one at a time) never has:
+Residency: kernels on other streams (the flow stage's DiT) only delay programs, never block them for good, since
+they do not wait on the tail; the holder runs one generation per device, so no second spinning grid competes for
+the SMs. A spin barrier needs every program resident, which Triton's CPU interpreter (programs one at a time) never
+has:
 there `block_tail` launches the same kernel once per product (`fused=False`), which is also the GPU test's oracle
 for the fused launch.
 """
