@@ -18,9 +18,8 @@ each program spins until it reaches the next multiple of the grid size.
 Residency: kernels on other streams (the flow stage's DiT) only delay programs, never block them for good, since
 they do not wait on the tail; the holder runs one generation per device, so no second spinning grid competes for
 the SMs. A spin barrier needs every program resident, which Triton's CPU interpreter (programs one at a time) never
-has:
-there `block_tail` launches the same kernel once per product (`fused=False`), which is also the GPU test's oracle
-for the fused launch.
+has: there `block_tail` launches the same kernel once per product (`fused=False`), which is also the GPU test's
+oracle for the fused launch.
 """
 
 from __future__ import annotations
