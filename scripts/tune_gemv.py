@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -130,14 +132,27 @@ def main() -> None:
         tuned[(rows, n, k, "swiglu") if swiglu else (rows, n, k)] = best[0]
         weights.clear()  # free this shape's copies before the next
         torch.cuda.empty_cache()
-    print("TUNED = {")
+    show_and_save("TUNED", tuned, lambda cfg: f"GemvConfig({', '.join(map(str, config_entry(cfg)))})",
+                  config_entry)  # the JSON for MUSIC3_GEMV_TUNED
+
+
+def config_entry(cfg: GemvConfig) -> list:
+    """A config as `linear.load_tuned` reads it back: GemvConfig's fields in order."""
+    return list(cfg.__dict__.values())
+
+
+def show_and_save(name: str, tuned: dict, show: Callable[[Any], str], entry: Callable[[Any], Any]) -> Path | None:
+    """Print `name = {key: config}` to paste into the code and write it as JSON to the first non-option argument
+    (the file the MUSIC3_*_TUNED variables load); returns that path."""
+    print(f"{name} = {{")
     for key, cfg in tuned.items():
-        print(f"    {key}: GemvConfig({', '.join(str(value) for value in cfg.__dict__.values())}),")
+        print(f"    {key}: {show(cfg)},")
     print("}")
     paths = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
-    if paths:  # for MUSIC3_GEMV_TUNED
-        entries = [{"key": list(key), "config": list(cfg.__dict__.values())} for key, cfg in tuned.items()]
-        Path(paths[0]).write_text(json.dumps(entries))
+    if not paths:
+        return None
+    Path(paths[0]).write_text(json.dumps([{"key": list(key), "config": entry(cfg)} for key, cfg in tuned.items()]))
+    return Path(paths[0])
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""Time the chained block tail (`semantic/kernels/block_tail.py`: o -> gate|up -> down -> next q|k|v in one
+"""Time the chained block tail (`semantic/kernels/tail.py`: o -> gate|up -> down -> next q|k|v in one
 persistent launch) against the same four products as separate GEMV launches (their `TUNED` configs), for the LM's
 and the depth decoder's shapes, and sweep its tile configs one product at a time (then the L2 prefetch).
 
 Every variant is a CUDA graph of one launch per layer over as many weight copies as the model has layers (so
 nothing stays in L2 between uses, as in a frame), checked against the separate launches, and reported in us per
-layer and TB/s of weight bytes. Prints a table and the `TAIL_TUNED` entries to paste into block_tail.py (and writes
+layer and TB/s of weight bytes. Prints a table and the `TAIL_TUNED` entries to paste into kernels/tail.py (and writes
 them as JSON for MUSIC3_TAIL_TUNED when given a path). Run: python scripts/tune_tail.py [tail.json]
 """
 
@@ -20,14 +20,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from music3_demo.semantic.kernels.block_tail import (  # noqa: E402
+from music3_demo.semantic.kernels.tail import (  # noqa: E402
     TailScratch,
     TailConfig,
     block_tail,
     default_tail_config,
 )
 from music3_demo.semantic.kernels.linear import GemvConfig, gemv  # noqa: E402
-from tune_gemv import time_graph  # noqa: E402
+from tune_gemv import show_and_save, time_graph  # noqa: E402
 
 # The random-full model's (hidden, attention width, gate|up rows, q|k|v rows, blocks run per frame).
 FAMILIES = {"lm": (4096, 4096, 24576, 6144, 36), "depth": (4096, 4096, 12288, 12288, 28)}
@@ -160,15 +160,9 @@ def main() -> None:
         key, cfg, row = tune_family(name, device)
         tuned[key] = cfg
         rows.append(row)
-    print("TAIL_TUNED = {")
-    for key, cfg in tuned.items():
-        print(f"    {key}: {cfg!r},")
-    print("}")
-    paths = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
-    if paths:  # for MUSIC3_TAIL_TUNED
-        Path(paths[0]).write_text(json.dumps([{"key": list(k), "config": dataclasses.asdict(c)}
-                                              for k, c in tuned.items()]))
-        Path(paths[0]).with_suffix(".rows.json").write_text(json.dumps(rows))
+    path = show_and_save("TAIL_TUNED", tuned, repr, dataclasses.asdict)  # the JSON for MUSIC3_TAIL_TUNED
+    if path is not None:
+        path.with_suffix(".rows.json").write_text(json.dumps(rows))
 
 
 if __name__ == "__main__":

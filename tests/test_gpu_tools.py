@@ -36,7 +36,7 @@ def test_every_tuned_gemv_config_comes_from_a_swept_product():
 
 def test_every_tuned_tail_config_comes_from_a_swept_shape_and_splits_its_rows():
     tune = _script("tune_tail")
-    from music3_demo.semantic.kernels.block_tail import TAIL_TUNED
+    from music3_demo.semantic.kernels.tail import TAIL_TUNED
 
     swept = {family[:4]: family for family in tune.FAMILIES.values()}
     assert set(TAIL_TUNED) <= set(swept)
@@ -46,6 +46,28 @@ def test_every_tuned_tail_config_comes_from_a_swept_shape_and_splits_its_rows():
         for product, rows, k in products:
             assert rows % product.block_n == 0 and k % product.block_k == 0 and product.split_k == 1
         assert tune.fits(cfg)
+
+
+def test_tuner_files_load_back_into_the_tables(tmp_path, monkeypatch):
+    """What the sweeps write (MUSIC3_GEMV_TUNED / MUSIC3_TAIL_TUNED) is what the kernels' loaders read."""
+    import dataclasses
+    import sys
+
+    from music3_demo.semantic.kernels import linear, tail as tail_kernels
+
+    gemv_tune, tail_tune = _script("tune_gemv"), _script("tune_tail")
+    cfg = linear.GemvConfig(32, 128, 4, 6, 1, True)
+    tail = tail_kernels.TailConfig(cfg, linear.GemvConfig(64, 256, 4, 3), cfg, cfg, prefetch=1024)
+    monkeypatch.setattr(linear, "TUNED", {})
+    monkeypatch.setattr(tail_kernels, "TAIL_TUNED", {})
+    monkeypatch.setattr(sys, "argv", ["tune", str(tmp_path / "gemv.json")])
+    linear.load_tuned(str(gemv_tune.show_and_save("TUNED", {(2, 64, 128, "swiglu"): cfg}, repr,
+                                                  gemv_tune.config_entry)))
+    assert linear.TUNED == {(2, 64, 128, "swiglu"): cfg}
+    monkeypatch.setattr(sys, "argv", ["tune", str(tmp_path / "tail.json")])
+    tail_kernels.load_tail_tuned(str(tail_tune.show_and_save("TAIL_TUNED", {(64, 64, 192, 96): tail}, repr,
+                                                           dataclasses.asdict)))
+    assert tail_kernels.TAIL_TUNED == {(64, 64, 192, 96): tail}
 
 
 def test_bench_engine_names_map_to_graph_engine_options():

@@ -157,7 +157,7 @@ def test_block_tail_runs_the_blocks_products_as_the_gemvs_do(dtype, rows, follow
     """The chained tail (here one launch per product: the interpreter cannot hold a grid barrier) against the same
     products through `gemv` with RMSNorm on the bf16 copy of the stream: row blocks shared unevenly by 3 programs,
     SwiGLU pairs, each RMSNorm product's input and sums of squares handed over by the product before it."""
-    from music3_demo.semantic.kernels.block_tail import TailConfig, TailScratch, block_tail
+    from music3_demo.semantic.kernels.tail import TailConfig, TailScratch, block_tail
 
     d, a, i, q = 64, 48, 96, 80
     weights = [_rand(*shape, dtype=dtype, seed=seed, scale=shape[1] ** -0.5)
@@ -185,7 +185,7 @@ def test_block_tail_runs_the_blocks_products_as_the_gemvs_do(dtype, rows, follow
 
 
 def test_block_tail_rejects_mismatched_shapes():
-    from music3_demo.semantic.kernels.block_tail import TailScratch, block_tail
+    from music3_demo.semantic.kernels.tail import TailScratch, block_tail
 
     h = torch.zeros(2, 64)
     with pytest.raises(ValueError, match="block_tail shape mismatch"):

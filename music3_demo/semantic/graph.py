@@ -177,7 +177,7 @@ class GraphEngine:
         self.pdl = bool(pdl) and pdl_supported(device)
         self.attention_splits = attention_splits
         # Each block's products after attention (and the next block's q|k|v) in one persistent launch with grid
-        # barriers (`kernels/block_tail.py`): +2.0% / +1.2% frames/s at 400 / 4000 prompt tokens (run #12c). On by
+        # barriers (`kernels/tail.py`): +2.0% / +1.2% frames/s at 400 / 4000 prompt tokens (run #12c). On by
         # default on a GPU; on the CPU interpreter (tests) it runs one launch per product of the same kernel.
         if chain and self.pdl:
             raise ValueError("the chained block tails take no PDL")

@@ -105,7 +105,7 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     """The grid barriers are the only difference between one persistent launch and one launch per product: any
     missing ordering (a program reading a row another has not written, a stale L1 line) changes bits. Three blocks
     in a row share the barrier, replayed 20 times."""
-    from music3_demo.semantic.kernels.block_tail import TailScratch, block_tail
+    from music3_demo.semantic.kernels.tail import TailScratch, block_tail
 
     hidden, gate_up_rows, qkv_rows = shape
     generator = torch.Generator(DEVICE).manual_seed(rows + qkv_rows)

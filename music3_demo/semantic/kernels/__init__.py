@@ -53,7 +53,7 @@ def pdl_launch(pdl: bool) -> dict:
 
 from .attention import AttentionScratch, decode_attention, depth_attention  # noqa: E402
 from .linear import GemvConfig, GemvWorkspace, gemv, interleave_rows  # noqa: E402
-from .block_tail import TailScratch, block_tail  # noqa: E402
+from .tail import TailScratch, block_tail  # noqa: E402
 from .frame import cfg_sample, frame_tail, rmsnorm  # noqa: E402
 
 __all__ = [
