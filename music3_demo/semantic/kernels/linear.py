@@ -106,9 +106,7 @@ def _gemv_epilogue(
     else:
         mask = n_mask[:, None] & m_mask[None, :]
         if RESIDUAL:
-            # .cg: in a chained block tail another program may have just written these rows (L1 is not coherent)
-            res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0,
-                          cache_modifier=".cg")
+            res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
             y = res.to(tl.float32) + y.to(res_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=mask)
         if COPY:
