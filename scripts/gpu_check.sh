@@ -4,8 +4,8 @@
 # gpu.txt tune.log tuned.json pytest.log [tail.log tail.json tail.rows.json] bench_400.json bench_4000.json bench.log
 # [profile_{semantic,flow}.{json,log}]
 # [song.json song.log].
-# Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TAIL=1] [TESTS=path | TESTS=none] [SEMANTIC=0] [ENGINES=reference,graph]
-#   [ENGINES_4000=graph] [PROFILE=1 [PROFILE_MODES="semantic flow"]] [SONG=1] [BENCH_ARGS=...]
+# Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TAIL=1] [TESTS=path | TESTS=none] [SEMANTIC=0]
+#   [ENGINES=reference,graph] [ENGINES_4000=graph] [PROFILE=1 [PROFILE_MODES="semantic flow"]] [SONG=1] [BENCH_ARGS=...]
 #   bash scripts/gpu_check.sh
 # Put this checkout's sha in MUSIC3_COMMIT here, not `git rev-parse` run there: the device's copy of .git can be stale.
 set -o pipefail
