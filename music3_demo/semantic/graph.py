@@ -522,7 +522,7 @@ class GraphEngine:
         if self.chain:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
-                       self._state.tail_scratch, next_qkv=next_qkv, next_o=None if following is None else following.o)
+                       self._state.tail_scratch, next_qkv=next_qkv)
             return
         self._gemv(attn, block.o, h, residual=h, out_copy=h16)
         self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True)

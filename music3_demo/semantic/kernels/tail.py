@@ -24,7 +24,6 @@ oracle for the fused launch.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -57,7 +56,6 @@ class TailConfig:
     qkv: GemvConfig
     num_warps: int = 4
     prefetch: int = 0  # bytes per weight row pulled into L2 before each barrier (run #12b: 1-8 KB only cost)
-    next_o_prefetch: int = 0  # bytes per row of the next block's o hinted into L2 at the end (see block_tail)
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,11 +73,10 @@ TAIL_TUNED: dict[tuple[int, int, int, int], TailConfig] = {  # session 5's sweep
     (4096, 4096, 24576, 6144): TailConfig(  # LM: 103.7 chained vs 105.7 as four GEMV launches
         o=GemvConfig(32, 256, 4, 5), gate_up=GemvConfig(64, 256, 4, 4), down=GemvConfig(32, 256, 4, 5),
         qkv=GemvConfig(64, 256, 4, 3),  # 96 row blocks: 32 programs idle, as the GEMV's 96 programs
-        next_o_prefetch=8192,
     ),
     (4096, 4096, 12288, 12288): TailConfig(  # depth decoder: 81.2 vs 86.5
         o=GemvConfig(32, 256, 4, 5), gate_up=GemvConfig(32, 256, 4, 5), down=GemvConfig(32, 256, 4, 5),
-        qkv=GemvConfig(32, 256, 4, 5), next_o_prefetch=8192,
+        qkv=GemvConfig(32, 256, 4, 5),
     ),
 }
 
@@ -90,7 +87,7 @@ def load_tail_tuned(path: str) -> None:
             cfg = entry["config"]
             TAIL_TUNED[tuple(entry["key"])] = TailConfig(
                 *(GemvConfig(**cfg[name]) for name in ("o", "gate_up", "down", "qkv")),
-                num_warps=cfg["num_warps"], prefetch=cfg["prefetch"], next_o_prefetch=cfg["next_o_prefetch"],
+                num_warps=cfg["num_warps"], prefetch=cfg["prefetch"],
             )
 
 
@@ -228,20 +225,19 @@ def _product(
 @triton.jit
 def _block_tail_kernel(
     attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr,
-    wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, wno_ptr, ln2_ptr, ln1_ptr, part_ptr,
-    bar_ptr, s_attn, s_h, s_act, s_qkv, eps,
+    wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, ln2_ptr, ln1_ptr, part_ptr, bar_ptr,
+    s_attn, s_h, s_act, s_qkv, eps,
     M: tl.constexpr, D: tl.constexpr, A: tl.constexpr, G: tl.constexpr, Q: tl.constexpr,
     RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr, HAS_NEXT: tl.constexpr,
     SYNC: tl.constexpr, PARTS: tl.constexpr,
-    PF_GU: tl.constexpr, PF_D: tl.constexpr, PF_Q: tl.constexpr, PF_NO: tl.constexpr,
+    PF_GU: tl.constexpr, PF_D: tl.constexpr, PF_Q: tl.constexpr,
     BN_O: tl.constexpr, BK_O: tl.constexpr, ST_O: tl.constexpr, TMA_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, ST_GU: tl.constexpr, TMA_GU: tl.constexpr,
     BN_D: tl.constexpr, BK_D: tl.constexpr, ST_D: tl.constexpr, TMA_D: tl.constexpr,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, ST_Q: tl.constexpr, TMA_Q: tl.constexpr,
 ):
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
-    input of the next NORM product, bf16(bf16(h) ⊙ gain). wno: the next block's o weight, PF_NO bytes of each of
-    whose rows this program will multiply are hinted into L2 once its last product is done."""
+    input of the next NORM product, bf16(bf16(h) ⊙ gain)."""
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
         _product(attn_ptr, s_attn, wo_ptr, wo_desc, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps,
                  M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False)
@@ -260,10 +256,6 @@ def _block_tail_kernel(
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
         _product(xn_ptr, s_h, wq_ptr, wq_desc, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps,
                  M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC)
-    if PF_NO > 0:  # o's row blocks are assigned as in _product: pid, pid + programs, ...
-        for blk in range(tl.program_id(0), tl.cdiv(D, BN_O), tl.num_programs(0)):
-            rows = blk * BN_O + tl.arange(0, BN_O)
-            _prefetch_rows_l2(wno_ptr + tl.minimum(rows, D - 1).to(tl.int64) * A, PF_NO)
 
 
 def _descriptor(weight: torch.Tensor, cfg: GemvConfig):
@@ -283,17 +275,12 @@ def block_tail(
     scratch: TailScratch,
     *,
     next_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    next_o: torch.Tensor | None = None,
     config: TailConfig | None = None,
     fused: bool | None = None,
 ) -> None:
     """h += o·attn; act = SwiGLU(gate_up · RMSNorm(h; ln2)); h += down·act; and with `next_qkv` = (weight, ln1, out)
     the next block's out = weight · RMSNorm(h; ln1). Each RMSNorm reads h rounded to bf16, as `gemv` reads the
     engine's bf16 copy of the stream.
-
-    `next_o` (the next block's o weight, fused only): once a program is done, it hints the rows of it that it will
-    multiply in the next tail into L2 (`config.next_o_prefetch` bytes of each), so they stream in while the
-    latency-bound attention between the two tails runs, when nothing else reads HBM (docs/PERFORMANCE.md run #14).
 
     h is the float32 residual stream [M, D]; `xn` (bf16, h's shape and strides) is scratch that carries each NORM
     product's input from the product before it (bf16(h) ⊙ gain; no bf16 copy of h itself is left behind).
@@ -304,8 +291,7 @@ def block_tail(
     q = next_qkv[0].shape[0] if next_qkv is not None else 16
     if (m > 16 or xn.shape != h.shape or xn.stride() != h.stride() or o.shape != (d, a)
             or gate_up.shape != (g, d) or down.shape != (d, g // 2) or act.shape != (m, g // 2)
-            or (next_qkv is not None and (next_qkv[0].shape != (q, d) or next_qkv[2].shape != (m, q)))
-            or (next_o is not None and (next_o.shape != o.shape or next_o.stride() != o.stride()))):
+            or (next_qkv is not None and (next_qkv[0].shape != (q, d) or next_qkv[2].shape != (m, q)))):
         raise ValueError(
             f"block_tail shape mismatch: h {tuple(h.shape)}, attn {tuple(attn.shape)}, o {tuple(o.shape)}, "
             f"gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, act {tuple(act.shape)}"
@@ -316,8 +302,8 @@ def block_tail(
     device = h.device
     cfg = config or default_tail_config(d, a, g, q, device)
     if not tma_supported(device):
-        cfg = dataclasses.replace(cfg, **{name: GemvConfig(c.block_n, c.block_k, c.num_warps, c.num_stages)
-                                           for name in ("o", "gate_up", "down", "qkv") for c in [getattr(cfg, name)]})
+        cfg = TailConfig(*(GemvConfig(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in
+                           (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)), num_warps=cfg.num_warps, prefetch=cfg.prefetch)
     for c, k in ((cfg.o, a), (cfg.gate_up, d), (cfg.down, g // 2), (cfg.qkv, d)):
         if k % c.block_k:
             raise ValueError(f"K={k} must be a multiple of block_k={c.block_k}")
@@ -331,13 +317,11 @@ def block_tail(
         # bytes of each next weight row to prefetch (whole rows at most), only where a barrier waits
         **{f"PF_{name}": min(cfg.prefetch, w.shape[1] * w.element_size()) if fused else 0
            for name, w in (("GU", gate_up), ("D", down), ("Q", wq))},
-        PF_NO=min(cfg.next_o_prefetch, a * o.element_size()) if fused and next_o is not None else 0,
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
     )
     args = (attn, h, xn, act, qkv_out, o, _descriptor(o, cfg.o), gate_up, _descriptor(gate_up, cfg.gate_up),
-            down, _descriptor(down, cfg.down), wq, _descriptor(wq, cfg.qkv), o if next_o is None else next_o, ln2, ln1,
-            scratch.partials,
+            down, _descriptor(down, cfg.down), wq, _descriptor(wq, cfg.qkv), ln2, ln1, scratch.partials,
             scratch.count, attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
     runs = [(True, True, True, next_qkv is not None)] if fused else [
         tuple(i == j for j in range(4)) for i in range(4 if next_qkv is not None else 3)
