@@ -1,7 +1,6 @@
 """Time the chained block tail (`semantic/kernels/tail.py`: o -> gate|up -> down -> next q|k|v in one
 persistent launch) against the same four products as separate GEMV launches (their `TUNED` configs), for the LM's
-and the depth decoder's shapes, and sweep its tile configs one product at a time (then the L2 prefetch and the
-preloaded tiles).
+and the depth decoder's shapes, and sweep its tile configs one product at a time (then the L2 prefetch).
 
 Every variant is a CUDA graph of one launch per layer over as many weight copies as the model has layers (so
 nothing stays in L2 between uses, as in a frame), checked against the separate launches, and reported in us per
@@ -110,10 +109,9 @@ def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dic
     best = default_tail_config(d, a, g, q, device)
     best_time = timed(lambda: chained(best)) / layers
     print(f"{name}: default chain {best_time * 1e6:.1f} us {best}", flush=True)
-    for field in ("o", "gate_up", "down", "qkv", "prefetch", "preload"):
-        if field in ("prefetch", "preload"):
-            values = (0, 1024, 4096) if field == "prefetch" else (0, 1, 2)
-            options = [dataclasses.replace(best, **{field: v}) for v in values]
+    for field in ("o", "gate_up", "down", "qkv", "prefetch"):
+        if field == "prefetch":
+            options = [dataclasses.replace(best, prefetch=p) for p in (0, 1024, 4096)]
         else:
             rows = {"o": d, "gate_up": g, "down": d, "qkv": q}[field]
             options = [dataclasses.replace(best, **{field: c}) for c in candidates(getattr(best, field).block_n, rows)]

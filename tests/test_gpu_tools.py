@@ -57,7 +57,7 @@ def test_tuner_files_load_back_into_the_tables(tmp_path, monkeypatch):
 
     gemv_tune, tail_tune = _script("tune_gemv"), _script("tune_tail")
     cfg = linear.GemvConfig(32, 128, 4, 6, 1, True)
-    tail = tail_kernels.TailConfig(cfg, linear.GemvConfig(64, 256, 4, 3), cfg, cfg, prefetch=1024, preload=2)
+    tail = tail_kernels.TailConfig(cfg, linear.GemvConfig(64, 256, 4, 3), cfg, cfg, prefetch=1024)
     monkeypatch.setattr(linear, "TUNED", {})
     monkeypatch.setattr(tail_kernels, "TAIL_TUNED", {})
     monkeypatch.setattr(sys, "argv", ["tune", str(tmp_path / "gemv.json")])

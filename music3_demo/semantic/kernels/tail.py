@@ -56,7 +56,6 @@ class TailConfig:
     qkv: GemvConfig
     num_warps: int = 4
     prefetch: int = 0  # bytes per weight row pulled into L2 before each barrier (run #12b: 1-8 KB only cost)
-    preload: int = 0  # weight tiles each program loads into registers while it waits at a barrier (0-2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,11 +73,10 @@ TAIL_TUNED: dict[tuple[int, int, int, int], TailConfig] = {  # session 5's sweep
     (4096, 4096, 24576, 6144): TailConfig(  # LM: 103.7 chained vs 105.7 as four GEMV launches
         o=GemvConfig(32, 256, 4, 5), gate_up=GemvConfig(64, 256, 4, 4), down=GemvConfig(32, 256, 4, 5),
         qkv=GemvConfig(64, 256, 4, 3),  # 96 row blocks: 32 programs idle, as the GEMV's 96 programs
-        preload=1,
     ),
     (4096, 4096, 12288, 12288): TailConfig(  # depth decoder: 81.2 vs 86.5
         o=GemvConfig(32, 256, 4, 5), gate_up=GemvConfig(32, 256, 4, 5), down=GemvConfig(32, 256, 4, 5),
-        qkv=GemvConfig(32, 256, 4, 5), preload=1,
+        qkv=GemvConfig(32, 256, 4, 5),
     ),
 }
 
@@ -89,7 +87,7 @@ def load_tail_tuned(path: str) -> None:
             cfg = entry["config"]
             TAIL_TUNED[tuple(entry["key"])] = TailConfig(
                 *(GemvConfig(**cfg[name]) for name in ("o", "gate_up", "down", "qkv")),
-                num_warps=cfg["num_warps"], prefetch=cfg["prefetch"], preload=cfg["preload"],
+                num_warps=cfg["num_warps"], prefetch=cfg["prefetch"],
             )
 
 
@@ -128,19 +126,13 @@ def _even_block(rows: int, programs: int = 128) -> int:
 
 
 @triton.jit
-def _arrive(count_ptr):
-    """This program's arrival at a grid barrier; returns the count `_wait` waits for. The int64 count only grows
-    (by `programs` per barrier, never wrapping), so no program ever resets it."""
+def _grid_barrier(count_ptr):
+    """Every program of the grid waits here until all have arrived (all resident: see the module docstring).
+    The int64 count only grows (by `programs` per barrier, never wrapping), so no program ever resets it."""
     tl.debug_barrier()  # every thread's stores precede the release below (CUTLASS's semaphore pattern)
     programs = tl.num_programs(0)
     arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    return (arrived // programs + 1) * programs
-
-
-@triton.jit
-def _wait(count_ptr, target):
-    """Until every program of the grid has arrived (all resident: see the module docstring)."""
-    programs = tl.num_programs(0)
+    target = (arrived // programs + 1) * programs
     while tl.load(count_ptr, volatile=True) < target:
         pass
     # a strong read that saw every arrival, then a fence: the acquire pattern, so the next product's loads see every
@@ -150,42 +142,20 @@ def _wait(count_ptr, target):
 
 
 @triton.jit
-def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, SYNC: tl.constexpr):
-    """Between two products (SYNC: in one launch): arrive, start this program's next weight rows towards L2, load
-    the last PRELOAD weight tiles of its first row block of the next product (the barrier's wait is spent moving
-    them), then wait for the whole grid. Returns those tiles (zeros past N, or when PRELOAD is smaller)."""
-    if SYNC:
-        target = _arrive(bar_ptr)
+def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+    """Between two products: start this program's next weight rows towards L2, then wait for the whole grid."""
     if PREFETCH > 0:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         _prefetch_rows_l2(w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * K, PREFETCH)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tiles = w_ptr + rows.to(tl.int64)[:, None] * K + (K - BLOCK_K + tl.arange(0, BLOCK_K))[None, :]
-    before = tl.zeros([BLOCK_N, BLOCK_K], w_ptr.dtype.element_ty)
-    last = tl.zeros([BLOCK_N, BLOCK_K], w_ptr.dtype.element_ty)
-    if PRELOAD >= 1:
-        last = tl.load(tiles, mask=(rows < N)[:, None], other=0.0)
-    if PRELOAD >= 2:
-        before = tl.load(tiles - BLOCK_K, mask=(rows < N)[:, None], other=0.0)
-    if SYNC:
-        _wait(bar_ptr, target)
-    return before, last
-
-
-@triton.jit
-def _load_x(ptrs, m_mask, FRESH: tl.constexpr):
-    if FRESH:
-        return tl.load(ptrs, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
-    return tl.load(ptrs, mask=m_mask[:, None], other=0.0)
+    _grid_barrier(bar_ptr)
 
 
 @triton.jit
 def _product(
-    x_ptr, stride_x, w_ptr, w_desc, out_ptr, stride_o, next_ptr, gain_ptr, part_ptr, eps, pre_before, pre_last,
+    x_ptr, stride_x, w_ptr, w_desc, out_ptr, stride_o, next_ptr, gain_ptr, part_ptr, eps,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-    NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr, PRE: tl.constexpr,
+    NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr,
 ):
     """This program's row blocks of out = epilogue(W · x). FRESH: x and out were written earlier in this launch
     (by other programs), so they are read through L2 only (`.cg`; L1 is not coherent).
@@ -195,8 +165,6 @@ def _product(
     k-loop is a plain product, with no per-tile reduction (which made 16-32-row tiles 2-3x slower, run #12).
     RESIDUAL: out (float32) += y; with NEXT, also next = bf16(bf16(out) ⊙ gain) for the next NORM product and this
     program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s.
-    PRE: the last PRE weight tiles of the first row block arrive preloaded (`_handoff`: pre_before, pre_last); the
-    loop skips them and adds them after that block's other tiles, so the sums keep their k order.
     """
     BLOCK_M: tl.constexpr = 16
     K_TILES: tl.constexpr = K // BLOCK_K
@@ -215,11 +183,9 @@ def _product(
                        axis=0)
     part = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    HEAD: tl.constexpr = K_TILES - PRE  # tiles of the first row block the loop streams
-    for t in tl.range(0, blocks * K_TILES - PRE, num_stages=STAGES):
-        u = tl.where(t >= HEAD, t + PRE, t)  # the flattened tile index, past the preloaded ones
-        row0 = (pid + (u // K_TILES) * programs) * BLOCK_N
-        k0 = (u % K_TILES) * BLOCK_K
+    for t in tl.range(0, blocks * K_TILES, num_stages=STAGES):
+        row0 = (pid + (t // K_TILES) * programs) * BLOCK_N
+        k0 = (t % K_TILES) * BLOCK_K
         offs_n = row0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         if TMA:  # rows past N arrive as zeros
@@ -227,17 +193,12 @@ def _product(
         else:
             w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :], mask=n_mask[:, None],
                         other=0.0)
-        acc = tl.dot(w, tl.trans(_load_x(x_ptrs + k0, m_mask, FRESH).to(w.dtype)), acc)
-        block_done = u % K_TILES == K_TILES - 1
-        if PRE > 0:
-            block_done = block_done | (t == HEAD - 1)
-            if t == HEAD - 1:
-                if PRE >= 2:
-                    acc = tl.dot(pre_before, tl.trans(_load_x(x_ptrs + (K_TILES - 2) * BLOCK_K, m_mask, FRESH).to(
-                        w.dtype)), acc)
-                acc = tl.dot(pre_last, tl.trans(_load_x(x_ptrs + (K_TILES - 1) * BLOCK_K, m_mask, FRESH).to(w.dtype)),
-                             acc)
-        if block_done:
+        if FRESH:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
+        else:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+        if t % K_TILES == K_TILES - 1:
             if RESIDUAL:
                 mask = n_mask[:, None] & m_mask[None, :]
                 out_ptrs = out_ptr + offs_m[None, :] * stride_o + offs_n[:, None]
@@ -268,7 +229,7 @@ def _block_tail_kernel(
     s_attn, s_h, s_act, s_qkv, eps,
     M: tl.constexpr, D: tl.constexpr, A: tl.constexpr, G: tl.constexpr, Q: tl.constexpr,
     RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr, HAS_NEXT: tl.constexpr,
-    SYNC: tl.constexpr, PARTS: tl.constexpr, PRELOAD: tl.constexpr,
+    SYNC: tl.constexpr, PARTS: tl.constexpr,
     PF_GU: tl.constexpr, PF_D: tl.constexpr, PF_Q: tl.constexpr,
     BN_O: tl.constexpr, BK_O: tl.constexpr, ST_O: tl.constexpr, TMA_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, ST_GU: tl.constexpr, TMA_GU: tl.constexpr,
@@ -278,22 +239,23 @@ def _block_tail_kernel(
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
     input of the next NORM product, bf16(bf16(h) ⊙ gain)."""
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
-        _product(attn_ptr, s_attn, wo_ptr, wo_desc, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps, 0, 0,
-                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, 0)
-    # In one launch (SYNC) every RUN_* but RUN_Q is set, and RUN_Q == HAS_NEXT: each later product's hand-off is
-    # its grid barrier, and otherwise only its preload.
+        _product(attn_ptr, s_attn, wo_ptr, wo_desc, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps,
+                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False)
+    if SYNC:
+        _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
-        before, last = _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, BK_GU, PF_GU, PRELOAD, SYNC)
-        _product(xn_ptr, s_h, wgu_ptr, wgu_desc, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps, before, last,
-                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC, PRELOAD)
+        _product(xn_ptr, s_h, wgu_ptr, wgu_desc, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps,
+                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC)
+    if SYNC:
+        _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
-        before, last = _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, BK_D, PF_D, PRELOAD, SYNC)
-        _product(act_ptr, s_act, wd_ptr, wd_desc, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps, before, last,
-                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC, PRELOAD)
+        _product(act_ptr, s_act, wd_ptr, wd_desc, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps,
+                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC)
+    if SYNC and HAS_NEXT:
+        _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
-        before, last = _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, BK_Q, PF_Q, PRELOAD, SYNC)
-        _product(xn_ptr, s_h, wq_ptr, wq_desc, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps, before, last,
-                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, PRELOAD)
+        _product(xn_ptr, s_h, wq_ptr, wq_desc, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps,
+                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC)
 
 
 def _descriptor(weight: torch.Tensor, cfg: GemvConfig):
@@ -345,16 +307,13 @@ def block_tail(
     for c, k in ((cfg.o, a), (cfg.gate_up, d), (cfg.down, g // 2), (cfg.qkv, d)):
         if k % c.block_k:
             raise ValueError(f"K={k} must be a multiple of block_k={c.block_k}")
-    if not 0 <= cfg.preload <= min(2, d // cfg.gate_up.block_k - 1, g // 2 // cfg.down.block_k - 1,
-                                   d // cfg.qkv.block_k - 1):
-        raise ValueError(f"preload={cfg.preload}: at most 2 tiles, fewer than each product's K tiles")
     if g % cfg.gate_up.block_n:
         raise ValueError(f"gate|up rows ({g}) must be a multiple of its row block ({cfg.gate_up.block_n})")
     fused = (device.type == "cuda" and not interpreting()) if fused is None else fused
     wq, ln1, qkv_out = next_qkv if next_qkv is not None else (o, ln2, act)
     common = dict(
         eps=eps, M=m, D=d, A=a, G=g, Q=q, HAS_NEXT=next_qkv is not None, SYNC=fused,
-        PARTS=scratch.partials.shape[0], PRELOAD=cfg.preload,
+        PARTS=scratch.partials.shape[0],
         # bytes of each next weight row to prefetch (whole rows at most), only where a barrier waits
         **{f"PF_{name}": min(cfg.prefetch, w.shape[1] * w.element_size()) if fused else 0
            for name, w in (("GU", gate_up), ("D", down), ("Q", wq))},
