@@ -276,21 +276,25 @@ def test_rmsnorm_rows_with_strides(dtype):
     assert not out[:, 0].any() and not out[:, 2].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the 16-round search on 16-bit keys
+@pytest.mark.parametrize("top_k", [7, 5])  # 7: the conditional top-k holds 9 tied codes; 5: exactly 5 (no 2nd search)
 @pytest.mark.parametrize("vocab", [64, 50])  # 50: lanes past the vocabulary in the kernel's block are masked
-def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it(vocab):
-    top_k, scale = 7, 1.5
+def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it(vocab, top_k, dtype):
+    scale = 1.5
     logits = _rand(2, vocab, seed=14).round(decimals=1)  # coarse values: ties at the thresholds happen
     logits[0, 10:14] = logits[0].max() + 1  # 4 tied conditional logits straddle the top-7 threshold...
     logits[0, 20:25] = logits[0].max() + 2
     logits[1, 10:14] = torch.tensor([0.0, 3.0, -3.0, 1.0])  # ...and their guided values differ
+    logits = logits.to(dtype)
+    exact = logits.float()  # the reference's arithmetic (float32), on the values the kernel reads
     for conditional in (True, False):
         if conditional:
-            ranked = reference_semantic_logits(logits, torch.zeros(vocab, dtype=torch.bool), scale, top_k)[0]
-            assert (ranked > float("-inf")).sum() == 9  # the conditional top-7 with ties holds 9 codes
+            ranked = reference_semantic_logits(exact, torch.zeros(vocab, dtype=torch.bool), scale, top_k)[0]
+            assert (ranked > float("-inf")).sum() == {7: 9, 5: 5}[top_k]
         else:
-            ranked = guide(logits[0], logits[1], scale)
+            ranked = guide(exact[0], exact[1], scale)
         kept = ranked >= torch.topk(ranked, top_k).values[-1]  # reference_sample_top_k's `values < threshold`
-        guided = guide(logits[0], logits[1], scale)
+        guided = guide(exact[0], exact[1], scale)
         # Draw j gets a near-zero Exp(1) value at j (a huge race bonus): j wins exactly when it is a candidate.
         noise = torch.ones(vocab, vocab)
         noise.fill_diagonal_(1e-30)
@@ -304,10 +308,28 @@ def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it(vo
         assert torch.equal(codes.long(), expected)
 
 
+@pytest.mark.parametrize("top_k", [3, 45])  # 47 codes over the top-k: the bisection; 5: dropped group by group
+def test_cfg_sample_when_every_conditional_logit_ties(top_k):
+    vocab, scale = 50, 1.5
+    logits = torch.stack([torch.zeros(vocab), torch.randperm(vocab, generator=torch.Generator().manual_seed(3)) / 8.0])
+    logits = logits.to(torch.bfloat16)  # the conditional top-k keeps all 50; the guided logits all differ
+    guided = guide(logits[0].float(), logits[1].float(), scale)
+    kept = guided >= torch.topk(guided, top_k).values[-1]
+    noise = torch.ones(vocab, vocab)
+    noise.fill_diagonal_(1e-30)  # draw j wins at j whenever j is a candidate
+    codes = torch.full((vocab,), -1, dtype=torch.int32)
+    cfg_sample(logits.expand(vocab, 2, vocab), noise, torch.tensor([scale]), torch.tensor([top_k], dtype=torch.int32),
+               codes, torch.zeros(1, dtype=torch.int32), conditional_top_k=True)
+    best = int(guided.argmax())
+    assert int(kept.sum()) == top_k
+    assert torch.equal(codes.long(), torch.where(kept, torch.arange(vocab), torch.full((vocab,), best)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("conditional", [True, False])
-def test_cfg_sample_with_top_k_beyond_the_vocabulary_keeps_every_code(conditional):
+def test_cfg_sample_with_top_k_beyond_the_vocabulary_keeps_every_code(conditional, dtype):
     vocab = 50
-    logits = _rand(2, vocab, seed=15)
+    logits = _rand(2, vocab, seed=15).to(dtype)
     noise = torch.ones(vocab, vocab)
     noise.fill_diagonal_(1e-30)  # draw j wins at j whenever j is a candidate
     codes = torch.full((vocab,), -1, dtype=torch.int32)

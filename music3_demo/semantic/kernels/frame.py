@@ -3,8 +3,11 @@
 Sampling is exact top-k sampling by an exponential race: with E_i ~ Exp(1) drawn by torch's generator, the winner
 of argmax_i (logit_i - log E_i) over the kept candidates has probability softmax(logits)_i — the reference
 multinomial's distribution, not its stream. The k-th largest value is found by a binary search on the float's
-ordered integer key (32 rounds of a count), so ties at a threshold are kept exactly like the reference's
-`values < threshold` masks (bf16 logits tie often), including its second top-k over the guided logits.
+ordered integer key (a count per round: 32 rounds, 16 for bf16 values, whose low 16 bits are zero), so ties at a
+threshold are kept exactly like the reference's `values < threshold` masks (bf16 logits tie often), including its
+second top-k over the guided logits. That second search only matters when ties made the first keep more than
+top-k codes, and then runs as a few min/count rounds over the surplus (the bisection only past 8 groups of equal
+keys).
 """
 
 from __future__ import annotations
@@ -35,20 +38,45 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float
 
 
 @triton.jit
-def _kth_largest_key(values, valid, top_k):
-    """The ordered-integer key of the k-th largest of `values` (invalid lanes never count)."""
+def _ordered_key(values, valid, SHIFT: tl.constexpr):
+    """float32 -> int32 with the same order (invalid lanes below all), less SHIFT low bits that are zero in every
+    value (16 for values that came from bf16: the sign flip of negatives sets them, the shift drops them again)."""
     bits = values.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # integer order == float order
-    key = tl.where(valid, key, -2147483648)
-    # Largest t with count(key >= t) >= top_k, by bisection over the int32 range.
-    lo = tl.min(key, axis=0).to(tl.int64)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT
+    return tl.where(valid, key, -2147483648)
+
+
+@triton.jit
+def _kth_largest(key, valid, top_k, BITS: tl.constexpr):
+    """The k-th largest valid key (all valid ones count when top_k exceeds them): the largest t with
+    count(key >= t) >= top_k, by bisection between the smallest and the largest valid key (< 2^BITS apart)."""
+    lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
     hi = tl.max(key, axis=0).to(tl.int64)
-    for _ in range(32):
+    for _ in range(BITS):
         mid = (lo + hi + 1) >> 1
         ok = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0) >= top_k
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
-    return key, lo.to(tl.int32)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _kth_largest_of_few_surplus(key, keep, top_k, GROUPS: tl.constexpr = 8):
+    """`_kth_largest` for a set that holds top_k keys plus a few (the conditional top-k's ties): drop whole groups
+    of equal smallest keys while they fit in the surplus, two reductions per group instead of 32 rounds; the
+    bisection only when more than GROUPS groups would go."""
+    surplus = tl.sum(keep.to(tl.int32), axis=0) - top_k
+    threshold = tl.min(tl.where(keep, key, 2147483647), axis=0)
+    at = tl.sum((keep & (key == threshold)).to(tl.int32), axis=0)
+    groups = 0
+    while (at <= surplus) & (groups < GROUPS):
+        surplus -= at
+        threshold = tl.min(tl.where(keep & (key > threshold), key, 2147483647), axis=0)
+        at = tl.sum((keep & (key == threshold)).to(tl.int32), axis=0)
+        groups += 1
+    if at <= surplus:
+        threshold = _kth_largest(key, keep, top_k, 32)
+    return threshold
 
 
 @triton.jit
@@ -57,7 +85,7 @@ def _cfg_sample_kernel(
     codes_ptr, stride_cr, step_ptr, stride_cs, forced_ptr, end_ptr, end_index,
     table_ptr, stride_t, table_rows, copy_ptr, stride_copy,
     BLOCK_V: tl.constexpr, COPY_BLOCK: tl.constexpr, COND_TOPK: tl.constexpr, FORCED: tl.constexpr,
-    HAS_END: tl.constexpr, COPY: tl.constexpr,
+    HAS_END: tl.constexpr, COPY: tl.constexpr, SHIFT: tl.constexpr,
 ):
     """Program (sample r, copy slice c). Every copy slice repeats the (cheap) selection so no program waits for
     another; they all reach the same code."""
@@ -69,17 +97,20 @@ def _cfg_sample_kernel(
     base = logits_ptr + r * stride_lr
     scale = tl.load(scale_ptr)
     top_k = tl.load(top_k_ptr)
+    cond = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
     keep = valid
     if COND_TOPK:
         # The reference keeps the conditional row's top-k (ties included) ...
-        cond_key, cond_threshold = _kth_largest_key(tl.load(base + offs, mask=valid, other=0.0).to(tl.float32),
-                                                     valid, top_k)
-        keep = valid & (cond_key >= cond_threshold)
+        cond_key = _ordered_key(cond, valid, SHIFT)
+        keep = valid & (cond_key >= _kth_largest(cond_key, valid, top_k, 32 - SHIFT))
     # ... then (and for the depth codes, only) the top-k of the guided logits among those kept.
-    cond = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
     uncond = tl.load(base + stride_lc + offs, mask=valid, other=0.0).to(tl.float32)
     guided = uncond + (cond - uncond) * scale
-    key, threshold = _kth_largest_key(guided, keep, top_k)
+    key = _ordered_key(guided, keep, 0)
+    if COND_TOPK:
+        threshold = _kth_largest_of_few_surplus(key, keep, top_k)
+    else:
+        threshold = _kth_largest(key, keep, top_k, 32)
     keep = keep & (key >= threshold)
     noise = tl.load(noise_ptr + r * stride_nr + offs, mask=valid, other=1.0)
     score = tl.where(keep, guided - tl.log(noise), float("-inf"))
@@ -139,6 +170,7 @@ def cfg_sample(
         table, table.stride(0), table.shape[0], dest, dest.stride(0) if copy is not None else 0,
         BLOCK_V=triton.next_power_of_2(vocab), COPY_BLOCK=hidden // programs,
         COND_TOPK=conditional_top_k, FORCED=forced is not None, HAS_END=end is not None, COPY=copy is not None,
+        SHIFT=16 if pairs.dtype == torch.bfloat16 else 0,
         num_warps=16 if vocab > 4096 else 4,
     )
 
