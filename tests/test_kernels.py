@@ -308,7 +308,7 @@ def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it(vo
         assert torch.equal(codes.long(), expected)
 
 
-@pytest.mark.parametrize("top_k", [3, 45])  # 47 codes over the top-k: the bisection; 5: dropped group by group
+@pytest.mark.parametrize("top_k", [3, 45])  # 47 codes over the top-k: the bisection; 5: dropped one by one
 def test_cfg_sample_when_every_conditional_logit_ties(top_k):
     vocab, scale = 50, 1.5
     logits = torch.stack([torch.zeros(vocab), torch.randperm(vocab, generator=torch.Generator().manual_seed(3)) / 8.0])

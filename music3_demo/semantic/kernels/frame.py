@@ -6,8 +6,7 @@ multinomial's distribution, not its stream. The k-th largest value is found by a
 ordered integer key (a count per round: 32 rounds, 16 for bf16 values, whose low 16 bits are zero), so ties at a
 threshold are kept exactly like the reference's `values < threshold` masks (bf16 logits tie often), including its
 second top-k over the guided logits. That second search only matters when ties made the first keep more than
-top-k codes, and then runs as a few min/count rounds over the surplus (the bisection only past 8 groups of equal
-keys).
+top-k codes, and then runs as a few min/count rounds over the surplus (the bisection only past 16 surplus codes).
 """
 
 from __future__ import annotations
@@ -61,21 +60,20 @@ def _kth_largest(key, valid, top_k, BITS: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest_of_few_surplus(key, keep, top_k, GROUPS: tl.constexpr = 8):
-    """`_kth_largest` for a set that holds top_k keys plus a few (the conditional top-k's ties): drop whole groups
-    of equal smallest keys while they fit in the surplus, two reductions per group instead of 32 rounds; the
-    bisection only when more than GROUPS groups would go."""
+def _kth_largest_of_few_surplus(key, keep, top_k, SURPLUS: tl.constexpr = 16):
+    """`_kth_largest` for a set that holds top_k keys plus a few (the conditional top-k's ties): with at most
+    SURPLUS keys over top_k, drop whole groups of equal smallest keys while they fit in the surplus (each drop
+    removes at least one key, so at most SURPLUS rounds of two reductions, against the bisection's 32)."""
     surplus = tl.sum(keep.to(tl.int32), axis=0) - top_k
-    threshold = tl.min(tl.where(keep, key, 2147483647), axis=0)
-    at = tl.sum((keep & (key == threshold)).to(tl.int32), axis=0)
-    groups = 0
-    while (at <= surplus) & (groups < GROUPS):
-        surplus -= at
-        threshold = tl.min(tl.where(keep & (key > threshold), key, 2147483647), axis=0)
-        at = tl.sum((keep & (key == threshold)).to(tl.int32), axis=0)
-        groups += 1
-    if at <= surplus:
+    if surplus > SURPLUS:
         threshold = _kth_largest(key, keep, top_k, 32)
+    else:
+        threshold = tl.min(tl.where(keep, key, 2147483647), axis=0)
+        at = tl.sum((keep & (key == threshold)).to(tl.int32), axis=0)
+        while (at <= surplus) & (at > 0):  # at == 0 only past the largest key (top_k < 1): stop there
+            surplus -= at
+            threshold = tl.min(tl.where(keep & (key > threshold), key, 2147483647), axis=0)
+            at = tl.sum((keep & (key == threshold)).to(tl.int32), axis=0)
     return threshold
 
 
