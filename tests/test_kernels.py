@@ -184,41 +184,6 @@ def test_block_tail_runs_the_blocks_products_as_the_gemvs_do(dtype, rows, follow
     assert outputs[1][2].any() == following  # the last block of a stack leaves q|k|v to the next launch
 
 
-def test_block_tail_runs_the_layers_decode_attention_first_as_its_own_launch_would():
-    """With `attention`, the tail's programs share the attention's items before o (unfused here: a launch of its own
-    with 3 programs taking every third item): the attention output, the caches, the stream and the next q|k|v are
-    the bits of decode_attention then block_tail, though next q|k|v overwrites the attention's q|k|v buffer."""
-    from music3_demo.semantic.kernels import DecodeAttention
-    from music3_demo.semantic.kernels.tail import TailConfig, TailScratch, block_tail
-
-    batch, heads, kv_heads, dim, capacity, pos = 2, 4, 2, 16, 40, 25
-    d, i, q = heads * dim, 96, (heads + 2 * kv_heads) * dim
-    weights = [_rand(*shape, seed=seed, scale=shape[1] ** -0.5)
-               for seed, shape in enumerate([(d, d), (2 * i, d), (d, i), (q, d)])]
-    ln1, ln2 = (_rand(d, seed=seed, scale=0.1) + 1 for seed in (5, 6))
-    norms = [_rand(dim, seed=seed) + 1 for seed in (9, 10)]
-    cos, sin = _rand(capacity, dim, seed=11), _rand(capacity, dim, seed=12)
-    qkv0, start = _rand(batch, q, seed=13), _rand(batch, d, seed=8)
-    caches0 = [_rand(batch, kv_heads, capacity, dim, seed=seed) for seed in (14, 15)]
-    position = torch.tensor([pos], dtype=torch.int32)
-    config = TailConfig(*[GemvConfig(16, 16)] * 4)
-    results = []
-    for inside in (False, True):
-        qkv, h, caches = qkv0.clone(), start.clone(), [c.clone() for c in caches0]
-        attn, act, xn = torch.zeros(batch, d), torch.zeros(batch, i), torch.zeros(batch, d)
-        scratch = AttentionScratch.allocate(batch, heads, kv_heads, dim, 4, "cpu")
-        attention = DecodeAttention(qkv, *norms, cos, sin, *caches, position, scratch, dim**-0.5, 1e-6, block=8)
-        next_qkv = qkv if inside else torch.zeros(batch, q)
-        if not inside:
-            attention.run(attn)
-        block_tail(attn, h, xn, act, *weights[:3], ln2, 1e-6, TailScratch("cpu", 3), next_qkv=(weights[3], ln1, next_qkv),
-                   attention=attention if inside else None, config=config)
-        assert not scratch.counters.any()
-        results.append((attn, h, act, next_qkv, *caches))
-    assert results[0][0].abs().sum() > 0
-    assert all(torch.equal(x, y) for x, y in zip(*results))
-
-
 def test_block_tail_rejects_mismatched_shapes():
     from music3_demo.semantic.kernels.tail import TailScratch, block_tail
 

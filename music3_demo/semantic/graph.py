@@ -30,11 +30,11 @@ from ..fused_weights import fuse_rows
 from . import SamplingSettings, check_cancel
 from .kernels import (
     AttentionScratch,
-    DecodeAttention,
     GemvWorkspace,
     TailScratch,
     block_tail,
     cfg_sample,
+    decode_attention,
     depth_attention,
     frame_tail,
     gemv,
@@ -491,10 +491,10 @@ class GraphEngine:
             k_cache, v_cache = s.kv[index, 0], s.kv[index, 1]
             if index == 0 or not self.chain:  # layer 0 reads the feedback embedding frame_tail wrote (float32 only)
                 self._gemv(s.lm_h16 if index else s.lm_h, block.qkv, s.qkv, norm_weight=block.ln1, eps=self.eps)
-            attention = DecodeAttention(s.qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos,
-                                        s.attention, scale, self.eps)
+            decode_attention(s.qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, s.attn,
+                             s.attention, scale, self.eps, pdl=self.pdl)
             following = self.blocks[index + 1] if index + 1 < len(self.blocks) else None
-            self._block_tail(block, following, s.attn, s.lm_h, s.lm_h16, s.act, s.qkv, self.eps, attention)
+            self._block_tail(block, following, s.attn, s.lm_h, s.lm_h16, s.act, s.qkv, self.eps)
         rmsnorm(s.lm_h, self.final_norm, s.lm_hidden, self.eps)
         s.counters.add_(1)
 
@@ -514,19 +514,16 @@ class GraphEngine:
 
     def _block_tail(
         self, block: _Block, following: _Block | None, attn: torch.Tensor, h: torch.Tensor, h16: torch.Tensor,
-        act: torch.Tensor, qkv: torch.Tensor, eps: float, attention: DecodeAttention | None = None,
+        act: torch.Tensor, qkv: torch.Tensor, eps: float,
     ) -> None:
-        """[attn = the LM layer's `attention`,] h += o·attn, the SwiGLU MLP on h, and when chained also the
-        following block's q|k|v (which the unchained loop runs at the top of the next block). Chained, the LM
-        attention runs inside the tail's launch, and h16 is the tail's scratch for normalised inputs (no later
-        kernel reads a bf16 copy of h: each stack's first q|k|v and its final norm read h)."""
+        """h += o·attn, the SwiGLU MLP on h, and when chained also the following block's q|k|v (which the
+        unchained loop runs at the top of the next block). Chained, h16 is the tail's scratch for normalised inputs
+        (no later kernel reads a bf16 copy of h: each stack's first q|k|v and its final norm read h)."""
         if self.chain:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
-                       self._state.tail_scratch, next_qkv=next_qkv, attention=attention)
+                       self._state.tail_scratch, next_qkv=next_qkv)
             return
-        if attention is not None:
-            attention.run(attn, pdl=self.pdl)
         self._gemv(attn, block.o, h, residual=h, out_copy=h16)
         self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True)
         self._gemv(act, block.down, h, residual=h, out_copy=h16)

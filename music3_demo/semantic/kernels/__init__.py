@@ -51,14 +51,13 @@ def pdl_launch(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
-from .attention import AttentionScratch, DecodeAttention, decode_attention, depth_attention  # noqa: E402
+from .attention import AttentionScratch, decode_attention, depth_attention  # noqa: E402
 from .linear import GemvConfig, GemvWorkspace, gemv, interleave_rows  # noqa: E402
 from .tail import TailScratch, block_tail  # noqa: E402
 from .frame import cfg_sample, frame_tail, rmsnorm  # noqa: E402
 
 __all__ = [
     "AttentionScratch",
-    "DecodeAttention",
     "GemvConfig",
     "GemvWorkspace",
     "TailScratch",

@@ -52,17 +52,21 @@ class AttentionScratch:
 
 
 @triton.jit
-def _decode_attn_item(
-    bh, split, qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr,
+def _decode_attn_kernel(
+    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr,
     part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
     stride_qkv, stride_cb, stride_ch, stride_cs, stride_out, scale, eps,
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Item (row·kv-head bh, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context;
-    the last of the SPLITS items to finish combines them. The heads come raw from the q|k|v GEMV: each item
+    """Program (row·kv-head, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context;
+    the last of the SPLITS programs to finish combines them. The heads come raw from the q|k|v GEMV: each program
     normalises and rotates its queries, and the one whose split holds the current position also writes that
     position's key and value into the cache before reading them back."""
+    if PDL:
+        pdl_enter()
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
     b = bh // KVH
     h = bh % KVH
     pos = tl.load(pos_ptr)
@@ -132,62 +136,6 @@ def _decode_attn_item(
         tl.atomic_xchg(count_ptr + bh, 0)  # ready for the next launch (or graph replay)
 
 
-@triton.jit
-def _decode_attn_kernel(
-    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr,
-    part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
-    stride_qkv, stride_cb, stride_ch, stride_cs, stride_out, scale, eps,
-    KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
-):
-    """One program per item (bh, split) of `_decode_attn_item`."""
-    if PDL:
-        pdl_enter()
-    _decode_attn_item(
-        tl.program_id(0), tl.program_id(1), qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr,
-        part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
-        stride_qkv, stride_cb, stride_ch, stride_cs, stride_out, scale, eps, KVH, GROUP, GROUP_PAD, D, BLOCK, SPLITS,
-    )
-
-
-@dataclass
-class DecodeAttention:
-    """`decode_attention`'s inputs (all but its output): one layer's attention, for a launch of its own or as the
-    first phase of that layer's `block_tail`."""
-
-    qkv: torch.Tensor  # [B, (H + 2 KVH) D], raw from the q|k|v product
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    cos: torch.Tensor  # [S, D]
-    sin: torch.Tensor
-    k_cache: torch.Tensor  # [B, KVH, S, D], unit stride along D
-    v_cache: torch.Tensor
-    pos: torch.Tensor  # int32 [1]
-    scratch: AttentionScratch
-    scale: float
-    eps: float
-    block: int = 64
-
-    def launch_args(self, out: torch.Tensor) -> tuple[tuple, dict]:
-        """The kernel arguments after (bh, split) of `_decode_attn_item`, then its constexprs, writing `out`
-        ([B, H·D]); `items` = B·KVH·SPLITS."""
-        batch, kv_heads, _, head_dim = self.k_cache.shape
-        group = out.shape[1] // head_dim // kv_heads
-        sc, kc = self.scratch, self.k_cache
-        args = (self.qkv, self.q_norm, self.k_norm, self.cos, self.sin, kc, self.v_cache, self.pos, sc.o, sc.m, sc.l,
-                sc.counters, out, self.qkv.stride(0), kc.stride(0), kc.stride(1), kc.stride(2), out.stride(0),
-                self.scale, self.eps)
-        return args, dict(KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
-                          BLOCK=self.block, SPLITS=sc.o.shape[1])
-
-    def run(self, out: torch.Tensor, pdl: bool = False) -> None:
-        """A launch of its own: one program per item."""
-        args, constants = self.launch_args(out)
-        _decode_attn_kernel[(self.k_cache.shape[0] * constants["KVH"], constants["SPLITS"])](
-            *args, **constants, PDL=pdl, num_warps=4, **pdl_launch(pdl),
-        )
-
-
 def decode_attention(
     qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, scratch: AttentionScratch,
@@ -197,7 +145,16 @@ def decode_attention(
     written into the caches at `pos`, and out[b] = softmax(q k[: pos + 1]ᵀ) v.
 
     qkv [B, (H + 2 KVH) D]; caches [B, KVH, S, D] (unit stride along D); cos/sin [S, D]; pos int32 [1]."""
-    DecodeAttention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, scratch, scale, eps, block).run(out, pdl)
+    batch, kv_heads, _, head_dim = k_cache.shape
+    heads = out.shape[1] // head_dim
+    group = heads // kv_heads
+    splits = scratch.o.shape[1]
+    _decode_attn_kernel[(batch * kv_heads, splits)](
+        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, scratch.o, scratch.m, scratch.l, scratch.counters, out,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), scale, eps,
+        KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
+        BLOCK=block, SPLITS=splits, PDL=pdl, num_warps=4, **pdl_launch(pdl),
+    )
 
 
 @triton.jit

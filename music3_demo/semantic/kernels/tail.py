@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .attention import DecodeAttention, _decode_attn_item
 from .linear import GemvConfig, TensorDescriptor, _gemv_epilogue, _prefetch_rows_l2, tma_supported
 
 class TailScratch:
@@ -227,14 +226,10 @@ def _product(
 def _block_tail_kernel(
     attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr,
     wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, ln2_ptr, ln1_ptr, part_ptr, bar_ptr,
-    att_qkv, att_qn, att_kn, att_cos, att_sin, att_k, att_v, att_pos, att_po, att_pm, att_pl, att_count, att_out,
-    att_s_qkv, att_s_cb, att_s_ch, att_s_cs, att_s_out, att_scale, att_eps,
     s_attn, s_h, s_act, s_qkv, eps,
     M: tl.constexpr, D: tl.constexpr, A: tl.constexpr, G: tl.constexpr, Q: tl.constexpr,
-    RUN_ATTN: tl.constexpr, RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr,
-    HAS_NEXT: tl.constexpr, SYNC: tl.constexpr, PARTS: tl.constexpr, FRESH_O: tl.constexpr,
-    ATT_ITEMS: tl.constexpr, ATT_KVH: tl.constexpr, ATT_GROUP: tl.constexpr, ATT_GROUP_PAD: tl.constexpr,
-    ATT_D: tl.constexpr, ATT_BLOCK: tl.constexpr, ATT_SPLITS: tl.constexpr,
+    RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr, HAS_NEXT: tl.constexpr,
+    SYNC: tl.constexpr, PARTS: tl.constexpr,
     PF_GU: tl.constexpr, PF_D: tl.constexpr, PF_Q: tl.constexpr,
     BN_O: tl.constexpr, BK_O: tl.constexpr, ST_O: tl.constexpr, TMA_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, ST_GU: tl.constexpr, TMA_GU: tl.constexpr,
@@ -242,19 +237,10 @@ def _block_tail_kernel(
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, ST_Q: tl.constexpr, TMA_Q: tl.constexpr,
 ):
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
-    input of the next NORM product, bf16(bf16(h) ⊙ gain). att_*: the layer's decode attention (`attention.py`),
-    whose ATT_ITEMS items (row·kv head, split) the programs share before o; FRESH_O: they ran in this launch."""
-    if RUN_ATTN:  # attn = the layer's decode attention
-        for item in range(tl.program_id(0), ATT_ITEMS, tl.num_programs(0)):
-            _decode_attn_item(item // ATT_SPLITS, item % ATT_SPLITS, att_qkv, att_qn, att_kn, att_cos, att_sin, att_k,
-                              att_v, att_pos, att_po, att_pm, att_pl, att_count, att_out, att_s_qkv, att_s_cb,
-                              att_s_ch, att_s_cs, att_s_out, att_scale, att_eps, ATT_KVH, ATT_GROUP, ATT_GROUP_PAD,
-                              ATT_D, ATT_BLOCK, ATT_SPLITS)
-    if FRESH_O:
-        _grid_barrier(bar_ptr)
+    input of the next NORM product, bf16(bf16(h) ⊙ gain)."""
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
         _product(attn_ptr, s_attn, wo_ptr, wo_desc, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps,
-                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, FRESH_O)
+                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False)
     if SYNC:
         _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
@@ -289,15 +275,12 @@ def block_tail(
     scratch: TailScratch,
     *,
     next_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    attention: DecodeAttention | None = None,
     config: TailConfig | None = None,
     fused: bool | None = None,
 ) -> None:
     """h += o·attn; act = SwiGLU(gate_up · RMSNorm(h; ln2)); h += down·act; and with `next_qkv` = (weight, ln1, out)
     the next block's out = weight · RMSNorm(h; ln1). Each RMSNorm reads h rounded to bf16, as `gemv` reads the
-    engine's bf16 copy of the stream. With `attention` (the layer's decode attention), attn is its output, computed
-    first (behind one more grid barrier when fused); its q|k|v may be next_qkv's output buffer, which is only
-    written after the attention has read it.
+    engine's bf16 copy of the stream.
 
     h is the float32 residual stream [M, D]; `xn` (bf16, h's shape and strides) is scratch that carries each NORM
     product's input from the product before it (bf16(h) ⊙ gain; no bf16 copy of h itself is left behind).
@@ -337,21 +320,13 @@ def block_tail(
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
     )
-    if attention is not None:
-        att_args, att_constants = attention.launch_args(attn)
-        items = attention.k_cache.shape[0] * att_constants["KVH"] * att_constants["SPLITS"]
-    else:  # nothing of these is traced
-        att_args = (attn,) * 13 + (0,) * 5 + (0.0, 0.0)
-        att_constants, items = dict(KVH=1, GROUP=1, GROUP_PAD=16, D=16, BLOCK=16, SPLITS=1), 0
-    common.update(FRESH_O=fused and attention is not None, ATT_ITEMS=items,
-                  **{f"ATT_{key}": value for key, value in att_constants.items()})
     args = (attn, h, xn, act, qkv_out, o, _descriptor(o, cfg.o), gate_up, _descriptor(gate_up, cfg.gate_up),
             down, _descriptor(down, cfg.down), wq, _descriptor(wq, cfg.qkv), ln2, ln1, scratch.partials,
-            scratch.count, *att_args, attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
-    stages = [attention is not None, True, True, True, next_qkv is not None]  # attention, o, gate|up, down, q|k|v
-    runs = [stages] if fused else [[i == j for j in range(5)] for i, run in enumerate(stages) if run]
-    for run_attn, run_o, run_gu, run_d, run_q in runs:
+            scratch.count, attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
+    runs = [(True, True, True, next_qkv is not None)] if fused else [
+        tuple(i == j for j in range(4)) for i in range(4 if next_qkv is not None else 3)
+    ]
+    for run_o, run_gu, run_d, run_q in runs:
         _block_tail_kernel[(scratch.programs,)](
-            *args, RUN_ATTN=run_attn, RUN_O=run_o, RUN_GU=run_gu, RUN_D=run_d, RUN_Q=run_q, num_warps=cfg.num_warps,
-            **common,
+            *args, RUN_O=run_o, RUN_GU=run_gu, RUN_D=run_d, RUN_Q=run_q, num_warps=cfg.num_warps, **common,
         )
