@@ -112,11 +112,14 @@ def bench_song(seconds: float, reference_song_s: float, device: torch.device, me
     frames = seconds * c.FRAME_RATE
     chunks = len(c.chunk_starts(int(frames)))
     per_frame = measured["busy_s"]["semantic_s"] / measured["frames"]
-    per_chunk = (measured["busy_s"]["flow_s"] + measured["busy_s"]["vocoder_s"]) / len(c.chunk_starts(measured["frames"]))
+    busy = measured["busy_s"]
+    per_chunk = (busy["flow_s"] + busy["vocoder_s"]) / len(c.chunk_starts(measured["frames"]))
     result["reference"] = measured | {
         "projected_wall_s_for_song": round(frames * per_frame + chunks * per_chunk, 1),
-        "projection": f"{seconds:g}-s song from the measured {reference_song_s:g}-s run's per-frame and per-chunk times",
+        "projection": f"{seconds:g}-s song from the measured {reference_song_s:g}-s run's per-frame and per-chunk "
+                      "times",
     }
-    result["speedup_wall_projected"] = round(result["reference"]["projected_wall_s_for_song"] / result["ours"]["wall_s"], 1)
+    projected = result["reference"]["projected_wall_s_for_song"]
+    result["speedup_wall_projected"] = round(projected / result["ours"]["wall_s"], 1)
     reference.release()
     return result

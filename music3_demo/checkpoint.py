@@ -36,7 +36,9 @@ class ModelSource:
         return builtin.BUILTIN_NOTICE if self.is_random else None
 
 
-_LOCAL_HINT = "pass --model /path/to/MiniMax-Music3 (a local copy in the Hub layout) or --model tiny (built-in test model)"
+_LOCAL_HINT = (
+    "pass --model /path/to/MiniMax-Music3 (a local copy in the Hub layout) or --model tiny (built-in test model)"
+)
 
 
 def default_model() -> str:
@@ -84,7 +86,9 @@ def _download(repo_id: str, revision: str | None, token: str | None) -> Path:
             f"or {_LOCAL_HINT}."
         ) from error
     except RevisionNotFoundError as error:
-        raise CheckpointError(f"Revision {revision!r} does not exist in {repo_id}: pick an existing branch or commit.") from error
+        raise CheckpointError(
+            f"Revision {revision!r} does not exist in {repo_id}: pick an existing branch or commit."
+        ) from error
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError) as error:
         raise CheckpointError(
             f"Could not download {repo_id} (offline, or the Hub is unreachable: {type(error).__name__}); "
@@ -102,7 +106,9 @@ def resolve(name: str | None = None, revision: str | None = None, token: str | N
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise CheckpointError(f"{path} is a file; --model needs the checkpoint folder (with modular_model_index.json).")
+            raise CheckpointError(
+                f"{path} is a file; --model needs the checkpoint folder (with modular_model_index.json)."
+            )
         check_layout(path)
         return ModelSource(name, path.resolve(), _builtin_marker(path))
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
@@ -134,7 +140,9 @@ def _class_for(folder: Path, name: str):
 
     index = json.loads((folder / "modular_model_index.json").read_text())
     if name not in index:
-        raise CheckpointError(f"{folder}/modular_model_index.json has no entry for {name}: the checkpoint is incomplete.")
+        raise CheckpointError(
+            f"{folder}/modular_model_index.json has no entry for {name}: the checkpoint is incomplete."
+        )
     library, class_name = index[name][0], index[name][1]
     module = {"diffusers": diffusers, "transformers": transformers}.get(library)
     if module is None or not hasattr(module, class_name):

@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available)")
     gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     gen.add_argument("--out", type=Path, default=Path("song.wav"), help="output .wav, .flac or .mp3 (320 kb/s)")
-    gen.add_argument("--subtype", default=None, help="sample format: PCM_16 (default), PCM_24, FLOAT (WAV only); not for .mp3")
+    gen.add_argument("--subtype", default=None,
+                     help="sample format: PCM_16 (default), PCM_24, FLOAT (WAV only); not for .mp3")
     gen.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
 

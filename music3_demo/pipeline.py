@@ -1,4 +1,4 @@
-"""Music3Pipeline: request -> prompt -> semantic frames -> flow chunks -> audio pieces, with events out and cancel in."""
+"""Music3Pipeline: request -> prompt -> semantic frames -> flow chunks -> audio pieces, events out, cancel in."""
 
 from __future__ import annotations
 

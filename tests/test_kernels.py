@@ -7,7 +7,7 @@ import os
 
 # Triton picks its CPU interpreter when it is first imported; tests/conftest.py switches it on before any test module
 # (or diffusers) imports it.
-assert os.environ.get("TRITON_INTERPRET") == "1", "run the CPU tests through pytest so conftest.py sets TRITON_INTERPRET"
+assert os.environ.get("TRITON_INTERPRET") == "1", "run the CPU tests through pytest: conftest.py sets TRITON_INTERPRET"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

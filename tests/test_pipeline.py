@@ -101,7 +101,9 @@ def test_song_that_hits_the_end_token_matches_diffusers(tmp_path):
 
 
 def test_seed_reproducible_and_seeds_differ(tiny_pipeline):
-    make = lambda seed: tiny_pipeline.generate(GenerationRequest("pop", "[verse]\nhi", duration=1.0, num_steps=2, seed=seed))
+    def make(seed: int):
+        return tiny_pipeline.generate(GenerationRequest("pop", "[verse]\nhi", duration=1.0, num_steps=2, seed=seed))
+
     a, b, other = make(5), make(5), make(6)
     assert np.array_equal(a.audio, b.audio) and a.seed == 5
     assert not np.array_equal(a.audio, other.audio)

@@ -12,10 +12,13 @@ from .reference import embed_audio_frame
 
 
 @torch.no_grad()
-def reference_teacher_forced(lm, depth, text_ids: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_teacher_forced(
+    lm, depth, text_ids: torch.Tensor, codes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """codes [steps, 8] -> (LM audio logits [steps, 2, 16385] float32, frames [steps - 1, 8 * hidden])."""
     audio_rows = torch.cat(
-        (torch.arange(c.AUDIO_CODE_OFFSET, c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE), torch.tensor([c.AUDIO_END_TOKEN_ID]))
+        (torch.arange(c.AUDIO_CODE_OFFSET, c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE),
+         torch.tensor([c.AUDIO_END_TOKEN_ID]))
     ).to(text_ids.device)
     cache = DynamicCache(config=lm.config)
     last = lm.model(inputs_embeds=lm.model.embed_tokens(text_ids), cache=cache, use_cache=True).last_hidden_state[:, -1]

@@ -1,4 +1,4 @@
-"""Finished songs on disk (WAV, FLAC, MP3, waveform picture) and the background cleaner that deletes them after a TTL."""
+"""Finished songs on disk (WAV, FLAC, MP3, waveform picture) and the background cleaner that deletes them at TTL."""
 
 from __future__ import annotations
 
