@@ -47,7 +47,7 @@ def measure_copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int 
 @dataclass(frozen=True)
 class BytesModel:
     lm: int  # LM blocks + final norm + the audio slice of lm_head
-    depth: int  # the projection once, then 7 passes of the depth blocks, 7 heads
+    depth: int  # the projection once, then 7 passes of the depth blocks (block 0's q|k|v once), 7 heads
     kv_per_position: int  # K and V of both CFG rows, all layers, one position
 
     def per_frame(self, mean_context: float) -> float:
@@ -65,6 +65,8 @@ def bytes_model(engine) -> BytesModel:
     passes = engine.num_codebooks - 1
     depth_blocks = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2) for b in engine.depth_blocks)
     depth = size(engine.projection) + passes * (depth_blocks + size(engine.depth_norm)) + size(engine.depth_heads_w)
+    # passes 2..7 read block 0's q|k|v of their code from a table: one row instead of the weight
+    depth -= (passes - 1) * (size(engine.depth_blocks[0].qkv) - size(engine.residual_qkv_tables[0, 0]))
     kv = len(engine.blocks) * 2 * 2 * engine.kv_heads * engine.head_dim * engine.audio_head.element_size()
     return BytesModel(lm, depth, kv)
 

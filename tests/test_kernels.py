@@ -350,12 +350,23 @@ def test_cfg_sample_forced_codes_end_flag_and_row_copy():
     end_flag = torch.tensor([2**31 - 1], dtype=torch.int32)
     table = _rand(vocab - 1, hidden, seed=16)
     dest = torch.zeros(4, hidden)
+    # A second table of another width and dtype (the depth decoder's block-0 q|k|v): 24 columns over 2 programs
+    # are 3 chunks of 4 each.
+    table2 = _rand(vocab - 1, 24, seed=17).half()
+    dest2 = torch.zeros(2, 24, dtype=torch.float16)
     five = torch.tensor([5], dtype=torch.int32)  # top-k lives on the device, like the scale
     cfg_sample(logits, torch.ones(vocab), torch.tensor([1.5]), five, history[:, 0], step, conditional_top_k=True,
-               step_stride=8, forced=forced[:, 0], end=(end_flag, vocab - 1), copy=(table, dest[1::2]),
-               copy_programs=2)
+               step_stride=8, forced=forced[:, 0], end=(end_flag, vocab - 1),
+               copies=((table, dest[1::2]), (table2, dest2)), copy_programs=2)
     assert history[2, 0] == vocab - 1 and int(end_flag) == 2
     assert torch.equal(dest[1], table[-1]) and torch.equal(dest[3], table[-1]) and not dest[0::2].any()
+    assert torch.equal(dest2, table2[-1].expand(2, 24))
+    with pytest.raises(ValueError, match="at most two tables with the same rows"):
+        cfg_sample(logits, torch.ones(vocab), torch.tensor([1.5]), five, history[:, 0], step, conditional_top_k=True,
+                   copies=((table, dest[1::2]), (table2[:-1], dest2)))
+    with pytest.raises(ValueError, match="split over 3 programs"):
+        cfg_sample(logits, torch.ones(vocab), torch.tensor([1.5]), five, history[:, 0], step, conditional_top_k=True,
+                   copies=((table, dest[1::2]),), copy_programs=3)
     step.fill_(3)
     forced[3, 0] = 4
     cfg_sample(logits, torch.ones(vocab), torch.tensor([1.5]), five, history[:, 0], step, conditional_top_k=True,

@@ -11,6 +11,8 @@ top-k codes, and then runs as a few min/count rounds over the surplus (the bisec
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -78,12 +80,23 @@ def _kth_largest_of_few_surplus(key, keep, top_k, SURPLUS: tl.constexpr = 16):
 
 
 @triton.jit
+def _copy_row(src, dest, stride_dest, c, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """Program c's CHUNKS chunks of CHUNK columns of a table row, into both rows of dest."""
+    for i in tl.static_range(CHUNKS):
+        cols = (c * CHUNKS + i) * CHUNK + tl.arange(0, CHUNK)
+        vals = tl.load(src + cols)
+        tl.store(dest + cols, vals)
+        tl.store(dest + stride_dest + cols, vals)
+
+
+@triton.jit
 def _cfg_sample_kernel(
     logits_ptr, stride_lr, stride_lc, noise_ptr, stride_nr, scale_ptr, top_k_ptr, V,
     codes_ptr, stride_cr, step_ptr, stride_cs, forced_ptr, end_ptr, end_index,
-    table_ptr, stride_t, table_rows, copy_ptr, stride_copy,
-    BLOCK_V: tl.constexpr, COPY_BLOCK: tl.constexpr, COND_TOPK: tl.constexpr, FORCED: tl.constexpr,
-    HAS_END: tl.constexpr, COPY: tl.constexpr, SHIFT: tl.constexpr,
+    table_rows, table_ptr, stride_t, copy_ptr, stride_copy, table2_ptr, stride_t2, copy2_ptr, stride_copy2,
+    BLOCK_V: tl.constexpr, COND_TOPK: tl.constexpr, FORCED: tl.constexpr, HAS_END: tl.constexpr,
+    COPIES: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNK2: tl.constexpr, CHUNKS2: tl.constexpr,
+    SHIFT: tl.constexpr,
 ):
     """Program (sample r, copy slice c). Every copy slice repeats the (cheap) selection so no program waits for
     another; they all reach the same code."""
@@ -118,13 +131,18 @@ def _cfg_sample_kernel(
     tl.store(codes_ptr + r * stride_cr + step * stride_cs, code)
     if HAS_END:
         tl.atomic_min(end_ptr, tl.where(code == end_index, step, 2147483647))
-    if COPY:
-        # The next position's input row (for both CFG rows): a precomputed projected embedding of this code.
-        row = tl.minimum(code, table_rows - 1).to(tl.int64)
-        cols = c * COPY_BLOCK + tl.arange(0, COPY_BLOCK)
-        vals = tl.load(table_ptr + row * stride_t + cols)
-        tl.store(copy_ptr + cols, vals)
-        tl.store(copy_ptr + stride_copy + cols, vals)
+    # What the next position needs of this code, precomputed per code (for both CFG rows): its input row, and for
+    # the depth decoder also block 0's q|k|v of it.
+    row = tl.minimum(code, table_rows - 1).to(tl.int64)
+    if COPIES >= 1:
+        _copy_row(table_ptr + row * stride_t, copy_ptr, stride_copy, c, CHUNK, CHUNKS)
+    if COPIES >= 2:
+        _copy_row(table2_ptr + row * stride_t2, copy2_ptr, stride_copy2, c, CHUNK2, CHUNKS2)
+
+
+def sample_warps(vocab: int) -> int:
+    """Warps of one sampling program: its rounds of whole-row reductions cross every warp."""
+    return 16 if vocab > 4096 else 4
 
 
 def cfg_sample(
@@ -139,7 +157,7 @@ def cfg_sample(
     step_stride: int = 0,
     forced: torch.Tensor | None = None,
     end: tuple[torch.Tensor, int] | None = None,
-    copy: tuple[torch.Tensor, torch.Tensor] | None = None,
+    copies: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (),
     copy_programs: int = 8,
 ) -> None:
     """Sample one code per CFG pair of logits ([2, V], or [R, 2, V] for R independent draws).
@@ -149,7 +167,8 @@ def cfg_sample(
     among the top_k of the conditional row with `conditional_top_k` (the LM's semantic code). noise: Exp(1) draws,
     [V] or [R, V]. The code goes to codes[r + step·step_stride] (step: int32 [1] on device); `forced` (same layout)
     overrides it (teacher forcing); `end` = (flag int32 [1], index) records the first step that sampled `index`;
-    `copy` = (table [rows, H], dest [2, H]) writes table[code] to both dest rows.
+    each of up to two `copies` (table [rows, W], dest [2, W]; tables with the same rows, codes past them read the
+    last) writes table[code] to both dest rows, split over `copy_programs` programs.
     """
     batched = logits.dim() == 3
     pairs = logits if batched else logits.unsqueeze(0)
@@ -158,18 +177,28 @@ def cfg_sample(
     noise2 = noise if noise.dim() == 2 else noise.unsqueeze(0)
     if pairs.stride(2) != 1 or noise2.stride(1) != 1 or noise2.shape[1] < vocab:
         raise ValueError("cfg_sample needs unit-stride logits and at least V noise values per draw")
-    table, dest = copy if copy is not None else (codes, codes)
-    hidden = table.shape[1] if copy is not None else copy_programs
-    programs = copy_programs if copy is not None else 1
+    if len(copies) > 2 or len({table.shape[0] for table, _ in copies}) > 1:
+        raise ValueError("cfg_sample copies from at most two tables with the same rows")
+    programs = copy_programs if copies else 1
+    chunking = []
+    for table, dest in copies:
+        width = table.shape[1]
+        if dest.shape != (2, width) or table.stride(1) != 1 or dest.stride(1) != 1 or width % programs:
+            raise ValueError(f"a copy needs dest [2, {width}] and rows that split over {programs} programs")
+        chunk = math.gcd(width // programs, 1024)  # a power of two: tl.arange's
+        chunking.append((table, table.stride(0), dest, dest.stride(0), chunk, width // programs // chunk))
+    while len(chunking) < 2:
+        chunking.append((codes, 0, codes, 0, 1, 0))
+    (table, stride_t, dest, stride_d, chunk, chunks), (table2, stride_t2, dest2, stride_d2, chunk2, chunks2) = chunking
     end_flag, end_index = end if end is not None else (codes, -1)
     _cfg_sample_kernel[(draws, programs)](
         pairs, pairs.stride(0), pairs.stride(1), noise2, noise2.stride(0) if draws > 1 else 0, scale, top_k, vocab,
         codes, 1, step, step_stride, codes if forced is None else forced, end_flag, end_index,
-        table, table.stride(0), table.shape[0], dest, dest.stride(0) if copy is not None else 0,
-        BLOCK_V=triton.next_power_of_2(vocab), COPY_BLOCK=hidden // programs,
-        COND_TOPK=conditional_top_k, FORCED=forced is not None, HAS_END=end is not None, COPY=copy is not None,
+        copies[0][0].shape[0] if copies else 1, table, stride_t, dest, stride_d, table2, stride_t2, dest2, stride_d2,
+        BLOCK_V=triton.next_power_of_2(vocab), COND_TOPK=conditional_top_k, FORCED=forced is not None,
+        HAS_END=end is not None, COPIES=len(copies), CHUNK=chunk, CHUNKS=chunks, CHUNK2=chunk2, CHUNKS2=chunks2,
         SHIFT=16 if pairs.dtype == torch.bfloat16 else 0,
-        num_warps=16 if vocab > 4096 else 4,
+        num_warps=sample_warps(vocab),
     )
 
 
