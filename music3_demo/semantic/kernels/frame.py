@@ -80,13 +80,11 @@ def _kth_largest_of_few_surplus(key, keep, top_k, SURPLUS: tl.constexpr = 16):
 
 
 @triton.jit
-def _copy_row(src, dest, stride_dest, c, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
-    """Program c's CHUNKS chunks of CHUNK columns of a table row, into both rows of dest."""
-    for i in tl.static_range(CHUNKS):
-        cols = (c * CHUNKS + i) * CHUNK + tl.arange(0, CHUNK)
-        vals = tl.load(src + cols)
-        tl.store(dest + cols, vals)
-        tl.store(dest + stride_dest + cols, vals)
+def _row_slice(c, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, PARTS: tl.constexpr):
+    """Program c's columns of a table row, CHUNKS chunks of CHUNK (as PARTS >= CHUNKS rows: a power of two), and the
+    mask of the real chunks."""
+    part = tl.arange(0, PARTS)
+    return (c * CHUNKS + part)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :], (part < CHUNKS)[:, None]
 
 
 @triton.jit
@@ -95,8 +93,8 @@ def _cfg_sample_kernel(
     codes_ptr, stride_cr, step_ptr, stride_cs, forced_ptr, end_ptr, end_index,
     table_rows, table_ptr, stride_t, copy_ptr, stride_copy, table2_ptr, stride_t2, copy2_ptr, stride_copy2,
     BLOCK_V: tl.constexpr, COND_TOPK: tl.constexpr, FORCED: tl.constexpr, HAS_END: tl.constexpr,
-    COPIES: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNK2: tl.constexpr, CHUNKS2: tl.constexpr,
-    SHIFT: tl.constexpr,
+    COPIES: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, PARTS: tl.constexpr, CHUNK2: tl.constexpr,
+    CHUNKS2: tl.constexpr, PARTS2: tl.constexpr, SHIFT: tl.constexpr,
 ):
     """Program (sample r, copy slice c). Every copy slice repeats the (cheap) selection so no program waits for
     another; they all reach the same code."""
@@ -134,10 +132,19 @@ def _cfg_sample_kernel(
     # What the next position needs of this code, precomputed per code (for both CFG rows): its input row, and for
     # the depth decoder also block 0's q|k|v of it.
     row = tl.minimum(code, table_rows - 1).to(tl.int64)
+    # Both rows' loads go out before any store (a store could alias a later load, so it would wait for it).
     if COPIES >= 1:
-        _copy_row(table_ptr + row * stride_t, copy_ptr, stride_copy, c, CHUNK, CHUNKS)
+        cols, real = _row_slice(c, CHUNK, CHUNKS, PARTS)
+        vals = tl.load(table_ptr + row * stride_t + cols, mask=real)
     if COPIES >= 2:
-        _copy_row(table2_ptr + row * stride_t2, copy2_ptr, stride_copy2, c, CHUNK2, CHUNKS2)
+        cols2, real2 = _row_slice(c, CHUNK2, CHUNKS2, PARTS2)
+        vals2 = tl.load(table2_ptr + row * stride_t2 + cols2, mask=real2)
+    if COPIES >= 1:
+        tl.store(copy_ptr + cols, vals, mask=real)
+        tl.store(copy_ptr + stride_copy + cols, vals, mask=real)
+    if COPIES >= 2:
+        tl.store(copy2_ptr + cols2, vals2, mask=real2)
+        tl.store(copy2_ptr + stride_copy2 + cols2, vals2, mask=real2)
 
 
 def sample_warps(vocab: int) -> int:
@@ -188,7 +195,7 @@ def cfg_sample(
         chunk = math.gcd(width // programs, 1024)  # a power of two: tl.arange's
         chunking.append((table, table.stride(0), dest, dest.stride(0), chunk, width // programs // chunk))
     while len(chunking) < 2:
-        chunking.append((codes, 0, codes, 0, 1, 0))
+        chunking.append((codes, 0, codes, 0, 1, 1))
     (table, stride_t, dest, stride_d, chunk, chunks), (table2, stride_t2, dest2, stride_d2, chunk2, chunks2) = chunking
     end_flag, end_index = end if end is not None else (codes, -1)
     _cfg_sample_kernel[(draws, programs)](
@@ -196,7 +203,8 @@ def cfg_sample(
         codes, 1, step, step_stride, codes if forced is None else forced, end_flag, end_index,
         copies[0][0].shape[0] if copies else 1, table, stride_t, dest, stride_d, table2, stride_t2, dest2, stride_d2,
         BLOCK_V=triton.next_power_of_2(vocab), COND_TOPK=conditional_top_k, FORCED=forced is not None,
-        HAS_END=end is not None, COPIES=len(copies), CHUNK=chunk, CHUNKS=chunks, CHUNK2=chunk2, CHUNKS2=chunks2,
+        HAS_END=end is not None, COPIES=len(copies), CHUNK=chunk, CHUNKS=chunks, PARTS=triton.next_power_of_2(chunks),
+        CHUNK2=chunk2, CHUNKS2=chunks2, PARTS2=triton.next_power_of_2(chunks2),
         SHIFT=16 if pairs.dtype == torch.bfloat16 else 0,
         num_warps=sample_warps(vocab),
     )
