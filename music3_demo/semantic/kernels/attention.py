@@ -19,18 +19,11 @@ from . import pdl_enter, pdl_launch
 
 
 @triton.jit
-def _load_heads(src, rows, valid, d, D: tl.constexpr):
-    """The [R, D] heads at src + rows·D, and the same rows rotated by half a head (rotary's partner lanes)."""
+def _norm_rope(src, rows, valid, d, gain_ptr, cos, sin, eps, D: tl.constexpr, dtype: tl.constexpr):
+    """Per-head RMSNorm then rotary of the [R, D] heads at src + rows·D (HF's bf16 rounding at each step)."""
     partner = (d + D // 2) % D
     x = tl.load(src + rows[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     x_p = tl.load(src + rows[:, None] * D + partner[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    return x, x_p
-
-
-@triton.jit
-def _norm_rope(x, x_p, d, gain_ptr, cos, sin, eps, D: tl.constexpr, dtype: tl.constexpr):
-    """Per-head RMSNorm then rotary of heads from `_load_heads` (HF's bf16 rounding at each step)."""
-    partner = (d + D // 2) % D
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     xn = ((x * rstd[:, None]).to(dtype).to(tl.float32) * tl.load(gain_ptr + d).to(tl.float32)[None, :])
     xp = ((x_p * rstd[:, None]).to(dtype).to(tl.float32) * tl.load(gain_ptr + partner).to(tl.float32)[None, :])
@@ -69,54 +62,51 @@ def _decode_attn_kernel(
 ):
     """Program (row·kv-head, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context;
     the last of the SPLITS programs to finish combines them. The heads come raw from the q|k|v GEMV: each program
-    normalises and rotates its queries and the current position's key, which (with its value) it uses from registers;
-    the program whose split holds the current position also writes them into the cache for later launches."""
+    normalises and rotates its queries, and the one whose split holds the current position also writes that
+    position's key and value into the cache before reading them back."""
     if PDL:
         pdl_enter()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // KVH
     h = bh % KVH
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
-    j = tl.arange(0, BLOCK)
-    dtype = k_ptr.dtype.element_ty
-    # The raw heads do not depend on the position: their loads go out first.
-    heads = qkv_ptr + b * stride_qkv
-    q_x, q_xp = _load_heads(heads, h * GROUP + g, g < GROUP, d, D)
-    one = tl.zeros([1], tl.int32)
-    k_x, k_xp = _load_heads(heads, one + GROUP * KVH + h, one == 0, d, D)
-    v_new = tl.load(heads + (GROUP * KVH + KVH + h) * D + d)
     pos = tl.load(pos_ptr)
     length = pos + 1
     per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
     start = split * per_split
     end = tl.minimum(start + per_split, length)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    j = tl.arange(0, BLOCK)
+    dtype = k_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
     sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
-    q = _norm_rope(q_x, q_xp, d, q_norm_ptr, cos, sin, eps, D, dtype)
-    k_new = _norm_rope(k_x, k_xp, d, k_norm_ptr, cos, sin, eps, D, dtype)
+    heads = qkv_ptr + b * stride_qkv
+    q = _norm_rope(heads, h * GROUP + g, g < GROUP, d, q_norm_ptr, cos, sin, eps, D, dtype)
     k_base = k_ptr + b * stride_cb + h * stride_ch
     v_base = v_ptr + b * stride_cb + h * stride_ch
-    if (start <= pos) & (pos < end):  # for later launches: this one takes them from registers
+    if (start <= pos) & (pos < end):
+        one = tl.zeros([1], tl.int32)
+        k_new = _norm_rope(heads, one + GROUP * KVH + h, one == 0, d, k_norm_ptr, cos, sin, eps, D, dtype)
+        v_new = tl.load(heads + (GROUP * KVH + KVH + h) * D + d)
         tl.store(k_base + pos.to(tl.int64) * stride_cs + d[None, :], k_new)
         tl.store(v_base + pos.to(tl.int64) * stride_cs + d, v_new)
+        tl.debug_barrier()  # the loop below reads them back from the cache
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
     for j0 in range(start, end, BLOCK):
         cols = j0 + j
         live = cols < end
-        current = (cols == pos)[:, None]
         offs = cols.to(tl.int64)[:, None] * stride_cs + d[None, :]
-        k = tl.where(current, k_new, tl.load(k_base + offs, mask=live[:, None], other=0.0))
+        k = tl.load(k_base + offs, mask=live[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(live[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.where(current, v_new[None, :], tl.load(v_base + offs, mask=live[:, None], other=0.0))
+        v = tl.load(v_base + offs, mask=live[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     row = bh * GROUP + g  # == b * H + h * GROUP + g
