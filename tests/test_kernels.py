@@ -326,6 +326,22 @@ def test_cfg_sample_when_every_conditional_logit_ties(top_k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cfg_sample_treats_minus_zero_as_zero_at_the_conditional_threshold(dtype):
+    vocab, top_k, scale = 8, 3, 1.5
+    cond = torch.tensor([3.0, 2.0, 0.0, -0.0, -1.0, -2.0, -3.0, -4.0])  # the 3rd largest is 0.0, tied with -0.0
+    logits = torch.stack([cond, torch.zeros(vocab)]).to(dtype)
+    ranked = reference_semantic_logits(logits.float(), torch.zeros(vocab, dtype=torch.bool), scale, top_k)[0]
+    kept = ranked > float("-inf")
+    assert kept.tolist() == [True] * 4 + [False] * 4  # the reference's `values < threshold` keeps -0.0
+    noise = torch.ones(vocab, vocab)
+    noise.fill_diagonal_(1e-30)  # draw j wins at j whenever j is a candidate
+    codes = torch.full((vocab,), -1, dtype=torch.int32)
+    cfg_sample(logits.expand(vocab, 2, vocab), noise, torch.tensor([scale]), torch.tensor([top_k], dtype=torch.int32),
+               codes, torch.zeros(1, dtype=torch.int32), conditional_top_k=True)
+    assert torch.equal(codes.long(), torch.where(kept, torch.arange(vocab), torch.zeros(vocab, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("conditional", [True, False])
 def test_cfg_sample_with_top_k_beyond_the_vocabulary_keeps_every_code(conditional, dtype):
     vocab = 50

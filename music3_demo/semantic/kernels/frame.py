@@ -41,8 +41,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float
 @triton.jit
 def _ordered_key(values, valid, SHIFT: tl.constexpr):
     """float32 -> int32 with the same order (invalid lanes below all), less SHIFT low bits that are zero in every
-    value (16 for values that came from bf16: the sign flip of negatives sets them, the shift drops them again)."""
+    value (16 for values that came from bf16: the sign flip of negatives sets them, the shift drops them again).
+    -0.0 gets +0.0's key: the reference's float compares treat them as equal."""
     bits = values.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 is the sign bit alone
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT
     return tl.where(valid, key, -2147483648)
 
