@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from . import contract as c
-from . import flow_fast
 from .checkpoint import (
     CheckpointError,
     ModelSource,
@@ -74,6 +73,8 @@ class Music3Pipeline:
         # share one shape, replay a captured graph of the guided DiT step.
         self.velocity_graphs = None
         if device.type == "cuda" and self.separate_flow_rng:
+            from . import flow_fast  # Triton's kernels: imported only here, so the CPU path never needs Triton
+
             flow_fast.install(components["transformer"])
             self.velocity_graphs = VelocityGraphs(components["transformer"], (full_chunk_latents(components),))
 
