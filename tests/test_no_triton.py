@@ -67,3 +67,15 @@ def test_cli_example_without_triton(no_triton_env, tiny_folder, tmp_path):
     assert "triton" not in result.stderr.lower()
     info = sf.info(str(out))
     assert (info.samplerate, info.channels) == (44100, 2) and info.frames > 0
+
+
+def test_ci_checks_the_quick_start_from_requirements_txt_alone():
+    """.ci/run runs the fresh-install check before the README's test command, and that check installs what the
+    README's first command installs and runs the app and the CLI on the tiny model."""
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    check = ci_lines.index("bash scripts/check_fresh_install.sh")
+    assert ci_lines.index("source .venv/bin/activate") > check  # before the dev venv exists
+    script = (ROOT / "scripts" / "check_fresh_install.sh").read_text()
+    assert '-m pip install -q --no-compile -r requirements.txt' in script and "requirements-dev" not in script
+    assert "-m music3_demo generate --model tiny" in script and "app.py --model tiny" in script
