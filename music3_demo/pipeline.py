@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from . import contract as c
-from . import flow_fast
 from .checkpoint import (
     CheckpointError,
     ModelSource,
@@ -20,13 +19,14 @@ from .checkpoint import (
     load_components,
     resolve,
 )
-from .events import AudioPiece, Event, Finished, Progress, Song
-from .flow import FlowSettings, FlowStream
-from .flow_graph import VelocityGraphs
-from .flow_worker import FlowWorker, progress_from_step
+from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
+from .flow import dit_fused
+from .flow.dit_graph import VelocityGraphs
+from .flow.stream import FlowSettings, FlowStream
+from .flow.worker import FlowWorker, progress_from_step
 from .prompt import count_prompt_tokens, tokenize
 from .request import GenerationRequest, InvalidRequest, validate
-from .semantic import Cancelled, SamplingSettings, SemanticEngine, check_cancel, resolve_engine_name
+from .semantic import SamplingSettings, SemanticEngine, resolve_engine_name
 
 __all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest"]
 
@@ -74,7 +74,7 @@ class Music3Pipeline:
         # share one shape, replay a captured graph of the guided DiT step.
         self.velocity_graphs = None
         if device.type == "cuda" and self.separate_flow_rng:
-            flow_fast.install(components["transformer"])
+            dit_fused.install(components["transformer"])
             self.velocity_graphs = VelocityGraphs(components["transformer"], (full_chunk_latents(components),))
 
     @classmethod

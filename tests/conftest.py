@@ -16,9 +16,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_folder():
-    from music3_demo import builtin
+    from music3_demo import random_models
 
-    return builtin.tiny_checkpoint()
+    return random_models.tiny_checkpoint()
 
 
 @pytest.fixture(scope="session")

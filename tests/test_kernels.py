@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from music3_demo import builtin  # noqa: E402
+from music3_demo import random_models  # noqa: E402
 from music3_demo import contract as c  # noqa: E402
 from music3_demo.semantic import resolve_engine_name  # noqa: E402
 from music3_demo.semantic.kernels import (  # noqa: E402
@@ -392,7 +392,7 @@ def test_cfg_sample_forced_codes_end_flag_and_row_copy():
 
 @pytest.fixture(scope="module")
 def tiny_models():
-    components = builtin.build_components(builtin.TINY, seed=0)
+    components = random_models.build_components(random_models.TINY, seed=0)
     return components["language_model"], components["rvq_depth_decoder"]
 
 
@@ -463,7 +463,7 @@ def test_graph_engine_song_through_a_wrapping_frame_ring_equals_teacher_forcing(
 
 
 def test_bench_bytes_model_counts_the_engines_weights_and_cache(tiny_models):
-    from music3_demo.bench import bytes_model
+    from music3_demo.bench.semantic import bytes_model
     from music3_demo.semantic.graph import GraphEngine
 
     lm, depth = tiny_models

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from .. import contract as c
 from ..fused_weights import fuse_rows
-from . import SamplingSettings, check_cancel
+from ..events import check_cancel
+from . import SamplingSettings
 from .kernels import (
     AttentionScratch,
     GemvWorkspace,

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..events import Event
-from ..holder import ModelHolder
 from ..request import GenerationRequest
 from .gpu import on_gpu
+from .holder import ModelHolder
 
 _DONE = object()
 _ids = itertools.count(1)

@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from music3_demo import builtin
-from music3_demo.bench import random_prompt
+from music3_demo import random_models
+from music3_demo.bench.semantic import random_prompt
 from music3_demo.semantic import Cancelled, SamplingSettings
 from music3_demo.semantic.graph import AUDIO_CODES, GraphEngine
 from music3_demo.semantic.kernels import cfg_sample
@@ -24,14 +24,14 @@ DEVICE = torch.device("cuda")
 END = AUDIO_CODES - 1  # the end token's index in the engine's audio logits
 
 
-def _models(sizes: builtin.ModelSizes, seed: int = 0):
-    components = builtin.build_components(sizes, seed=seed, device=DEVICE, dtype=torch.bfloat16)
+def _models(sizes: random_models.ModelSizes, seed: int = 0):
+    components = random_models.build_components(sizes, seed=seed, device=DEVICE, dtype=torch.bfloat16)
     return components["language_model"], components["rvq_depth_decoder"]
 
 
 @pytest.fixture(scope="module")
 def full():
-    lm, depth = _models(builtin.FULL)
+    lm, depth = _models(random_models.FULL)
     engine = GraphEngine(lm, depth, DEVICE)
     yield lm, depth, engine
     engine.release()
@@ -202,7 +202,7 @@ def test_cancel_stops_within_a_few_frames_and_the_engine_recovers(full):
 
 
 MID = dataclasses.replace(
-    builtin.FULL, hidden=1024, lm_layers=4, lm_heads=8, lm_kv_heads=2, lm_intermediate=3072, depth_layers=2,
+    random_models.FULL, hidden=1024, lm_layers=4, lm_heads=8, lm_kv_heads=2, lm_intermediate=3072, depth_layers=2,
     depth_heads=4, depth_intermediate=1536, dit_layers=2, dit_ff=1024,
 )
 

@@ -14,8 +14,8 @@ from typing import Iterator
 
 import torch
 
-from .events import Progress
-from .flow import FlowStream, Piece
+from ..events import Progress
+from .stream import FlowStream, Piece
 
 _FINISH = object()
 _DONE = object()

@@ -17,9 +17,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import contract as c
-from .flow_graph import VelocityGraphs
-from .semantic import check_cancel
+from .. import contract as c
+from ..events import check_cancel
+from .dit_graph import VelocityGraphs
 
 
 @dataclass(frozen=True)
