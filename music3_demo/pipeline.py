@@ -20,8 +20,7 @@ from .checkpoint import (
     resolve,
 )
 from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
-from .flow import dit_fused
-from .flow.dit_graph import VelocityGraphs
+from . import flow as flow_stage
 from .flow.stream import FlowSettings, FlowStream
 from .flow.worker import FlowWorker, progress_from_step
 from .prompt import count_prompt_tokens, tokenize
@@ -70,12 +69,7 @@ class Music3Pipeline:
             self.engine.text_embeddings_to_host()
         self.overlap = self.engine.separate_flow_rng if overlap is None else overlap
         self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
-        # The fast flow path (CUDA, fast engines): fused q|k|v + one-launch rotary in the DiT, and full chunks, which
-        # share one shape, replay a captured graph of the guided DiT step.
-        self.velocity_graphs = None
-        if device.type == "cuda" and self.separate_flow_rng:
-            dit_fused.install(components["transformer"])
-            self.velocity_graphs = VelocityGraphs(components["transformer"], (full_chunk_latents(components),))
+        self.velocity_graphs = flow_stage.prepare(components, device, fast=self.separate_flow_rng)
 
     @classmethod
     def from_pretrained(
@@ -221,18 +215,6 @@ class Music3Pipeline:
         )
         emit(Finished(song))
         return song
-
-
-def full_chunk_latents(components: dict) -> int:
-    """Latent length of a full 200-frame chunk (689 for the released checkpoint's rates)."""
-    config = components["condition_encoder"].config
-    return int(
-        c.CHUNK_FRAMES
-        * config.output_sampling_rate
-        / config.input_sampling_rate
-        * config.input_hop_length
-        / config.output_hop_length
-    )
 
 
 def sampling_for(request: GenerationRequest) -> SamplingSettings:

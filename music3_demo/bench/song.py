@@ -16,7 +16,8 @@ from .. import contract as c
 from .. import random_models
 from ..checkpoint import ModelSource
 from ..events import AudioPiece, Event, Progress
-from ..pipeline import Music3Pipeline, full_chunk_latents
+from ..flow.stream import FlowSettings, FlowStream, full_chunk_latents
+from ..pipeline import Music3Pipeline
 from ..request import GenerationRequest
 
 SONG_PROMPT = "energetic synth-pop, 124 BPM, A minor, female vocals, punchy drums, big chorus"
@@ -76,8 +77,6 @@ def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_S
 
 def time_flow_chunk(pipeline: Music3Pipeline, steps: int = c.DEFAULT_STEPS, repeats: int = 3) -> dict:
     """A full chunk's denoise + vocode alone on the GPU (nothing overlapping), graphed vs eager batch-2."""
-    from ..flow.stream import FlowSettings, FlowStream
-
     device = pipeline.device
     hidden = pipeline.components["language_model"].config.hidden_size
     frames = torch.randn(c.CHUNK_FRAMES, 8 * hidden, device=device, dtype=torch.bfloat16)
