@@ -14,7 +14,9 @@ import torch
 from music3_demo import random_models
 from music3_demo.bench.semantic import random_prompt
 from music3_demo.semantic import Cancelled, SamplingSettings
-from music3_demo.semantic.graph import AUDIO_CODES, GraphEngine
+from music3_demo.semantic.config import GraphConfig
+from music3_demo.semantic.graph import GraphEngine
+from music3_demo.semantic.state import AUDIO_CODES
 from music3_demo.semantic.kernels import cfg_sample
 from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 from music3_demo.semantic.sampling import guide, reference_semantic_logits
@@ -197,7 +199,7 @@ def test_cancel_stops_within_a_few_frames_and_the_engine_recovers(full):
     with pytest.raises(Cancelled):
         for block in songs:
             got += block.shape[0]
-    assert got <= (GraphEngine.IN_FLIGHT + 2) * GraphEngine.REPLAY_BLOCK
+    assert got <= (GraphConfig().in_flight + 2) * GraphConfig().replay_block
     assert _song(engine, text_ids, 10, seed=2).shape[0] <= 10
 
 

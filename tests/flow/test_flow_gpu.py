@@ -10,8 +10,7 @@ import torch
 
 from music3_demo.bench.song import full_size_pipeline
 from music3_demo.events import AudioPiece, Cancelled, Progress
-from music3_demo.flow.stream import ChunkDenoiser, FlowSettings
-from music3_demo.pipeline import full_chunk_latents
+from music3_demo.flow.stream import ChunkDenoiser, FlowSettings, full_chunk_latents
 from music3_demo.request import GenerationRequest
 
 pytestmark = pytest.mark.gpu
