@@ -23,6 +23,7 @@ import torch
 from .. import contract as c
 from ..checkpoint import build_random_full, load_components, resolve
 from ..semantic import SamplingSettings, SemanticEngine
+from ..versions import installed_version, untested_warnings
 
 WARMUP_FRAMES = 16
 
@@ -245,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": _commit(),
+        "transformers": installed_version("transformers"),
+        "untested_versions": untested_warnings(),
         "model": args.model,
         "dtype": "bfloat16",
         "frames": args.frames,
@@ -261,10 +264,26 @@ def main(argv: list[str] | None = None) -> int:
         from .song import bench_song
 
         report["song"] = bench_song(args.song, args.reference_song, torch.device("cuda"), args.memory_song)
+    return finish(report, args.output)
+
+
+def failed_checks(report: dict) -> list[str]:
+    """The engines whose teacher-forced check failed: their speed measures a wrong function."""
+    return [name for name, check in report.get("teacher_forced_check", {}).items() if not check["ok"]]
+
+
+def finish(report: dict, output: str | None) -> int:
+    """Print (and write) the JSON, then the exit status: 1 when any teacher-forced check failed, so that a script or
+    CI step running the bench cannot take a wrong engine's numbers for a result."""
     text = json.dumps(report, indent=1)
     print(text)
-    if args.output:
-        with open(args.output, "w") as handle:
+    if output:
+        with open(output, "w") as handle:
             handle.write(text + "\n")
+    failed = failed_checks(report)
+    if failed:
+        print(f"teacher-forced check failed for {', '.join(failed)}: the engine disagrees with the reference "
+              "computation (see max_relative_error_vs_bf16_reference above)", file=sys.stderr)
+        return 1
     return 0
 
