@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from .devices import on_device
 from .events import Progress
 from .flow import FlowStream, Piece
 
@@ -65,9 +66,10 @@ class FlowWorker:
         self._inbox.put(_FINISH)
 
     def _run(self) -> None:
+        # A new thread starts with device 0 current: Triton kernels (the DiT's fused launches) would run from there.
         context = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         try:
-            with context, torch.no_grad():
+            with on_device(self.device), context, torch.no_grad():
                 while True:
                     item = self._inbox.get()
                     if self.abort.is_set():
