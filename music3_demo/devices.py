@@ -11,8 +11,12 @@ memory.
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Iterator
 
 import torch
+
+_entered = threading.local()  # per thread, the devices entered through on_device (innermost last)
 
 
 class DeviceMismatch(RuntimeError):
@@ -27,10 +31,24 @@ def normalize(device: str | torch.device) -> torch.device:
     return device
 
 
-def on_device(device: torch.device | str) -> contextlib.AbstractContextManager:
-    """Make `device` the current CUDA device for the block (a no-op off CUDA)."""
+@contextlib.contextmanager
+def on_device(device: torch.device | str) -> Iterator[None]:
+    """Make `device` the current CUDA device for the block (off CUDA only `entered_device` changes)."""
     device = torch.device(device)
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    stack = _entered.__dict__.setdefault("stack", [])
+    stack.append(device)
+    try:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            yield
+    finally:
+        stack.pop()
+
+
+def entered_device() -> torch.device | None:
+    """The device of this thread's innermost on_device block (None outside any): lets CPU tests stand in for the
+    current CUDA device, which a new thread does not inherit either."""
+    stack = getattr(_entered, "stack", None)
+    return stack[-1] if stack else None
 
 
 def launch_device(device_type: str) -> torch.device:

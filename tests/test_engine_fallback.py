@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -53,6 +54,43 @@ def test_a_launch_from_another_device_is_refused_with_a_sentence(monkeypatch):
     engine, record = make_engine(lm, depth, "cpu", "auto", allow_interpreter=True)
     assert record.name == "reference" and engine.name == "reference"
     assert "could not start on cpu (DeviceMismatch:" in record.fallback_reason
+
+
+def test_the_engine_enters_its_own_device_from_any_thread(monkeypatch):
+    """CUDA semantics stood in for on CPU: a thread is on the engine's device only inside on_device(), as a new
+    thread on a GPU is on device 0 until it enters its own. Called from fresh threads (the app's runners, the
+    holder's preload), the engine must get past its device check to its first kernel launch (forced to fail here,
+    so the test stays fast), and launching without entering the device is refused."""
+    from triton.runtime.errors import OutOfResources
+
+    from music3_demo.semantic.graph import GraphEngine
+
+    monkeypatch.setattr(devices, "launch_device",
+                        lambda device_type: devices.entered_device() or torch.device("cuda", 0))
+    engine_faults.compile_error(monkeypatch.setattr)
+    engine = GraphEngine(*_tiny_models(), "cpu", attention_splits=2)
+    text_ids, codes = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)
+    calls = {
+        "teacher_forced": lambda: engine.teacher_forced(text_ids, codes),
+        "frames": lambda: list(engine.frames(text_ids, 1, SamplingSettings(), torch.Generator())),
+    }
+    for name, call in calls.items():
+        raised = []
+
+        def run(call=call) -> None:
+            try:
+                call()
+            except BaseException as error:  # noqa: BLE001 - checked on the test's thread
+                raised.append(error)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        assert len(raised) == 1 and isinstance(raised[0], OutOfResources), (name, raised)
+    with pytest.raises(devices.DeviceMismatch, match="on cpu but cuda:0 is the current device"):
+        devices.check_launch_device(torch.device("cpu"), "This test")
+    with devices.on_device("cpu"):
+        devices.check_launch_device(torch.device("cpu"), "This test")
 
 
 def test_a_kernel_that_cannot_launch_falls_back_to_the_reference_engine(monkeypatch):

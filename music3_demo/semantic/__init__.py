@@ -76,4 +76,4 @@ def resolve_engine_name(engine: str, device: torch.device, allow_interpreter: bo
     return engine
 
 
-from .setup import EngineRecord, EngineUnavailable, make_engine  # noqa: E402
+from .setup import EngineRecord, EngineUnavailable, make_engine  # noqa: E402, F401 - the set-up API, re-exported

@@ -20,7 +20,7 @@ import torch
 
 from .. import contract as c
 from ..devices import normalize, on_device
-from . import SamplingSettings, SemanticEngine, graph_on_cpu_allowed, resolve_engine_name
+from . import SamplingSettings, SemanticEngine, resolve_engine_name
 
 log = logging.getLogger("music3_demo.engine")
 
@@ -108,7 +108,7 @@ def _try_graph(lm, depth, device: torch.device, check_steps: int):
         finally:
             check_s = time.perf_counter() - started
     except Exception as error:  # noqa: BLE001 - any failure to build or run the fast engine means: do not use it
-        log.exception("the graph engine could not start on %s", device)
+        log.info("the graph engine could not start on %s", device, exc_info=True)  # the traceback, for the log
         failure = f"The fast graph engine could not start on {device} ({_one_line(error)})."
     if failure is not None and graph is not None:
         graph.release()
