@@ -14,10 +14,21 @@ from typing import Iterator, Protocol
 import torch
 
 from .. import contract as c
+from ..events import Cancelled, check_cancel  # re-exported: they live with the events (cancel in)
 
-
-class Cancelled(Exception):
-    """Raised inside generation when the caller's cancel event is set."""
+__all__ = [
+    "Cancelled",
+    "ENGINE_NAMES",
+    "EngineRecord",
+    "EngineUnavailable",
+    "GRAPH_ON_CPU_ENV",
+    "SamplingSettings",
+    "SemanticEngine",
+    "check_cancel",
+    "graph_on_cpu_allowed",
+    "make_engine",
+    "resolve_engine_name",
+]
 
 
 @dataclass(frozen=True)
@@ -42,11 +53,6 @@ class SemanticEngine(Protocol):
     ) -> Iterator[torch.Tensor]:
         """Yield blocks of frame hiddens, [n, num_codebooks * hidden], in order, until the end token or max_frames."""
         ...
-
-
-def check_cancel(cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise Cancelled()
 
 
 ENGINE_NAMES = ("auto", "reference", "graph")
@@ -76,4 +82,4 @@ def resolve_engine_name(engine: str, device: torch.device, allow_interpreter: bo
     return engine
 
 
-from .setup import EngineRecord, EngineUnavailable, make_engine  # noqa: E402, F401 - the set-up API, re-exported
+from .setup import EngineRecord, EngineUnavailable, make_engine  # noqa: E402 - needs the names above

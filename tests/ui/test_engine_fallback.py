@@ -24,7 +24,7 @@ from app_server import running_app  # noqa: E402
 from gradio_client import Client  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
-from music3_demo import builtin, devices  # noqa: E402
+from music3_demo import devices, random_models  # noqa: E402
 from music3_demo.request import GenerationRequest  # noqa: E402
 from music3_demo.semantic import EngineUnavailable, SamplingSettings, make_engine, setup  # noqa: E402
 
@@ -33,7 +33,7 @@ NO_SHARED_MEMORY = "OutOfResources: out of resource: shared memory"
 
 
 def _tiny_models():
-    components = builtin.build_components(builtin.TINY, seed=0)
+    components = random_models.build_components(random_models.TINY, seed=0)
     return components["language_model"], components["rvq_depth_decoder"]
 
 

@@ -1,6 +1,6 @@
 """Failures forced into the fast engine's set-up, for the fallback tests on CPU (the graph engine runs there under
 Triton's interpreter): in-process through pytest's monkeypatch, or in a real subprocess (the app, the CLI) through
-tests/faults/sitecustomize.py, which applies the fault named in $MUSIC3_TEST_FAULT at interpreter start-up."""
+tests/ui/faults/sitecustomize.py, which applies the fault named in $MUSIC3_TEST_FAULT at interpreter start-up."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 FAULT_ENV = "MUSIC3_TEST_FAULT"
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 
 SetAttr = Callable[[object, str, object], None]
 
@@ -54,7 +54,7 @@ def subprocess_env(fault: str | None) -> dict[str, str]:
 
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1", TRITON_INTERPRET="1")
     env[GRAPH_ON_CPU_ENV] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS / "faults"), str(TESTS), str(ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE / "faults"), str(HERE), str(ROOT)])
     if fault:
         env[FAULT_ENV] = fault
     return env
