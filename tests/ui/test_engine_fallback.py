@@ -177,7 +177,7 @@ def _fault_env(monkeypatch, fault: str) -> None:
 
 def test_app_serves_songs_with_the_reference_engine_and_says_why(monkeypatch, tmp_path, tiny_folder):
     _fault_env(monkeypatch, "compile")
-    with running_app(tmp_path) as server:
+    with running_app(tmp_path, ready_timeout=900) as server:
         client = Client(server.url, verbose=False)
         status = client.predict(api_name="/status")
         assert status["engine"] == "reference"
@@ -191,11 +191,11 @@ def test_app_serves_songs_with_the_reference_engine_and_says_why(monkeypatch, tm
 
 def test_app_refuses_to_load_when_graph_was_asked_for_and_cannot_start(monkeypatch, tmp_path, tiny_folder):
     _fault_env(monkeypatch, "compile")
-    with running_app(tmp_path, "--engine", "graph", wait_for=("failed",)) as server:
+    with running_app(tmp_path, "--engine", "graph", wait_for=("failed",), ready_timeout=900) as server:
         client = Client(server.url, verbose=False)
         status = client.predict(api_name="/status")
         assert status["state"] == "failed" and status["engine"] is None
         assert status["error"].startswith(f"The fast graph engine could not start on cpu ({NO_SHARED_MEMORY}")
         assert "--engine auto" in status["error"]
         with pytest.raises(AppError, match="could not start on cpu"):
-            client.predict(description="lofi", lyrics="", duration=1.0, num_steps=2, api_name="/generate")
+            client.predict(description="lofi", lyrics="[verse]\nla", duration=1.0, num_steps=2, api_name="/generate")
