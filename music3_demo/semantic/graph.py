@@ -44,6 +44,7 @@ from .kernels import (
     rmsnorm,
 )
 from .kernels.frame import NO_END
+from .kernels.tuning import Tuning, tuning_for
 
 try:  # optional: FlashAttention-2 for the prefill; SDPA otherwise
     from flash_attn import flash_attn_func as _flash_attn_func
@@ -141,7 +142,8 @@ class _State:
         self.scale = torch.ones(1, device=dev, dtype=torch.float32)
         self.top_k = torch.ones(1, device=dev, dtype=torch.int32)
         self.gemv_workspace = GemvWorkspace(dev)  # sized by the warm-up step that precedes every capture
-        self.tail_scratch = TailScratch(dev)  # chained block tails: grid barrier and RMSNorm partial sums
+        # chained block tails: grid barrier and RMSNorm partial sums, one program per SM at most
+        self.tail_scratch = TailScratch(dev, e.tuning.programs)
 
 
 class GraphEngine:
@@ -162,6 +164,7 @@ class GraphEngine:
         pdl: bool | None = None,
         attention_splits: int = 16,
         chain: bool | None = None,
+        tuning: Tuning | None = None,
     ) -> None:
         device = torch.device(device)
         if device.type != "cuda" and not interpreting():
@@ -169,6 +172,8 @@ class GraphEngine:
                 "The graph engine needs a CUDA GPU; use the reference engine (--engine reference or auto) here."
             )
         self.device = device
+        # Kernel tile configs for this device's GPU (kernels/tuning.py: its measured table, else the heuristic).
+        self.tuning = tuning or tuning_for(device)
         self.language_model = language_model
         self.depth_decoder = depth_decoder
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
@@ -531,8 +536,10 @@ class GraphEngine:
         (no later kernel reads a bf16 copy of h: each stack's first q|k|v and its final norm read h)."""
         if self.chain:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
+            qkv_rows = following.qkv.shape[0] if following is not None else 16
+            config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows)
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
-                       self._state.tail_scratch, next_qkv=next_qkv)
+                       self._state.tail_scratch, next_qkv=next_qkv, config=config)
             return
         self._gemv(attn, block.o, h, residual=h, out_copy=h16)
         self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True)
@@ -541,7 +548,8 @@ class GraphEngine:
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, **epilogue) -> None:
         # Split-K products share one workspace in stream order, which PDL's overlapping kernels would break.
         workspace = None if self.pdl else self._state.gemv_workspace
-        gemv(x, weight, out, pdl=self.pdl, workspace=workspace, **epilogue)
+        config = self.tuning.gemv(x.shape[0], *weight.shape, swiglu=epilogue.get("swiglu", False))
+        gemv(x, weight, out, pdl=self.pdl, workspace=workspace, config=config, **epilogue)
 
     # ------------------------------------------------------------------ host loop
     def _replay(
