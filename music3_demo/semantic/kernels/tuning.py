@@ -5,9 +5,9 @@ scripts/tune_gemv.py (its "gemv" section) and scripts/tune_tail.py (its "tail" s
 `tuning_for(device)` once, for the device it runs on, and passes the result to its launches; nothing is read at
 import time and nothing comes from the environment. The choice, most specific first:
 1. the table measured on this GPU model (its name as the driver reports it, and its architecture);
-2. else a table measured on the same architecture, then on the same architecture family (major version), keeping
-   only its entries that are valid here (TMA only from Hopper on, shared memory within this GPU's per-block limit);
-3. else (and for every shape a table leaves out) the heuristic: `linear.default_config` and
+2. else a table measured on the same architecture, then on the same architecture family (major version), of which
+   only the entries valid here are used (TMA only from Hopper on, shared memory within this GPU's per-block limit);
+3. else (and for every shape a table leaves out or is not valid here) the heuristic: `linear.default_config` and
    `tail.default_tail_config`, shrunk to this GPU's shared memory.
 The chained tail's grid barrier needs all its programs resident at once: `Tuning.programs` is at most the device's
 SM count (read at run time, so a MIG slice or a cut-down card gets its own number).
@@ -95,17 +95,18 @@ def props_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def shared_bytes(cfg: GemvConfig) -> int:
-    """Shared memory of a GEMV or tail product's pipeline: num_stages buffers of the weight tile and the 16-row
-    activation tile (2-byte elements). An upper bound of what Triton allocates (checked by the compile test), plus
-    4 KB for the layout conversions of the tail's epilogue, which run inside its k-loop."""
-    return cfg.num_stages * (cfg.block_n + 16) * cfg.block_k * 2 + 4 * KB
+def shared_bytes(cfg: GemvConfig, x_bytes: int = 2) -> int:
+    """Shared memory of a GEMV or tail product's pipeline, an upper bound of what Triton allocates (the compile test
+    checks it on every architecture): num_stages buffers of the bf16 weight tile and the 16-row activation tile
+    (elements of `x_bytes`), and 4 KB for barriers and the layout conversions of the tail's epilogue, which run
+    inside its k-loop."""
+    return cfg.num_stages * (cfg.block_n * 2 + 16 * x_bytes) * cfg.block_k + 4 * KB
 
 
-def fit_shared(cfg: GemvConfig, limit: int) -> GemvConfig:
+def fit_shared(cfg: GemvConfig, limit: int, x_bytes: int = 2) -> GemvConfig:
     """`cfg` with as much of its pipeline kept as fits in `limit` bytes: fewer stages down to 3, then shorter K
     tiles down to 64, then narrower row blocks (a power of two stays a divisor of what it divided), then 2 stages."""
-    while shared_bytes(cfg) > limit:
+    while shared_bytes(cfg, x_bytes) > limit:
         if cfg.num_stages > 3:
             cfg = replace(cfg, num_stages=cfg.num_stages - 1)
         elif cfg.block_k > 64:
@@ -132,26 +133,30 @@ class Tuning:
     tail_table: dict[tuple, TailConfig] = field(default_factory=dict)
     source: str = "heuristic"  # the table file the entries came from
 
-    def valid(self, cfg: GemvConfig) -> bool:
+    def valid(self, cfg: GemvConfig, x_bytes: int = 2) -> bool:
         """Whether a tuned config can run on this device (entries of another GPU's table may not)."""
         target = self.target
-        return target is not None and (target.tma or not cfg.tma) and shared_bytes(cfg) <= target.shared_per_block
+        return target is not None and (target.tma or not cfg.tma) and (
+            shared_bytes(cfg, x_bytes) <= target.shared_per_block)
 
-    def gemv(self, m: int, n: int, k: int, swiglu: bool = False) -> GemvConfig:
+    def gemv(self, m: int, n: int, k: int, swiglu: bool = False, x_bytes: int = 2) -> GemvConfig:
+        """The config of `gemv` for x [m, k] (elements of `x_bytes`) and a weight [n, k]."""
         tuned = (swiglu and self.gemv_table.get((m, n, k, "swiglu"))) or self.gemv_table.get((m, n, k))
-        if tuned is not None:
+        if tuned is not None and self.valid(tuned, x_bytes):
             return tuned
         cfg = linear.default_config(m, n, k, swiglu)
-        return cfg if self.target is None else fit_shared(cfg, self.target.shared_per_block)
+        return cfg if self.target is None else fit_shared(cfg, self.target.shared_per_block, x_bytes)
 
     def tail(self, hidden: int, attn: int, gate_up: int, qkv: int) -> TailConfig:
+        """The config of `block_tail` (`qkv`: the next block's q|k|v rows, 16 without one). Its products run one
+        after another, so each alone must fit; their inputs are bf16."""
         tuned = self.tail_table.get((hidden, attn, gate_up, qkv))
-        if tuned is not None:
+        if tuned is not None and all(self.valid(c) for c in _tail_products(tuned)):
             return tuned
         if self.target is None:
             return tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cpu"))
         cfg = tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cuda"))
-        limit = self.target.shared_per_block  # the products run one after another: each alone must fit
+        limit = self.target.shared_per_block
         return TailConfig(*(fit_shared(c, limit) for c in _tail_products(cfg)), num_warps=cfg.num_warps,
                           prefetch=cfg.prefetch)
 
@@ -164,7 +169,7 @@ class Tuning:
 
 def tuning_for(device: torch.device | str, path: str | Path | None = None) -> Tuning:
     """The tuning of `device`: see the module docstring. `path` names a table file to use instead of the packaged
-    ones (a tuning run's output), still filtered to what is valid on the device."""
+    ones (a tuning run's output); its entries too are used only where valid on the device."""
     device = torch.device(device)
     if device.type != "cuda":
         return Tuning()
@@ -181,14 +186,10 @@ def tuning_for_target(target: Target, path: str | Path | None = None) -> Tuning:
         by_family = [p for p in tables if _capability(p) // 10 == target.capability // 10 and p.name != target.slug
                      and p not in by_arch]
         candidates = [p for p in tables if p.name == target.slug] + by_arch + by_family
-    for candidate in candidates:
+    for candidate in candidates:  # the first table found; its entries not valid here are skipped at lookup
         gemv_table, tail_table = load_table(candidate)
-        tuning = Tuning(target, source=str(candidate))
-        gemv_table = {key: cfg for key, cfg in gemv_table.items() if tuning.valid(cfg)}
-        tail_table = {key: cfg for key, cfg in tail_table.items()
-                      if all(tuning.valid(c) for c in _tail_products(cfg))}
         if gemv_table or tail_table:
-            return replace(tuning, gemv_table=gemv_table, tail_table=tail_table)
+            return Tuning(target, gemv_table, tail_table, source=str(candidate))
     return Tuning(target)
 
 
