@@ -79,6 +79,7 @@ class Compiled:
     shared: int
     registers: int
     seconds: float
+    x_bytes: int  # element size of the activation operand (x_ptr), where the kernel has one
 
 
 def full_size_engine(tuning: Tuning):
@@ -194,8 +195,9 @@ def compile_launch(launch: Launch, capability: int) -> Compiled:
     with _stand_in(capability):
         kernel = launch.fn.preload(launch.spec)
     seconds = _cpu_seconds() - start
+    x_type = json.loads(launch.spec)["signature"].get("x_ptr", "")
     return Compiled(launch.name, launch.constants, kernel.metadata.num_warps, kernel.metadata.num_stages,
-                    kernel.metadata.shared, registers(kernel.asm["cubin"]), seconds)
+                    kernel.metadata.shared, registers(kernel.asm["cubin"]), seconds, 4 if x_type == "*fp32" else 2)
 
 
 def _cpu_seconds() -> float:
@@ -230,19 +232,21 @@ def check(capability: int, name: str, sms: int, everything: bool = False) -> dic
     tuning, launches = record_launches(target)
     kernels = [compile_launch(launch, capability) for launch in (launches if everything else ci_set(launches,
                                                                                                    capability))]
-    problems = []
+    problems, residency = [], []
     for k in kernels:
         if k.shared > target.shared_per_block:
             problems.append(f"{k.kernel} needs {k.shared} B of shared memory, sm_{capability} allows "
                             f"{target.shared_per_block}")
         if k.kernel == "_block_tail_kernel" and k.constants.get("SYNC"):
             resident = programs_per_sm(k, target) * sms
+            residency.append(resident)
             if tuning.programs > resident:
                 problems.append(f"the chained tail's {tuning.programs} programs exceed the {resident} resident "
                                 f"on {sms} SMs")
     return {
         "capability": capability, "gpu": name, "sms": sms, "shared_per_block": target.shared_per_block,
         "tma": target.tma, "table": tuning.source, "tail_programs": tuning.programs,
+        "tail_resident": min(residency, default=0),
         "kernels": [k.__dict__ for k in kernels], "problems": problems,
         "compile_s": round(sum(k.seconds for k in kernels), 1),
     }
