@@ -162,12 +162,13 @@ GENERATION = {86: 80, 89: 80}
 # Constants that only select a subset of the same code (a tail without the next block's q|k|v, a teacher-forced
 # sample) or shift offsets and masks (rows, cached depth positions): variants that differ only in them need no
 # separate compile in the CI set (the full set, --all, compiles them all).
-MINOR = {"_block_tail_kernel": {"M", "HAS_NEXT"}, "_cfg_sample_kernel": {"FORCED", "COPIES"},
-         "_depth_attn_kernel": {"BASE"}}
+MINOR = {"_block_tail_kernel": {"M", "HAS_NEXT", "Q", "BN_Q", "BK_Q", "ST_Q", "TMA_Q", "PF_Q"},
+         "_cfg_sample_kernel": {"FORCED", "COPIES"}, "_depth_attn_kernel": {"BASE"}}
 
 
 def ci_set(launches: list[Launch], capability: int) -> list[Launch]:
-    """The launches that cover every distinct kernel specialisation of this architecture (see FIXED, MINOR)."""
+    """The launches that cover every distinct kernel specialisation of this architecture (see FIXED, MINOR). The
+    first launch of each kind is the fullest (a stack's first tail has a next block, the first sample copies)."""
     chosen, seen = [], set()
     for launch in launches:
         if launch.name in FIXED and GENERATION.get(capability, capability) != capability:
