@@ -17,6 +17,7 @@ from music3_demo.semantic.kernels.tuning import SHARED_MEMORY, shared_bytes
 ROOT = Path(__file__).resolve().parents[1]
 # Two halves of about equal compile time (CI has two cores); each process builds the meta model once.
 GROUPS = (("80", "86", "89", "120"), ("90", "100"))
+TIMEOUT = 600  # seconds per process (about 90 on two idle cores)
 
 
 def _compile(tmp_path: Path) -> list[dict]:
@@ -26,7 +27,7 @@ def _compile(tmp_path: Path) -> list[dict]:
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for group in GROUPS]
     reports = []
     for run in runs:
-        out, err = run.communicate(timeout=600)
+        out, err = run.communicate(timeout=TIMEOUT)
         assert run.returncode == 0, err[-3000:]
         reports += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return reports
