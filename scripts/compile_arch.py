@@ -6,7 +6,7 @@ No GPU and no weights: the engine is built over the random-full model's modules 
 frame (sampled and teacher-forced) with Triton's launcher pointed at a stand-in driver for the target; each launch is
 recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with Triton's own compiler for
 `GPUTarget("cuda", capability, 32)`. The configs are those `kernels/tuning.py` chooses for that architecture.
-tests/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
+tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
 
 Run (TRITON_INTERPRET must be unset): python scripts/compile_arch.py 86 90 [--sms 82] [--name "NVIDIA H200"]
 """
@@ -84,12 +84,12 @@ class Compiled:
 
 def full_size_engine(tuning: Tuning):
     """The graph engine over the random-full model's language model and depth decoder, on the meta device."""
-    from music3_demo import builtin
+    from music3_demo import random_models
     from music3_demo.semantic import graph
 
     if not _MODELS:  # built once per process (the engine fuses their weights again for each architecture)
         with torch.device("meta"):
-            models = builtin._make_models(builtin.FULL)
+            models = random_models._make_models(random_models.FULL)
         _MODELS.update(lm=models["language_model"].to(torch.bfloat16),
                        depth=models["rvq_depth_decoder"].to(torch.bfloat16))
     lm, depth = _MODELS["lm"], _MODELS["depth"]

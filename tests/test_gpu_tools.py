@@ -57,7 +57,7 @@ def test_every_tuned_tail_config_comes_from_a_swept_shape_and_splits_its_rows():
 def test_bench_engine_names_map_to_graph_engine_options():
     import pytest
 
-    from music3_demo.bench import graph_variant, main
+    from music3_demo.bench.semantic import graph_variant, main
 
     assert graph_variant("graph") == {"pdl": False, "chain": None}  # the engine's default
     assert graph_variant("graph-pdl-s8") == {"pdl": True, "chain": None, "attention_splits": 8}

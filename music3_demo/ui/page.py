@@ -9,7 +9,7 @@ from functools import partial
 import gradio as gr
 
 from ..events import AudioPiece
-from ..semantic import Cancelled
+from ..events import Cancelled
 from . import assets
 from .api import GPU_GROUP, add_api
 from .controls import (

@@ -13,8 +13,8 @@ The chained tail's grid barrier needs all its programs resident at once: `Tuning
 SM count (read at run time, so a MIG slice or a cut-down card gets its own number).
 
 Limits per architecture are the CUDA programming guide's (shared memory per block with opt-in, per SM); on a GPU the
-per-block limit is read from the driver as Triton's launcher checks it. tests/test_arch_compile.py compiles every
-kernel the engine launches for each architecture and checks these numbers and `shared_bytes` against Triton's.
+per-block limit is read from the driver as Triton's launcher checks it. tests/semantic/test_arch_compile.py compiles
+every kernel the engine launches for each architecture and checks these numbers and `shared_bytes` against Triton's.
 """
 
 from __future__ import annotations

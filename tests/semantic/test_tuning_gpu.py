@@ -1,5 +1,5 @@
 """GPU: the tuning chosen for the device it runs on (kernels/tuning.py) agrees with what the driver reports, and the
-heuristic chosen for the other architectures (what tests/test_arch_compile.py compiles) runs and matches torch here."""
+heuristic chosen for the other architectures (what test_arch_compile.py compiles) runs and matches torch here."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from music3_demo.semantic.kernels.linear import GemvConfig
 from music3_demo.semantic.kernels.tuning import SHARED_MEMORY, shared_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Two halves of about equal compile time (CI has two cores); each process builds the meta model once.
 GROUPS = (("80", "86", "89", "120"), ("90", "100"))
 TIMEOUT = 600  # seconds per process (about 90 on two idle cores)
