@@ -43,6 +43,7 @@ from .kernels import (
     pdl_supported,
     rmsnorm,
 )
+from .kernels.tuning import Tuning, tuning_for
 from .state import AUDIO_CODES, EngineState, prefill, round_up
 from .weights import Block, EngineWeights
 
@@ -79,6 +80,7 @@ class GraphEngine(EngineWeights):
         attention_splits: int | None = None,
         chain: bool | None = None,
         config: GraphConfig | None = None,
+        tuning: Tuning | None = None,
     ) -> None:
         """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits` and `chain`, when
         given, override its fields."""
@@ -88,6 +90,8 @@ class GraphEngine(EngineWeights):
                 "The graph engine needs a CUDA GPU; use the reference engine (--engine reference or auto) here."
             )
         self.device = device
+        # Kernel tile configs for this device's GPU (kernels/tuning.py: its measured table, else the heuristic).
+        self.tuning = tuning or tuning_for(device)
         self.language_model = language_model
         self.depth_decoder = depth_decoder
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
@@ -323,8 +327,10 @@ class GraphEngine(EngineWeights):
         (no later kernel reads a bf16 copy of h: each stack's first q|k|v and its final norm read h)."""
         if self.chain:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
+            qkv_rows = following.qkv.shape[0] if following is not None else 16
+            config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows)
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
-                       self._state.tail_scratch, next_qkv=next_qkv)
+                       self._state.tail_scratch, next_qkv=next_qkv, config=config)
             return
         self._gemv(attn, block.o, h, residual=h, out_copy=h16)
         self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True)
@@ -333,7 +339,8 @@ class GraphEngine(EngineWeights):
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, **epilogue) -> None:
         # Split-K products share one workspace in stream order, which PDL's overlapping kernels would break.
         workspace = None if self.pdl else self._state.gemv_workspace
-        gemv(x, weight, out, pdl=self.pdl, workspace=workspace, **epilogue)
+        config = self.tuning.gemv(x.shape[0], *weight.shape, epilogue.get("swiglu", False), x.element_size())
+        gemv(x, weight, out, pdl=self.pdl, workspace=workspace, config=config, **epilogue)
 
     # ------------------------------------------------------------------ host loop
     def _replay(
