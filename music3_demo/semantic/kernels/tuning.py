@@ -98,9 +98,9 @@ def props_index(device: torch.device) -> int:
 def shared_bytes(cfg: GemvConfig, x_bytes: int = 2) -> int:
     """Shared memory of a GEMV or tail product's pipeline, an upper bound of what Triton allocates (the compile test
     checks it on every architecture): num_stages buffers of the bf16 weight tile and the 16-row activation tile
-    (elements of `x_bytes`), and 4 KB for barriers and the layout conversions of the tail's epilogue, which run
-    inside its k-loop."""
-    return cfg.num_stages * (cfg.block_n * 2 + 16 * x_bytes) * cfg.block_k + 4 * KB
+    (elements of `x_bytes`), and 8 KB for barriers and the layout conversions of the tail's epilogue, which run
+    inside its k-loop (Hopper and Blackwell keep all num_stages buffers; Ampere and sm_120 one fewer)."""
+    return cfg.num_stages * (cfg.block_n * 2 + 16 * x_bytes) * cfg.block_k + 8 * KB
 
 
 def fit_shared(cfg: GemvConfig, limit: int, x_bytes: int = 2) -> GemvConfig:
