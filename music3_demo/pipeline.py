@@ -86,6 +86,7 @@ class Music3Pipeline:
         dtype: torch.dtype | None = None,
         revision: str | None = None,
         token: str | None = None,
+        overlap: bool | None = None,
     ) -> "Music3Pipeline":
         device = torch.device(device) if device is not None else default_device()
         resolve_engine_name(engine, device)  # fail before a long load
@@ -95,7 +96,7 @@ class Music3Pipeline:
             components = build_random_full(device, dtype)
         else:
             components = load_components(source.folder, device, dtype)
-        return cls(components, source, device, engine)
+        return cls(components, source, device, engine, overlap)
 
     @property
     def tokenizer(self):
@@ -118,12 +119,12 @@ class Music3Pipeline:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def warm(self) -> None:
+    def warm(self) -> Song:
         """Pay the one-off costs (kernel selection, semantic and flow graph capture, allocator growth) with a
         throw-away song, so the first real song does not. On CUDA the song is long enough for one full flow chunk,
         whose guided DiT step is then captured here rather than inside a user's song."""
         seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
-        self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0, instrumental=True))
+        return self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0, instrumental=True))
 
     def _generators(self, seed: int) -> tuple[torch.Generator, torch.Generator]:
         if not self.separate_flow_rng:
