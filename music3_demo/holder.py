@@ -143,7 +143,7 @@ class ModelHolder:
                 self._preloading = False
 
         self._preloading = True
-        self._phase = f"starting to load {self.model}"
+        self._phase = "starting"
         if not background:
             load_all()
             return None

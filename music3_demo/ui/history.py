@@ -55,7 +55,9 @@ def add_entry(history: list[dict] | None, outcome: Outcome, limit: int) -> list[
 
 def files_alive(entry: dict, root: Path) -> bool:
     """Whether the entry's files still exist in the store (and are the store's: never serve another path)."""
-    for key in ("wav", "flac", "mp3"):
+    for key in ("wav", "flac", "mp3", "waveform"):
+        if key == "waveform" and not entry.get(key):
+            continue  # entries from before the picture was kept
         path = Path(str(entry.get(key, ""))).resolve()
         if not path.is_relative_to(root.resolve()) or not path.is_file():
             return False

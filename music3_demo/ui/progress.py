@@ -12,9 +12,8 @@ from collections.abc import Callable
 
 from .. import contract as c
 from ..events import Progress
-from ..speed import Speed
 from ..holder import LOAD_PHASES
-from ..speed import flowed_frames
+from ..speed import Speed, flowed_frames
 from .runner import Phase
 
 # gr.Progress signature: (progress, desc=None, total=None, unit="steps")
@@ -57,7 +56,8 @@ class StageTracker:
         elif event.stage == "vocoder":
             self.phase, self.vocoder = None, True
 
-    def description(self) -> str:
+    def description(self, semantic_eta: bool = True) -> str:
+        """The stage line; `semantic_eta=False` leaves out the semantic stage's ETA (the page shows the song's)."""
         if self.phase is not None:
             waited = time.monotonic() - self._phase_started
             label = "Loading model: " if self._load_step() is not None else ""
@@ -68,7 +68,7 @@ class StageTracker:
             text = f"Semantic {s.done}/{s.total} frames"
             if s.rate:
                 text += f" · {s.rate:.1f} frames/s"
-            if s.eta is not None and s.done < s.total:
+            if semantic_eta and s.eta is not None and s.done < s.total:
                 text += f" · ETA {_seconds(s.eta)}"
             parts.append(text)
         if self.flow is not None:
@@ -130,17 +130,7 @@ class StageTracker:
     def page_html(self, elapsed_s: float) -> str:
         """Stage line, a bar, total time since Generate was pressed and the ETA of the whole song."""
         fraction = self.fraction()
-        if self._load_step() is None and self.semantic is not None:
-            s = self.semantic
-            lines = [f"Semantic {s.done}/{s.total} frames" + (f" · {s.rate:.1f} frames/s" if s.rate else "")]
-            if self.flow is not None:
-                chunk = min(self.flow.done // self.steps + 1, self.chunks_total)
-                lines.append(f"Flow chunk {chunk}/{self.chunks_total}")
-            if self.vocoder:
-                lines.append("Vocoder")
-            line = " │ ".join(lines)
-        else:
-            line = self.description()
+        line = self.description(semantic_eta=False)
         eta = self.song_eta()
         times = f"{_clock(elapsed_s)} elapsed" + (f" · about {_seconds(eta)} to go" if eta is not None else "")
         percent = 100 * fraction[0] / max(fraction[1], 1) if fraction else 0
