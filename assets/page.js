@@ -37,14 +37,18 @@
       const text = filler.closest(".m3-reuse")
         ? "✓ Settings and seed of that song filled in: press Generate to make it again."
         : `✓ Filled in from the example “${filler.innerText.trim()}”: press Generate.`;
+      // Instant, and once more after the form has re-rendered with its new text (a smooth scroll gets cut short by
+      // that re-layout).
+      const toForm = () => $("#form")?.scrollIntoView({ block: "start" });
       setTimeout(() => {
         const form = $("#form");
         if (!form) return;
-        form.scrollIntoView({ behavior: "smooth", block: "start" });
+        toForm();
         form.classList.add("m3-flash");
         setTimeout(() => form.classList.remove("m3-flash"), 1600);
         toast(text);
       }, 150);
+      setTimeout(toForm, 600);
       return;
     }
     if (event.target.closest("#generate")) {

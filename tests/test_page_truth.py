@@ -22,7 +22,8 @@ DESKTOP = {"width": 1440, "height": 900}
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    with running_app(tmp_path_factory.mktemp("truth")) as server:  # preloaded, as `python app.py` does
+    # Preloaded, as `python app.py` does (a generous start-up limit: the warm-up song is slow on a busy machine).
+    with running_app(tmp_path_factory.mktemp("truth"), ready_timeout=900) as server:
         yield server
 
 
