@@ -78,8 +78,8 @@ def _summary(entry: dict, alive: bool) -> str:
     minutes, seconds = divmod(entry["duration_s"], 60)
     made = time.strftime("%d %b %H:%M", time.localtime(entry["created"]))
     kind = "instrumental" if entry["instrumental"] else "song"
-    line = (f"**{escape_markdown(str(entry['title']))}**  \n{int(minutes)}:{seconds:04.1f} {kind} · seed `{entry['seed']}` "
-            f"· made {made}")
+    title = escape_markdown(str(entry["title"]))
+    line = f"**{title}**  \n{int(minutes)}:{seconds:04.1f} {kind} · seed `{entry['seed']}` · made {made}"
     return line if alive else line + " · *the files have expired on the server*"
 
 
