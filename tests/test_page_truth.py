@@ -8,7 +8,7 @@ import time
 
 import pytest
 from app_server import ARTIFACTS, running_app
-from test_ui_browser import CHROMIUM, CHROMIUM_ARGS, set_number, wait_text
+from test_ui_browser import CHROMIUM, browser, set_number, wait_text  # noqa: F401 - `browser` is a fixture
 
 from music3_demo import contract as c
 from music3_demo.events import AudioPiece, Progress
@@ -25,17 +25,6 @@ def app(tmp_path_factory):
     # Preloaded, as `python app.py` does (a generous start-up limit: the warm-up song is slow on a busy machine).
     with running_app(tmp_path_factory.mktemp("truth"), ready_timeout=900) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def browser(app):
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")
