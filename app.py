@@ -53,10 +53,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per internal HTTP request is noise
+    from music3_demo.versions import untested_warnings
+
+    for line in untested_warnings():
+        logging.warning(line)
 
     import torch
 
-    from music3_demo.holder import ModelHolder, default_devices
+    from music3_demo.ui.holder import ModelHolder, default_devices
     from music3_demo.semantic import resolve_engine_name
     from music3_demo.ui import AppContext, build_ui, launch_options
     from music3_demo.ui.gpu import spaces_available

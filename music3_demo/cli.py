@@ -13,6 +13,7 @@ from .checkpoint import CheckpointError, default_model
 from .events import AudioPiece, Event, Progress
 from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import ENGINE_NAMES
+from .versions import untested_warnings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,6 +108,8 @@ def generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    for line in untested_warnings():
+        print(f"warning: {line}", file=sys.stderr)
     try:
         return generate(args)
     except (InvalidRequest, CheckpointError, ValueError) as error:

@@ -1,6 +1,7 @@
 """The reference computation under teacher forcing: the same steps as ReferenceEngine (HF LM with a DynamicCache,
 the depth decoder re-run over its whole prefix), with given codes in place of sampled ones. The oracle for the graph
-engine's `teacher_forced` (GPU tests, and the bench's sanity check of the engine it times)."""
+engine's `teacher_forced` (GPU tests, and the bench's sanity check of the engine it times). It lives in the
+semantic stage, not in bench/, because the engine's load-time self-check runs it too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from .. import contract as c
-from .reference import embed_audio_frame
+from .reference import embed_audio_frame, lm_forward
 
 
 @torch.no_grad()
@@ -21,7 +22,7 @@ def reference_teacher_forced(
          torch.tensor([c.AUDIO_END_TOKEN_ID]))
     ).to(text_ids.device)
     cache = DynamicCache(config=lm.config)
-    last = lm.model(inputs_embeds=lm.model.embed_tokens(text_ids), cache=cache, use_cache=True).last_hidden_state[:, -1]
+    last = lm_forward(lm, lm.model.embed_tokens(text_ids), cache)
     vocab = depth.config.audio_vocab_size
     logits, frames = [], []
     for step, step_codes in enumerate(codes.to(text_ids.device)):
@@ -34,8 +35,7 @@ def reference_teacher_forced(
             sequence.append(depth.projection(depth.audio_embeddings(pair[:, index] + (index - 1) * vocab)))
         if step > 0:
             frames.append(torch.cat([last[:1]] + hiddens, dim=-1))
-        last = lm.model(inputs_embeds=embed_audio_frame(lm, depth, pair), cache=cache, use_cache=True)
-        last = last.last_hidden_state[:, -1]
+        last = lm_forward(lm, embed_audio_frame(lm, depth, pair), cache)
     return torch.stack(logits), torch.cat(frames)
 
 

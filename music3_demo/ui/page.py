@@ -20,9 +20,8 @@ from functools import partial
 import gradio as gr
 
 from .. import contract as c
-from ..events import AudioPiece
+from ..events import AudioPiece, Cancelled
 from ..request import GenerationRequest
-from ..semantic import Cancelled
 from . import assets
 from .api import GPU_GROUP, add_api
 from .controls import (

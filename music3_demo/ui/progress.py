@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 from .. import contract as c
 from ..events import Progress
-from ..holder import LOAD_PHASES
-from ..speed import Speed, flowed_frames
+from .speed import Speed, flowed_frames
+from .holder import LOAD_PHASES
 from .runner import Phase
 
 # gr.Progress signature: (progress, desc=None, total=None, unit="steps")

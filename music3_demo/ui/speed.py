@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import contract as c
+from .. import contract as c
 
 
 def flowed_frames(frames: int) -> int:
