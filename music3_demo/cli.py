@@ -89,6 +89,8 @@ def generate(args: argparse.Namespace) -> int:
                                               engine=args.engine, revision=args.revision)
     if pipeline.source.notice:
         print(f"note: {pipeline.source.notice}", file=sys.stderr)
+    if pipeline.engine_record.fallback_reason:
+        print(f"note: {pipeline.engine_record.fallback_reason}", file=sys.stderr)
     show = _progress_printer(args.quiet)
     writer = AudioFileWriter(args.out, c.SAMPLE_RATE, subtype=args.subtype)
     try:
