@@ -72,6 +72,7 @@ class Music3Pipeline:
         dtype: torch.dtype | None = None,
         revision: str | None = None,
         token: str | None = None,
+        overlap: bool | None = None,
         allow_interpreter: bool | None = None,
     ) -> "Music3Pipeline":
         device = normalize(device) if device is not None else normalize(default_device())
@@ -83,7 +84,7 @@ class Music3Pipeline:
                 components = build_random_full(device, dtype)
             else:
                 components = load_components(source.folder, device, dtype)
-        return cls(components, source, device, engine, allow_interpreter=allow_interpreter)
+        return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter)
 
     @property
     def tokenizer(self):
@@ -106,12 +107,12 @@ class Music3Pipeline:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def warm(self) -> None:
+    def warm(self) -> Song:
         """Pay the one-off costs (kernel selection, semantic and flow graph capture, allocator growth) with a
         throw-away song, so the first real song does not. On CUDA the song is long enough for one full flow chunk,
         whose guided DiT step is then captured here rather than inside a user's song."""
         seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
-        self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0, instrumental=True))
+        return self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0, instrumental=True))
 
     def _generators(self, seed: int) -> tuple[torch.Generator, torch.Generator]:
         if not self.separate_flow_rng:

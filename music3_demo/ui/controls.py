@@ -34,6 +34,12 @@ document.addEventListener("focusout", (e) => {
 """
 
 
+# Each slider's name as validate() words it: the page says "<name> must be between …" when a typed number is clamped.
+FIELD_NAMES = {"duration": "Duration (seconds)", "guidance": "Guidance scale", "steps": "Steps",
+               "lm-cfg": "LM CFG scale", "top-k": "Top-k"}
+FIELD_NAMES_JS = f"<script>window.M3_FIELDS = {json.dumps(FIELD_NAMES)};</script>"
+
+
 def insert_tag_js(tag: str) -> str:
     """Client-side: put `[tag]` on its own line at the caret (a blank line before it when text precedes)."""
     return f"""(lyrics) => {{
@@ -102,7 +108,8 @@ def build_controls() -> Controls:
         num_steps = gr.Slider(c.MIN_STEPS, c.MAX_STEPS, value=DEFAULTS["num_steps"], step=1, label="Steps",
                               info="Denoising steps: fewer is faster, more is cleaner", elem_id="steps")
     with gr.Row(elem_classes="m3-seed-row"):
-        seed = gr.Number(label="Seed", value=0, precision=0, scale=3, elem_id="seed")
+        # No rounding here: 1.5 reaches validate(), which says a seed is a whole number (precision=0 would make it 2).
+        seed = gr.Number(label="Seed", value=0, scale=3, minimum=None, elem_id="seed")
         with gr.Column(scale=2, min_width=180):
             random_seed = gr.Checkbox(label="New random seed each time", value=DEFAULTS["random_seed"],
                                       elem_id="random-seed")

@@ -92,12 +92,14 @@ def wav_bytes(samples: np.ndarray, sample_rate: int) -> bytes:
 
 
 def run(
-    ctx: AppContext, request: GenerationRequest, session: str | None, progress: ProgressFn
+    ctx: AppContext, request: GenerationRequest, session: str | None, progress: ProgressFn,
+    tracker: StageTracker | None = None,
 ) -> Iterator[AudioPiece | Outcome | None]:
-    """Run one song: yields audio pieces, the Outcome once it is saved, and `None` on ticks (see runner.py)."""
+    """Run one song: yields audio pieces, the Outcome once it is saved, and `None` on ticks (see runner.py).
+    `tracker`: the caller's, to draw its own progress from (the page); else a new one reporting to `progress`."""
     job = Job(ctx.holder, request, ctx.registry)
     ctx.registry.start(session, job)
-    tracker = StageTracker(request.duration, request.num_steps)
+    tracker = tracker or StageTracker(request.duration, request.num_steps)
     tracker.report(progress, force=True)
     events = job.events(ctx.tick)
     song: Song | None = None

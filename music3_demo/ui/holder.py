@@ -21,6 +21,7 @@ from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
 from ..devices import on_device
 from ..events import Cancelled
 from ..semantic import EngineUnavailable
+from .speed import Speed
 
 if TYPE_CHECKING:  # the pipeline (diffusers, transformers) is imported on first load, not when the page is built
     from ..pipeline import Music3Pipeline
@@ -90,12 +91,14 @@ class ModelHolder:
         self._error: str | None = None
         self._loading: dict[str, float] = {}  # device -> when its load began
         self.loads = 0  # completed loads (one per device in a healthy process: the status endpoint shows it)
+        self._preloading = False  # preload() was asked for and has not ended: the page says "loading" at once
+        self.speeds: dict[str, Speed] = {}  # device -> measured at warm-up, refined by every finished song
 
     # ---- status -------------------------------------------------------------------------------------------------
     def status(self) -> HolderStatus:
         loaded = [slot.pipeline for slot in self._slots if slot.pipeline is not None]
         loading = dict(self._loading)
-        if loading:
+        if loading or (self._preloading and not loaded and self._error is None):
             state = "loading"
         elif loaded:
             state = "ready"
@@ -140,12 +143,16 @@ class ModelHolder:
         """Load on every device now (in a thread, so the page opens while it loads)."""
 
         def load_all() -> None:
-            for slot in self._slots:
-                try:
+            try:
+                for slot in self._slots:
                     self._ensure_loaded(slot, None)
-                except Exception:  # noqa: BLE001 - remembered in status and raised again to the next request
-                    return
+            except Exception:  # noqa: BLE001 - remembered in status and raised again to the next request
+                return
+            finally:
+                self._preloading = False
 
+        self._preloading = True
+        self._phase = "starting"
         if not background:
             load_all()
             return None
@@ -183,14 +190,18 @@ class ModelHolder:
                 self._set_phase(f"{LOAD_PHASES[1]} {self.model} onto {slot.device}", on_phase)
                 target = str(source.folder) if source.folder is not None else source.name
                 with on_device(slot.device):  # this thread (preload, a request's runner) may have another current
-                    pipeline = Music3Pipeline.from_pretrained(target, device=slot.device, engine=self.engine)
+                    # overlap: the flow stage on its own thread (and stream) while frames are made, so songs stream
+                    # on the CPU too. With the reference engine that means per-stage generators: the app's songs are
+                    # deterministic per seed but not diffusers' waveform (the CLI and Python API keep that contract).
+                    pipeline = Music3Pipeline.from_pretrained(target, device=slot.device, engine=self.engine,
+                                                              overlap=True)
                     if self._tokenizer is None:
                         self._tokenizer = pipeline.tokenizer
                     if self.warmup:
                         # The first song on a fresh pipeline pays one-off costs (kernel selection, graph capture,
                         # allocator growth); a one-second song here keeps them away from the first user.
                         self._set_phase(f"{LOAD_PHASES[2]} up on {slot.device}", on_phase)
-                        pipeline.warm()
+                        self.record_song(slot.device, pipeline, pipeline.warm(), steps=1)
             except Exception as error:
                 self._error = load_error_message(self.model, error)
                 self._phase = "failed to load"
@@ -202,6 +213,20 @@ class ModelHolder:
             self.loads += 1
             self._set_phase(f"ready on {', '.join(self.devices)} (loaded in {elapsed:.1f} s)", on_phase)
             return pipeline
+
+    # ---- speed ------------------------------------------------------------------------------------------------
+    def record_song(self, device: str, pipeline: Music3Pipeline, song, steps: int) -> None:
+        """Fold a finished song's timings into the device's measured speed."""
+        measured = Speed.from_song(song.frames, steps, song.timings,
+                                   overlapped=pipeline.device.type == "cuda" and pipeline.overlap)
+        if measured is not None:
+            known = self.speeds.get(device)
+            self.speeds[device] = measured if known is None else known.blend(measured)
+
+    def estimate_s(self, frames: int, steps: int) -> float | None:
+        """Expected seconds for a song once it has a device (the slowest device's speed); None before a warm-up."""
+        times = [speed.seconds_for(frames, steps) for speed in self.speeds.values()]
+        return max(times) if times else None
 
     # ---- use ----------------------------------------------------------------------------------------------------
     @contextmanager

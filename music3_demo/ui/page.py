@@ -1,19 +1,32 @@
-"""The Gradio page: layout and the wiring between controls, the running job, results and history."""
+"""The Gradio page: layout and the wiring between controls, the running job, results and history.
+
+Generate runs in two events. `prepare` (instant, outside the queue) checks the request with validate() and either
+shows the refusal next to the button or hands the validated request to the `ticket` state and names it in `run_id`;
+then a line of JS clicks the hidden `start-run` button, whose queued event is `generate`. A refusal is a normal
+return, not a gr.Error: Gradio shows no errors of events outside the queue (and a State's change does not fire from
+them either, hence the hidden buttons). Stop sets the running job's cancel flag and lets the handler end normally
+("Stopped", never an error badge); only a song still waiting in the queue is cancelled through Gradio, by the hidden
+`cancel-queued` button.
+"""
 
 from __future__ import annotations
 
+import html
+import secrets
+import time
 from contextlib import closing
-from dataclasses import replace
 from functools import partial
 
 import gradio as gr
 
-from ..events import AudioPiece
-from ..events import Cancelled
+from .. import contract as c
+from ..events import AudioPiece, Cancelled
+from ..request import GenerationRequest
 from . import assets
 from .api import GPU_GROUP, add_api
 from .controls import (
     CARET_TRACKER_JS,
+    FIELD_NAMES_JS,
     build_controls,
     insert_tag_js,
     new_seed,
@@ -23,16 +36,19 @@ from .controls import (
     token_counter_markdown,
 )
 from .core import AppContext, Outcome, check, make_request, run
-from .history import add_entry, render_history
-from .run_view import STOPPED_TEXT, WAITING_TEXT, build_run_view
+from .history import STORAGE_KEY, add_entry, browser_secret, render_history
+from .progress import StageTracker, _seconds
+from .run_view import STOPPED_TEXT, build_run_view
 
 GENERATE_LABEL = "🎵 Generate"
-
-
 def launch_options() -> dict:
     """What Gradio 6 takes at launch() rather than in Blocks(): theme, CSS, extra <head>."""
     return {"theme": gr.themes.Soft(primary_hue="indigo", secondary_hue="pink"), "css": assets.read_text("style.css"),
-            "head": CARET_TRACKER_JS}
+            "head": CARET_TRACKER_JS + FIELD_NAMES_JS + f"<script>{assets.read_text('page.js')}</script>"}
+
+
+def refusal_html(sentence: str) -> str:
+    return f'<div class="m3-refusal" role="alert">⚠️ {html.escape(sentence)}</div>'
 
 
 def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
@@ -42,21 +58,24 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
         banner = gr.HTML(assets.banner_html(holder.status()), elem_id="banner")
         banner_timer = gr.Timer(1.0)
         with gr.Row(equal_height=False):
-            with gr.Column(scale=5, min_width=360):
+            with gr.Column(scale=5, min_width=360, elem_id="form"):
                 controls = build_controls()
             with gr.Column(scale=6, min_width=360):
-                with gr.Row():
-                    generate_button = gr.Button(GENERATE_LABEL, variant="primary", size="lg", scale=3,
-                                                elem_id="generate")
-                    stop_button = gr.Button("⏹ Stop", variant="stop", size="lg", scale=1, visible=False,
-                                            elem_id="stop")
+                with gr.Column(elem_id="action-bar"):
+                    with gr.Row():
+                        generate_button = gr.Button(GENERATE_LABEL, variant="primary", size="lg", scale=3,
+                                                    elem_id="generate")
+                        stop_button = gr.Button("⏹ Stop", variant="stop", size="lg", scale=1, visible=False,
+                                                elem_id="stop")
+                    refusal = gr.HTML("", elem_id="refusal")
                 view = build_run_view(ctx.live_audio)
-                history = gr.State([])
-                with gr.Accordion("Your songs (this session)", open=True, elem_id="history"):
+                history = gr.BrowserState([], storage_key=STORAGE_KEY, secret=browser_secret(ctx.store.root))
+                with gr.Accordion("Your songs", open=True, elem_id="history"):
 
                     @gr.render(inputs=[history])
                     def _history(entries: list[dict]) -> None:
-                        render_history(entries, controls.settable(), settings_values)
+                        render_history(entries, ctx.store.root, controls.settable(), settings_values,
+                                       view.song_outputs(), view.play_entry)
 
         examples = assets.load_examples()
         gr.Examples(
@@ -65,17 +84,25 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
             example_labels=[e.label for e in examples],
             label="Examples: click one to fill in the form",
             examples_per_page=12,
+            elem_id="examples",
         )
         gr.Markdown(assets.footer_markdown(), elem_id="licence")
         add_api(ctx, concurrency)
+        ticket = gr.State(None)  # the validated request of the latest accepted click
+        run_id = gr.Textbox(visible="hidden", elem_id="run-id")  # set when a click was accepted, else ""
+        start_run = gr.Button("start", visible="hidden", elem_id="start-run")
+        cancel_id = gr.Textbox(visible="hidden", elem_id="cancel-id")  # set when Stop finds the song still queued
+        cancel_queued = gr.Button("cancel", visible="hidden", elem_id="cancel-queued")
 
-        # ---- model banner: polled while a load is pending, refreshed after every run ------------------------
+        # ---- model banner: polled while a load is pending, refreshed on page load and after every run ----------
         def refresh_banner() -> tuple:
             state = holder.status()
             return assets.banner_html(state), gr.Timer(active=state.state in ("loading", "idle"))
 
         banner_timer.tick(refresh_banner, None, [banner, banner_timer], queue=False, show_progress="hidden",
                           api_visibility="private")
+        demo.load(refresh_banner, None, [banner, banner_timer], queue=False, show_progress="hidden",
+                  api_visibility="private")
 
         # ---- controls ---------------------------------------------------------------------------------------
         count_inputs = [controls.description, controls.lyrics, controls.instrumental]
@@ -92,56 +119,93 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
         controls.reset.click(reset_values, None, reset_targets(controls), queue=False, api_visibility="private")
 
         # ---- generate / stop --------------------------------------------------------------------------------
-        def prepare(*values) -> tuple:
-            """Instant check before queueing (a bad input should not wait behind other people's songs)."""
-            *request_values, random_seed = values
-            request = make_request(*request_values)
+        def prepare(description: str, lyrics: str, duration: float, guidance_scale: float, num_steps: float,
+                    seed: float | None, lm_cfg_scale: float, top_k: float, instrumental: bool,
+                    random_seed: bool) -> tuple:
+            """Instant check before queueing: a bad input gets its sentence at once, not after other people's songs."""
             if random_seed:
-                request = replace(request, seed=new_seed())
-            check(holder, request)
-            return (request.seed, gr.update(interactive=False, value="Generating…"), gr.update(visible=True),
-                    WAITING_TEXT)
-
-        def generate(description: str, lyrics: str, duration: float, guidance_scale: float, num_steps: float,
-                     seed: float | None, lm_cfg_scale: float, top_k: float, instrumental: bool, entries: list[dict],
-                     request: gr.Request, progress: gr.Progress = gr.Progress()):
-            song_request = check(holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
-                                                      lm_cfg_scale, top_k, instrumental))
-            yield view.start()
+                seed = new_seed()
             try:
-                with closing(run(ctx, song_request, request.session_hash, progress)) as items:
+                request = check(holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
+                                                     lm_cfg_scale, top_k, instrumental))
+            except gr.Error as error:
+                return (gr.skip(),) * 5 + (refusal_html(error.message), gr.skip(), "")
+            waiting = waiting_text(request)
+            return (request.seed, gr.update(interactive=False, value="Generating…"), gr.update(visible=True),
+                    waiting, gr.update(visible=True, value=""), "",
+                    {"at": time.time(), "request": request.as_dict()}, secrets.token_hex(8))
+
+        def waiting_text(request: GenerationRequest) -> str:
+            """What the user is told before the song starts: the songs ahead and how long theirs will take, from
+            the speeds the holder measured (Gradio's own queue line shows the place in line as it moves)."""
+            ahead = [job for job in ctx.registry.recent() if job["state"] in ("queued", "running")]
+            own = holder.estimate_s(request.max_frames, request.num_steps)
+            if not ahead:
+                text = "⏳ Starting your song"
+            else:
+                text = f"⏳ Waiting for your turn: {len(ahead)} song{'s' if len(ahead) > 1 else ''} ahead of yours"
+                left = [holder.estimate_s(c.max_frames_for(job["duration"]), request.num_steps) for job in ahead]
+                if None not in left:
+                    now = time.time()
+                    wait = sum(max(estimate - (now - job["started_at"] if job["started_at"] else 0), 0)
+                               for estimate, job in zip(left, ahead))
+                    text += f", about {_seconds(wait)}"
+            return text + (f"; yours should take about {_seconds(own)} once it starts." if own is not None else ".")
+
+        def generate(ticket_value: dict | None, entries: list[dict], request: gr.Request):
+            if not ticket_value:
+                return
+            song_request = check(holder, GenerationRequest(**ticket_value["request"]))
+            clicked_at = ticket_value["at"]
+            tracker = StageTracker(song_request.duration, song_request.num_steps,
+                                   speed=next(iter(holder.speeds.values()), None))
+            yield view.start() | {view.progress: tracker.page_html(time.time() - clicked_at)}
+            session = request.session_hash
+            try:
+                with closing(run(ctx, song_request, session, _no_progress, tracker)) as items:
                     for item in items:
-                        if isinstance(item, AudioPiece):
-                            yield from view.piece(item)
+                        if ctx.registry.stopped(session):
+                            # Ends the handler now (closing the run sets the cancel flag again): the worker may
+                            # still be loading the model and notices only after that, but the page is free.
+                            yield {view.status: STOPPED_TEXT, view.progress: ""}
+                            return
                         elif isinstance(item, Outcome):
                             entries = add_entry(entries, item, ctx.history_limit)
                             yield from view.finished(item, also={history: entries})
                         else:
-                            yield gr.skip()  # a tick: hands control back so a Stop can close this generator
+                            progress = {view.progress: tracker.page_html(time.time() - clicked_at)}
+                            pieces = list(view.piece(item)) if isinstance(item, AudioPiece) else []
+                            for update in pieces[:-1]:
+                                yield update
+                            yield (pieces[-1] if pieces else {}) | progress
             except Cancelled:
-                yield {view.status: STOPPED_TEXT}
+                yield {view.status: STOPPED_TEXT, view.progress: ""}
 
         def stop(request: gr.Request) -> tuple:
-            ctx.registry.stop(request.session_hash)  # direct, so the worker stops even before Gradio's cancel lands
-            return STOPPED_TEXT, gr.update(interactive=True, value=GENERATE_LABEL), gr.update(visible=False)
+            # Direct, so the worker stops at its next frame; the handler then ends normally with "Stopped".
+            running = ctx.registry.stop(request.session_hash)
+            return (STOPPED_TEXT, "", gr.update(visible=False), gr.update(interactive=True, value=GENERATE_LABEL),
+                    gr.update(visible=False), "" if running else secrets.token_hex(8))
 
         def restore() -> tuple:
             return gr.update(interactive=True, value=GENERATE_LABEL), gr.update(visible=False)
 
-        request_inputs = controls.request_inputs()
-        run_event = generate_button.click(
-            prepare, [*request_inputs, controls.random_seed],
-            [controls.seed, generate_button, stop_button, view.status],
+        generate_button.click(
+            prepare, [*controls.request_inputs(), controls.random_seed],
+            [controls.seed, generate_button, stop_button, view.status, view.queue, refusal, ticket, run_id],
             queue=False, show_progress="hidden", api_visibility="private",
-        ).success(
-            generate, [*request_inputs, history], [*view.outputs(), history],
-            concurrency_id=GPU_GROUP, concurrency_limit=concurrency, show_progress_on=[view.status],
-            api_visibility="private",
+        ).then(None, run_id, None, js=click_if_set("start-run"), api_visibility="private")
+        run_event = start_run.click(
+            generate, [ticket, history], [*view.outputs(), history],
+            concurrency_id=GPU_GROUP, concurrency_limit=concurrency, show_progress="minimal",
+            show_progress_on=[view.queue], api_visibility="private",
         )
         run_event.then(restore, None, [generate_button, stop_button], queue=False, api_visibility="private").then(
             refresh_banner, None, [banner, banner_timer], queue=False, api_visibility="private")
-        stop_button.click(stop, None, [view.status, generate_button, stop_button], cancels=[run_event], queue=False,
-                          api_visibility="private")
+        stop_button.click(stop, None, [view.status, view.progress, view.queue, generate_button, stop_button, cancel_id],
+                          queue=False, api_visibility="private",
+                          ).then(None, cancel_id, None, js=click_if_set("cancel-queued"), api_visibility="private")
+        cancel_queued.click(None, None, None, cancels=[run_event], queue=False, api_visibility="private")
 
         def tab_closed(request: gr.Request) -> None:
             ctx.registry.stop(request.session_hash)  # a closed tab must not keep a GPU busy for nobody
@@ -149,3 +213,11 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
         demo.unload(tab_closed)
     return demo
 
+
+def click_if_set(button_id: str) -> str:
+    """JS for a follow-up event: click the hidden button when the previous step named a run (or a cancel)."""
+    return f"(id) => {{ if (id) document.getElementById({button_id!r}).click(); }}"
+
+
+def _no_progress(*args, **kwargs) -> None:
+    """The page draws its own progress block from the tracker (Gradio's bar resets its timer on every update)."""

@@ -6,11 +6,13 @@ the semantic stage until it is done, then the flow stage.
 
 from __future__ import annotations
 
+import html
 import time
 from collections.abc import Callable
 
 from .. import contract as c
 from ..events import Progress
+from .speed import Speed, flowed_frames
 from .holder import LOAD_PHASES
 from .runner import Phase
 
@@ -22,8 +24,15 @@ def _seconds(value: float) -> str:
     return f"{value:.0f} s" if value < 90 else f"{value / 60:.1f} min"
 
 
+def _clock(value: float) -> str:
+    minutes, seconds = divmod(int(value), 60)
+    return f"{minutes}:{seconds:02d}"
+
+
 class StageTracker:
-    def __init__(self, duration_s: float, steps: int, min_interval: float = 0.1) -> None:
+    def __init__(self, duration_s: float, steps: int, min_interval: float = 0.1, speed: Speed | None = None) -> None:
+        """`speed`: the device's measured speed, for an ETA of the whole song (else only the semantic stage's)."""
+        self.speed = speed
         self.frames_total = c.max_frames_for(duration_s)
         self.chunks_total = len(c.chunk_starts(self.frames_total))
         self.steps = max(1, steps)
@@ -47,7 +56,8 @@ class StageTracker:
         elif event.stage == "vocoder":
             self.phase, self.vocoder = None, True
 
-    def description(self) -> str:
+    def description(self, semantic_eta: bool = True) -> str:
+        """The stage line; `semantic_eta=False` leaves out the semantic stage's ETA (the page shows the song's)."""
         if self.phase is not None:
             waited = time.monotonic() - self._phase_started
             label = "Loading model: " if self._load_step() is not None else ""
@@ -58,7 +68,7 @@ class StageTracker:
             text = f"Semantic {s.done}/{s.total} frames"
             if s.rate:
                 text += f" · {s.rate:.1f} frames/s"
-            if s.eta is not None and s.done < s.total:
+            if semantic_eta and s.eta is not None and s.done < s.total:
                 text += f" · ETA {_seconds(s.eta)}"
             parts.append(text)
         if self.flow is not None:
@@ -100,3 +110,30 @@ class StageTracker:
         else:
             unit = "steps"
         progress(self.fraction(), desc=self.description(), unit=unit)
+
+    # ---- the page's own progress block (the API gets gr.Progress through report()) ------------------------------
+    def song_eta(self) -> float | None:
+        """Seconds until the whole song is done: the semantic stage's own ETA plus the flow left (measured speed)."""
+        s = self.semantic
+        if s is None:
+            return self.speed.seconds_for(self.frames_total, self.steps) if self.speed is not None else None
+        semantic_left = s.eta if s.eta is not None and s.done < s.total else 0.0
+        if self.speed is None:
+            return semantic_left if s.done < s.total else None
+        per_frame = self.speed.flow_s_per_frame_step * self.steps + self.speed.vocoder_s_per_frame
+        flow_done = self.flow.done / max(self.flow.total, 1) if self.flow is not None else 0.0
+        flow_left = per_frame * flowed_frames(s.total) * (1 - flow_done)
+        if self.speed.overlapped:
+            return max(semantic_left + per_frame * min(s.total, c.CHUNK_FRAMES) * (1 - flow_done), flow_left)
+        return semantic_left + flow_left
+
+    def page_html(self, elapsed_s: float) -> str:
+        """Stage line, a bar, total time since Generate was pressed and the ETA of the whole song."""
+        fraction = self.fraction()
+        line = self.description(semantic_eta=False)
+        eta = self.song_eta()
+        times = f"{_clock(elapsed_s)} elapsed" + (f" · about {_seconds(eta)} to go" if eta is not None else "")
+        percent = 100 * fraction[0] / max(fraction[1], 1) if fraction else 0
+        return (f'<div class="m3-progress" id="run-progress-line"><div class="m3-progress-text">'
+                f'<span>{html.escape(line)}</span><span class="m3-progress-time">{times}</span></div>'
+                f'<div class="m3-bar"><div style="width:{percent:.1f}%"></div></div></div>')

@@ -1,7 +1,9 @@
-"""The output column of one run: live player, status line, finished song (player, waveform, downloads, report).
+"""The output column of one run: status line, progress, one player (live while the song is made, then the finished
+song with its waveform, downloads and report).
 
 `RunView` builds those components and turns what a run produces into page updates, so the page's handler stays a
-short loop over the job's items.
+short loop over the job's items. The live player shows only once the first piece exists; when the song is finished
+it gives way to the finished player, which page.js starts where the live one was.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 from .. import contract as c
 from ..events import AudioPiece
 from .core import Outcome, wav_bytes
-from .history import PLAIN_PLAYER
+from .history import escape_markdown
 from .report import report_markdown
 
 IDLE_TEXT = "Press **Generate**: the song starts playing here while it is being made."
@@ -35,7 +37,10 @@ STREAM_PAD_GAP_S = 0.15
 @dataclass
 class RunView:
     status: gr.Markdown
+    progress: gr.HTML  # our own progress block, updated by the handler (total elapsed, ETA)
+    queue: gr.HTML  # where Gradio shows the place in its queue while the song waits (hidden once it runs)
     live: gr.Audio
+    live_box: gr.Column  # kept in the page while hidden, so the stream's player survives between runs
     live_enabled: bool  # streaming playback needs ffmpeg on the server
     result: gr.Group
     final_audio: gr.Audio
@@ -46,18 +51,40 @@ class RunView:
     report: gr.Markdown
 
     def outputs(self) -> list:
-        return [self.status, self.live, self.result, self.final_audio, self.waveform, self.wav_button,
-                self.flac_button, self.mp3_button, self.report]
+        return [self.status, self.progress, self.queue, self.live, self.live_box, self.result, self.final_audio,
+                self.waveform, self.wav_button, self.flac_button, self.mp3_button, self.report]
 
     def start(self) -> dict:
-        """A new run: the last result is hidden (it lives on in the history) and the old stream goes."""
-        return {self.status: "", self.result: gr.update(visible=False), self.live: None}
+        """A new run: the last result is hidden (it lives on in the history) and so is the old stream's player."""
+        # The live player is not touched here: a value (even None) opens an empty stream, which the player then
+        # polls for segments until the first piece (or forever, when the song is stopped before one).
+        return {self.status: "", self.queue: gr.update(visible=False), self.result: gr.update(visible=False),
+                self.live_box: gr.update(visible="hidden")}
+
+    def show_song(self, wav: str, flac: str, mp3: str, waveform: str | None, report: str = "") -> dict:
+        """The one player shows this song (the one just made, or one picked from the history)."""
+        return {self.result: gr.update(visible=True), self.final_audio: wav, self.waveform: waveform,
+                self.wav_button: wav, self.flac_button: flac, self.mp3_button: mp3, self.report: report}
+
+    def song_outputs(self) -> list:
+        """What play_entry() fills in, in its order."""
+        return [self.status, self.progress, self.live_box, self.result, self.final_audio, self.waveform,
+                self.wav_button, self.flac_button, self.mp3_button, self.report]
+
+    def play_entry(self, entry: dict) -> tuple:
+        """A song from the history, in the one player (a running song's live player stays where it is)."""
+        song = self.show_song(entry["wav"], entry["flac"], entry["mp3"], entry.get("waveform"),
+                              f"Seed `{entry['seed']}` · {entry['duration_s']:.1f} s")
+        status = f"▶ From your songs: “{escape_markdown(str(entry['title']))}”."
+        return (status, gr.skip(), gr.skip(), *(song[component] for component in self.song_outputs()[3:]))
 
     def piece(self, piece: AudioPiece) -> Iterator[dict]:
         if not self.live_enabled:
             return
         for start in range(0, piece.samples.shape[-1], STREAM_SEGMENT):
-            yield {self.live: wav_bytes(piece.samples[:, start:start + STREAM_SEGMENT], c.SAMPLE_RATE)}
+            # The live player shows from the first piece on (before it there is nothing to play).
+            yield {self.live: wav_bytes(piece.samples[:, start:start + STREAM_SEGMENT], c.SAMPLE_RATE),
+                   self.live_box: gr.update(visible=True)}
 
     def finished(self, outcome: Outcome, also: dict | None = None) -> Iterator[dict]:
         """The song's tail for the live player, then the result panel (plus the caller's `also` updates)."""
@@ -65,37 +92,37 @@ class RunView:
         if pad:
             yield pad
             time.sleep(STREAM_PAD_GAP_S)  # lets the encoder emit the song's tail before the last chunk is taken
-        report = outcome.report
+        report, saved = outcome.report, outcome.saved
         yield pad | (also or {}) | {
             self.status: (f"✅ Finished: a {report['duration_s']:.1f} s song in "
                           f"{report['timings'].get('total_s', 0):.1f} s ({report['realtime_factor']:.2f}× realtime). "
                           "It is also in **Your songs** below."),
-            self.result: gr.update(visible=True),
-            self.final_audio: outcome.saved.wav,
-            self.waveform: outcome.saved.waveform,
-            self.wav_button: outcome.saved.wav,
-            self.flac_button: outcome.saved.flac,
-            self.mp3_button: outcome.saved.mp3,
-            self.report: report_markdown(report),
-        }
+            self.progress: "",
+            self.live_box: gr.update(visible="hidden"),  # one player: the finished one takes over (page.js)
+        } | self.show_song(saved.wav, saved.flac, saved.mp3, saved.waveform, report_markdown(report))
 
 
 def build_run_view(live_enabled: bool) -> RunView:
+    queue = gr.HTML("", elem_id="run-queue", visible=False)
     status = gr.Markdown(IDLE_TEXT, elem_id="run-status")
-    live = gr.Audio(label="Live (plays while the song is made)", streaming=True, autoplay=True, interactive=False,
-                    elem_id="live-audio", visible=live_enabled)
+    progress = gr.HTML("", elem_id="run-progress")
+    with gr.Column(visible="hidden", elem_id="live-box") as live_box:
+        live = gr.Audio(label="Live: plays while the song is made", streaming=True, autoplay=True,
+                        interactive=False, elem_id="live-audio", visible=live_enabled)
     if not live_enabled:
         gr.Markdown("Live playback needs `ffmpeg` on the server; the song appears when it is finished.",
                     elem_classes="m3-muted")
     with gr.Group(visible=False, elem_id="result") as result:
-        final_audio = gr.Audio(label="Finished song", type="filepath", interactive=False, buttons=[],
-                               waveform_options=PLAIN_PLAYER, elem_id="result-audio")
-        waveform = gr.Image(show_label=False, interactive=False, type="filepath", height=120, elem_id="waveform",
+        # The browser's own player (exact lengths, compact); the waveform picture is the song's overview.
+        final_audio = gr.Audio(label="Your song", type="filepath", interactive=False, buttons=[],
+                               waveform_options=gr.WaveformOptions(show_recording_waveform=False),
+                               elem_id="result-audio")
+        waveform = gr.Image(show_label=False, interactive=False, type="filepath", height=100, elem_id="waveform",
                             buttons=[])
         with gr.Row():
             wav_button = gr.DownloadButton("⬇ Download WAV", elem_id="download-wav", size="md")
             flac_button = gr.DownloadButton("⬇ Download FLAC", elem_id="download-flac", size="md")
             mp3_button = gr.DownloadButton("⬇ Download MP3", elem_id="download-mp3", size="md")
         report = gr.Markdown(elem_id="report")
-    return RunView(status, live, live_enabled, result, final_audio, waveform, wav_button, flac_button, mp3_button,
-                   report)
+    return RunView(status, progress, queue, live, live_box, live_enabled, result, final_audio, waveform, wav_button,
+                   flac_button, mp3_button, report)

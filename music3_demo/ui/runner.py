@@ -63,7 +63,8 @@ def generation_events(
                 record.state, record.device = "running", lease.device
                 record.started_at = time.time()
                 try:
-                    lease.pipeline.generate(request, on_event=put, cancel=cancel)
+                    song = lease.pipeline.generate(request, on_event=put, cancel=cancel)
+                    holder.record_song(lease.device, lease.pipeline, song, request.num_steps)  # for later ETAs
                 finally:
                     # Stamped before the device is handed on, so two jobs' [started, ended] never overlap.
                     record.ended_at = time.time()
@@ -138,6 +139,12 @@ class JobRegistry:
         if job is not None:
             job.stop()
         return job is not None
+
+    def stopped(self, session: str | None) -> bool:
+        """Whether the session's running job has been told to stop (its handler then shows "Stopped")."""
+        with self._lock:
+            job = self._active.get(session) if session else None
+        return job is not None and job.cancel.is_set()
 
     def recent(self) -> list[dict]:
         with self._lock:

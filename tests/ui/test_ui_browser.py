@@ -131,10 +131,10 @@ def test_example_generate_progress_and_playable_song(page, app):
     set_number(page, "duration", 3)
     set_number(page, "steps", 8)
     page.locator("#generate").click()
-    wait_text(page, "#run-status", "Loading model", timeout=60_000)  # the first song loads the model (lazy)
+    wait_text(page, "#run-progress", "Loading model", timeout=60_000)  # the first song loads the model (lazy)
     shot(page, "02-loading-model")
     # Stage progress from the pipeline's events, e.g. "Semantic 40/75 frames · 31.0 frames/s · ETA 1 s".
-    wait_text(page, "#run-status", "frames|Flow chunk|Vocoder", timeout=120_000)
+    wait_text(page, "#run-progress", "frames|Flow chunk|Vocoder", timeout=120_000)
     wait_text(page, "#run-status", "Finished", timeout=120_000)
     wait_text(page, "#model-status", "engine")  # the banner now reports the loaded model...
     assert "noise" in page.locator("#noise-banner").inner_text()  # ...and that a random model makes noise
@@ -157,7 +157,7 @@ def test_example_generate_progress_and_playable_song(page, app):
 def test_stop_a_long_run(page, app):
     set_number(page, "duration", 120)
     page.locator("#generate").click()
-    wait_text(page, "#run-status", "Semantic \\d+/3000 frames", timeout=60_000)
+    wait_text(page, "#run-progress", "Semantic \\d+/3000 frames", timeout=60_000)
     time.sleep(1.0)
     shot(page, "04-long-run-progress")
     page.locator("#stop").click()
@@ -192,7 +192,7 @@ def test_closing_the_tab_frees_the_device(browser, app):
     pick_example(other, "Lo-fi hip hop · instrumental")
     set_number(other, "duration", 120)
     other.locator("#generate").click()
-    wait_text(other, "#run-status", "Semantic \\d+/3000 frames", timeout=60_000)
+    wait_text(other, "#run-progress", "Semantic \\d+/3000 frames", timeout=60_000)
     closed_at = time.monotonic()
     other.close()
     while app.status()["busy"]:
@@ -212,7 +212,8 @@ def test_a_waiting_user_sees_the_queue_position(page, app):
             time.sleep(0.1)
         set_number(page, "duration", 3)
         page.locator("#generate").click()
-        wait_text(page, "#run-status", "queue", timeout=30_000)  # Gradio's "queue: 1/1" while the device is busy
+        # The songs ahead (the other user's, running) and, beside it, Gradio's place in the queue.
+        wait_text(page, "#run-status", "1 song ahead of yours", timeout=30_000)
         shot(page, "07-queued")
         page.locator("#stop").click()  # leaving the queue before the turn comes
         wait_text(page, "#run-status", "Stopped")

@@ -1,0 +1,205 @@
+"""The page tells the truth (issue 17), in a real headless Chromium against a real `app.py --model tiny` server:
+refusals next to Generate, a Stop that is not an error, one player, Ctrl+Enter, the phone layout, history that
+survives a reload, and songs that stream on the CPU. Screenshots at both widths go to test-artifacts/."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from app_server import ARTIFACTS, running_app
+from test_ui_browser import CHROMIUM, browser, set_number, wait_text  # noqa: F401 - `browser` is a fixture
+
+from music3_demo import contract as c
+from music3_demo.events import AudioPiece, Progress
+from music3_demo.request import GenerationRequest, InvalidRequest, validate
+
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)")
+
+PHONE = {"width": 390, "height": 844}
+DESKTOP = {"width": 1440, "height": 900}
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    # Preloaded, as `python app.py` does (a generous start-up limit: the warm-up song is slow on a busy machine).
+    with running_app(tmp_path_factory.mktemp("truth"), ready_timeout=900) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def context(browser):
+    """One browser profile (one localStorage) for the song tests: the history must survive a reload in it."""
+    context = browser.new_context(viewport=DESKTOP)
+    yield context
+    context.close()
+
+
+def open_page(context_or_browser, app, viewport=None):
+    page = context_or_browser.new_page(**({"viewport": viewport} if viewport else {}))
+    page.set_default_timeout(30_000)
+    page.goto(app.url)
+    page.wait_for_selector("#model-status", timeout=60_000)
+    return page
+
+
+def sentence(**fields) -> str:
+    """What validate() says about these fields (the page must say the same)."""
+    with pytest.raises(InvalidRequest) as refused:
+        validate(GenerationRequest(**({"description": "pop", "lyrics": "[verse]\nla"} | fields)))
+    return str(refused.value)
+
+
+def fill_form(page, description: str, lyrics: str) -> None:
+    page.locator("#description textarea").fill(description)
+    page.locator("#lyrics textarea").fill(lyrics)
+
+
+def error_badges(page) -> int:
+    """Gradio's red "Error" status on an output (or an error toast)."""
+    return page.get_by_text("Error", exact=True).count()
+
+
+REFUSED = [
+    ("no lyrics", "pop", "", None, {"lyrics": ""}),
+    ("no description", "", "[verse]\nla", None, {"description": ""}),
+    ("negative seed", "pop", "[verse]\nla", "-7", {"seed": -7}),
+    ("huge seed", "pop", "[verse]\nla", "99999999999", {"seed": 99999999999}),
+    ("fractional seed", "pop", "[verse]\nla", "1.5", {"seed": 1.5}),
+]
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=[case[0] for case in REFUSED])
+def test_a_refused_input_says_why_next_to_generate_within_a_second(browser, app, case):
+    _, description, lyrics, seed, fields = case
+    page = open_page(browser, app, DESKTOP)
+    try:
+        fill_form(page, description, lyrics)
+        if seed is not None:
+            page.locator("#random-seed input").uncheck()
+            set_number(page, "seed", float(seed))
+        expected = sentence(**fields)
+        page.locator("#generate").click()
+        # Within a second of the click, and right under the button.
+        page.wait_for_function("(s) => document.querySelector('#refusal').innerText.includes(s)", arg=expected,
+                               timeout=1_000)
+        button, refusal = page.locator("#generate").bounding_box(), page.locator("#refusal").bounding_box()
+        assert 0 <= refusal["y"] - (button["y"] + button["height"]) < 120
+        assert page.locator("#generate").is_enabled() and not page.locator("#stop").is_visible()
+    finally:
+        page.close()
+
+
+def test_a_clamped_number_is_said_in_validates_words(browser, app):
+    page = open_page(browser, app, DESKTOP)
+    try:
+        box = page.locator("#duration input[type=number]")
+        box.fill("9999")
+        box.blur()  # the slider clamps to its maximum when the box loses focus
+        note = page.locator(".m3-field-note")
+        note.wait_for(timeout=2_000)
+        said = sentence(duration=9999)  # "Duration (seconds) must be between 1 and 360, got 9999."
+        assert note.inner_text() == f"{said[:-1]}: it is set to {c.MAX_DURATION_S:g}."
+    finally:
+        page.close()
+
+
+def test_phone_layout_keeps_generate_on_screen_and_examples_lead_to_the_form(browser, app):
+    page = open_page(browser, app, PHONE)
+    try:
+        in_view = ("(s) => { const r = document.querySelector(s).getBoundingClientRect();"
+                   " return r.top >= 0 && r.bottom <= window.innerHeight; }")
+        assert page.evaluate(in_view, "#generate"), "Generate is not on the first screen"
+        page.wait_for_timeout(300)
+        page.screenshot(path=str(ARTIFACTS / "truth-phone-390.png"))
+        page.mouse.wheel(0, 5000)  # anywhere on the page
+        page.wait_for_timeout(400)
+        assert page.evaluate(in_view, "#generate"), "Generate scrolled away"
+        # A refusal shows in the bar too, on screen.
+        page.locator("#generate").click()
+        wait_text(page, "#refusal", "Describe the music first", timeout=2_000)
+        assert page.evaluate(in_view, "#refusal")
+        # An example (far down the page) fills the form and brings it into view, with a note saying so.
+        example = page.locator("#examples button").first
+        example.scroll_into_view_if_needed()
+        example.click()
+        page.wait_for_function("() => document.querySelector('#description textarea').value.length > 0")
+        page.wait_for_function(in_view.replace("r.bottom <= window.innerHeight", "r.top < window.innerHeight / 2"),
+                               arg="#description textarea", timeout=5_000)
+        assert "Filled in from the example" in page.locator("#m3-toast").inner_text()
+    finally:
+        page.close()
+
+
+def test_stop_is_not_an_error(context, app):
+    page = open_page(context, app)
+    try:
+        fill_form(page, "slow ambient pad", "[verse]\nla la la")
+        set_number(page, "duration", 120)
+        page.locator("#generate").click()
+        wait_text(page, "#run-progress", "elapsed", timeout=30_000)
+        page.locator("#stop").click()
+        wait_text(page, "#run-status", "Stopped", timeout=5_000)
+        deadline = time.monotonic() + 3.0  # the badge used to come 0.3-2 s after "Stopped"
+        while time.monotonic() < deadline:
+            assert error_badges(page) == 0, "Stop left an error badge"
+            page.wait_for_timeout(100)
+        assert page.locator("#generate").is_enabled() and not page.locator("#stop").is_visible()
+        assert "Stopped" in page.locator("#run-status").inner_text()
+    finally:
+        page.close()
+
+
+def test_ctrl_enter_streams_then_one_player_and_history_survives_a_reload(context, app):
+    page = open_page(context, app)
+    fill_form(page, "bright synth-pop", "[verse]\nhello there")
+    set_number(page, "duration", 9)  # two flow chunks: the first is heard before the song is finished
+    set_number(page, "steps", 1)
+    page.locator("#lyrics textarea").press("Control+Enter")
+    wait_text(page, "#run-progress", "elapsed", timeout=10_000)
+    # Streaming on the CPU: the live player appears (only) once there is audio, before the song is finished.
+    assert not page.locator("#live-box").is_visible()
+    page.wait_for_selector("#live-box", state="visible", timeout=900_000)
+    assert "Finished" not in page.locator("#run-status").inner_text()
+    wait_text(page, "#run-status", "Finished", timeout=900_000)
+    page.wait_for_function("() => document.querySelectorAll('.m3-reuse').length === 1")
+    # One player for the song: the finished one (the live one has given way), none in the history row.
+    page.wait_for_selector("#live-box", state="hidden")
+    players = page.evaluate("() => [...document.querySelectorAll('audio')].filter(a => a.offsetParent !== null)"
+                            ".map(a => a.closest('[id]') && a.closest('[id]').id)")
+    assert players == ["result-audio"], players
+    page.wait_for_function("() => { const a = document.querySelector('#result-audio audio');"
+                           " return a && Math.abs(a.duration - 9.0) < 0.05; }")
+    assert page.locator("#waveform img").is_visible()
+    assert all(page.locator(f"#download-{kind}").is_visible() for kind in ("wav", "flac", "mp3"))
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(ARTIFACTS / "truth-desktop-1440.png"), full_page=True)
+
+    page.reload()
+    page.wait_for_selector("#model-status")
+    page.wait_for_function("() => document.querySelectorAll('.m3-reuse').length === 1", timeout=10_000)
+    assert "bright synth-pop" in page.locator("#history").inner_text()
+    page.locator(".m3-play").click()  # the history's song plays in the page's one player
+    page.wait_for_function("() => { const a = document.querySelector('#result-audio audio');"
+                           " return a && Math.abs(a.duration - 9.0) < 0.05; }")
+    page.close()
+
+
+def test_the_app_pipeline_streams_on_the_cpu():
+    """The app's pipelines run the flow stage beside the semantic one, on the CPU too: a 12-s song's first audio
+    comes while frames are still being made, and the pieces make the whole song."""
+    import numpy as np
+
+    from music3_demo.ui.holder import ModelHolder
+
+    holder = ModelHolder("tiny", ["cpu"], warmup=False)
+    events = []
+    with holder.acquire() as lease:
+        song = lease.pipeline.generate(GenerationRequest("pop", "[verse]\nla", duration=12.0, num_steps=1, seed=4),
+                                       on_event=events.append)
+    holder.release()
+    first_piece = next(i for i, e in enumerate(events) if isinstance(e, AudioPiece))
+    last_frame = max(i for i, e in enumerate(events) if isinstance(e, Progress) and e.stage == "semantic")
+    assert first_piece < last_frame and events[last_frame].done == c.max_frames_for(12.0)
+    assert np.array_equal(np.concatenate([e.samples for e in events if isinstance(e, AudioPiece)], axis=-1),
+                          song.audio)
