@@ -11,6 +11,7 @@ import gradio as gr
 from ..events import AudioPiece
 from ..semantic import Cancelled
 from . import assets
+from .admission import admission_validator
 from .api import GPU_GROUP, add_api
 from .controls import (
     CARET_TRACKER_JS,
@@ -37,7 +38,8 @@ def launch_options() -> dict:
 
 def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
     holder = ctx.holder
-    with gr.Blocks(title="MiniMax Music 3", delete_cache=(3600, int(ctx.store.ttl_s))) as demo:
+    # No delete_cache: the song store is the app's Gradio cache and its cleaner owns every file's lifetime.
+    with gr.Blocks(title="MiniMax Music 3") as demo:
         gr.Markdown(assets.read_text("header.md"), elem_id="header")
         banner = gr.HTML(assets.banner_html(holder.status()), elem_id="banner")
         banner_timer = gr.Timer(1.0)
@@ -136,7 +138,7 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
         ).success(
             generate, [*request_inputs, history], [*view.outputs(), history],
             concurrency_id=GPU_GROUP, concurrency_limit=concurrency, show_progress_on=[view.status],
-            api_visibility="private",
+            api_visibility="private", validator=admission_validator(ctx, demo),
         )
         run_event.then(restore, None, [generate_button, stop_button], queue=False, api_visibility="private").then(
             refresh_banner, None, [banner, banner_timer], queue=False, api_visibility="private")

@@ -43,9 +43,10 @@ class JobRecord:
     ended_at: float | None = None  # ...to here
     device: str | None = None
     error: str | None = None
+    session: str | None = None  # whose job it is: a client sees only its own (never shown)
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {key: value for key, value in self.__dict__.items() if key != "session"}
 
 
 def generation_events(
@@ -101,11 +102,12 @@ _gpu_generation_events = on_gpu(generation_events)
 class Job:
     """One request's generation, its cancel flag and its record."""
 
-    def __init__(self, holder: ModelHolder, request: GenerationRequest, registry: JobRegistry | None = None) -> None:
+    def __init__(self, holder: ModelHolder, request: GenerationRequest, registry: JobRegistry | None = None,
+                 session: str | None = None) -> None:
         self.holder = holder
         self.request = request
         self.cancel = threading.Event()
-        self.record = JobRecord(next(_ids), request.duration)
+        self.record = JobRecord(next(_ids), request.duration, session=session)
         if registry is not None:
             registry.remember(self.record)
 
@@ -146,6 +148,13 @@ class JobRegistry:
             job.stop()
         return job is not None
 
-    def recent(self) -> list[dict]:
+    def recent(self, session: str | None) -> list[dict]:
+        """The recent jobs of one session (a browser tab or an API client); none for an unknown caller."""
         with self._lock:
-            return [record.as_dict() for record in self._recent]
+            return [record.as_dict() for record in self._recent if session and record.session == session]
+
+    def counts(self) -> dict[str, int]:
+        """How many recent jobs are in each state: the public, anonymous view of the server's work."""
+        with self._lock:
+            states = [record.state for record in self._recent]
+        return {state: states.count(state) for state in ("queued", "running", "finished", "cancelled", "failed")}
