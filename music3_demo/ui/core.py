@@ -151,8 +151,9 @@ def run(
                 tracker.report(progress)
         if song is None:
             raise RuntimeError("the pipeline ended without a song")
-        yield finish(ctx, request, job, song)
-        ended = "delivered"
+        outcome = finish(ctx, request, job, song)
+        ended = "delivered"  # before the yield: a consumer may close this generator once it has the outcome
+        yield outcome
     except InvalidRequest as error:  # e.g. the model ended the song before its first frame
         ended = f"refused: {error}"
         raise refusal(str(error)) from None
