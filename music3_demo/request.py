@@ -81,9 +81,9 @@ def _short_repr(value: object, limit: int = 40) -> str:
 
 
 def _check_text(name: str, field: str, text: str) -> None:
-    """Size, then characters that are not text (lone surrogates cannot even be encoded as UTF-8), then control
-    markers: the model's special tokens typed into the text would be read as real prompt structure."""
-    subject = f"The {name} {'are' if name == 'lyrics' else 'is'}"
+    """Size first (before anything tokenizes it), then characters that are not text (lone surrogates cannot even
+    be encoded as UTF-8, and the tokenizer fails on them with its own internal error)."""
+    subject, verb = (f"The {name} are", "contain") if name == "lyrics" else (f"The {name} is", "contains")
     if len(text) > MAX_TEXT_CHARS:
         raise InvalidRequest(
             f"{subject} {len(text):,} characters long; the limit is {MAX_TEXT_CHARS:,} "
@@ -91,8 +91,8 @@ def _check_text(name: str, field: str, text: str) -> None:
     bad = _SURROGATE_RE.search(text)
     if bad is not None:
         raise InvalidRequest(
-            f"The {name} {'contain' if name == 'lyrics' else 'contains'} an invalid character (an unpaired UTF-16 surrogate, U+{ord(bad.group()):04X}, "
-            f"at character {bad.start() + 1}): paste the text again or remove that character.", field)
+            f"The {name} {verb} an invalid character (an unpaired UTF-16 surrogate, U+{ord(bad.group()):04X}, at "
+            f"character {bad.start() + 1}): paste the text again or remove that character.", field)
 
 
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")

@@ -47,8 +47,8 @@ def refusal_message(ctx: AppContext, blocks: gr.Blocks, values: tuple) -> tuple[
     except InvalidRequest as error:
         return error.field or "lyrics", str(error)  # no field: the prompt's length, which the lyrics mostly make
     if ctx.max_queue is not None and waiting_songs(blocks) >= ctx.max_queue:
-        message = (f"The server is busy: {ctx.max_queue} songs are already waiting, the most it queues. "
-                   "Please try again in a few minutes.")
+        message = (f"The server is busy: its queue of songs is full ({ctx.max_queue} waiting). Please try again in "
+                   "a few minutes.")
         log.info("refused a request: %s", message)
         return None, message
     try:

@@ -184,7 +184,8 @@ def finish(ctx: AppContext, request: GenerationRequest, job: Job, song: Song) ->
     saved = ctx.store.save(song, title)
     report = song_report(song, request, job.record, ctx.holder.model)
     # Names only: the files come back as the endpoint's output, and a server path is nobody else's business.
-    report["files"] = {"wav": Path(saved.wav).name, "flac": Path(saved.flac).name, "mp3": Path(saved.mp3).name}
+    report["files"] = {"song_id": saved.id, "wav": Path(saved.wav).name, "flac": Path(saved.flac).name,
+                       "mp3": Path(saved.mp3).name}
     log.info("song %s: %.2f s, seed %s, %.2fx realtime", saved.id, song.duration, song.seed,
              song.timings.get("realtime_factor", 0.0))
     return Outcome(song, saved, report)
