@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -18,23 +20,28 @@ import soundfile as sf
 
 from music3_demo import contract as c
 from music3_demo.events import Song
-from music3_demo.request import MAX_TEXT_CHARS, GenerationRequest, InvalidRequest, validate
+from music3_demo.request import GenerationRequest, InvalidRequest, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A 1 MB filesystem (tmpfs: needs root, which CI's container has); skipped where it cannot be mounted."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+@contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A tiny filesystem (tmpfs: needs root, which CI's container has); skips the test where it cannot mount."""
+    path.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.decode(errors='replace').strip()}")
     try:
-        yield mount
+        yield path
     finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path) -> Iterator[Path]:
+    with small_disk(tmp_path / "disk", "1m") as path:
+        yield path
 
 
 # ---- text ------------------------------------------------------------------------------------------------------
@@ -54,7 +61,7 @@ def test_megabytes_of_lyrics_are_refused_before_tokenizing(tiny_folder):
     with pytest.raises(InvalidRequest) as error:
         validate(GenerationRequest("pop", "la " * 3_500_000), count)
     assert time.perf_counter() - started < 0.5 and not counted, "the text was tokenized before the size check"
-    assert str(error.value) == (f"The lyrics are 10,500,000 characters long; the limit is {MAX_TEXT_CHARS:,} "
+    assert str(error.value) == ("The lyrics are 10,500,000 characters long; the limit is 20,000 "
                                 f"(the model reads at most {c.MAX_PROMPT_TOKENS} tokens): shorten it.")
     assert error.value.field == "lyrics"
     with pytest.raises(InvalidRequest, match="The description is 30,000 characters long"):
@@ -337,17 +344,18 @@ def test_cli_names_a_damaged_checkpoint(capsys, damaged_copy, tmp_path):
     assert_one_sentence(code, err, "the weight file language_model/model.safetensors is damaged or incomplete")
 
 
-def test_cli_unwritable_or_full_out_leaves_no_file(capsys, tmp_path, tiny_disk, tiny_folder):
+def test_cli_unwritable_or_full_out_leaves_no_file(capsys, tmp_path, tiny_folder):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     song = ("--model", "tiny", "--prompt", "pop", "--lyrics", "la la", "--steps", "1", "--seed", "1",
             "--device", "cpu")
     code, err = cli(capsys, *song, "--duration", "1", "--out", str(blocker / "song.wav"))
     assert_one_sentence(code, err, f"Cannot write {blocker / 'song.wav'}: ")
-    # A 7-s song (1.2 MB of 16-bit WAV, one flow chunk) on a 1 MB disk: it fills up while the song is written.
-    code, err = cli(capsys, *song, "--duration", "7", "--out", str(tiny_disk / "song.wav"))
-    assert_one_sentence(code, err, f"The disk holding {tiny_disk / 'song.wav'} is full: the song was not saved")
-    assert list(tiny_disk.iterdir()) == []
-    code, err = cli(capsys, *song, "--duration", "1", "--out", str(tiny_disk / "song.wav"))
-    assert code == 0, err
-    assert [path.name for path in tiny_disk.iterdir()] == ["song.wav"] and sf.info(tiny_disk / "song.wav").frames
+    with small_disk(tmp_path / "disk", "256k") as disk:
+        # A 2-s song is 350 kB of 16-bit WAV: the 256 kB disk fills up while the song is written.
+        code, err = cli(capsys, *song, "--duration", "2", "--out", str(disk / "song.wav"))
+        assert_one_sentence(code, err, f"The disk holding {disk / 'song.wav'} is full: the song was not saved")
+        assert list(disk.iterdir()) == []
+        code, err = cli(capsys, *song, "--duration", "1", "--out", str(disk / "song.wav"))  # 176 kB: fits
+        assert code == 0, err
+        assert [path.name for path in disk.iterdir()] == ["song.wav"] and sf.info(disk / "song.wav").frames

@@ -171,7 +171,7 @@ def run(
         ended = "failed (traceback above)"
         message = f"Generation failed: {public_text(error)}"
         job.record.state, job.record.error = "failed", message
-        raise gr.Error(message, title="Something went wrong") from None
+        raise gr.Error(message, title="Something went wrong", print_exception=False) from None  # logged above
     finally:
         events.close()  # a closed handler must stop the worker now, not when the generator is collected
         ctx.registry.finish(session, job)
