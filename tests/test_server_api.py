@@ -33,7 +33,7 @@ def server(tmp_path_factory):
     shared_cache = tmp / "shared-gradio-cache"
     shared_cache.mkdir()
     with running_app(tmp, "--max-queue", str(MAX_QUEUE), "--ttl-hours", str(TTL_S / 3600),
-                     env={"GRADIO_TEMP_DIR": str(shared_cache)}) as app:
+                     env={"GRADIO_TEMP_DIR": str(shared_cache)}, ready_timeout=600) as app:
         app.shared_cache = shared_cache
         app.downloads = tmp / "downloads"
         yield app

@@ -152,9 +152,3 @@ class JobRegistry:
         """The recent jobs of one session (a browser tab or an API client); none for an unknown caller."""
         with self._lock:
             return [record.as_dict() for record in self._recent if session and record.session == session]
-
-    def counts(self) -> dict[str, int]:
-        """How many recent jobs are in each state: the public, anonymous view of the server's work."""
-        with self._lock:
-            states = [record.state for record in self._recent]
-        return {state: states.count(state) for state in ("queued", "running", "finished", "cancelled", "failed")}
