@@ -13,10 +13,16 @@ from typing import Iterator, Protocol
 import torch
 
 from .. import contract as c
+from ..events import Cancelled, check_cancel  # re-exported: they live with the events (cancel in)
 
-
-class Cancelled(Exception):
-    """Raised inside generation when the caller's cancel event is set."""
+__all__ = [
+    "Cancelled",
+    "ENGINE_NAMES",
+    "SamplingSettings",
+    "SemanticEngine",
+    "check_cancel",
+    "resolve_engine_name",
+]
 
 
 @dataclass(frozen=True)
@@ -41,11 +47,6 @@ class SemanticEngine(Protocol):
     ) -> Iterator[torch.Tensor]:
         """Yield blocks of frame hiddens, [n, num_codebooks * hidden], in order, until the end token or max_frames."""
         ...
-
-
-def check_cancel(cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise Cancelled()
 
 
 ENGINE_NAMES = ("auto", "reference", "graph")

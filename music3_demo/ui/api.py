@@ -15,7 +15,7 @@ import gradio as gr
 
 from .. import contract as c
 from ..events import AudioPiece
-from ..semantic import Cancelled
+from ..events import Cancelled
 from .admission import GPU_GROUP, RANDOM_SEED, admission_validator, waiting_songs
 from .core import AppContext, Outcome, check, make_request, refusal, run
 

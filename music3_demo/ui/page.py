@@ -9,7 +9,7 @@ from functools import partial
 import gradio as gr
 
 from ..events import AudioPiece
-from ..semantic import Cancelled
+from ..events import Cancelled
 from . import assets
 from .admission import admission_validator
 from .api import GPU_GROUP, add_api
