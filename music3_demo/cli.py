@@ -17,6 +17,7 @@ from .checkpoint import CheckpointError, default_model
 from .events import AudioPiece, Event, Progress
 from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import ENGINE_NAMES
+from .versions import untested_warnings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -152,6 +153,8 @@ def generate(args: argparse.Namespace) -> int:
                                                   engine=args.engine, revision=args.revision)
         if pipeline.source.notice:
             print(f"note: {pipeline.source.notice}", file=sys.stderr)
+        if pipeline.engine_record.fallback_reason:
+            print(f"note: {pipeline.engine_record.fallback_reason}", file=sys.stderr)
         show = _progress_printer(args.quiet)
 
         def on_event(event: Event) -> None:
@@ -172,6 +175,8 @@ def generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    for line in untested_warnings():
+        print(f"warning: {line}", file=sys.stderr)
     try:
         return generate(args)
     except (InvalidRequest, CheckpointError, ValueError) as error:
