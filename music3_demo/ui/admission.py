@@ -59,20 +59,19 @@ def refusal_message(ctx: AppContext, blocks: gr.Blocks, values: tuple) -> tuple[
     return None
 
 
-def admission_validator(ctx: AppContext, blocks: gr.Blocks | None = None) -> Callable[..., list | dict]:
+def admission_validator(ctx: AppContext, blocks: gr.Blocks | None = None) -> Callable[..., list]:
     """A Gradio `validator` for an event whose inputs start with the request fields in FIELDS order (extra inputs,
     such as the page's history, are passed through). A refusal about one field is shown on that field; one about
-    the server (queue, disk) on the request as a whole."""
+    the server (queue, disk) on the first field, the description."""
     blocks = blocks or gr.context.Context.root_block
 
-    def validate_on_arrival(*values) -> list | dict:
+    def validate_on_arrival(*values) -> list:
         refused = refusal_message(ctx, blocks, values)
         if refused is None:
             return [gr.validate(True, "")] * len(values)
-        field, message = refused
-        if field is None:
-            return gr.validate(False, message)
-        return [gr.validate(name != field, message if name == field else "")
+        # Gradio wants one verdict per input: a refusal about the server (queue, disk) is shown on the first.
+        field = refused[0] or FIELDS[0]
+        return [gr.validate(name != field, refused[1] if name == field else "")
                 for name, _ in zip(FIELDS + ("",) * len(values), values)]
 
     return validate_on_arrival
