@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     from music3_demo.ui.holder import ModelHolder, default_devices
     from music3_demo.semantic import resolve_engine_name
     from music3_demo.ui import AppContext, build_ui, launch_options
+    from music3_demo.ui.admission import GRADIO_QUEUE_HEADROOM
     from music3_demo.ui.gpu import spaces_available
     from music3_demo.ui.runner import JobRegistry
     from music3_demo.ui.store import SongStore
@@ -81,15 +82,22 @@ def main(argv: list[str] | None = None) -> None:
         holder.preload(background=not zero_gpu)
     store = SongStore(args.output_dir, ttl_s=args.ttl_hours * 3600)
     store.start_cleaner()
+    # The store's folder is this app's own Gradio cache: Gradio then serves the songs where they are (a file
+    # already in its cache is not copied), so the cleaner's TTL is the files' whole life, and nothing of ours
+    # lands in the temp folder every Gradio app on the host shares. Set before any Blocks reads it.
+    os.environ["GRADIO_TEMP_DIR"] = str(store.root.resolve())
     concurrency = args.concurrency or len(devices)
-    ctx = AppContext(holder, store, JobRegistry(), live_audio=shutil.which("ffmpeg") is not None)
+    ctx = AppContext(holder, store, JobRegistry(), live_audio=shutil.which("ffmpeg") is not None,
+                     max_queue=args.max_queue)
     if not ctx.live_audio:
         logging.warning("ffmpeg not found: live playback is off; songs appear when finished (install ffmpeg).")
     demo = build_ui(ctx, concurrency)
-    demo.queue(max_size=args.max_queue, default_concurrency_limit=concurrency)
+    # Songs are bounded by --max-queue on arrival (ui/admission.py); Gradio's bound only guards against floods.
+    demo.queue(max_size=args.max_queue + GRADIO_QUEUE_HEADROOM, default_concurrency_limit=concurrency)
     try:
+        # max_file_size=0: the app takes no uploads, so none may fill the disk.
         demo.launch(server_name=args.host, server_port=args.port, share=args.share,
-                    allowed_paths=[str(store.root)], show_error=True, **launch_options())
+                    allowed_paths=[str(store.root)], show_error=True, max_file_size=0, **launch_options())
     finally:
         store.stop_cleaner()
         holder.release()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -46,28 +47,57 @@ def write_audio(path: str | Path, audio: np.ndarray, sample_rate: int, subtype: 
     return path
 
 
+def partial_path(path: Path) -> Path:
+    """Where a file is written before it is complete: hidden, beside the target, same extension (the format)."""
+    return path.with_name(f".{path.stem}.partial-{os.getpid()}{path.suffix}")
+
+
 class AudioFileWriter:
-    """Writes a song progressively as AudioPieces arrive, so a partial file exists while the rest is made."""
+    """Writes a song progressively as AudioPieces arrive, into a hidden partial file beside the target; `close()`
+    renames it into place once the song is complete and `discard()` removes it, so the target name never holds
+    half a song (a full disk, a crash, Ctrl+C)."""
 
     def __init__(self, path: str | Path, sample_rate: int, channels: int = 2, subtype: str | None = None) -> None:
         self.path = Path(path)
         fmt, subtype = output_format(self.path, subtype)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = sf.SoundFile(str(self.path), "w", sample_rate, channels, subtype=subtype, format=fmt,
-                                  **_mp3_options(fmt))
+        self.partial = partial_path(self.path)
+        try:
+            self._file = sf.SoundFile(str(self.partial), "w", sample_rate, channels, subtype=subtype, format=fmt,
+                                      **_mp3_options(fmt))
+        except BaseException:
+            self.partial.unlink(missing_ok=True)
+            raise
 
     def write(self, samples: np.ndarray) -> None:
         self._file.write(np.ascontiguousarray(samples.T))
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        """Finish the file and give it its name."""
+        try:
+            self._file.close()
+            os.replace(self.partial, self.path)
+        except BaseException:
+            self.partial.unlink(missing_ok=True)
+            raise
+
+    def discard(self) -> None:
+        """Drop what was written (the song failed or was stopped)."""
+        try:
+            self._file.close()
+        except Exception:  # noqa: BLE001 - a full disk can fail the close too; the file goes either way
+            pass
+        self.partial.unlink(missing_ok=True)
 
     def __enter__(self) -> "AudioFileWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
 
 
 def waveform_image(audio: np.ndarray, width: int = 900, height: int = 160, color: tuple = (99, 102, 241)):

@@ -133,17 +133,33 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def _class_for(folder: Path, name: str):
+def read_index(folder: Path) -> dict:
+    """modular_model_index.json, or a CheckpointError that blames that file (not the first component read)."""
+    path = folder / "modular_model_index.json"
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(
+            f"{path} is damaged (not valid JSON: {error}): download the checkpoint's modular_model_index.json again."
+        ) from None
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{path} is damaged (not a JSON object): download it again.")
+    return index
+
+
+def _class_for(folder: Path, name: str, index: dict):
     """The component's class as recorded in modular_model_index.json (diffusers or transformers)."""
     import diffusers
     import transformers
 
-    index = json.loads((folder / "modular_model_index.json").read_text())
     if name not in index:
         raise CheckpointError(
             f"{folder}/modular_model_index.json has no entry for {name}: the checkpoint is incomplete."
         )
-    library, class_name = index[name][0], index[name][1]
+    entry = index[name]
+    if not (isinstance(entry, list) and len(entry) >= 2 and all(isinstance(part, str) for part in entry[:2])):
+        raise CheckpointError(f"{folder}/modular_model_index.json has a damaged entry for {name}: download it again.")
+    library, class_name = entry[0], entry[1]
     module = {"diffusers": diffusers, "transformers": transformers}.get(library)
     if module is None or not hasattr(module, class_name):
         raise CheckpointError(
@@ -156,9 +172,10 @@ def _class_for(folder: Path, name: str):
 def load_components(folder: Path, device: torch.device, dtype: torch.dtype) -> dict[str, object]:
     """Every component, loaded with its own class. The vocoder stays float32 (bf16 costs ~2e-3 of audio error)."""
     components: dict[str, object] = {}
+    index = read_index(folder)
     try:
         for name in c.COMPONENT_NAMES:
-            cls = _class_for(folder, name)
+            cls = _class_for(folder, name, index)
             subfolder = str(folder / name)
             if name in ("tokenizer", "scheduler"):
                 components[name] = cls.from_pretrained(subfolder)
@@ -172,9 +189,33 @@ def load_components(folder: Path, device: torch.device, dtype: torch.dtype) -> d
             f"Not enough GPU memory to load the model on {device} ({free:.1f} GiB free): close other GPU programs "
             "or pick another GPU with CUDA_VISIBLE_DEVICES."
         ) from error
-    except (OSError, ValueError) as error:
+    except CheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - safetensors, JSON, torch: every loader has its own error types
+        damaged = damaged_weight_files(folder / name)
+        if damaged:
+            raise CheckpointError(
+                f"Could not load {name}: the weight file {damaged[0]} is damaged or incomplete (a truncated "
+                f"download?): download {name}/ from the checkpoint again."
+            ) from error
         raise CheckpointError(f"Could not load {name} from {folder}: {error}") from error
     return components
+
+
+def damaged_weight_files(component: Path) -> list[str]:
+    """Which of a component's .safetensors files cannot be opened (truncated, or not safetensors at all), as
+    paths relative to the checkpoint folder."""
+    from safetensors import safe_open
+
+    damaged = []
+    for path in sorted(component.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as weights:
+                for key in list(weights.keys())[-1:]:  # reading the last tensor checks the file's full length
+                    weights.get_slice(key)
+        except Exception:  # noqa: BLE001 - any failure to read means the file is unusable
+            damaged.append(f"{component.name}/{path.name}")
+    return damaged
 
 
 def build_random_full(device: torch.device, dtype: torch.dtype) -> dict[str, object]:

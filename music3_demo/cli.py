@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import shutil
 import sys
 import time
 from pathlib import Path
+
+import soundfile as sf
 
 from . import contract as c
 from .audio import AudioFileWriter, output_format
@@ -45,11 +49,68 @@ def _parser() -> argparse.ArgumentParser:
 
 def _read_lyrics(args: argparse.Namespace) -> str:
     if args.lyrics_file is None:
-        return args.lyrics
+        return _argument_text("--lyrics", args.lyrics)
     try:
         return args.lyrics_file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise InvalidRequest(f"Cannot read the lyrics file {args.lyrics_file}: {error.strerror or error}.") from error
+    except UnicodeDecodeError as error:
+        raise InvalidRequest(
+            f"The lyrics file {args.lyrics_file} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at "
+            f"offset {error.start}): save it as UTF-8.") from None
+    except OSError as error:
+        raise InvalidRequest(f"Cannot read the lyrics file {args.lyrics_file}: {error.strerror or error}.") from None
+
+
+def _argument_text(flag: str, text: str) -> str:
+    # Python hands over undecodable argument bytes as lone surrogates (surrogateescape).
+    if any("\udc80" <= char <= "\udcff" for char in text):
+        raise InvalidRequest(f"{flag} is not valid UTF-8 text: check the terminal's encoding, or use --lyrics-file.")
+    return text
+
+
+def _device(name: str | None):
+    """The --device as a torch.device, or one sentence on why it cannot be used here."""
+    import torch
+
+    if name is None:
+        return None
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise InvalidRequest(f"Unknown device {name!r}: use cpu, cuda or cuda:N.") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InvalidRequest(f"--device {name}: PyTorch sees no CUDA GPU on this machine; use --device cpu.")
+        if device.index is not None and device.index >= count:
+            raise InvalidRequest(
+                f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}.")
+    elif device.type != "cpu":
+        raise InvalidRequest(f"--device {name}: only cpu and cuda devices are supported.")
+    return device
+
+
+def _writer(args: argparse.Namespace) -> AudioFileWriter:
+    return _writing(args.out, AudioFileWriter, args.out, c.SAMPLE_RATE, subtype=args.subtype)
+
+
+def _writing(out: Path, operation, *args, **kwargs):
+    """Run one file operation on the output; its failure becomes the sentence of _write_error."""
+    try:
+        return operation(*args, **kwargs)
+    except (OSError, sf.SoundFileError) as error:
+        raise _write_error(out, error) from None
+
+
+def _write_error(out: Path, error: BaseException) -> InvalidRequest:
+    """One sentence for a song that could not be written (nothing is left at `out`)."""
+    try:
+        full = shutil.disk_usage(out.parent if out.parent.exists() else Path.cwd()).free < 1_000_000
+    except OSError:
+        full = False
+    if full or (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return InvalidRequest(f"The disk holding {out} is full: the song was not saved; free some space.")
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip()
+    return InvalidRequest(f"Cannot write {out}: {reason or type(error).__name__}; choose another --out.")
 
 
 def _progress_printer(quiet: bool):
@@ -71,7 +132,7 @@ def _progress_printer(quiet: bool):
 
 def generate(args: argparse.Namespace) -> int:
     request = GenerationRequest(
-        description=args.prompt,
+        description=_argument_text("--prompt", args.prompt),
         lyrics=_read_lyrics(args),
         duration=args.duration,
         num_steps=args.steps,
@@ -83,25 +144,29 @@ def generate(args: argparse.Namespace) -> int:
     )
     validate(request)  # the cheap checks before a long model load
     output_format(args.out, args.subtype)
-    from .pipeline import Music3Pipeline  # heavy imports only once the request is sane
-
-    pipeline = Music3Pipeline.from_pretrained(args.model or default_model(), device=args.device,
-                                              engine=args.engine, revision=args.revision)
-    if pipeline.source.notice:
-        print(f"note: {pipeline.source.notice}", file=sys.stderr)
-    if pipeline.engine_record.fallback_reason:
-        print(f"note: {pipeline.engine_record.fallback_reason}", file=sys.stderr)
-    show = _progress_printer(args.quiet)
-    writer = AudioFileWriter(args.out, c.SAMPLE_RATE, subtype=args.subtype)
+    device = _device(args.device)
+    writer = _writer(args)  # opened first, so an unwritable --out is refused before a long model load
     try:
+        from .pipeline import Music3Pipeline  # heavy imports only once the request is sane
+
+        pipeline = Music3Pipeline.from_pretrained(args.model or default_model(), device=device,
+                                                  engine=args.engine, revision=args.revision)
+        if pipeline.source.notice:
+            print(f"note: {pipeline.source.notice}", file=sys.stderr)
+        if pipeline.engine_record.fallback_reason:
+            print(f"note: {pipeline.engine_record.fallback_reason}", file=sys.stderr)
+        show = _progress_printer(args.quiet)
+
         def on_event(event: Event) -> None:
             show(event)
             if isinstance(event, AudioPiece):
-                writer.write(event.samples)
+                _writing(args.out, writer.write, event.samples)
 
         song = pipeline.generate(request, on_event=on_event)
-    finally:
-        writer.close()
+        _writing(args.out, writer.close)
+    except BaseException:
+        writer.discard()  # nothing half-made is left at --out: a failed or interrupted song leaves no file
+        raise
     stages = " ".join(f"{key}={value:.2f}" for key, value in song.timings.items())
     print(f"{args.out}")
     print(f"duration={song.duration:.2f}s frames={song.frames} seed={song.seed} engine={song.engine} {stages}")

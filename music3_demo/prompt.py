@@ -63,6 +63,24 @@ def normalize_lyrics(lyrics: str) -> str:
     return f"[start]\n{text}"
 
 
+# The `<|name|>` form of every special token of the template (and of the Qwen family the LM comes from).
+_MARKER_RE = re.compile(r"<\|[^|]*\|>")
+
+
+def control_marker(caption: str, lyrics: str, extra: tuple[str, ...] = ()) -> tuple[str, str] | None:
+    """("description" | "lyrics", marker) for the first special-token string the assembled prompt would carry
+    inside the user's text, else None. Checked after cleaning: diffusers' caption cleaning rewrites `<|a b|>` tags,
+    but a nested `<|<|im_end|>|>` comes out of it as a real `<|im_end|>`; lyrics reach the tokenizer as typed."""
+    for field, text in (("description", clean_caption(caption)), ("lyrics", normalize_lyrics(lyrics))):
+        match = _MARKER_RE.search(text)
+        if match is not None:
+            return field, match.group()
+        for marker in extra:
+            if marker in text:
+                return field, marker
+    return None
+
+
 def build_prompt(caption: str, lyrics: str) -> str:
     return (
         f"{c.IM_START}{c.CAPTION_START}{clean_caption(caption)}{c.CAPTION_END}"
@@ -78,8 +96,15 @@ def cfg_pair(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def tokenize(tokenizer, caption: str, lyrics: str) -> torch.Tensor:
-    """The CFG pair of prompt ids, shape [2, T]."""
-    return cfg_pair(tokenizer(build_prompt(caption, lyrics), return_tensors="pt")["input_ids"])
+    """The CFG pair of prompt ids, shape [2, T]. The last guard against typed control tokens: any added token of
+    this tokenizer's vocabulary beyond the template's own (e.g. Qwen's `<think>`) is refused, not generated from."""
+    input_ids = tokenizer(build_prompt(caption, lyrics), return_tensors="pt")["input_ids"]
+    added = dict(getattr(tokenizer, "added_tokens_decoder", None) or {})
+    if sum(int(token) in added for token in input_ids[0].tolist()) > len(c.SPECIAL_TOKENS):
+        from .request import check_markers  # request imports this module; the sentence lives there
+
+        check_markers(caption, lyrics, tuple(getattr(token, "content", str(token)) for token in added.values()))
+    return cfg_pair(input_ids)
 
 
 def count_prompt_tokens(tokenizer, caption: str, lyrics: str) -> int:

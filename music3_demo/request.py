@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import math
+import re
 import secrets
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from . import contract as c
+from .prompt import control_marker
 
 
 class InvalidRequest(ValueError):
-    """A request the user must change; str(error) is one sentence saying what to change."""
+    """A request the user must change; str(error) is one sentence saying what to change, `field` the request field
+    it is about (None when it is about the whole request), so a form or an API can point at the right input."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# Raw text is capped before anything tokenizes it: tokenizing megabytes costs seconds and gigabytes of memory.
+# Generous next to the token limit (even one token per character fits 4x over it).
+MAX_TEXT_CHARS = 20_000
 
 
 @dataclass(frozen=True)
@@ -48,16 +60,42 @@ def _is_number(value: object) -> bool:
 
 
 def _fmt(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+    # Whole numbers in full while they are short (seeds); anything else compactly (1e+308, not 309 digits).
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
 
 
-def _check_range(name: str, value: object, low: float, high: float, integer: bool = False) -> None:
+def _check_range(name: str, value: object, low: float, high: float, integer: bool = False,
+                 field: str | None = None) -> None:
     kind = "a whole number" if integer else "a number"
     span = f"between {_fmt(low)} and {_fmt(high)}"
     if not _is_number(value) or not math.isfinite(value) or (integer and value != int(value)):
-        raise InvalidRequest(f"{name} must be {kind} {span}, got {value!r}.")
+        shown = _fmt(value) if _is_number(value) else _short_repr(value)
+        raise InvalidRequest(f"{name} must be {kind} {span}, got {shown}.", field)
     if not low <= value <= high:
-        raise InvalidRequest(f"{name} must be {span}, got {_fmt(value)}.")
+        raise InvalidRequest(f"{name} must be {span}, got {_fmt(value)}.", field)
+
+
+def _short_repr(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _check_text(name: str, field: str, text: str) -> None:
+    """Size first (before anything tokenizes it), then characters that are not text (lone surrogates cannot even
+    be encoded as UTF-8, and the tokenizer fails on them with its own internal error)."""
+    subject, verb = (f"The {name} are", "contain") if name == "lyrics" else (f"The {name} is", "contains")
+    if len(text) > MAX_TEXT_CHARS:
+        raise InvalidRequest(
+            f"{subject} {len(text):,} characters long; the limit is {MAX_TEXT_CHARS:,} "
+            f"(the model reads at most {c.MAX_PROMPT_TOKENS} tokens): shorten it.", field)
+    bad = _SURROGATE_RE.search(text)
+    if bad is not None:
+        raise InvalidRequest(
+            f"The {name} {verb} an invalid character (an unpaired UTF-16 surrogate, U+{ord(bad.group()):04X}, at "
+            f"character {bad.start() + 1}): paste the text again or remove that character.", field)
+
+
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 def validate(request: GenerationRequest, count_tokens: Callable[[str, str], int] | None = None) -> GenerationRequest:
@@ -66,19 +104,26 @@ def validate(request: GenerationRequest, count_tokens: Callable[[str, str], int]
     `count_tokens(description, lyrics)` counts the assembled prompt's tokens with the loaded tokenizer; without it
     the prompt-length limit is not checked (the pipeline checks it again before generating).
     """
+    instrumental = _boolean("Instrumental", request.instrumental, "instrumental")
     if not isinstance(request.description, str) or not request.description.strip():
-        raise InvalidRequest("Describe the music first: the description is empty (e.g. 'upbeat synth-pop, 120 BPM').")
-    if not request.instrumental and (not isinstance(request.lyrics, str) or not request.lyrics.strip()):
-        raise InvalidRequest("Add lyrics, or switch on Instrumental to make a song without vocals.")
-    _check_range("Duration (seconds)", request.duration, c.MIN_DURATION_S, c.MAX_DURATION_S)
-    _check_range("Steps", request.num_steps, c.MIN_STEPS, c.MAX_STEPS, integer=True)
-    _check_range("Guidance scale", request.guidance_scale, *c.GUIDANCE_RANGE)
-    _check_range("LM CFG scale", request.lm_cfg_scale, *c.LM_CFG_RANGE)
-    _check_range("Top-k", request.top_k, *c.TOP_K_RANGE, integer=True)
+        raise InvalidRequest("Describe the music first: the description is empty (e.g. 'upbeat synth-pop, 120 BPM').",
+                             "description")
+    _check_text("description", "description", request.description)
+    if not instrumental:
+        if not isinstance(request.lyrics, str) or not request.lyrics.strip():
+            raise InvalidRequest("Add lyrics, or switch on Instrumental to make a song without vocals.", "lyrics")
+        _check_text("lyrics", "lyrics", request.lyrics)
+    lyrics = c.INSTRUMENTAL_LYRICS if instrumental else request.lyrics
+    check_markers(request.description, lyrics)
+    _check_range("Duration (seconds)", request.duration, c.MIN_DURATION_S, c.MAX_DURATION_S, field="duration")
+    _check_range("Steps", request.num_steps, c.MIN_STEPS, c.MAX_STEPS, integer=True, field="num_steps")
+    _check_range("Guidance scale", request.guidance_scale, *c.GUIDANCE_RANGE, field="guidance_scale")
+    _check_range("LM CFG scale", request.lm_cfg_scale, *c.LM_CFG_RANGE, field="lm_cfg_scale")
+    _check_range("Top-k", request.top_k, *c.TOP_K_RANGE, integer=True, field="top_k")
     if request.seed is not None:
-        _check_range("Seed", request.seed, 0, c.MAX_SEED, integer=True)
+        _check_range("Seed", request.seed, 0, c.MAX_SEED, integer=True, field="seed")
     if count_tokens is not None:
-        tokens = count_tokens(request.description, request.effective_lyrics)
+        tokens = count_tokens(request.description, lyrics)
         if tokens > c.MAX_PROMPT_TOKENS:
             raise InvalidRequest(
                 f"The prompt is {tokens} tokens long; the limit is {c.MAX_PROMPT_TOKENS}: "
@@ -92,4 +137,27 @@ def validate(request: GenerationRequest, count_tokens: Callable[[str, str], int]
         lm_cfg_scale=float(request.lm_cfg_scale),
         top_k=int(request.top_k),
         seed=None if request.seed is None else int(request.seed),
+        instrumental=instrumental,
     )
+
+
+def _boolean(name: str, value: object, field: str) -> bool:
+    """True/False, or their JSON spellings as text from a loosely typed client; anything else is refused (a
+    truthy "false" must never switch a setting on)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise InvalidRequest(f"{name} must be true or false, got {_short_repr(value)}.", field)
+
+
+def check_markers(description: str, lyrics: str, extra: tuple[str, ...] = ()) -> None:
+    """Refuse text that would turn into the model's control tokens (prompt.control_marker finds them)."""
+    found = control_marker(description, lyrics, extra)
+    if found is not None:
+        field, marker = found
+        where = "description contains" if field == "description" else "lyrics contain"
+        raise InvalidRequest(
+            f"The {where} {marker!r}, which the model would read as a control token of its prompt, not as text: "
+            "remove it.", field)
+

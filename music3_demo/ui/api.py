@@ -1,8 +1,9 @@
-"""The programmatic endpoints: `generate` (DESIGN.md's contract) and `status` (model state, busy devices, jobs).
+"""The programmatic endpoints: `generate` (DESIGN.md's contract) and `status` (model state, queue, your jobs).
 
 They hang off hidden components so that the API's inputs are loosely typed (numbers as plain numbers) and
 `validate()` alone decides what is acceptable, with its own sentence; the page's sliders are a separate, private
-event. Both generation events share the `gpu` concurrency group, so the page and the API queue together.
+event. Both generation events share the `gpu` concurrency group, so the page and the API queue together. A request
+is checked when it arrives (admission.py), so a bad one is refused at once and never waits behind songs.
 """
 
 from __future__ import annotations
@@ -15,31 +16,44 @@ import gradio as gr
 from .. import contract as c
 from ..events import AudioPiece
 from ..events import Cancelled
-from .core import AppContext, Outcome, check, make_request, run
+from .admission import GPU_GROUP, RANDOM_SEED, admission_validator, waiting_songs
+from .core import AppContext, Outcome, check, make_request, refusal, run
 
-GPU_GROUP = "gpu"
-RANDOM_SEED = -1  # the API's default seed: a client that names no seed gets a random one
+__all__ = ["GPU_GROUP", "add_api"]
+
+STOPPED_MESSAGE = "The song was stopped before it was finished."
+
+
+def _documented(component: gr.components.Component, kind: str, text: str) -> gr.components.Component:
+    """Give an API input its JSON type and a description (unit, range, default) on the API page."""
+    info = {"type": kind, "additional_description": text}
+    component.api_info = lambda: info  # type: ignore[method-assign]
+    return component
 
 
 def add_api(ctx: AppContext, concurrency: int) -> None:
+    blocks = gr.context.Context.root_block
+
     def generate(
         description: str,
         lyrics: str,
         duration: float,
         guidance_scale: float,
-        num_steps: float,
-        seed: float | None,
+        num_steps: int,
+        seed: int,
         lm_cfg_scale: float,
-        top_k: float,
+        top_k: int,
         instrumental: bool,
+        request: gr.Request,
         progress: gr.Progress = gr.Progress(),
     ) -> Iterator[tuple]:
-        """Make one song; returns (the WAV file, a report dict with seed, engine, frames and stage timings)."""
+        """Make one song; returns (the WAV file, a report dict with seed, engine, frames and stage timings). A bad
+        request is refused when it arrives, with one sentence naming the parameter to change."""
         seed = None if seed == RANDOM_SEED else seed
-        request = check(ctx.holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
-                                                 lm_cfg_scale, top_k, instrumental))
+        song_request = check(ctx.holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
+                                                      lm_cfg_scale, top_k, instrumental))
         try:
-            with closing(run(ctx, request, None, progress)) as items:
+            with closing(run(ctx, song_request, request.session_hash, progress)) as items:
                 for item in items:
                     if isinstance(item, Outcome):
                         yield item.saved.wav, item.report
@@ -48,24 +62,49 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
                         # Handing control back lets a client's cancel close this generator promptly.
                         yield gr.skip(), gr.skip()
         except Cancelled:
-            raise gr.Error("The song was stopped before it was finished.", title="Stopped") from None
+            raise refusal(STOPPED_MESSAGE, "Stopped") from None
 
-    def status() -> dict:
-        """Model state (loading / ready / failed with why), devices in use, and the recent jobs with their times."""
-        return ctx.holder.status().as_dict() | {"jobs": ctx.registry.recent()}
+    def status(request: gr.Request) -> dict:
+        """The server's state for anyone (model loading / ready / failed with why, devices and the busy ones, songs
+        waiting and the queue's limit) and the caller's own recent jobs (state, times, error); never other
+        people's. Answered outside the song queue, so it answers while the queue is full."""
+        return ctx.holder.status().as_dict() | {
+            "queue": {"waiting": waiting_songs(blocks), "limit": ctx.max_queue},
+            "jobs": ctx.registry.recent(request.session_hash),
+        }
 
     with gr.Column(visible=False):
+        lo_g, hi_g = c.GUIDANCE_RANGE
+        lo_c, hi_c = c.LM_CFG_RANGE
+        lo_k, hi_k = c.TOP_K_RANGE
         inputs = [
-            gr.Textbox(label="description"),
-            gr.Textbox(label="lyrics"),
-            gr.Number(label="duration", value=c.DEFAULT_DURATION_S),
-            gr.Number(label="guidance_scale", value=c.DEFAULT_GUIDANCE),
-            gr.Number(label="num_steps", value=c.DEFAULT_STEPS),
-            gr.Number(label="seed", value=RANDOM_SEED,
-                      info="-1 (the default) picks a random seed; the report says which"),
-            gr.Number(label="lm_cfg_scale", value=c.AR_CFG_SCALE),
-            gr.Number(label="top_k", value=c.AR_SAMPLING_TOP_K),
-            gr.Checkbox(label="instrumental", value=False),
+            _documented(gr.Textbox(label="description"), "string",
+                        "The music: genre, tempo (BPM), key, instruments, voice. Required; at most 20,000 "
+                        "characters."),
+            _documented(gr.Textbox(label="lyrics"), "string",
+                        "The lyrics, structure tags like [verse] / [chorus] on their own lines. Required unless "
+                        "instrumental is true (then ignored); at most 20,000 characters; description and lyrics "
+                        f"together at most {c.MAX_PROMPT_TOKENS} tokens."),
+            _documented(gr.Number(label="duration", value=c.DEFAULT_DURATION_S), "number",
+                        f"Song length in seconds, {c.MIN_DURATION_S:g} to {c.MAX_DURATION_S:g} "
+                        f"(default {c.DEFAULT_DURATION_S:g}); the model may end the song earlier."),
+            _documented(gr.Number(label="guidance_scale", value=c.DEFAULT_GUIDANCE), "number",
+                        f"Flow-stage guidance scale, {lo_g:g} to {hi_g:g} (default {c.DEFAULT_GUIDANCE:g})."),
+            _documented(gr.Number(label="num_steps", value=c.DEFAULT_STEPS), "integer",
+                        f"Flow-matching steps per chunk, a whole number {c.MIN_STEPS} to {c.MAX_STEPS} "
+                        f"(default {c.DEFAULT_STEPS}): fewer is faster, more is cleaner."),
+            _documented(gr.Number(label="seed", value=RANDOM_SEED), "integer",
+                        f"Random seed, a whole number 0 to {c.MAX_SEED}; -1 (the default) picks a random seed, "
+                        "and the report says which. The same seed and settings make the same song."),
+            _documented(gr.Number(label="lm_cfg_scale", value=c.AR_CFG_SCALE), "number",
+                        f"Semantic-stage classifier-free guidance, {lo_c:g} to {hi_c:g} "
+                        f"(default {c.AR_CFG_SCALE:g})."),
+            _documented(gr.Number(label="top_k", value=c.AR_SAMPLING_TOP_K), "integer",
+                        f"Semantic-stage top-k sampling, a whole number {lo_k} to {hi_k} "
+                        f"(default {c.AR_SAMPLING_TOP_K})."),
+            _documented(gr.Checkbox(label="instrumental", value=False), "boolean",
+                        "true for a song without vocals (the lyrics are then ignored); default false. Only true "
+                        "or false is accepted."),
         ]
         audio = gr.Audio(label="audio", type="filepath")
         report = gr.JSON(label="report")
@@ -73,5 +112,5 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
         generate_trigger = gr.Button("generate")
         status_trigger = gr.Button("status")
     generate_trigger.click(generate, inputs, [audio, report], api_name="generate", concurrency_id=GPU_GROUP,
-                           concurrency_limit=concurrency)
+                           concurrency_limit=concurrency, validator=admission_validator(ctx, blocks))
     status_trigger.click(status, None, status_json, api_name="status", queue=False)

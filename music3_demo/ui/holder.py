@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -275,13 +276,16 @@ def default_devices() -> list[str]:
 
 
 def load_error_message(model: str, error: Exception) -> str:
-    """One paragraph: what failed (the checkpoint code's own sentence when it has one) and how to get going."""
+    """One paragraph: what failed (the checkpoint code's own sentence when it has one) and how to get going. The
+    "run without the Hub" hint only where the Hub is the problem: not for a local folder or a built-in model,
+    whose faults the sentence itself names."""
     why = str(error).strip() or type(error).__name__
     if isinstance(error, EngineUnavailable):  # the weights are fine: the sentence names the engine flag to change
         return why
     if not isinstance(error, CheckpointError):
         why = f"Could not load {model}: {why}"
-    return why if "--model" in why else f"{why} {FIX_HINT}"  # checkpoint.py's messages already name the fix
+    local = model in ("tiny", "random-full") or Path(model).expanduser().exists() or model.startswith((".", "/", "~"))
+    return why if "--model" in why or local else f"{why} {FIX_HINT}"  # checkpoint.py's messages name their fix
 
 
 def _load_tokenizer(source: ModelSource):

@@ -23,6 +23,7 @@ from .. import contract as c
 from ..events import AudioPiece, Cancelled
 from ..request import GenerationRequest
 from . import assets
+from .admission import refusal_message
 from .api import GPU_GROUP, add_api
 from .controls import (
     CARET_TRACKER_JS,
@@ -53,7 +54,8 @@ def refusal_html(sentence: str) -> str:
 
 def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
     holder = ctx.holder
-    with gr.Blocks(title="MiniMax Music 3", delete_cache=(3600, int(ctx.store.ttl_s))) as demo:
+    # No delete_cache: the song store is the app's Gradio cache and its cleaner owns every file's lifetime.
+    with gr.Blocks(title="MiniMax Music 3") as demo:
         gr.Markdown(assets.read_text("header.md"), elem_id="header")
         banner = gr.HTML(assets.banner_html(holder.status()), elem_id="banner")
         banner_timer = gr.Timer(1.0)
@@ -130,6 +132,10 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
                                                      lm_cfg_scale, top_k, instrumental))
             except gr.Error as error:
                 return (gr.skip(),) * 5 + (refusal_html(error.message), gr.skip(), "")
+            busy = refusal_message(ctx, demo, (description, lyrics, duration, guidance_scale, num_steps, request.seed,
+                                               lm_cfg_scale, top_k, instrumental))
+            if busy is not None:  # the queue of songs or the disk is full: the same sentence the API gets
+                return (gr.skip(),) * 5 + (refusal_html(busy[1]), gr.skip(), "")
             waiting = waiting_text(request)
             return (request.seed, gr.update(interactive=False, value="Generating…"), gr.update(visible=True),
                     waiting, gr.update(visible=True, value=""), "",
@@ -138,7 +144,7 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
         def waiting_text(request: GenerationRequest) -> str:
             """What the user is told before the song starts: the songs ahead and how long theirs will take, from
             the speeds the holder measured (Gradio's own queue line shows the place in line as it moves)."""
-            ahead = [job for job in ctx.registry.recent() if job["state"] in ("queued", "running")]
+            ahead = ctx.registry.unfinished()
             own = holder.estimate_s(request.max_frames, request.num_steps)
             if not ahead:
                 text = "⏳ Starting your song"

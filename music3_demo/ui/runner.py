@@ -43,9 +43,10 @@ class JobRecord:
     ended_at: float | None = None  # ...to here
     device: str | None = None
     error: str | None = None
+    session: str | None = None  # whose job it is: a client sees only its own (never shown)
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {key: value for key, value in self.__dict__.items() if key != "session"}
 
 
 def generation_events(
@@ -95,11 +96,12 @@ _gpu_generation_events = on_gpu(generation_events)
 class Job:
     """One request's generation, its cancel flag and its record."""
 
-    def __init__(self, holder: ModelHolder, request: GenerationRequest, registry: JobRegistry | None = None) -> None:
+    def __init__(self, holder: ModelHolder, request: GenerationRequest, registry: JobRegistry | None = None,
+                 session: str | None = None) -> None:
         self.holder = holder
         self.request = request
         self.cancel = threading.Event()
-        self.record = JobRecord(next(_ids), request.duration)
+        self.record = JobRecord(next(_ids), request.duration, session=session)
         if registry is not None:
             registry.remember(self.record)
 
@@ -146,6 +148,12 @@ class JobRegistry:
             job = self._active.get(session) if session else None
         return job is not None and job.cancel.is_set()
 
-    def recent(self) -> list[dict]:
+    def unfinished(self) -> list[dict]:
+        """Every session's queued or running jobs, for the server's own estimates (never shown per job)."""
         with self._lock:
-            return [record.as_dict() for record in self._recent]
+            return [record.as_dict() for record in self._recent if record.state in ("queued", "running")]
+
+    def recent(self, session: str | None) -> list[dict]:
+        """The recent jobs of one session (a browser tab or an API client); none for an unknown caller."""
+        with self._lock:
+            return [record.as_dict() for record in self._recent if session and record.session == session]

@@ -42,13 +42,14 @@ class AppServer:
 
 @contextmanager
 def running_app(
-    tmp_dir: Path, *extra: str, ready_timeout: float = 180.0, wait_for: tuple[str, ...] = ("ready",)
+    tmp_dir: Path, *extra: str, ready_timeout: float = 180.0, wait_for: tuple[str, ...] = ("ready",),
+    env: dict[str, str] | None = None,
 ) -> Iterator[AppServer]:
     """Start the app, wait until the page answers and the model state is one of `wait_for`, yield it, stop it."""
     port = free_port()
     log_path = tmp_dir / f"app-{port}.log"
     output_dir = tmp_dir / "songs"
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1") | (env or {})
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "app.py", "--model", "tiny", "--port", str(port), "--output-dir", str(output_dir),

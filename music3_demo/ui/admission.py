@@ -1,0 +1,77 @@
+"""What a generation request must pass on arrival, before it takes a place in the queue.
+
+Gradio runs an event's `validator` when a request arrives (outside the queue, before the request is queued), so a
+bad request is refused at once instead of after every song ahead of it, and never holds a place. The same check
+bounds the queue of songs: Gradio's own `max_size` counts every queued event, `status` calls included, so a full
+queue of songs would refuse the status a waiting user polls; the app leaves Gradio's bound loose (a flood guard)
+and bounds the songs here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import gradio as gr
+
+from ..request import InvalidRequest
+from .core import AppContext, checked, make_request
+from .store import DiskFull
+
+log = logging.getLogger("music3_demo.app")
+
+GPU_GROUP = "gpu"
+# The request fields in the order of the generation handlers' inputs (make_request's order).
+FIELDS = ("description", "lyrics", "duration", "guidance_scale", "num_steps", "seed", "lm_cfg_scale", "top_k",
+          "instrumental")
+RANDOM_SEED = -1  # the API's default seed: a client that names no seed gets a random one
+# Gradio's own queue bound sits this far above the songs' bound: room for status calls and page events.
+GRADIO_QUEUE_HEADROOM = 64
+
+
+def waiting_songs(blocks: gr.Blocks) -> int:
+    """Songs queued and not yet started (the page's and the API's together: they share one concurrency group)."""
+    queue = getattr(blocks, "_queue", None)
+    groups = getattr(queue, "event_queue_per_concurrency_id", {}) or {}
+    group = groups.get(GPU_GROUP)
+    return len(group.queue) if group is not None else 0
+
+
+def refusal_message(ctx: AppContext, blocks: gr.Blocks, values: tuple) -> tuple[str | None, str] | None:
+    """(field or None, sentence) when this request must be refused now, else None."""
+    description, lyrics, duration, guidance, steps, seed, lm_cfg, top_k, instrumental = values[: len(FIELDS)]
+    seed = None if seed == RANDOM_SEED else seed
+    try:
+        checked(ctx.holder, make_request(description, lyrics, duration, guidance, steps, seed, lm_cfg, top_k,
+                                         instrumental))
+    except InvalidRequest as error:
+        return error.field or "lyrics", str(error)  # no field: the prompt's length, which the lyrics mostly make
+    if ctx.max_queue is not None and waiting_songs(blocks) >= ctx.max_queue:
+        message = (f"The server is busy: its queue of songs is full ({ctx.max_queue} waiting). Please try again in "
+                   "a few minutes.")
+        log.info("refused a request: %s", message)
+        return None, message
+    try:
+        ctx.store.check_room(float(duration))
+    except DiskFull as error:
+        log.warning("refused a request: %s", error)
+        return None, str(error)
+    return None
+
+
+def admission_validator(ctx: AppContext, blocks: gr.Blocks | None = None) -> Callable[..., list]:
+    """A Gradio `validator` for an event whose inputs start with the request fields in FIELDS order (extra inputs,
+    such as the page's history, are passed through). A refusal about one field is shown on that field; one about
+    the server (queue, disk) on the first field, the description."""
+    blocks = blocks or gr.context.Context.root_block
+
+    def validate_on_arrival(*values) -> list:
+        refused = refusal_message(ctx, blocks, values)
+        if refused is None:
+            return [gr.validate(True, "")] * len(values)
+        # Gradio wants one verdict per input: a refusal about the server (queue, disk) is shown on the first.
+        field = refused[0] or FIELDS[0]
+        return [gr.validate(name != field, refused[1] if name == field else "")
+                for name, _ in zip(FIELDS + ("",) * len(values), values)]
+
+    return validate_on_arrival
