@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .continuation import SongState
 
 STAGES = ("loading", "prompt", "semantic", "flow", "vocoder")
 
@@ -33,6 +37,7 @@ class Song:
     timings: dict[str, float] = field(default_factory=dict)
     engine: str = ""
     model_notice: str | None = None  # set when a built-in random model made it (the output is noise)
+    state: SongState | None = None  # what continuing it needs (its codes, the flow state at its last chunk)
 
     @property
     def duration(self) -> float:

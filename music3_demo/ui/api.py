@@ -21,6 +21,21 @@ GPU_GROUP = "gpu"
 RANDOM_SEED = -1  # the API's default seed: a client that names no seed gets a random one
 
 
+def api_results(items: Iterator) -> Iterator[tuple]:
+    """An endpoint's yields for one run's items (`core.run`'s): skips while it runs, then (the WAV, the report)."""
+    try:
+        with closing(items):
+            for item in items:
+                if isinstance(item, Outcome):
+                    yield item.saved.wav, item.report
+                    return
+                if item is None or isinstance(item, AudioPiece):
+                    # Handing control back lets a client's cancel close this generator promptly.
+                    yield gr.skip(), gr.skip()
+    except Cancelled:
+        raise gr.Error("The song was stopped before it was finished.", title="Stopped") from None
+
+
 def add_api(ctx: AppContext, concurrency: int) -> None:
     def generate(
         description: str,
@@ -38,17 +53,7 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
         seed = None if seed == RANDOM_SEED else seed
         request = check(ctx.holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
                                                  lm_cfg_scale, top_k, instrumental))
-        try:
-            with closing(run(ctx, request, None, progress)) as items:
-                for item in items:
-                    if isinstance(item, Outcome):
-                        yield item.saved.wav, item.report
-                        return
-                    if item is None or isinstance(item, AudioPiece):
-                        # Handing control back lets a client's cancel close this generator promptly.
-                        yield gr.skip(), gr.skip()
-        except Cancelled:
-            raise gr.Error("The song was stopped before it was finished.", title="Stopped") from None
+        yield from api_results(run(ctx, request, None, progress))
 
     def status() -> dict:
         """Model state (loading / ready / failed with why), devices in use, and the recent jobs with their times."""

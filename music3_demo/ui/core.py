@@ -13,6 +13,7 @@ import numpy as np
 import soundfile as sf
 
 from ..checkpoint import CheckpointError
+from ..continuation import SongState
 from ..events import AudioPiece, Finished, Progress, Song
 from ..holder import ModelHolder
 from ..request import GenerationRequest, InvalidRequest, validate
@@ -93,12 +94,15 @@ def wav_bytes(samples: np.ndarray, sample_rate: int) -> bytes:
 
 
 def run(
-    ctx: AppContext, request: GenerationRequest, session: str | None, progress: ProgressFn
+    ctx: AppContext, request: GenerationRequest, session: str | None, progress: ProgressFn,
+    continue_from: SongState | None = None,
 ) -> Iterator[AudioPiece | Outcome | None]:
-    """Run one song: yields audio pieces, the Outcome once it is saved, and `None` on ticks (see runner.py)."""
-    job = Job(ctx.holder, request, ctx.registry)
+    """Run one song (or extend `continue_from`'s): yields audio pieces, the Outcome once it is saved, and `None`
+    on ticks (see runner.py)."""
+    job = Job(ctx.holder, request, ctx.registry, continue_from)
     ctx.registry.start(session, job)
-    tracker = StageTracker(request.duration, request.num_steps)
+    added = continue_from.seconds if continue_from is not None else 0.0
+    tracker = StageTracker(request.duration + added, request.num_steps)
     tracker.report(progress, force=True)
     events = job.events(ctx.tick)
     song: Song | None = None
@@ -139,6 +143,7 @@ def finish(ctx: AppContext, request: GenerationRequest, job: Job, song: Song) ->
     saved = ctx.store.save(song, title)
     report = song_report(song, request, job.record, ctx.holder.model)
     report["files"] = {"wav": saved.wav, "flac": saved.flac, "mp3": saved.mp3}
+    report["song_id"] = saved.id  # what the `continue` endpoint takes
     log.info("song %s: %.2f s, seed %s, %.2fx realtime", saved.id, song.duration, song.seed,
              song.timings.get("realtime_factor", 0.0))
     return Outcome(song, saved, report)

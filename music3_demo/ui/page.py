@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from contextlib import closing
 from dataclasses import replace
 from functools import partial
 
 import gradio as gr
 
-from ..events import AudioPiece
-from ..semantic import Cancelled
 from . import assets
 from .api import GPU_GROUP, add_api
 from .controls import (
@@ -22,8 +19,9 @@ from .controls import (
     settings_values,
     token_counter_markdown,
 )
-from .core import AppContext, Outcome, check, make_request, run
-from .history import add_entry, render_history
+from .continue_view import add_continue_api, build_continue_panel
+from .core import AppContext, check, make_request, run
+from .history import render_history
 from .run_view import STOPPED_TEXT, WAITING_TEXT, build_run_view
 
 GENERATE_LABEL = "🎵 Generate"
@@ -58,6 +56,10 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
                     def _history(entries: list[dict]) -> None:
                         render_history(entries, controls.settable(), settings_values)
 
+                busy = ([generate_button, stop_button, view.status], lambda: (
+                    gr.update(interactive=False, value="Generating…"), gr.update(visible=True), WAITING_TEXT))
+                continue_event = build_continue_panel(ctx, history, view, GPU_GROUP, concurrency, busy)
+
         examples = assets.load_examples()
         gr.Examples(
             examples=[[e.description, e.lyrics, e.duration, e.instrumental] for e in examples],
@@ -68,6 +70,7 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
         )
         gr.Markdown(assets.footer_markdown(), elem_id="licence")
         add_api(ctx, concurrency)
+        add_continue_api(ctx, GPU_GROUP, concurrency)
 
         # ---- model banner: polled while a load is pending, refreshed after every run ------------------------
         def refresh_banner() -> tuple:
@@ -107,19 +110,8 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
                      request: gr.Request, progress: gr.Progress = gr.Progress()):
             song_request = check(holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
                                                       lm_cfg_scale, top_k, instrumental))
-            yield view.start()
-            try:
-                with closing(run(ctx, song_request, request.session_hash, progress)) as items:
-                    for item in items:
-                        if isinstance(item, AudioPiece):
-                            yield from view.piece(item)
-                        elif isinstance(item, Outcome):
-                            entries = add_entry(entries, item, ctx.history_limit)
-                            yield from view.finished(item, also={history: entries})
-                        else:
-                            yield gr.skip()  # a tick: hands control back so a Stop can close this generator
-            except Cancelled:
-                yield {view.status: STOPPED_TEXT}
+            yield from view.play(run(ctx, song_request, request.session_hash, progress), history, entries,
+                                 ctx.history_limit)
 
         def stop(request: gr.Request) -> tuple:
             ctx.registry.stop(request.session_hash)  # direct, so the worker stops even before Gradio's cancel lands
@@ -138,10 +130,11 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
             concurrency_id=GPU_GROUP, concurrency_limit=concurrency, show_progress_on=[view.status],
             api_visibility="private",
         )
-        run_event.then(restore, None, [generate_button, stop_button], queue=False, api_visibility="private").then(
-            refresh_banner, None, [banner, banner_timer], queue=False, api_visibility="private")
-        stop_button.click(stop, None, [view.status, generate_button, stop_button], cancels=[run_event], queue=False,
-                          api_visibility="private")
+        for event in (run_event, continue_event):
+            event.then(restore, None, [generate_button, stop_button], queue=False, api_visibility="private").then(
+                refresh_banner, None, [banner, banner_timer], queue=False, api_visibility="private")
+        stop_button.click(stop, None, [view.status, generate_button, stop_button], cancels=[run_event, continue_event],
+                          queue=False, api_visibility="private")
 
         def tab_closed(request: gr.Request) -> None:
             ctx.registry.stop(request.session_hash)  # a closed tab must not keep a GPU busy for nobody

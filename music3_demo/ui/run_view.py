@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 
 import gradio as gr
@@ -15,8 +16,9 @@ import numpy as np
 
 from .. import contract as c
 from ..events import AudioPiece
+from ..semantic import Cancelled
 from .core import Outcome, wav_bytes
-from .history import PLAIN_PLAYER
+from .history import PLAIN_PLAYER, add_entry
 from .report import report_markdown
 
 IDLE_TEXT = "Press **Generate**: the song starts playing here while it is being made."
@@ -52,6 +54,23 @@ class RunView:
     def start(self) -> dict:
         """A new run: the last result is hidden (it lives on in the history) and the old stream goes."""
         return {self.status: "", self.result: gr.update(visible=False), self.live: None}
+
+    def play(self, items: Iterator, history: gr.State, entries: list[dict], limit: int) -> Iterator:
+        """Page updates for one run's items (`core.run`'s): the stream, ticks, then the result with the song added
+        to the history; a stop says so."""
+        yield self.start()
+        try:
+            with closing(items):
+                for item in items:
+                    if isinstance(item, AudioPiece):
+                        yield from self.piece(item)
+                    elif isinstance(item, Outcome):
+                        entries = add_entry(entries, item, limit)
+                        yield from self.finished(item, also={history: entries})
+                    else:
+                        yield gr.skip()  # a tick: hands control back so a Stop can close this generator
+        except Cancelled:
+            yield {self.status: STOPPED_TEXT}
 
     def piece(self, piece: AudioPiece) -> Iterator[dict]:
         if not self.live_enabled:

@@ -1,4 +1,5 @@
-"""Finished songs on disk (WAV, FLAC, MP3, waveform picture) and the background cleaner that deletes them at TTL."""
+"""Finished songs on disk (WAV, FLAC, MP3, waveform picture, the state that continuing a song needs) and the
+background cleaner that deletes them at TTL."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..audio import waveform_image, write_audio
+from ..continuation import SongState
 from ..events import Song
 
 DEFAULT_TTL_S = 24 * 3600
+STATE_FILE = "continue.npz"
+_SONG_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a folder name of this store, never a path
 
 
 def default_root() -> Path:
@@ -31,6 +35,7 @@ class SavedSong:
     mp3: str
     waveform: str
     created: float
+    state: str | None = None  # what "continue this song" reads (SongState.save's file)
 
 
 def _slug(text: str, limit: int = 40) -> str:
@@ -58,9 +63,18 @@ class SongStore:
         with ThreadPoolExecutor(max_workers=4, thread_name_prefix="music3-encode") as pool:
             wav, flac, mp3 = (pool.submit(write_audio, folder / f"{name}.{ext}", song.audio, song.sample_rate)
                               for ext in ("wav", "flac", "mp3"))
+            state = pool.submit(song.state.save, folder / STATE_FILE) if song.state is not None else None
             pool.submit(lambda: waveform_image(song.audio).save(picture)).result()
             return SavedSong(song_id, str(wav.result()), str(flac.result()), str(mp3.result()), str(picture),
-                             time.time())
+                             time.time(), str(state.result()) if state is not None else None)
+
+    def load_state(self, song_id: str) -> SongState:
+        """The saved state of a song in this store, or ValueError with one sentence (unknown id, expired files)."""
+        path = self.root / song_id / STATE_FILE if isinstance(song_id, str) and _SONG_ID.match(song_id) else None
+        if path is None or not path.is_file():
+            raise ValueError("That song is no longer on the server (its files expire after a while), so it cannot "
+                             "be continued; make a new one.")
+        return SongState.load(path)
 
     def sweep(self, now: float | None = None) -> int:
         """Delete song folders older than the TTL; returns how many went."""
