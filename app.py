@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from music3_demo.holder import ModelHolder, default_devices
+    from music3_demo.ui.holder import ModelHolder, default_devices
     from music3_demo.semantic import resolve_engine_name
     from music3_demo.ui import AppContext, build_ui, launch_options
     from music3_demo.ui.gpu import spaces_available

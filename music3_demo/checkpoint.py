@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import builtin
+from . import random_models
 from . import contract as c
 
 
@@ -33,7 +33,7 @@ class ModelSource:
 
     @property
     def notice(self) -> str | None:
-        return builtin.BUILTIN_NOTICE if self.is_random else None
+        return random_models.BUILTIN_NOTICE if self.is_random else None
 
 
 _LOCAL_HINT = (
@@ -100,7 +100,7 @@ def resolve(name: str | None = None, revision: str | None = None, token: str | N
     """Find the checkpoint folder for `name`, downloading from the Hub when it is a repo id."""
     name = name or default_model()
     if name == "tiny":
-        return ModelSource(name, builtin.tiny_checkpoint(), "tiny")
+        return ModelSource(name, random_models.tiny_checkpoint(), "tiny")
     if name == "random-full":
         return ModelSource(name, None, "random-full")
     path = Path(name).expanduser()
@@ -121,7 +121,7 @@ def resolve(name: str | None = None, revision: str | None = None, token: str | N
 
 
 def _builtin_marker(folder: Path) -> str | None:
-    """Folders written by builtin.write_builtin carry a marker: they hold random weights."""
+    """Folders written by random_models.write_builtin carry a marker: they hold random weights."""
     return "random" if (folder / "music3_builtin.json").exists() else None
 
 
@@ -180,6 +180,6 @@ def load_components(folder: Path, device: torch.device, dtype: torch.dtype) -> d
 def build_random_full(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
     if device.type != "cuda":
         raise CheckpointError("random-full is the full-size test model for GPU speed work; use --model tiny on a CPU.")
-    components = builtin.build_components(builtin.FULL, seed=0, device=device, dtype=dtype)
+    components = random_models.build_components(random_models.FULL, seed=0, device=device, dtype=dtype)
     components["vocoder"] = components["vocoder"].float()
     return components

@@ -1,7 +1,9 @@
-"""What `Music3Pipeline.generate` reports while it works, and what it returns."""
+"""What `Music3Pipeline.generate` reports while it works and what it returns (events out), and how a caller stops it
+(cancel in: every stage polls `check_cancel` between units of work)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,3 +52,12 @@ class Finished:
 
 
 Event = Progress | AudioPiece | Finished
+
+
+class Cancelled(Exception):
+    """Raised inside generation when the caller's cancel event is set."""
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise Cancelled()

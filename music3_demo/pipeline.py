@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from . import contract as c
-from . import flow_fast
 from .checkpoint import (
     CheckpointError,
     ModelSource,
@@ -21,13 +20,13 @@ from .checkpoint import (
     resolve,
 )
 from .continuation import SongState, check_continuation
-from .events import AudioPiece, Event, Finished, Progress, Song
-from .flow import FlowSettings, FlowStream, Piece
-from .flow_graph import VelocityGraphs
-from .flow_worker import FlowWorker, progress_from_step
+from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
+from . import flow as flow_stage
+from .flow.stream import FlowSettings, FlowStream, Piece
+from .flow.worker import FlowWorker, progress_from_step
 from .prompt import count_prompt_tokens, tokenize
 from .request import GenerationRequest, InvalidRequest, validate
-from .semantic import Cancelled, SamplingSettings, SemanticEngine, check_cancel, resolve_engine_name
+from .semantic import SamplingSettings, SemanticEngine, resolve_engine_name
 
 __all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest", "SongState"]
 
@@ -71,12 +70,7 @@ class Music3Pipeline:
             self.engine.text_embeddings_to_host()
         self.overlap = self.engine.separate_flow_rng if overlap is None else overlap
         self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
-        # The fast flow path (CUDA, fast engines): fused q|k|v + one-launch rotary in the DiT, and full chunks, which
-        # share one shape, replay a captured graph of the guided DiT step.
-        self.velocity_graphs = None
-        if device.type == "cuda" and self.separate_flow_rng:
-            flow_fast.install(components["transformer"])
-            self.velocity_graphs = VelocityGraphs(components["transformer"], (full_chunk_latents(components),))
+        self.velocity_graphs = flow_stage.prepare(components, device, fast=self.separate_flow_rng)
 
     @classmethod
     def from_pretrained(
@@ -259,18 +253,6 @@ class Music3Pipeline:
         )
         emit(Finished(song))
         return song
-
-
-def full_chunk_latents(components: dict) -> int:
-    """Latent length of a full 200-frame chunk (689 for the released checkpoint's rates)."""
-    config = components["condition_encoder"].config
-    return int(
-        c.CHUNK_FRAMES
-        * config.output_sampling_rate
-        / config.input_sampling_rate
-        * config.input_hop_length
-        / config.output_hop_length
-    )
 
 
 def sampling_for(request: GenerationRequest) -> SamplingSettings:

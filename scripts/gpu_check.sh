@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: carried wheels, [GEMV sweep,] GPU tests, the semantic bench at 400 (both engines) and 4000 prompt
-# tokens (graph), [the kernel profiles of a frame and of a flow chunk,] [the whole-song bench]. Files in $OUT:
+# One device call: carried wheels, [GEMV sweep,] GPU tests (`pytest -m gpu tests`), the semantic bench at 400 (both
+# engines) and 4000 prompt tokens (graph), [the kernel profiles of a frame and of a flow chunk,] [the whole-song bench].
+# Files in $OUT:
 # gpu.txt tune.log tuned.json pytest.log [tail.log tail.json tail.rows.json] bench_400.json bench_4000.json bench.log
 # [profile_{semantic,flow}.{json,log}]
 # [song.json song.log].
@@ -20,7 +21,7 @@ if [ "${TUNE:-0}" = 1 ]; then
   [ -s "$OUT/tuned.json" ] && export MUSIC3_GEMV_TUNED="$OUT/tuned.json"
 fi
 if [ "${TESTS:-}" != none ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu ${TESTS:-tests/gpu} -q -s -p no:cacheprovider --durations=10 \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu ${TESTS:-tests} -q -s -p no:cacheprovider --durations=10 \
     2>&1 | grep -v 'should be kept in float32' | tee "$OUT/pytest.log" | tail -n 40
 fi
 if [ "${TAIL:-0}" = 1 ]; then  # the chained block tail's sweep (scripts/tune_tail.py)

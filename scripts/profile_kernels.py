@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from music3_demo import contract as c  # noqa: E402
-from music3_demo.bench import load_for_bench, random_prompt, run_song  # noqa: E402
+from music3_demo.bench.semantic import load_for_bench, random_prompt, run_song  # noqa: E402
 
 PROMPT_TOKENS, FRAMES = 400, 200
 
@@ -78,9 +78,9 @@ def profile_semantic() -> dict:
 
 
 def profile_flow() -> dict:
-    """A full chunk as `bench_song.time_flow_chunk` times it (graphed DiT steps, then the vocoder)."""
-    from music3_demo.bench_song import full_size_pipeline
-    from music3_demo.flow import FlowSettings, FlowStream
+    """A full chunk as `bench.song.time_flow_chunk` times it (graphed DiT steps, then the vocoder)."""
+    from music3_demo.bench.song import full_size_pipeline
+    from music3_demo.flow.stream import FlowSettings, FlowStream
 
     device = torch.device("cuda")
     pipeline = full_size_pipeline("graph", device)

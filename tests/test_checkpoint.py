@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from music3_demo import builtin
+from music3_demo import random_models
 from music3_demo import contract as c
 from music3_demo.checkpoint import CheckpointError, load_components, resolve
 from music3_demo.pipeline import Music3Pipeline
@@ -20,7 +20,7 @@ def test_tiny_is_written_in_the_hub_layout_and_loaded_with_library_classes(tiny_
     assert (tiny_folder / "modular_model_index.json").is_file()
     assert all((tiny_folder / name).is_dir() for name in c.COMPONENT_NAMES)
     source = resolve("tiny")
-    assert source.folder == tiny_folder and source.builtin == "tiny" and source.notice == builtin.BUILTIN_NOTICE
+    assert source.folder == tiny_folder and source.builtin == "tiny" and source.notice == random_models.BUILTIN_NOTICE
     components = load_components(tiny_folder, torch.device("cpu"), torch.float32)
     assert isinstance(components["language_model"], Qwen3ForCausalLM)
     assert isinstance(components["rvq_depth_decoder"], MiniMaxMusic3RVQDepthDecoder)
@@ -103,8 +103,8 @@ def test_random_full_needs_a_gpu():
 def test_components_built_from_meta_have_the_buffers_a_normal_construction_computes():
     """`build_components` fills parameters on the device from `meta`; buffers computed at construction (the LM's
     rotary frequencies) must match a plain construction, not be left as uninitialised memory."""
-    built = builtin.build_components(builtin.TINY, seed=0)
-    plain = builtin._make_models(builtin.TINY)
+    built = random_models.build_components(random_models.TINY, seed=0)
+    plain = random_models._make_models(random_models.TINY)
     for name, model in plain.items():
         expected = dict(model.named_buffers())
         got = dict(built[name].named_buffers())

@@ -103,11 +103,11 @@ def test_graph_engine_forced_prefix_reproduces_the_song_then_decodes_on():
     """The graph engine's prefix (the captured frame reads "forced for the first P steps" from a device value):
     a song's own codes as the prefix give its frames again, and the frames after it equal teacher forcing on the
     continued song's codes."""
-    from music3_demo import builtin
+    from music3_demo import random_models
     from music3_demo.semantic import SamplingSettings
     from music3_demo.semantic.graph import GraphEngine
 
-    components = builtin.build_components(builtin.TINY, seed=0)
+    components = random_models.build_components(random_models.TINY, seed=0)
     engine = GraphEngine(components["language_model"], components["rvq_depth_decoder"], "cpu", attention_splits=2)
     engine.REPLAY_BLOCK, engine.IN_FLIGHT, engine.FRAME_RING = 2, 0, 4
     text_ids = torch.randint(0, 250, (2, 6), generator=torch.Generator().manual_seed(21))

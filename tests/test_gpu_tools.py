@@ -73,7 +73,7 @@ def test_tuner_files_load_back_into_the_tables(tmp_path, monkeypatch):
 def test_bench_engine_names_map_to_graph_engine_options():
     import pytest
 
-    from music3_demo.bench import graph_variant, main
+    from music3_demo.bench.semantic import graph_variant, main
 
     assert graph_variant("graph") == {"pdl": False, "chain": None}  # the engine's default
     assert graph_variant("graph-pdl-s8") == {"pdl": True, "chain": None, "attention_splits": 8}

@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from music3_demo import builtin
+from music3_demo import random_models
 from music3_demo import contract as c
-from music3_demo.events import AudioPiece, Finished, Progress
+from music3_demo.events import AudioPiece, Cancelled, Finished, Progress
 from music3_demo.pipeline import Music3Pipeline
 from music3_demo.request import GenerationRequest
-from music3_demo.semantic import Cancelled
 
 PARITY_SIZES = dataclasses.replace(
-    builtin.TINY,
+    random_models.TINY,
     hidden=48,
     lm_layers=3,
     lm_heads=6,
@@ -61,7 +60,7 @@ def _diffusers_audio(folder, seed: int, duration: float, steps: int) -> np.ndarr
 
 @pytest.fixture(scope="module")
 def parity_folder(tmp_path_factory):
-    return builtin.write_builtin(PARITY_SIZES, tmp_path_factory.mktemp("parity") / "model", seed=11)
+    return random_models.write_builtin(PARITY_SIZES, tmp_path_factory.mktemp("parity") / "model", seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +85,11 @@ def test_reference_engine_reproduces_diffusers_waveform(parity_folder, parity_pi
     assert isinstance(events[-1], Finished) and events[-1].song is song
     semantic = [e.done for e in events if isinstance(e, Progress) and e.stage == "semantic"]
     assert semantic == list(range(1, 326))
-    assert song.model_notice == builtin.BUILTIN_NOTICE  # a folder written by builtin is reported as random
+    assert song.model_notice == random_models.BUILTIN_NOTICE  # a folder written by builtin is reported as random
 
 
 def test_song_that_hits_the_end_token_matches_diffusers(tmp_path):
-    folder = builtin.write_builtin(ENDING_SIZES, tmp_path / "ending", seed=11)
+    folder = random_models.write_builtin(ENDING_SIZES, tmp_path / "ending", seed=11)
     pipeline = Music3Pipeline.from_pretrained(str(folder), device="cpu", engine="reference")
     seed, duration, steps = 3, 14.0, 3
     song = pipeline.generate(GenerationRequest(DESCRIPTION, LYRICS, duration=duration, num_steps=steps, seed=seed))

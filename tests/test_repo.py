@@ -1,7 +1,9 @@
-"""The README's commands are the ones CI and a fresh machine run."""
+"""The repository's own rules: the README's commands are the ones CI runs, and the package's layers hold (what imports
+what, module sizes, where tests live)."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -27,3 +29,105 @@ def test_requirements_pin_the_cpu_torch_available_locally():
     readme = (ROOT / "README.md").read_text()
     assert f"sdk_version: {pins['gradio']}" in readme and "app_file: app.py" in readme
     assert "MiniMax-Music3 Community License" in readme
+
+
+# The package's layers, lowest first (DESIGN.md's data flow: request -> prompt -> semantic -> flow -> audio, with the
+# app on top). A module may import its own layer's shared modules and anything lower; the stages of one layer
+# (semantic and flow; bench and ui) never import each other.
+LAYERS = [
+    {"__init__", "contract", "events", "request", "prompt", "audio", "fused_weights", "random_models", "checkpoint",
+     "handoff", "versions"},
+    {"semantic", "flow"},
+    {"pipeline"},
+    {"bench", "ui"},
+    {"cli", "app"},
+    {"__main__"},
+]
+MAX_MODULE_LINES = 450
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file, for every module of the package (and app.py, as `music3_demo.app` would be)."""
+    found = {"music3_demo.app": ROOT / "app.py"}
+    for path in sorted((ROOT / "music3_demo").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _unit(module: str) -> str:
+    """The top-level module or subpackage of music3_demo a dotted name belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _layer(unit: str) -> int:
+    for index, units in enumerate(LAYERS):
+        if unit in units:
+            return index
+    raise AssertionError(f"music3_demo.{unit} has no layer in LAYERS")
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import of music3_demo in the file, lazy ones too."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None, node.lineno) for alias in node.names if alias.name.startswith("music3_demo")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.startswith("music3_demo"):
+                found += [(base, alias.name, node.lineno) for alias in node.names]
+    return found
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(name) for name in _modules()}
+    assert units <= set().union(*LAYERS), f"give these a layer in LAYERS: {sorted(units - set().union(*LAYERS))}"
+
+
+def _cross_unit_imports() -> list[tuple[str, str, str, str]]:
+    """(where, importing unit, imported unit, what) for every import from one unit of the package into another."""
+    found = []
+    for name, path in _modules().items():
+        unit = _unit(name)
+        for module, imported, line in _imports(name, path):
+            target = _unit(f"{module}.{imported}" if module == "music3_demo" and imported else module)
+            if target != unit:
+                found.append((f"{path.relative_to(ROOT)}:{line}", unit, target, f"{module}: {imported}"))
+    return found
+
+
+def test_no_module_imports_a_higher_layer_or_a_sibling_stage():
+    wrong = [f"{where} ({unit}) imports {target}" for where, unit, target, _ in _cross_unit_imports()
+             if _layer(target) > _layer(unit) or (_layer(target) == _layer(unit) and _layer(unit) > 0)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_module_uses_another_units_private_names():
+    def private(what: str) -> bool:
+        return any(part.startswith("_") and not part.startswith("__") for part in what.replace(": ", ".").split("."))
+
+    wrong = [f"{where} ({unit}) imports {what}" for where, unit, _, what in _cross_unit_imports() if private(what)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_module_is_over_the_size_limit():
+    sizes = {path.relative_to(ROOT): len(path.read_text().splitlines()) for path in _modules().values()}
+    assert not {path: lines for path, lines in sizes.items() if lines > MAX_MODULE_LINES}
+
+
+def test_tests_mirror_the_package_and_gpu_tests_sit_beside_them():
+    """CPU and GPU tests of a stage sit together (tests/semantic, tests/flow, tests/ui); GPU-marked tests are in
+    test_*_gpu.py files, which is what a GPU run (`pytest -m gpu tests`) collects (tests/conftest.py)."""
+    assert not (ROOT / "tests" / "gpu").exists()
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        marked = any(isinstance(node, ast.Attribute) and node.attr == "gpu" and isinstance(node.value, ast.Attribute)
+                     and node.value.attr == "mark" for node in ast.walk(ast.parse(path.read_text())))
+        assert marked == path.stem.endswith("_gpu"), f"{path.relative_to(ROOT)}: gpu marker and file name disagree"
+    names = [path.name for path in (ROOT / "tests").rglob("*.py") if path.name != "conftest.py"]
+    assert len(names) == len(set(names)), "test modules need unique basenames (pytest imports them by name)"

@@ -13,10 +13,16 @@ from typing import Iterator, Protocol
 import torch
 
 from .. import contract as c
+from ..events import Cancelled, check_cancel  # re-exported: they live with the events (cancel in)
 
-
-class Cancelled(Exception):
-    """Raised inside generation when the caller's cancel event is set."""
+__all__ = [
+    "Cancelled",
+    "ENGINE_NAMES",
+    "SamplingSettings",
+    "SemanticEngine",
+    "check_cancel",
+    "resolve_engine_name",
+]
 
 
 @dataclass(frozen=True)
@@ -65,11 +71,6 @@ def check_prefix(prefix: torch.Tensor | None, max_frames: int, audio_vocab: int)
     if prefix.numel() and ((prefix < 0).any() or (prefix >= limits).any()):
         raise ValueError("a prefix holds codes outside the model's vocabularies")
     return prefix
-
-
-def check_cancel(cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise Cancelled()
 
 
 ENGINE_NAMES = ("auto", "reference", "graph")

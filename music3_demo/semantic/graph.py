@@ -11,6 +11,9 @@ The host replays blocks of frames and reads the end flag through pinned memory a
 the end token are never yielded. Frame hiddens land in a small ring buffer (64 KB a frame in bf16: a whole-song
 buffer would be 0.5 GB for 6 minutes); each yielded block is a copy taken out of it on the engine's stream before
 any later replay is queued, so the ring only has to hold the frames in flight.
+
+Beside it: weights.py prepares the weights the frame reads, state.py holds the device buffers and the prefill, and
+config.py the knobs (`GraphConfig`).
 """
 
 from __future__ import annotations
@@ -23,51 +26,28 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from .. import contract as c
-from ..fused_weights import fuse_rows
-from . import SamplingSettings, check_cancel, check_prefix
+from ..events import check_cancel
+from . import SamplingSettings, check_prefix
+from .config import GraphConfig
 from .kernels import (
-    AttentionScratch,
-    GemvWorkspace,
-    TailScratch,
     block_tail,
     cfg_sample,
     decode_attention,
     depth_attention,
     frame_tail,
     gemv,
-    interleave_rows,
     interpreting,
     pdl_supported,
     rmsnorm,
 )
-from .kernels.frame import NO_END
-
-try:  # optional: FlashAttention-2 for the prefill; SDPA otherwise
-    from flash_attn import flash_attn_func as _flash_attn_func
-except ImportError:
-    _flash_attn_func = None
+from .state import AUDIO_CODES, EngineState, prefill, round_up
+from .weights import Block, EngineWeights
 
 __all__ = ["GraphEngine", "SongStats"]
 
-AUDIO_CODES = c.SEMANTIC_VOCAB_SIZE + 1  # logits kept from lm_head: the 16,384 audio codes, then the end token
 MAX_TOP_K = 1024
-
-
-@dataclass
-class _Block:
-    """The fused weights of one transformer block (views of the modules' storage, no second copy)."""
-
-    qkv: torch.Tensor
-    o: torch.Tensor
-    gate_up: torch.Tensor  # rows interleaved: gate j at 2j, up j at 2j+1 (the SwiGLU gemv's layout)
-    down: torch.Tensor
-    ln1: torch.Tensor
-    ln2: torch.Tensor
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -83,77 +63,9 @@ class SongStats:
         return self.frames / max(self.decode_s, 1e-9)
 
 
-@torch.no_grad()
-def _fuse_gate_up(gate: torch.nn.Linear, up: torch.nn.Linear) -> torch.Tensor:
-    """Interleave the rows of gate and up; the modules keep working on strided views of the one copy."""
-    fused = interleave_rows(gate.weight, up.weight).contiguous()
-    gate.weight.data, up.weight.data = fused[0::2], fused[1::2]
-    return fused
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-class _State:
-    """Every device buffer a captured graph reads or writes. Allocated per capacity; graphs die with it."""
-
-    def __init__(self, engine: "GraphEngine", positions: int, steps: int) -> None:
-        e, dev, dt = engine, engine.device, engine.dtype
-        self.positions, self.steps = positions, steps
-        hid, heads, kv_heads, hd = e.hidden, e.heads, e.kv_heads, e.head_dim
-        self.kv = torch.zeros(len(e.blocks), 2, 2, kv_heads, positions, hd, device=dev, dtype=dt)
-        rotary = e.language_model.model.rotary_emb
-        ids = torch.arange(positions, device=dev).unsqueeze(0)
-        cos, sin = rotary(torch.empty(1, device=dev, dtype=dt), ids)
-        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
-        self.frames = torch.zeros(e.FRAME_RING, e.num_codebooks * hid, device=dev, dtype=dt)
-        self.codes = torch.zeros(steps, e.num_codebooks, device=dev, dtype=torch.int32)
-        # Steps below `forced_steps` take their codes from `forced` instead of the samplers (a song's own codes as a
-        # prefix to continue it; every step for teacher forcing). Device values, so one graph serves every song.
-        self.forced = torch.zeros_like(self.codes)
-        self.forced_steps = torch.zeros(1, device=dev, dtype=torch.int32)
-        self.record: torch.Tensor | None = None  # teacher forcing: LM audio logits per step
-        # Per-frame scratch. Residual streams are float32: over 36 layers bf16 adds are the largest rounding error
-        # (the fp32 reference is the oracle; the bf16 HF model is itself ~1.5e-2 away from it).
-        # Each residual product also writes the stream rounded to the model dtype (`gemv`'s out_copy): the next
-        # RMSNorm product reads that copy, since a float32 activation tile per pipeline stage slows it 10-15%.
-        self.lm_h = torch.zeros(2, hid, device=dev, dtype=torch.float32)  # LM residual stream (feedback lands here)
-        self.lm_h16 = torch.zeros(2, hid, device=dev, dtype=dt)
-        self.lm_hidden = torch.zeros(2, hid, device=dev, dtype=dt)  # final-normed LM state
-        self.qkv = torch.zeros(2, (heads + 2 * kv_heads) * hd, device=dev, dtype=dt)
-        self.attn = torch.zeros(2, heads * hd, device=dev, dtype=dt)
-        self.act = torch.zeros(2, e.intermediate, device=dev, dtype=dt)
-        self.attention = AttentionScratch.allocate(2, heads, kv_heads, hd, e.attention_splits, dev)
-        self.logits = torch.zeros(2, AUDIO_CODES, device=dev, dtype=dt)
-        depth_hid = e.hidden
-        self.dx = torch.zeros(4, depth_hid, device=dev, dtype=torch.float32)  # pass 1: [b0 p0, b0 p1, b1 p0, b1 p1]
-        self.dh = torch.zeros(2, depth_hid, device=dev, dtype=torch.float32)  # passes 2..7
-        self.dx16, self.dh16 = torch.zeros_like(self.dx, dtype=dt), torch.zeros_like(self.dh, dtype=dt)
-        self.dqkv = torch.zeros(4, 3 * depth_hid, device=dev, dtype=dt)
-        self.do = torch.zeros(4, depth_hid, device=dev, dtype=dt)
-        self.dact = torch.zeros(4, e.depth_intermediate, device=dev, dtype=dt)
-        self.dstates = torch.zeros(2, e.num_codebooks - 1, depth_hid, device=dev, dtype=dt)
-        self.dlogits = torch.zeros(2, e.audio_vocab, device=dev, dtype=dt)
-        self.dcache = torch.zeros(
-            len(e.depth_blocks), 2, 2, e.depth_heads, e.num_codebooks, depth_hid // e.depth_heads, device=dev, dtype=dt
-        )
-        self.noise = torch.ones(AUDIO_CODES + (e.num_codebooks - 1) * e.audio_vocab, device=dev, dtype=torch.float32)
-        self.counters = torch.zeros(2, device=dev, dtype=torch.int32)  # [step, position of the LM's next token]
-        self.end_at = torch.full((1,), NO_END, device=dev, dtype=torch.int32)
-        self.scale = torch.ones(1, device=dev, dtype=torch.float32)
-        self.top_k = torch.ones(1, device=dev, dtype=torch.int32)
-        self.gemv_workspace = GemvWorkspace(dev)  # sized by the warm-up step that precedes every capture
-        self.tail_scratch = TailScratch(dev)  # chained block tails: grid barrier and RMSNorm partial sums
-
-
-class GraphEngine:
+class GraphEngine(EngineWeights):
     name = "graph"
     separate_flow_rng = True
-
-    REPLAY_BLOCK = 8  # frames replayed between two looks at the end flag (and the yield granularity)
-    IN_FLIGHT = 3  # blocks queued ahead of the one being waited for: cancel and end latency <= 32 frames
-    FRAME_RING = 64  # frame-hidden rows on the device; must hold the blocks in flight plus the one being copied
 
     def __init__(
         self,
@@ -163,9 +75,12 @@ class GraphEngine:
         *,
         use_graphs: bool | None = None,
         pdl: bool | None = None,
-        attention_splits: int = 16,
+        attention_splits: int | None = None,
         chain: bool | None = None,
+        config: GraphConfig | None = None,
     ) -> None:
+        """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits` and `chain`, when
+        given, override its fields."""
         device = torch.device(device)
         if device.type != "cuda" and not interpreting():
             raise ValueError(
@@ -175,22 +90,18 @@ class GraphEngine:
         self.language_model = language_model
         self.depth_decoder = depth_decoder
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
-        # Programmatic dependent launch measured slower on the H200 every way it was tried (runs #2, #8, #9 in
-        # docs/PERFORMANCE.md; -6% as built now): opt-in only, kept for the bench's A/B and its no-bit-changes test.
-        self.pdl = bool(pdl) and pdl_supported(device)
-        self.attention_splits = attention_splits
-        # Each block's products after attention (and the next block's q|k|v) in one persistent launch with grid
-        # barriers (`kernels/tail.py`): +2.0% / +1.2% frames/s at 400 / 4000 prompt tokens (run #12c). On by
-        # default on a GPU; on the CPU interpreter (tests) it runs one launch per product of the same kernel.
-        if chain and self.pdl:
-            raise ValueError("the chained block tails take no PDL")
-        self.chain = (device.type == "cuda" and not self.pdl) if chain is None else chain
-        if self.FRAME_RING < (self.IN_FLIGHT + 2) * self.REPLAY_BLOCK:
-            raise ValueError("FRAME_RING must hold the blocks in flight plus the one being copied out")
+        self.config = config = (config or GraphConfig()).with_overrides(
+            pdl=pdl, attention_splits=attention_splits, chain=chain
+        )
+        # The host loop's names for the config's sizes.
+        self.REPLAY_BLOCK, self.IN_FLIGHT, self.FRAME_RING = config.replay_block, config.in_flight, config.frame_ring
+        self.pdl = config.pdl and pdl_supported(device)
+        self.attention_splits = config.attention_splits
+        self.chain = (device.type == "cuda" and not self.pdl) if config.chain is None else config.chain
         self.capture_count = 0
         self.last_song: SongStats | None = None
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # keyed by `record` (teacher forcing's logits)
-        self._state: _State | None = None
+        self._state: EngineState | None = None
         self._lock = threading.Lock()
         self._load_weights()
         if device.type == "cuda":
@@ -201,97 +112,6 @@ class GraphEngine:
         else:
             self._rng = torch.Generator("cpu")
         self._next_slot = 0
-
-    # ------------------------------------------------------------------ weights
-    @torch.no_grad()
-    def _load_weights(self) -> None:
-        lm, depth = self.language_model, self.depth_decoder
-        cfg = lm.config
-        self.dtype = lm.model.embed_tokens.weight.dtype
-        self.hidden = cfg.hidden_size
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.heads
-        self.intermediate = cfg.intermediate_size
-        self.eps = cfg.rms_norm_eps
-        self.blocks = []
-        for layer in lm.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.blocks.append(
-                _Block(
-                    qkv=fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    o=attn.o_proj.weight.data,
-                    gate_up=_fuse_gate_up(mlp.gate_proj, mlp.up_proj),
-                    down=mlp.down_proj.weight.data,
-                    ln1=layer.input_layernorm.weight.data,
-                    ln2=layer.post_attention_layernorm.weight.data,
-                    q_norm=attn.q_norm.weight.data,
-                    k_norm=attn.k_norm.weight.data,
-                )
-            )
-        self.final_norm = lm.model.norm.weight.data
-        # Token embeddings: the prompt's rows are read once per song (prefill), the 16,384 semantic-code rows every
-        # frame. The latter get their own device copy so the full table can leave the GPU (`text_embeddings_to_host`).
-        self.text_embed = lm.model.embed_tokens.weight.data
-        self.semantic_embed = self.text_embed[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE].clone()
-        head = lm.lm_head.weight.data
-        # Only the audio rows and the end row of the 200k-row head: a copy, so the full head can be dropped later.
-        self.audio_head = torch.cat(
-            (head[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE], head[c.AUDIO_END_TOKEN_ID :][:1])
-        ).contiguous()
-
-        dcfg = depth.config
-        self.num_codebooks, self.audio_vocab = dcfg.num_codebooks, dcfg.audio_vocab_size
-        self.depth_heads = dcfg.num_attention_heads
-        self.depth_intermediate = dcfg.intermediate_size
-        if dcfg.hidden_size != self.hidden:
-            raise ValueError("the depth decoder's width must equal the language model's")
-        self.depth_eps = depth.norm.eps
-        self.depth_blocks = [
-            _Block(
-                qkv=fuse_rows([blk.attn.to_q, blk.attn.to_k, blk.attn.to_v]),
-                o=blk.attn.to_out.weight.data,
-                gate_up=_fuse_gate_up(blk.gate_proj, blk.up_proj),
-                down=blk.down_proj.weight.data,
-                ln1=blk.input_layernorm.weight.data,
-                ln2=blk.post_attention_layernorm.weight.data,
-            )
-            for blk in depth.layers
-        ]
-        self.depth_norm = depth.norm.weight.data
-        self.depth_heads_w = fuse_rows(list(depth.audio_heads)).view(self.num_codebooks - 1, self.audio_vocab, -1)
-        self.projection = depth.projection.weight.data
-        self.pos_embed = depth.pos_embedding.weight.data
-        self.audio_embed = depth.audio_embeddings.weight.data
-        # Depth inputs at positions 1..7 depend only on a code: precompute projection(embedding) + position, with
-        # the reference's bf16 rounding of each step, instead of a 4096x4096 GEMV per pass.
-        self.semantic_table = F.linear(self.semantic_embed, self.projection) + self.pos_embed[1]
-        self.residual_tables = torch.stack(
-            [
-                F.linear(self.audio_embed[i * self.audio_vocab : (i + 1) * self.audio_vocab], self.projection)
-                + self.pos_embed[i + 2]
-                for i in range(self.num_codebooks - 2)
-            ]
-        )
-        # So does block 0's q|k|v at positions 2..7 (depth attention has no rotary): the sampler copies it from a
-        # table (6 x 1024 codes x 24 KB = 151 MB) instead of a 100 MB GEMV per pass (7 x 30 us before).
-        first = depth.layers[0].input_layernorm
-        self.residual_qkv_tables = torch.stack(
-            [F.linear(first(table), self.depth_blocks[0].qkv) for table in self.residual_tables]
-        )
-
-    @torch.no_grad()
-    def text_embeddings_to_host(self) -> None:
-        """Move the language model's token-embedding table to (pinned) host memory: 1.4 GB of GPU memory for the
-        released checkpoint in bf16. Only the prefill reads it, gathering the prompt's rows on the host and copying
-        them over once per song; the per-frame feedback uses the engine's own copy of the semantic-code rows. The
-        module's weight moves too, so the model keeps no second copy (other engines on the same modules would then
-        embed on the host: pipelines call this only for the graph engine)."""
-        module = self.language_model.model.embed_tokens
-        host = module.weight.data.to("cpu")
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        module.weight.data = host
-        self.text_embed = host
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -376,7 +196,7 @@ class GraphEngine:
             state.forced[: forced.shape[0]].copy_(forced.to(self.device, torch.int32))
             state.forced_steps.fill_(forced.shape[0])
             self._song_marks = (self._mark(),)
-            self._prefill(text_ids)
+            prefill(self._state, self, text_ids)
             self._song_marks += (self._mark(),)
         return advance
 
@@ -390,7 +210,7 @@ class GraphEngine:
         self._state = None  # free the old buffers before allocating larger ones
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self._state = _State(self, _round_up(positions, 256), _round_up(steps, 256))
+        self._state = EngineState(self, round_up(positions, 256), round_up(steps, 256))
 
     def _advance(self, record: bool) -> Callable[[], None]:
         state = self._state
@@ -417,44 +237,6 @@ class GraphEngine:
             self._step(record)
         self.capture_count += 1
         return graph
-
-    @torch.no_grad()
-    def _prefill(self, text_ids: torch.Tensor) -> None:
-        """Both CFG rows in one eager pass with the fused weights, writing K/V straight into the static cache."""
-        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-
-        state, lm = self._state, self.language_model
-        length = text_ids.shape[1]
-        heads, kv_heads, hd = self.heads, self.kv_heads, self.head_dim
-        table = self.text_embed
-        h = F.embedding(text_ids.to(table.device), table).to(self.device, non_blocking=True)
-        cos, sin = state.cos[None, :length], state.sin[None, :length]
-        for index, (layer, block) in enumerate(zip(lm.model.layers, self.blocks)):
-            attn = layer.self_attn
-            q, k, v = F.linear(layer.input_layernorm(h), block.qkv).split(
-                [heads * hd, kv_heads * hd, kv_heads * hd], dim=-1
-            )
-            q = attn.q_norm(q.view(2, length, heads, hd)).transpose(1, 2)
-            k = attn.k_norm(k.view(2, length, kv_heads, hd)).transpose(1, 2)
-            v = v.view(2, length, kv_heads, hd).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            state.kv[index, 0, :, :, :length] = k
-            state.kv[index, 1, :, :, :length] = v
-            if _flash_attn_func is not None and h.is_cuda:
-                out = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-            else:
-                group = heads // kv_heads
-                out = F.scaled_dot_product_attention(
-                    q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True,
-                    scale=hd**-0.5,
-                ).transpose(1, 2)
-            h = h + F.linear(out.reshape(2, length, heads * hd), block.o)
-            gate, up = F.linear(layer.post_attention_layernorm(h), block.gate_up).unflatten(-1, (-1, 2)).unbind(-1)
-            h = h + F.linear(F.silu(gate) * up, block.down)
-        state.lm_hidden.copy_(lm.model.norm(h[:, -1]))
-        state.counters[0].fill_(0)
-        state.counters[1].fill_(length)
-        state.end_at.fill_(NO_END)
 
     # ------------------------------------------------------------------ the frame (what the graph holds)
     def _step(self, record: bool) -> None:
@@ -529,7 +311,7 @@ class GraphEngine:
             self._block_tail(block, following, out, h, h16, act, qkv, self.depth_eps)
 
     def _block_tail(
-        self, block: _Block, following: _Block | None, attn: torch.Tensor, h: torch.Tensor, h16: torch.Tensor,
+        self, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor, h16: torch.Tensor,
         act: torch.Tensor, qkv: torch.Tensor, eps: float,
     ) -> None:
         """h += o·attn, the SwiGLU MLP on h, and when chained also the following block's q|k|v (which the

@@ -14,7 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from .. import contract as c
-from . import Cancelled, SamplingSettings, check_cancel, check_prefix
+from ..events import Cancelled, check_cancel
+from . import SamplingSettings, check_prefix
 from .sampling import guide, reference_sample_top_k, reference_semantic_logits
 
 __all__ = ["ReferenceEngine", "Cancelled"]

@@ -1,6 +1,7 @@
 """The reference computation under teacher forcing: the same steps as ReferenceEngine (HF LM with a DynamicCache,
 the depth decoder re-run over its whole prefix), with given codes in place of sampled ones. The oracle for the graph
-engine's `teacher_forced` (GPU tests, and the bench's sanity check of the engine it times)."""
+engine's `teacher_forced` (GPU tests, and the bench's sanity check of the engine it times). It lives in the
+semantic stage, not in bench/, because the engine's load-time self-check runs it too."""
 
 from __future__ import annotations
 

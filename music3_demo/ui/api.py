@@ -14,7 +14,7 @@ import gradio as gr
 
 from .. import contract as c
 from ..events import AudioPiece
-from ..semantic import Cancelled
+from ..events import Cancelled
 from .core import AppContext, Outcome, check, make_request, run
 
 GPU_GROUP = "gpu"

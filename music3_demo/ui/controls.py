@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import gradio as gr
 
 from .. import contract as c
-from ..holder import ModelHolder
 from ..prompt import build_prompt, lint_lyrics
 from .assets import DESCRIPTION_HELP, LYRICS_HELP, SECTION_TAGS
+from .holder import ModelHolder
 
 DEFAULTS = {
     "duration": c.DEFAULT_DURATION_S,

@@ -14,10 +14,9 @@ import soundfile as sf
 
 from ..checkpoint import CheckpointError
 from ..continuation import SongState
-from ..events import AudioPiece, Finished, Progress, Song
-from ..holder import ModelHolder
+from ..events import AudioPiece, Cancelled, Finished, Progress, Song
 from ..request import GenerationRequest, InvalidRequest, validate
-from ..semantic import Cancelled
+from .holder import ModelHolder
 from .progress import ProgressFn, StageTracker
 from .report import song_report
 from .runner import Job, JobRegistry, Phase

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from .. import contract as c
 from ..events import Progress
-from ..holder import LOAD_PHASES
+from .holder import LOAD_PHASES
 from .runner import Phase
 
 # gr.Progress signature: (progress, desc=None, total=None, unit="steps")

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import contract as c
 from ..events import AudioPiece
-from ..semantic import Cancelled
+from ..events import Cancelled
 from .core import Outcome, wav_bytes
 from .history import PLAIN_PLAYER, add_entry
 from .report import report_markdown

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from ..continuation import SongState
 from ..events import Event
-from ..holder import ModelHolder
+from ..handoff import END, Handoff
 from ..request import GenerationRequest
 from .gpu import on_gpu
+from .holder import ModelHolder
 
-_DONE = object()
 _ids = itertools.count(1)
 
 
@@ -58,29 +58,24 @@ def generation_events(
     A generator so that it can run under `spaces.GPU` on ZeroGPU, which streams a generator's yields back from the
     GPU process; raises what the pipeline raised. Closing it sets `cancel`.
     """
-    events: queue.Queue = queue.Queue()
-    failure: list[BaseException] = []
 
-    def work() -> None:
+    def work(put) -> None:
         try:
-            with holder.acquire(on_phase=lambda text: events.put(Phase(text)), cancel=cancel) as lease:
+            with holder.acquire(on_phase=lambda text: put(Phase(text)), cancel=cancel) as lease:
                 record.state, record.device = "running", lease.device
                 record.started_at = time.time()
                 try:
-                    lease.pipeline.generate(request, on_event=events.put, cancel=cancel, continue_from=continue_from)
+                    lease.pipeline.generate(request, on_event=put, cancel=cancel, continue_from=continue_from)
                 finally:
                     # Stamped before the device is handed on, so two jobs' [started, ended] never overlap.
                     record.ended_at = time.time()
             record.state = "finished"
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer's thread
-            failure.append(error)
+        except BaseException as error:  # the hand-off raises it again in the consumer's thread
             record.state = "cancelled" if cancel.is_set() else "failed"
             record.error = str(error) or type(error).__name__
-        finally:
-            events.put(_DONE)
+            raise
 
-    thread = threading.Thread(target=work, name=f"music3-job-{record.id}", daemon=True)
-    thread.start()
+    events = Handoff(work, f"music3-job-{record.id}")
     try:
         while True:
             try:
@@ -88,11 +83,9 @@ def generation_events(
             except queue.Empty:
                 yield None
                 continue
-            if item is _DONE:
+            if item is END:
                 break
             yield item
-        if failure:
-            raise failure[0]
     finally:
         cancel.set()  # no-op after a normal end; stops the worker when the consumer went away
 

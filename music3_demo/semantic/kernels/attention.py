@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl_enter, pdl_launch
+from .launch import pdl_enter, pdl_launch
 
 
 @triton.jit

@@ -45,7 +45,7 @@ try:  # Triton >= 3.4; without it TMA configs fall back to cp.async tiles
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-from . import interpreting, pdl_enter, pdl_launch
+from .launch import interpreting, pdl_enter, pdl_launch
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class GemvWorkspace:
 
 
 @triton.jit
-def _prefetch_rows_l2(row_ptrs, nbytes: tl.constexpr):
+def prefetch_rows_l2(row_ptrs, nbytes: tl.constexpr):
     """Hint L2 to fetch `nbytes` from each row start (16-byte aligned): one Hopper bulk prefetch per row."""
     tl.inline_asm_elementwise(
         "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
@@ -87,7 +87,7 @@ def _prefetch_rows_l2(row_ptrs, nbytes: tl.constexpr):
 
 
 @triton.jit
-def _gemv_epilogue(
+def gemv_epilogue(
     acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm, eps, K,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr,
 ):
@@ -134,7 +134,7 @@ def _gemv_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     if PDL:  # SPLIT_K is 1 under PDL: the first tile is at K offset 0
-        _prefetch_rows_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * K,
+        prefetch_rows_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * K,
                           BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
         pdl_enter()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -151,7 +151,7 @@ def _gemv_kernel(
             x = xf * tl.load(g_ptr + offs_k + k0).to(tl.float32)[None, :]
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     if SPLIT_K == 1:
-        _gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm,
+        gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm,
                        eps, K, NORM, RESIDUAL, SWIGLU, COPY)
     else:
         # Partials of row block `pid`: [SPLIT_K, BLOCK_N, BLOCK_M] fp32, then [SPLIT_K, BLOCK_M] sums of squares.
@@ -172,7 +172,7 @@ def _gemv_kernel(
                 total += tl.load(base + part * BLOCK_N * BLOCK_M + tile, mask=m_mask[None, :], other=0.0,
                                  cache_modifier=".cg")
                 total_sq += tl.load(squares + part * BLOCK_M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg")
-            _gemv_epilogue(total, total_sq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om,
+            gemv_epilogue(total, total_sq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om,
                            stride_rm, eps, K, NORM, RESIDUAL, SWIGLU, COPY)
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (or graph replay)
 

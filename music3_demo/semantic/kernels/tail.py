@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
-from .linear import GemvConfig, TensorDescriptor, _gemv_epilogue, _prefetch_rows_l2, tma_supported
+from .launch import interpreting
+from .linear import GemvConfig, TensorDescriptor, gemv_epilogue, prefetch_rows_l2, tma_supported
 
 class TailScratch:
     """The grid barrier's arrival count and each program's partial sums of squares (one row per program, 16 columns
@@ -146,7 +146,7 @@ def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH
     """Between two products: start this program's next weight rows towards L2, then wait for the whole grid."""
     if PREFETCH > 0:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        _prefetch_rows_l2(w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * K, PREFETCH)
+        prefetch_rows_l2(w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * K, PREFETCH)
     _grid_barrier(bar_ptr)
 
 
@@ -215,7 +215,7 @@ def _product(
                     tl.store(next_ptr + offs_m[None, :] * stride_o + offs_n[:, None],
                              (rounded * gain[:, None]).to(next_ptr.dtype.element_ty), mask=mask)
             else:
-                _gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, out_ptr, out_ptr, stride_o,
+                gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, out_ptr, out_ptr, stride_o,
                                stride_o, eps, K, NORM, False, SWIGLU, False)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if NEXT:

@@ -11,8 +11,9 @@ from diffusers.models.transformers.transformer_minimax_music3 import (
     _apply_partial_rotary_emb,
 )
 
-from music3_demo import builtin, flow_fast
-from music3_demo.flow_fast import FusedQKVAttnProcessor, add_layer_norm, rotate_q_k_, silu_mul
+from music3_demo import random_models
+from music3_demo.flow import dit_fused
+from music3_demo.flow.dit_fused import FusedQKVAttnProcessor, add_layer_norm, rotate_q_k_, silu_mul
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -63,7 +64,7 @@ def test_add_layer_norm_equals_the_add_then_torch_layer_norm(dtype):
 
 
 def test_installed_fast_path_keeps_the_transformer_output_and_one_weight_copy():
-    components = builtin.build_components(builtin.TINY, seed=0)
+    components = random_models.build_components(random_models.TINY, seed=0)
     transformer = components["transformer"]
     generator = torch.Generator().manual_seed(1)
     latents = torch.randn(2, transformer.config.in_channels, 33, generator=generator)
@@ -71,7 +72,7 @@ def test_installed_fast_path_keeps_the_transformer_output_and_one_weight_copy():
     timestep = torch.tensor([0.3, 0.7])
     with torch.no_grad():
         expected = transformer(latents, timestep, condition, return_dict=False)[0]
-        assert flow_fast.install(transformer) == transformer.config.num_layers
+        assert dit_fused.install(transformer) == transformer.config.num_layers
         got = transformer(latents, timestep, condition, return_dict=False)[0]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for block in transformer.transformer_blocks:
@@ -81,7 +82,7 @@ def test_installed_fast_path_keeps_the_transformer_output_and_one_weight_copy():
         assert attn.to_v.weight.data_ptr() == attn.fused_qkv_weight[2 * attn.inner_dim :].data_ptr()
         assert "forward" in vars(block)  # the fused block forward
     # diffusers' processor and block forward still run on the modules' (now view) weights and agree exactly.
-    flow_fast.set_block_forwards(transformer, fused=False)
+    dit_fused.set_block_forwards(transformer, fused=False)
     for block in transformer.transformer_blocks:
         block.attn.set_processor(MiniMaxMusic3AttnProcessor())
     with torch.no_grad():

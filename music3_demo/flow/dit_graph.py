@@ -12,6 +12,8 @@ import threading
 
 import torch
 
+from .guidance import guided_velocity
+
 
 class _Captured:
     def __init__(self, transformer, channels: int, length: int, condition_dim: int, dtype, device) -> None:
@@ -31,14 +33,7 @@ class _Captured:
             self.velocity = self._forward()
 
     def _forward(self) -> torch.Tensor:
-        both = self.transformer(
-            hidden_states=torch.cat((self.latents, self.latents)),
-            timestep=self.timestep.expand(2),
-            encoder_hidden_states=torch.cat((self.condition, torch.zeros_like(self.condition))),
-            return_dict=False,
-        )[0]
-        cond, uncond = both[:1], both[1:]
-        return uncond + self.scale * (cond - uncond)  # fp32 0-d scale: same opmath as a Python float
+        return guided_velocity(self.transformer, self.latents, self.timestep, self.condition, self.scale, batched=True)
 
     def __call__(self, latents, timestep, condition, scale: float) -> torch.Tensor:
         self.latents.copy_(latents)

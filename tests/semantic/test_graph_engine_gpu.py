@@ -11,10 +11,12 @@ import threading
 import pytest
 import torch
 
-from music3_demo import builtin
-from music3_demo.bench import random_prompt
+from music3_demo import random_models
+from music3_demo.bench.semantic import random_prompt
 from music3_demo.semantic import Cancelled, SamplingSettings
-from music3_demo.semantic.graph import AUDIO_CODES, GraphEngine
+from music3_demo.semantic.config import GraphConfig
+from music3_demo.semantic.graph import GraphEngine
+from music3_demo.semantic.state import AUDIO_CODES
 from music3_demo.semantic.kernels import cfg_sample
 from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 from music3_demo.semantic.sampling import guide, reference_semantic_logits
@@ -24,14 +26,14 @@ DEVICE = torch.device("cuda")
 END = AUDIO_CODES - 1  # the end token's index in the engine's audio logits
 
 
-def _models(sizes: builtin.ModelSizes, seed: int = 0):
-    components = builtin.build_components(sizes, seed=seed, device=DEVICE, dtype=torch.bfloat16)
+def _models(sizes: random_models.ModelSizes, seed: int = 0):
+    components = random_models.build_components(sizes, seed=seed, device=DEVICE, dtype=torch.bfloat16)
     return components["language_model"], components["rvq_depth_decoder"]
 
 
 @pytest.fixture(scope="module")
 def full():
-    lm, depth = _models(builtin.FULL)
+    lm, depth = _models(random_models.FULL)
     engine = GraphEngine(lm, depth, DEVICE)
     yield lm, depth, engine
     engine.release()
@@ -197,12 +199,12 @@ def test_cancel_stops_within_a_few_frames_and_the_engine_recovers(full):
     with pytest.raises(Cancelled):
         for block in songs:
             got += block.shape[0]
-    assert got <= (GraphEngine.IN_FLIGHT + 2) * GraphEngine.REPLAY_BLOCK
+    assert got <= (GraphConfig().in_flight + 2) * GraphConfig().replay_block
     assert _song(engine, text_ids, 10, seed=2).shape[0] <= 10
 
 
 MID = dataclasses.replace(
-    builtin.FULL, hidden=1024, lm_layers=4, lm_heads=8, lm_kv_heads=2, lm_intermediate=3072, depth_layers=2,
+    random_models.FULL, hidden=1024, lm_layers=4, lm_heads=8, lm_kv_heads=2, lm_intermediate=3072, depth_layers=2,
     depth_heads=4, depth_intermediate=1536, dit_layers=2, dit_ff=1024,
 )
 

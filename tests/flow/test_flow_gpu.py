@@ -8,12 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from music3_demo.bench_song import full_size_pipeline
-from music3_demo.events import AudioPiece, Progress
-from music3_demo.flow import ChunkDenoiser, FlowSettings
-from music3_demo.pipeline import full_chunk_latents
+from music3_demo.bench.song import full_size_pipeline
+from music3_demo.events import AudioPiece, Cancelled, Progress
+from music3_demo.flow.stream import ChunkDenoiser, FlowSettings, full_chunk_latents
 from music3_demo.request import GenerationRequest
-from music3_demo.semantic import Cancelled
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -106,18 +104,18 @@ def test_fast_path_is_as_accurate_as_diffusers_at_full_size(pipeline):
 
     from diffusers.models.transformers.transformer_minimax_music3 import MiniMaxMusic3AttnProcessor
 
-    from music3_demo import flow_fast
+    from music3_demo.flow import dit_fused
 
     transformer = pipeline.components["transformer"]
     blocks = transformer.transformer_blocks
-    assert all(isinstance(block.attn.processor, flow_fast.FusedQKVAttnProcessor) for block in blocks)
+    assert all(isinstance(block.attn.processor, dit_fused.FusedQKVAttnProcessor) for block in blocks)
     assert all("forward" in vars(block) for block in blocks)
     latents = torch.randn(2, transformer.config.in_channels, 689, device=DEVICE, dtype=torch.bfloat16)
     condition = torch.randn(2, 689, transformer.config.condition_dim, device=DEVICE, dtype=torch.bfloat16)
     timestep = torch.tensor([0.2, 0.8], device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
         fused = transformer(latents, timestep, condition, return_dict=False)[0]
-        flow_fast.set_block_forwards(transformer, fused=False)
+        dit_fused.set_block_forwards(transformer, fused=False)
         for block in blocks:
             block.attn.set_processor(MiniMaxMusic3AttnProcessor())
         try:
@@ -125,8 +123,8 @@ def test_fast_path_is_as_accurate_as_diffusers_at_full_size(pipeline):
             oracle_model = copy.deepcopy(transformer).float()
         finally:  # back to the fast path on the same fused weights (the captured graphs point at them)
             for block in blocks:
-                block.attn.set_processor(flow_fast.FusedQKVAttnProcessor())
-            flow_fast.set_block_forwards(transformer, fused=True)
+                block.attn.set_processor(dit_fused.FusedQKVAttnProcessor())
+            dit_fused.set_block_forwards(transformer, fused=True)
         oracle = oracle_model(latents.float(), timestep.float(), condition.float(), return_dict=False)[0]
         del oracle_model
     fused_error, plain_error = _relative(fused, oracle), _relative(plain, oracle)

@@ -20,10 +20,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import contract as c
-from .continuation import FlowResume
-from .flow_graph import VelocityGraphs
-from .semantic import check_cancel
+from .. import contract as c
+from ..continuation import FlowResume
+from ..events import check_cancel
+from .dit_graph import VelocityGraphs
+from .guidance import guided_velocity
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,18 @@ class FlowTimings:
 StepCallback = Callable[[int, int, int], None]  # (chunk_index, step_done, num_steps)
 
 
+def full_chunk_latents(components: dict) -> int:
+    """Latent length of a full 200-frame chunk (689 for the released checkpoint's rates)."""
+    config = components["condition_encoder"].config
+    return int(
+        c.CHUNK_FRAMES
+        * config.output_sampling_rate
+        / config.input_sampling_rate
+        * config.input_hop_length
+        / config.output_hop_length
+    )
+
+
 def _cfg_enabled(guidance_scale: float) -> bool:
     # diffusers' ClassifierFreeGuidance skips the unconditional pass when the scale is ~1.
     return not np.isclose(guidance_scale, 1.0)
@@ -72,23 +85,9 @@ class ChunkDenoiser:
             return run(hidden_states=latents, timestep=timestep, encoder_hidden_states=condition, return_dict=False)[0]
         if self.settings.batched_cfg and self.graphs is not None and self.graphs.supports(latents):
             return self.graphs.velocity(latents, timestep, condition, self.settings.guidance_scale)
-        if self.settings.batched_cfg:
-            both = run(
-                hidden_states=torch.cat((latents, latents)),
-                timestep=timestep.expand(2),
-                encoder_hidden_states=torch.cat((condition, torch.zeros_like(condition))),
-                return_dict=False,
-            )[0]
-            cond, uncond = both[:1], both[1:]
-        else:
-            cond = run(hidden_states=latents, timestep=timestep, encoder_hidden_states=condition, return_dict=False)[0]
-            uncond = run(
-                hidden_states=latents,
-                timestep=timestep,
-                encoder_hidden_states=torch.zeros_like(condition),
-                return_dict=False,
-            )[0]
-        return uncond + self.settings.guidance_scale * (cond - uncond)
+        return guided_velocity(
+            run, latents, timestep, condition, self.settings.guidance_scale, batched=self.settings.batched_cfg
+        )
 
     def denoise(
         self,

@@ -2,7 +2,7 @@
 
 The semantic stage is bandwidth-bound and the DiT compute-bound, so on a GPU they overlap well; on a CPU the worker
 still lets the two stages share cores. Everything the worker produces (pieces, progress, errors) travels back through
-one queue, so the caller's event callback is only ever called from the caller's thread.
+one hand-off (`handoff.py`), so the caller's event callback is only ever called from the caller's thread.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Iterator
 
 import torch
 
-from .events import Progress
-from .flow import FlowStream, Piece
+from ..events import Progress
+from ..handoff import END, Handoff
+from .stream import FlowStream, Piece
 
 _FINISH = object()
-_DONE = object()
 
 
 class AnyEvent:
@@ -39,18 +39,11 @@ class FlowWorker:
         self.device = device
         self.abort = threading.Event()
         self._inbox: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()
         # Higher priority than the semantic stream: when both have kernels ready, the flow chunk's go first, so a
         # listener's first audio is not slowed by the frames still being made behind it.
         self._stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
-        self._finished = False
         flow.cancel = AnyEvent(flow.cancel, self.abort)
-        flow.on_step = self._on_step
-        self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
-        self._thread.start()
-
-    def _on_step(self, chunk: int, done: int, total: int) -> None:
-        self._outbox.put(("step", chunk, done, total))
+        self._results = Handoff(self._run, self.THREAD_NAME)
 
     def submit(self, frames: torch.Tensor) -> None:
         """Queue frames made on the caller's current stream; the worker's stream waits for them."""
@@ -64,7 +57,8 @@ class FlowWorker:
     def finish(self) -> None:
         self._inbox.put(_FINISH)
 
-    def _run(self) -> None:
+    def _run(self, put) -> None:
+        self.flow.on_step = lambda chunk, done, total: put(("step", chunk, done, total))
         context = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         try:
             with context, torch.no_grad():
@@ -73,18 +67,15 @@ class FlowWorker:
                     if self.abort.is_set():
                         break
                     if item is _FINISH:
-                        self._outbox.put(self.flow.finish())
+                        put(self.flow.finish())
                         break
                     frames, ready = item
                     if ready is not None:
                         self._stream.wait_event(ready)
-                    self._outbox.put(self.flow.push(frames))
-        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, which re-raises it
-            self._outbox.put(error)
+                    put(self.flow.push(frames))
         finally:
             if self._stream is not None:
                 self._stream.synchronize()
-            self._outbox.put(_DONE)
 
     def results(self, wait: bool, until_audio: bool = False) -> Iterator[list[Piece] | tuple]:
         """Yield what the worker made: lists of pieces and ("step", chunk, done, total) tuples. With `wait`, block
@@ -92,14 +83,11 @@ class FlowWorker:
         frames for a chunk). Errors raised in the worker are re-raised here."""
         while True:
             try:
-                item = self._outbox.get(block=wait or until_audio)
+                item = self._results.get(block=wait or until_audio)
             except queue.Empty:
                 return
-            if item is _DONE:
-                self._finished = True
+            if item is END:
                 return
-            if isinstance(item, BaseException):
-                raise item
             yield item
             if until_audio and isinstance(item, list) and item:
                 return
@@ -108,7 +96,7 @@ class FlowWorker:
         """Stop the worker (if still running) and wait for its thread and stream to be idle."""
         self.abort.set()
         self._inbox.put(_FINISH)
-        self._thread.join()
+        self._results.join()
         for _ in self.results(wait=False):
             pass
 

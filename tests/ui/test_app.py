@@ -160,7 +160,7 @@ def test_unloadable_model_still_opens_the_page_and_says_why(tmp_path):
 
 
 def test_concurrent_first_requests_load_the_model_once():
-    from music3_demo.holder import ModelHolder
+    from music3_demo.ui.holder import ModelHolder
 
     holder = ModelHolder("tiny", ["cpu"], engine="reference", warmup=False)
     holder.preload()  # start-up load in the background, racing the first requests below

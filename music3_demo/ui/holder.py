@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .checkpoint import CheckpointError, ModelSource, default_device, resolve
-from .semantic import Cancelled
+from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
+from ..events import Cancelled
 
 if TYPE_CHECKING:  # the pipeline (diffusers, transformers) is imported on first load, not when the page is built
-    from .pipeline import Music3Pipeline
+    from ..pipeline import Music3Pipeline
 
 # How a failed load tells users what to do, whatever the cause.
 FIX_HINT = (
@@ -122,7 +122,7 @@ class ModelHolder:
         """Exact prompt length with the model's own tokenizer; None until the tokenizer has been fetched."""
         if self._tokenizer is None:
             return None
-        from .prompt import count_prompt_tokens
+        from ..prompt import count_prompt_tokens
 
         return count_prompt_tokens(self._tokenizer, description, lyrics)
 
@@ -165,7 +165,7 @@ class ModelHolder:
         with slot.load_lock:  # concurrent first requests: one loads, the others wait here and reuse it
             if slot.pipeline is not None:
                 return slot.pipeline
-            from .pipeline import Music3Pipeline
+            from ..pipeline import Music3Pipeline
 
             self._loading[slot.device] = started = time.monotonic()
             self._error = None

@@ -12,12 +12,13 @@ import time
 
 import torch
 
-from . import builtin
-from . import contract as c
-from .checkpoint import ModelSource
-from .events import AudioPiece, Event, Progress
-from .pipeline import Music3Pipeline, full_chunk_latents
-from .request import GenerationRequest
+from .. import contract as c
+from .. import random_models
+from ..checkpoint import ModelSource
+from ..events import AudioPiece, Event, Progress
+from ..flow.stream import FlowSettings, FlowStream, full_chunk_latents
+from ..pipeline import Music3Pipeline
+from ..request import GenerationRequest
 
 SONG_PROMPT = "energetic synth-pop, 124 BPM, A minor, female vocals, punchy drums, big chorus"
 SONG_LYRICS = "[verse]\n" + "\n".join(f"line {i} of a long verse about the city at night" for i in range(12)) + (
@@ -27,8 +28,8 @@ SONG_LYRICS = "[verse]\n" + "\n".join(f"line {i} of a long verse about the city 
 
 def full_size_pipeline(engine: str, device: torch.device) -> Music3Pipeline:
     """random-full with the end token muted, so every benchmarked song runs to its full length."""
-    sizes = dataclasses.replace(builtin.FULL, end_token_gain=0.0)
-    components = builtin.build_components(sizes, seed=0, device=device, dtype=torch.bfloat16)
+    sizes = dataclasses.replace(random_models.FULL, end_token_gain=0.0)
+    components = random_models.build_components(sizes, seed=0, device=device, dtype=torch.bfloat16)
     components["vocoder"] = components["vocoder"].float()
     return Music3Pipeline(components, ModelSource("random-full", None, "random-full"), device, engine)
 
@@ -76,8 +77,6 @@ def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_S
 
 def time_flow_chunk(pipeline: Music3Pipeline, steps: int = c.DEFAULT_STEPS, repeats: int = 3) -> dict:
     """A full chunk's denoise + vocode alone on the GPU (nothing overlapping), graphed vs eager batch-2."""
-    from .flow import FlowSettings, FlowStream
-
     device = pipeline.device
     hidden = pipeline.components["language_model"].config.hidden_size
     frames = torch.randn(c.CHUNK_FRAMES, 8 * hidden, device=device, dtype=torch.bfloat16)

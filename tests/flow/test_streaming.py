@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from music3_demo import contract as c
-from music3_demo.events import AudioPiece, Progress
-from music3_demo.flow import FlowSettings, FlowStream
+from music3_demo.events import AudioPiece, Cancelled, Progress
+from music3_demo.flow.stream import FlowSettings, FlowStream
 from music3_demo.pipeline import FLOW_SEED_OFFSET, Music3Pipeline, sampling_for
 from music3_demo.prompt import tokenize
 from music3_demo.request import GenerationRequest
-from music3_demo.semantic import Cancelled
 
 STEPS = 2
 
@@ -104,9 +103,9 @@ def test_overlapped_song_equals_its_batch_decode_and_is_deterministic(tiny_folde
 def test_song_that_ends_early_streams_the_same_as_batch(tmp_path):
     from test_pipeline import ENDING_SIZES  # a random model whose songs end on the end token
 
-    from music3_demo import builtin
+    from music3_demo import random_models
 
-    folder = builtin.write_builtin(ENDING_SIZES, tmp_path / "ending", seed=11)
+    folder = random_models.write_builtin(ENDING_SIZES, tmp_path / "ending", seed=11)
     base = Music3Pipeline.from_pretrained(str(folder), device="cpu", engine="reference")
     pipeline = Music3Pipeline(base.components, base.source, base.device, engine="reference", overlap=True)
     request = GenerationRequest("pop", "[verse]\nhi", duration=14.0, num_steps=STEPS, seed=3)

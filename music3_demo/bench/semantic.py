@@ -3,7 +3,7 @@
 
 It reports frames/s of each engine, their ratio, the bytes one frame must read (counted from the engine's actual
 weight tensors, plus the KV cache at the song's mean context length), the copy bandwidth measured in the same run,
-and the fraction of the resulting limit reached. `--song SECONDS` adds bench_song.py's whole-song timing (flow stage
+and the fraction of the resulting limit reached. `--song SECONDS` adds bench/song.py's whole-song timing (flow stage
 included) to the same JSON; `--engine ""` skips the semantic part. Importable without gradio/soundfile.
 """
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import contract as c
-from .checkpoint import build_random_full, load_components, resolve
-from .semantic import SamplingSettings, SemanticEngine
+from .. import contract as c
+from ..checkpoint import build_random_full, load_components, resolve
+from ..semantic import SamplingSettings, SemanticEngine
 
 WARMUP_FRAMES = 16
 
@@ -105,8 +105,8 @@ def run_song(engine: SemanticEngine, text_ids: torch.Tensor, frames: int, seed: 
 def bench_semantic(
     components: dict, engines: list[str], prompt_tokens: list[int], frames: int, reference_frames: int, seed: int,
 ) -> dict:
-    from .semantic.graph import GraphEngine
-    from .semantic.reference import ReferenceEngine
+    from ..semantic.graph import GraphEngine
+    from ..semantic.reference import ReferenceEngine
 
     device = torch.device("cuda")
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
@@ -175,7 +175,7 @@ def teacher_forced_check(graph, lm, depth, text_ids: torch.Tensor, steps: int = 
     """Speed means nothing if the function is wrong: the graph engine's LM audio logits on random forced codes vs
     the bf16 reference computation (~1.7e-2 apart from bf16 rounding alone over 36 random layers; a broken kernel
     gives ~1)."""
-    from .semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
+    from ..semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 
     codes = random_codes(steps, torch.Generator().manual_seed(0))
     logits, frames = graph.teacher_forced(text_ids, codes)
@@ -188,7 +188,7 @@ def _commit() -> str:
     if os.environ.get("MUSIC3_COMMIT"):
         return os.environ["MUSIC3_COMMIT"]
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.abspath(__file__))  # any folder inside the checkout
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         ).stdout.strip()
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-frames", type=int, default=100,
                         help="frames for the reference engine (it runs ~9 frames/s; its rate is steady)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--song", type=float, help="also time a whole song of this many seconds (bench_song.py)")
+    parser.add_argument("--song", type=float, help="also time a whole song of this many seconds (bench/song.py)")
     parser.add_argument("--reference-song", type=float, default=10.0, help="seconds of the reference song to time")
     parser.add_argument("--memory-song", type=float, help="also time a song of this length for peak memory")
     parser.add_argument("--output", help="also write the JSON here")
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         del components
         torch.cuda.empty_cache()
     if args.song:
-        from .bench_song import bench_song
+        from .song import bench_song
 
         report["song"] = bench_song(args.song, args.reference_song, torch.device("cuda"), args.memory_song)
     text = json.dumps(report, indent=1)
@@ -268,6 +268,3 @@ def main(argv: list[str] | None = None) -> int:
             handle.write(text + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-from .fused_weights import fuse_rows
+from ..fused_weights import fuse_rows
 
 
 @triton.jit

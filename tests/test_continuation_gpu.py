@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from music3_demo.bench_song import full_size_pipeline
+from music3_demo.bench.song import full_size_pipeline
 from music3_demo.continuation import SongState, extension_request
 from music3_demo.pipeline import FLOW_SEED_OFFSET
 from music3_demo.request import GenerationRequest

@@ -1,0 +1,5 @@
+import sys
+
+from .semantic import main
+
+sys.exit(main())

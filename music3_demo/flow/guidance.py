@@ -1,0 +1,35 @@
+"""The DiT's velocity under classifier-free guidance, written once for the eager steps and the captured graph."""
+
+from __future__ import annotations
+
+import torch
+
+
+def guided_velocity(
+    transformer, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor, scale, batched: bool
+) -> torch.Tensor:
+    """uncond + scale · (cond − uncond), the unconditional pass seeing an all-zeros condition (diffusers' CFG).
+
+    `batched`: both passes as one batch-2 call (the fast engines: same maths, the last bits may differ); otherwise
+    diffusers' two batch-1 calls. `scale` is a Python float or a 0-d float32 tensor (a graph's input): PyTorch
+    computes the product with the same opmath either way, so the graph and the eager step agree bit for bit.
+    """
+    if batched:
+        both = transformer(
+            hidden_states=torch.cat((latents, latents)),
+            timestep=timestep.expand(2),
+            encoder_hidden_states=torch.cat((condition, torch.zeros_like(condition))),
+            return_dict=False,
+        )[0]
+        cond, uncond = both[:1], both[1:]
+    else:
+        cond = transformer(
+            hidden_states=latents, timestep=timestep, encoder_hidden_states=condition, return_dict=False
+        )[0]
+        uncond = transformer(
+            hidden_states=latents,
+            timestep=timestep,
+            encoder_hidden_states=torch.zeros_like(condition),
+            return_dict=False,
+        )[0]
+    return uncond + scale * (cond - uncond)

@@ -1,0 +1,33 @@
+"""The graph engine's knobs in one place, checked when made: how frames are replayed and buffered on the device, and
+which kernel variants a frame runs. The bench's variants (`graph-pdl`, `graph-s8`, ...) are these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    replay_block: int = 8  # frames replayed between two looks at the end flag (and the yield granularity)
+    in_flight: int = 3  # blocks queued ahead of the one being waited for: cancel and end latency <= 32 frames
+    frame_ring: int = 64  # frame-hidden rows on the device: the blocks in flight plus the one being copied out
+    attention_splits: int = 16  # decode attention splits the live context over this many programs per head
+    # Programmatic dependent launch measured slower on the H200 every way it was tried (docs/PERFORMANCE.md): opt-in
+    # only, kept for the bench's A/B and its no-bit-changes test. Ignored where the device or Triton cannot do it.
+    pdl: bool = False
+    # Each block's products after attention (and the next block's q|k|v) in one persistent launch with grid barriers
+    # (`kernels/tail.py`), a small gain at every prompt length. None: on a GPU without PDL; on the CPU interpreter
+    # (tests) True runs one launch per product of the same kernel.
+    chain: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.replay_block < 1 or self.in_flight < 0 or self.attention_splits < 1:
+            raise ValueError("replay_block and attention_splits must be at least 1, in_flight at least 0")
+        if self.frame_ring < (self.in_flight + 2) * self.replay_block:
+            raise ValueError("frame_ring must hold the blocks in flight plus the one being copied out")
+        if self.chain and self.pdl:
+            raise ValueError("the chained block tails take no PDL")
+
+    def with_overrides(self, **fields) -> "GraphConfig":
+        """This config with the fields given a value other than None (the engine's keyword arguments)."""
+        return replace(self, **{name: value for name, value in fields.items() if value is not None})

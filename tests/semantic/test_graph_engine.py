@@ -1,0 +1,88 @@
+"""The whole graph engine on the tiny model under Triton's interpreter: teacher forcing against the reference, a song
+through a wrapping frame ring, the bench's byte count, and engine selection errors."""
+
+from __future__ import annotations
+
+import kernel_cases  # noqa: F401 - first: checks Triton's interpreter is on
+import pytest
+import torch
+
+from music3_demo.semantic import resolve_engine_name
+from music3_demo.semantic.kernels import GemvConfig
+from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
+
+
+@pytest.mark.parametrize("variant", ["plain", "text_embeddings_on_host", "split_k", "chain"])
+def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, variant, monkeypatch):
+    from music3_demo.semantic.graph import GraphEngine
+    from music3_demo.semantic.kernels import linear
+
+    lm, depth = tiny_models
+    engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=variant == "chain")
+    if variant == "split_k":  # every product split (K is 32, 48 or 64 here), through the engine's workspace
+        monkeypatch.setattr(linear, "default_config",
+                            lambda m, n, k, swiglu=False: GemvConfig(256, 16, split_k=2 if k % 32 == 0 else 3))
+    if variant == "text_embeddings_on_host":
+        engine.text_embeddings_to_host()
+        assert engine.text_embed.data_ptr() == lm.model.embed_tokens.weight.data_ptr()  # moved, not copied
+        assert engine.semantic_embed.data_ptr() != engine.text_embed.data_ptr()  # the per-frame rows stay put
+    generator = torch.Generator().manual_seed(20)
+    text_ids = torch.randint(0, 250, (2, 10), generator=generator)
+    codes = random_codes(3, generator)
+    logits, frames = engine.teacher_forced(text_ids, codes)
+    ref_logits, ref_frames = reference_teacher_forced(lm, depth, text_ids, codes)
+    assert relative_error(logits, ref_logits).max() < 1e-5
+    assert relative_error(frames, ref_frames).max() < 1e-5
+    assert torch.equal(engine._state.codes[:3].long(), codes)
+    if variant == "split_k":
+        assert engine._state.gemv_workspace.counters.numel() > 0 and not engine._state.gemv_workspace.counters.any()
+
+
+def test_graph_engine_song_through_a_wrapping_frame_ring_equals_teacher_forcing(tiny_models):
+    """A song's yielded frames (copied out of a 2-row ring that wraps) equal the frames teacher forcing makes
+    from the song's own codes (copied out step by step)."""
+    from music3_demo.semantic import SamplingSettings
+    from music3_demo.semantic.config import GraphConfig
+    from music3_demo.semantic.graph import GraphEngine
+
+    ring = GraphConfig(replay_block=1, in_flight=0, frame_ring=2, attention_splits=2)
+    engine = GraphEngine(*tiny_models, "cpu", config=ring)
+    text_ids = torch.randint(0, 250, (2, 6), generator=torch.Generator().manual_seed(21))
+    blocks = list(engine.frames(text_ids, 4, SamplingSettings(), torch.Generator().manual_seed(22)))
+    song = torch.cat(blocks)
+    assert song.shape[0] == engine.last_song.frames == 4  # the tiny model's end row is not boosted: full length
+    codes = engine.song_codes().long()
+    _, forced = engine.teacher_forced(text_ids, codes)
+    assert torch.equal(song, forced)
+
+
+def test_bench_bytes_model_counts_the_engines_weights_and_cache(tiny_models):
+    from music3_demo.bench.semantic import bytes_model
+    from music3_demo.semantic.graph import GraphEngine
+
+    lm, depth = tiny_models
+    engine = GraphEngine(lm, depth, "cpu", attention_splits=2)
+    engine.text_embeddings_to_host()  # as graph pipelines do: the model must not read the moved table
+    model = bytes_model(engine)
+    config = lm.config
+    kv = config.num_hidden_layers * 2 * 2 * config.num_key_value_heads * engine.head_dim * 4  # float32 here
+    assert model.kv_per_position == kv
+    assert model.lm > sum(p.numel() for p in lm.model.layers.parameters()) * 4
+    assert model.depth > (engine.num_codebooks - 1) * sum(b.qkv.numel() for b in engine.depth_blocks) * 4
+
+
+def test_graph_engine_needs_cuda(tiny_models, monkeypatch):
+    from music3_demo.pipeline import Music3Pipeline
+    from music3_demo.semantic.graph import GraphEngine
+
+    with pytest.raises(ValueError, match="graph engine needs a CUDA GPU"):
+        resolve_engine_name("graph", torch.device("cpu"))
+    assert resolve_engine_name("auto", torch.device("cpu")) == "reference"
+    assert resolve_engine_name("auto", torch.device("cuda")) == "graph"
+    with pytest.raises(ValueError, match="Unknown engine 'fast'"):
+        resolve_engine_name("fast", torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        Music3Pipeline.from_pretrained("tiny", device="cpu", engine="graph")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        GraphEngine(*tiny_models, "cpu")
