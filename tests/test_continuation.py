@@ -99,6 +99,20 @@ def test_extension_request_appends_the_new_lyrics():
     assert sung.lyrics == "[verse]\nnow words" and not sung.instrumental
 
 
+def test_cfg_sample_forces_only_the_steps_below_the_device_count():
+    from music3_demo.semantic.kernels import cfg_sample
+
+    vocab = 32
+    logits = torch.zeros(2, vocab)
+    logits[:, 5] = 10.0  # the sampler's only top-1 candidate
+    codes, forced = torch.full((4,), -1, dtype=torch.int32), torch.full((4,), 9, dtype=torch.int32)
+    for step in range(4):
+        cfg_sample(logits, torch.ones(vocab), torch.tensor([1.5]), torch.tensor([1], dtype=torch.int32), codes,
+                   torch.tensor([step], dtype=torch.int32), conditional_top_k=True, step_stride=1,
+                   forced=(forced, torch.tensor([2], dtype=torch.int32)))
+    assert codes.tolist() == [9, 9, 5, 5]
+
+
 def test_graph_engine_forced_prefix_reproduces_the_song_then_decodes_on():
     """The graph engine's prefix (the captured frame reads "forced for the first P steps" from a device value):
     a song's own codes as the prefix give its frames again, and the frames after it equal teacher forcing on the
