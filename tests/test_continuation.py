@@ -49,7 +49,7 @@ def test_continued_song_keeps_the_audio_before_the_last_chunk_and_equals_the_who
     assert continued.frames == 275 and continued.state.frames == 275
     assert np.array_equal(continued.state.codes[:226], state.codes)  # the song's codes are the prefix
     assert np.array_equal(continued.audio[:, :boundary], original.audio[:, :boundary])  # bit for bit
-    assert not np.array_equal(continued.audio[:, boundary:][:, :1000], original.audio[:, boundary:][:, :1000])
+    assert not np.array_equal(continued.audio[:, : original.audio.shape[-1]], original.audio)  # its end is remade
     assert pieces[0].start_sample == 0 and pieces[0].samples.shape[-1] == boundary  # the song so far plays at once
     assert np.array_equal(np.concatenate([p.samples for p in pieces], axis=-1), continued.audio)
     assert continued.audio.shape[-1] == int(275 * 3.4453125) * 512
