@@ -14,7 +14,7 @@ from music3_demo import contract as c
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    with running_app(tmp_path_factory.mktemp("continue-app")) as server:
+    with running_app(tmp_path_factory.mktemp("continue-app"), ready_timeout=400) as server:
         yield Client(server.url, verbose=False)
 
 
