@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per internal HTTP request is noise
+    from music3_demo.versions import untested_warnings
+
+    for line in untested_warnings():
+        logging.warning(line)
 
     import torch
 

@@ -15,6 +15,7 @@ from .continuation import SongState, check_continuation, extension_request
 from .events import AudioPiece, Event, Progress
 from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import ENGINE_NAMES
+from .versions import untested_warnings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,6 +104,8 @@ def generate(args: argparse.Namespace) -> int:
                                               engine=args.engine, revision=args.revision)
     if pipeline.source.notice:
         print(f"note: {pipeline.source.notice}", file=sys.stderr)
+    if pipeline.engine_record.fallback_reason:
+        print(f"note: {pipeline.engine_record.fallback_reason}", file=sys.stderr)
     show = _progress_printer(args.quiet)
     writer = AudioFileWriter(args.out, c.SAMPLE_RATE, subtype=args.subtype)
     try:
@@ -124,6 +127,8 @@ def generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    for line in untested_warnings():
+        print(f"warning: {line}", file=sys.stderr)
     try:
         return generate(args)
     except (InvalidRequest, CheckpointError, ValueError) as error:

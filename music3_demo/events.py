@@ -39,6 +39,7 @@ class Song:
     timings: dict[str, float] = field(default_factory=dict)
     engine: str = ""
     model_notice: str | None = None  # set when a built-in random model made it (the output is noise)
+    engine_note: str | None = None  # set when the fast engine was not used although it was tried, and why
     state: SongState | None = None  # what continuing it needs (its codes, the flow state at its last chunk)
 
     @property

@@ -20,29 +20,20 @@ from .checkpoint import (
     resolve,
 )
 from .continuation import SongState, check_continuation
+from .devices import normalize, on_device
 from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
 from . import flow as flow_stage
 from .flow.stream import FlowSettings, FlowStream, Piece
 from .flow.worker import FlowWorker, progress_from_step
 from .prompt import count_prompt_tokens, tokenize
 from .request import GenerationRequest, InvalidRequest, validate
-from .semantic import SamplingSettings, SemanticEngine, resolve_engine_name
+from .semantic import SamplingSettings, make_engine, resolve_engine_name
 
 __all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest", "SongState"]
 
 # The flow stage's generator on the fast engines is seeded apart from the semantic one, so overlap cannot change
 # results run to run.
 FLOW_SEED_OFFSET = 0x9E3779B9
-
-
-def _make_engine(name: str, components: dict, device: torch.device) -> SemanticEngine:
-    if name == "graph":
-        from .semantic.graph import GraphEngine
-
-        return GraphEngine(components["language_model"], components["rvq_depth_decoder"], device)
-    from .semantic.reference import ReferenceEngine
-
-    return ReferenceEngine(components["language_model"], components["rvq_depth_decoder"])
 
 
 class Music3Pipeline:
@@ -53,21 +44,22 @@ class Music3Pipeline:
         device: torch.device,
         engine: str = "auto",
         overlap: bool | None = None,
+        allow_interpreter: bool | None = None,
     ) -> None:
         """`overlap`: run the flow stage while semantic frames are still being made (default: when the engine draws
         from its own generator). With the reference engine it switches to separate per-stage generators, so results
-        then differ from diffusers' single-generator draws (still deterministic for a seed)."""
+        then differ from diffusers' single-generator draws (still deterministic for a seed). `allow_interpreter`:
+        tests only, see `semantic.graph_on_cpu_allowed`."""
         self.components = components
         self.source = source
-        self.device = device
-        self.engine_name = resolve_engine_name(engine, device)
-        self.engine = _make_engine(self.engine_name, components, device)
-        if self.engine_name == "graph":
-            # The graph engine keeps its own copies of the audio rows it reads per frame: the full 168k-row head
-            # (1.4 GB in bf16) is never read again, and the token embeddings are only read by the prefill, which
-            # gathers the prompt's rows on the host (another 1.24 GB of GPU memory).
-            components["language_model"].lm_head = None
-            self.engine.text_embeddings_to_host()
+        self.device = device = normalize(device)
+        # The engine that runs (`auto` falls back to the reference when the fast engine fails its self-check) and
+        # why: the record's sentence and check time travel with every song.
+        self.engine, self.engine_record = make_engine(
+            components["language_model"], components["rvq_depth_decoder"], device, engine,
+            allow_interpreter=allow_interpreter,
+        )
+        self.engine_name = self.engine_record.name
         self.overlap = self.engine.separate_flow_rng if overlap is None else overlap
         self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
         self.velocity_graphs = flow_stage.prepare(components, device, fast=self.separate_flow_rng)
@@ -81,16 +73,18 @@ class Music3Pipeline:
         dtype: torch.dtype | None = None,
         revision: str | None = None,
         token: str | None = None,
+        allow_interpreter: bool | None = None,
     ) -> "Music3Pipeline":
-        device = torch.device(device) if device is not None else default_device()
-        resolve_engine_name(engine, device)  # fail before a long load
+        device = normalize(device) if device is not None else normalize(default_device())
+        resolve_engine_name(engine, device, allow_interpreter)  # fail before a long load
         dtype = dtype or default_dtype(device)
         source = resolve(model, revision=revision, token=token)
-        if source.folder is None:
-            components = build_random_full(device, dtype)
-        else:
-            components = load_components(source.folder, device, dtype)
-        return cls(components, source, device, engine)
+        with on_device(device):
+            if source.folder is None:
+                components = build_random_full(device, dtype)
+            else:
+                components = load_components(source.folder, device, dtype)
+        return cls(components, source, device, engine, allow_interpreter=allow_interpreter)
 
     @property
     def tokenizer(self):
@@ -139,7 +133,6 @@ class Music3Pipeline:
             return restored
         return torch.Generator(kind).manual_seed((seed + FLOW_SEED_OFFSET) % 2**64)
 
-    @torch.no_grad()
     def generate(
         self,
         request: GenerationRequest,
@@ -151,6 +144,18 @@ class Music3Pipeline:
         that song by `request.duration` seconds (`continuation.extension_request` builds such a request): its codes
         are the forced prefix, the flow stage restarts at its last chunk, and its audio before that chunk comes back
         unchanged as the first piece."""
+        # Callers run on any thread (the app's runners start with device 0 current).
+        with on_device(self.device):
+            return self._generate(request, on_event, cancel, continue_from)
+
+    @torch.no_grad()
+    def _generate(
+        self,
+        request: GenerationRequest,
+        on_event: Callable[[Event], None] | None,
+        cancel: threading.Event | None,
+        continue_from: SongState | None,
+    ) -> Song:
         emit = on_event or (lambda event: None)
         request = self.validate(request)
         max_frames = request.max_frames
@@ -239,6 +244,8 @@ class Music3Pipeline:
         timings["total_s"] = time.perf_counter() - started
         audio = np.concatenate(pieces, axis=-1)
         timings["realtime_factor"] = (audio.shape[-1] / c.SAMPLE_RATE) / timings["total_s"]
+        if self.engine_record.check_s is not None:
+            timings["engine_check_s"] = self.engine_record.check_s  # paid once at load, not by this song
         resume = flow.resume_point
         state = SongState(request, codes, resume, audio[:, : resume.boundary])
         song = Song(
@@ -249,6 +256,7 @@ class Music3Pipeline:
             timings=timings,
             engine=self.engine_name,
             model_notice=self.source.notice,
+            engine_note=self.engine_record.fallback_reason,
             state=state,
         )
         emit(Finished(song))

@@ -2,7 +2,7 @@
 # One device call: carried wheels, [GEMV sweep,] GPU tests (`pytest -m gpu tests`), the semantic bench at 400 (both
 # engines) and 4000 prompt tokens (graph), [the kernel profiles of a frame and of a flow chunk,] [the whole-song bench].
 # Files in $OUT:
-# gpu.txt tune.log tuned.json pytest.log [tail.log tail.json tail.rows.json] bench_400.json bench_4000.json bench.log
+# gpu.txt [tune.log] [tail.log tuning.rows.json] [tuning.json] pytest.log bench_400.json bench_4000.json bench.log
 # [profile_{semantic,flow}.{json,log}]
 # [song.json song.log].
 # Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TAIL=1] [TESTS=path | TESTS=none] [SEMANTIC=0]
@@ -17,21 +17,20 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${TUNE:-0}" = 1 ]; then
-  timeout "${TUNE_TIMEOUT:-420}" python3 scripts/tune_gemv.py "$OUT/tuned.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -v '^SKIP'
-  [ -s "$OUT/tuned.json" ] && export MUSIC3_GEMV_TUNED="$OUT/tuned.json"
+  timeout "${TUNE_TIMEOUT:-420}" python3 scripts/tune_gemv.py "$OUT/tuning.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -v '^SKIP'
 fi
+if [ "${TAIL:-0}" = 1 ]; then  # the chained block tail's sweep (scripts/tune_tail.py), after the GEMV's if both run
+  timeout "${TAIL_TIMEOUT:-300}" python3 scripts/tune_tail.py "$OUT/tuning.json" 2>&1 | tee "$OUT/tail.log" | grep -v '^  '
+fi
+# a tuning run's table (kernels/tuning.py's format) is what the bench then launches with
 if [ "${TESTS:-}" != none ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu ${TESTS:-tests} -q -s -p no:cacheprovider --durations=10 \
     2>&1 | grep -v 'should be kept in float32' | tee "$OUT/pytest.log" | tail -n 40
 fi
-if [ "${TAIL:-0}" = 1 ]; then  # the chained block tail's sweep (scripts/tune_tail.py)
-  timeout "${TAIL_TIMEOUT:-300}" python3 scripts/tune_tail.py "$OUT/tail.json" 2>&1 | tee "$OUT/tail.log" | grep -v '^  '
-  [ -s "$OUT/tail.json" ] && export MUSIC3_TAIL_TUNED="$OUT/tail.json"
-fi
 [ "${SEMANTIC:-1}" = 0 ] || for spec in "400 ${ENGINES:-reference,graph}" "4000 ${ENGINES_4000:-graph}"; do
   set -- $spec
   timeout "${BENCH_TIMEOUT:-200}" python3 -m music3_demo.bench --model random-full --engine "$2" --prompt-tokens "$1" \
-    --frames 500 ${BENCH_ARGS:-} --output "$OUT/bench_$1.json" 2>&1 | grep -v 'should be kept in float32' >> "$OUT/bench.log"
+    --frames 500 ${BENCH_ARGS:-} $([ -s "$OUT/tuning.json" ] && echo --tuning "$OUT/tuning.json") --output "$OUT/bench_$1.json" 2>&1 | grep -v 'should be kept in float32' >> "$OUT/bench.log"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], [(r['engine'], r['prompt_tokens'], round(r['frames_per_s'], 1), round(r['fraction_of_limit'], 3)) for r in d['runs']], d['graph_over_reference'])" "$OUT/bench_$1.json" || tail -n 20 "$OUT/bench.log"
 done
 if [ "${PROFILE:-0}" = 1 ]; then

@@ -3,8 +3,8 @@ with cuBLAS.
 
 Each candidate is timed inside a CUDA graph of 24 launches that rotate over enough weight copies to defeat the L2
 (as in the engine, where ~22 GB pass between two uses of a weight), checked against torch, and reported in TB/s of
-weight bytes. Prints a table and the `TUNED` dict to paste into kernels/linear.py (and writes it as JSON for
-MUSIC3_GEMV_TUNED when given a path). Run: python scripts/tune_gemv.py [tuned.json]
+weight bytes. Prints the table and writes its "gemv" section (kernels/tuning.py's format) to the given file, else to
+this GPU's packaged table (kernels/tuning/<gpu>.sm<capability>.json). Run: python scripts/tune_gemv.py [tuning.json]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from music3_demo.semantic.kernels.linear import GemvConfig, GemvWorkspace, gemv  # noqa: E402
+from music3_demo.semantic.kernels.tuning import TABLES, Target, write_section  # noqa: E402
 
 # (rows, N, K, epilogue) of one frame: LM (36x), depth decoder (4 blocks x 7 passes), heads.
 # "swiglu": the gate|up products (interleaved rows, RMSNorm in, silu(gate)·up out).
@@ -132,27 +133,24 @@ def main() -> None:
         tuned[(rows, n, k, "swiglu") if swiglu else (rows, n, k)] = best[0]
         weights.clear()  # free this shape's copies before the next
         torch.cuda.empty_cache()
-    show_and_save("TUNED", tuned, lambda cfg: f"GemvConfig({', '.join(map(str, config_entry(cfg)))})",
-                  config_entry)  # the JSON for MUSIC3_GEMV_TUNED
+    save("TUNED", tuned, Target.of(device))
 
 
-def config_entry(cfg: GemvConfig) -> list:
-    """A config as `linear.load_tuned` reads it back: GemvConfig's fields in order."""
-    return list(cfg.__dict__.values())
+def save(name: str, tuned: dict, target: Target) -> Path:
+    return show_and_save(name, "gemv", tuned, repr, target)
 
 
-def show_and_save(name: str, tuned: dict, show: Callable[[Any], str], entry: Callable[[Any], Any]) -> Path | None:
-    """Print `name = {key: config}` to paste into the code and write it as JSON to the first non-option argument
-    (the file the MUSIC3_*_TUNED variables load); returns that path."""
+def show_and_save(name: str, section: str, tuned: dict, show: Callable[[Any], str], target: Target) -> Path:
+    """Print `name = {key: config}` and write the entries as `section` of a tuning table: the file named by the
+    first non-option argument, else this GPU's packaged table (the other section of the file is kept)."""
     print(f"{name} = {{")
     for key, cfg in tuned.items():
         print(f"    {key}: {show(cfg)},")
     print("}")
     paths = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
-    if not paths:
-        return None
-    Path(paths[0]).write_text(json.dumps([{"key": list(key), "config": entry(cfg)} for key, cfg in tuned.items()]))
-    return Path(paths[0])
+    path = write_section(Path(paths[0]) if paths else TABLES / target.slug, section, tuned, target=target)
+    print(f"wrote the {section} section of {path}")
+    return path
 
 
 if __name__ == "__main__":

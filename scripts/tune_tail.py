@@ -1,11 +1,13 @@
 """Time the chained block tail (`semantic/kernels/tail.py`: o -> gate|up -> down -> next q|k|v in one
-persistent launch) against the same four products as separate GEMV launches (their `TUNED` configs), for the LM's
-and the depth decoder's shapes, and sweep its tile configs one product at a time (then the L2 prefetch).
+persistent launch) against the same four products as separate GEMV launches (their tuned configs), for the LM's
+and the depth decoder's shapes, and sweep its tile configs one product at a time (then the L2 prefetch), starting
+from this GPU's current tuning.
 
 Every variant is a CUDA graph of one launch per layer over as many weight copies as the model has layers (so
 nothing stays in L2 between uses, as in a frame), checked against the separate launches, and reported in us per
-layer and TB/s of weight bytes. Prints a table and the `TAIL_TUNED` entries to paste into kernels/tail.py (and writes
-them as JSON for MUSIC3_TAIL_TUNED when given a path). Run: python scripts/tune_tail.py [tail.json]
+layer and TB/s of weight bytes. Prints the table and writes its "tail" section (kernels/tuning.py's format) to the
+given file (its "gemv" section, e.g. from tune_gemv.py, is kept and used), else to this GPU's packaged table.
+Run: python scripts/tune_tail.py [tuning.json]
 """
 
 from __future__ import annotations
@@ -20,13 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from music3_demo.semantic.kernels.tail import (  # noqa: E402
-    TailScratch,
-    TailConfig,
-    block_tail,
-    default_tail_config,
-)
+from music3_demo.semantic.kernels.tail import TailScratch, TailConfig, block_tail  # noqa: E402
 from music3_demo.semantic.kernels.linear import GemvConfig, gemv  # noqa: E402
+from music3_demo.semantic.kernels.tuning import Target, Tuning, tuning_for  # noqa: E402
 from tune_gemv import show_and_save, time_graph  # noqa: E402
 
 # The random-full model's (hidden, attention width, gate|up rows, q|k|v rows, blocks run per frame).
@@ -55,7 +53,7 @@ def timed(launch) -> float:
     return time_graph(lambda _: launch(), 1)
 
 
-def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dict]:
+def tune_family(name: str, device: torch.device, tuning: Tuning) -> tuple[tuple, TailConfig, dict]:
     d, a, g, q, layers = FAMILIES[name]
     bf16 = torch.bfloat16
 
@@ -73,7 +71,11 @@ def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dic
     h, h16 = start_h.clone(), start_h.to(bf16)
     act = torch.zeros(ROWS, g // 2, device=device, dtype=bf16)
     qkv = torch.zeros(ROWS, q, device=device, dtype=bf16)
-    scratch = TailScratch(device)
+    scratch = TailScratch(device, tuning.programs)
+
+    def product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, **kw) -> None:
+        swiglu = kw.get("swiglu", False)
+        gemv(x, w, out, config=tuning.gemv(x.shape[0], *w.shape, swiglu, x.element_size()), **kw)
 
     def reset() -> None:
         h.copy_(start_h)
@@ -81,10 +83,10 @@ def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dic
 
     def separate(chosen: list[dict] = blocks) -> None:
         for w in chosen:
-            gemv(attn, w["o"], h, residual=h, out_copy=h16)
-            gemv(h16, w["gate_up"], act, norm_weight=w["ln2"], swiglu=True)
-            gemv(act, w["down"], h, residual=h, out_copy=h16)
-            gemv(h16, w["qkv"], qkv, norm_weight=w["ln1"])
+            product(attn, w["o"], h, residual=h, out_copy=h16)
+            product(h16, w["gate_up"], act, norm_weight=w["ln2"], swiglu=True)
+            product(act, w["down"], h, residual=h, out_copy=h16)
+            product(h16, w["qkv"], qkv, norm_weight=w["ln1"])
 
     def chained(cfg: TailConfig, fused: bool = True) -> None:
         for w in blocks:
@@ -106,7 +108,7 @@ def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dic
 
     base = timed(separate) / layers
     print(f"{name}: separate launches {base * 1e6:.1f} us per block ({nbytes / base / 1e12:.2f} TB/s)", flush=True)
-    best = default_tail_config(d, a, g, q, device)
+    best = tuning.tail(d, a, g, q)
     best_time = timed(lambda: chained(best)) / layers
     print(f"{name}: default chain {best_time * 1e6:.1f} us {best}", flush=True)
     for field in ("o", "gate_up", "down", "qkv", "prefetch"):
@@ -154,15 +156,21 @@ def tune_family(name: str, device: torch.device) -> tuple[tuple, TailConfig, dic
 
 def main() -> None:
     device = torch.device("cuda")
+    paths = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
+    tuning = tuning_for(device, paths[0] if paths and Path(paths[0]).exists() else None)
+    print(f"starting from {tuning.source}", flush=True)
     tuned = {}
     rows = []
     for name in FAMILIES:
-        key, cfg, row = tune_family(name, device)
+        key, cfg, row = tune_family(name, device, tuning)
         tuned[key] = cfg
         rows.append(row)
-    path = show_and_save("TAIL_TUNED", tuned, repr, dataclasses.asdict)  # the JSON for MUSIC3_TAIL_TUNED
-    if path is not None:
-        path.with_suffix(".rows.json").write_text(json.dumps(rows))
+    path = save("TAIL_TUNED", tuned, Target.of(device))
+    path.with_suffix(".rows.json").write_text(json.dumps(rows))
+
+
+def save(name: str, tuned: dict, target: Target) -> Path:
+    return show_and_save(name, "tail", tuned, repr, target)
 
 
 if __name__ == "__main__":

@@ -119,11 +119,12 @@ def test_graph_engine_forced_prefix_reproduces_the_song_then_decodes_on():
     continued song's codes."""
     from music3_demo import random_models
     from music3_demo.semantic import SamplingSettings
+    from music3_demo.semantic.config import GraphConfig
     from music3_demo.semantic.graph import GraphEngine
 
     components = random_models.build_components(random_models.TINY, seed=0)
-    engine = GraphEngine(components["language_model"], components["rvq_depth_decoder"], "cpu", attention_splits=2)
-    engine.REPLAY_BLOCK, engine.IN_FLIGHT, engine.FRAME_RING = 2, 0, 4
+    ring = GraphConfig(replay_block=2, in_flight=0, frame_ring=4, attention_splits=2)
+    engine = GraphEngine(components["language_model"], components["rvq_depth_decoder"], "cpu", config=ring)
     text_ids = torch.randint(0, 250, (2, 6), generator=torch.Generator().manual_seed(21))
     song = torch.cat(list(engine.frames(text_ids, 3, SamplingSettings(), torch.Generator().manual_seed(22))))
     codes = engine.song_codes()[:4].long()

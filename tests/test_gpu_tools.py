@@ -26,48 +26,32 @@ def test_profile_report_sums_kernels_per_unit_and_sorts_by_time():
     assert abs(result["groups"][0]["mean_us"] - 11.5) < 1e-9
 
 
+def _packaged_tables():
+    from music3_demo.semantic.kernels.tuning import TABLES, load_table
+
+    tables = [load_table(path) for path in sorted(TABLES.glob("*.json"))]
+    assert tables
+    return tables
+
+
 def test_every_tuned_gemv_config_comes_from_a_swept_product():
     tune = _script("tune_gemv")
-    from music3_demo.semantic.kernels.linear import TUNED
-
     swept = {(rows, n, k, "swiglu") if epilogue == "swiglu" else (rows, n, k) for rows, n, k, epilogue in tune.SHAPES}
-    assert set(TUNED) <= swept
+    for gemv_table, _ in _packaged_tables():
+        assert set(gemv_table) <= swept
 
 
 def test_every_tuned_tail_config_comes_from_a_swept_shape_and_splits_its_rows():
     tune = _script("tune_tail")
-    from music3_demo.semantic.kernels.tail import TAIL_TUNED
-
     swept = {family[:4]: family for family in tune.FAMILIES.values()}
-    assert set(TAIL_TUNED) <= set(swept)
-    for (hidden, attn, gate_up, qkv), cfg in TAIL_TUNED.items():
+    tail_tables = [table for _, table in _packaged_tables()]
+    assert all(set(table) <= set(swept) for table in tail_tables)
+    for (hidden, attn, gate_up, qkv), cfg in (item for table in tail_tables for item in table.items()):
         products = ((cfg.o, hidden, attn), (cfg.gate_up, gate_up, hidden), (cfg.down, hidden, gate_up // 2),
                     (cfg.qkv, qkv, hidden))
         for product, rows, k in products:
             assert rows % product.block_n == 0 and k % product.block_k == 0 and product.split_k == 1
         assert tune.fits(cfg)
-
-
-def test_tuner_files_load_back_into_the_tables(tmp_path, monkeypatch):
-    """What the sweeps write (MUSIC3_GEMV_TUNED / MUSIC3_TAIL_TUNED) is what the kernels' loaders read."""
-    import dataclasses
-    import sys
-
-    from music3_demo.semantic.kernels import linear, tail as tail_kernels
-
-    gemv_tune, tail_tune = _script("tune_gemv"), _script("tune_tail")
-    cfg = linear.GemvConfig(32, 128, 4, 6, 1, True)
-    tail = tail_kernels.TailConfig(cfg, linear.GemvConfig(64, 256, 4, 3), cfg, cfg, prefetch=1024)
-    monkeypatch.setattr(linear, "TUNED", {})
-    monkeypatch.setattr(tail_kernels, "TAIL_TUNED", {})
-    monkeypatch.setattr(sys, "argv", ["tune", str(tmp_path / "gemv.json")])
-    linear.load_tuned(str(gemv_tune.show_and_save("TUNED", {(2, 64, 128, "swiglu"): cfg}, repr,
-                                                  gemv_tune.config_entry)))
-    assert linear.TUNED == {(2, 64, 128, "swiglu"): cfg}
-    monkeypatch.setattr(sys, "argv", ["tune", str(tmp_path / "tail.json")])
-    tail_kernels.load_tail_tuned(str(tail_tune.show_and_save("TAIL_TUNED", {(64, 64, 192, 96): tail}, repr,
-                                                           dataclasses.asdict)))
-    assert tail_kernels.TAIL_TUNED == {(64, 64, 192, 96): tail}
 
 
 def test_bench_engine_names_map_to_graph_engine_options():

@@ -23,6 +23,7 @@ import torch
 from .. import contract as c
 from ..checkpoint import build_random_full, load_components, resolve
 from ..semantic import SamplingSettings, SemanticEngine
+from ..versions import installed_version, untested_warnings
 
 WARMUP_FRAMES = 16
 
@@ -104,19 +105,22 @@ def run_song(engine: SemanticEngine, text_ids: torch.Tensor, frames: int, seed: 
 
 def bench_semantic(
     components: dict, engines: list[str], prompt_tokens: list[int], frames: int, reference_frames: int, seed: int,
+    tuning_path: str | None = None,
 ) -> dict:
     from ..semantic.graph import GraphEngine
+    from ..semantic.kernels.tuning import tuning_for
     from ..semantic.reference import ReferenceEngine
 
     device = torch.device("cuda")
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
     bandwidth = measure_copy_bandwidth(device)
-    graph = GraphEngine(lm, depth, device)
+    tuning = tuning_for(device, tuning_path)
+    graph = GraphEngine(lm, depth, device, tuning=tuning)
     model = bytes_model(graph)
     built = {"graph": graph, "reference": ReferenceEngine(lm, depth)}
     for name in engines:  # variants of the graph engine on the same weights, timed in the same process
         if name not in built:
-            built[name] = GraphEngine(lm, depth, device, **graph_variant(name))
+            built[name] = GraphEngine(lm, depth, device, tuning=tuning, **graph_variant(name))
     runs = []
     for tokens in prompt_tokens:
         text_ids = random_prompt(tokens, seed, device)
@@ -153,6 +157,7 @@ def bench_semantic(
             "note": "bytes_per_frame = lm + depth + kv * (prompt + frames / 2); limit = copy bandwidth / that",
         },
         "graph_captures": graph.capture_count,
+        "tuning": tuning.source,  # the kernel tuning table the graph engines launched with
         "runs": runs,
         "graph_over_reference": speedups,
         "teacher_forced_check": checks,
@@ -226,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-song", type=float, default=10.0, help="seconds of the reference song to time")
     parser.add_argument("--memory-song", type=float, help="also time a song of this length for peak memory")
     parser.add_argument("--output", help="also write the JSON here")
+    parser.add_argument("--tuning", help="kernel tuning table to use (a tuning script's output) instead of the "
+                        "packaged one for this GPU")
     args = parser.parse_args(argv)
     engines = [name.strip() for name in args.engine.split(",") if name.strip()]
     for name in engines:
@@ -245,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": _commit(),
+        "transformers": installed_version("transformers"),
+        "untested_versions": untested_warnings(),
         "model": args.model,
         "dtype": "bfloat16",
         "frames": args.frames,
@@ -253,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     if engines:
         components = load_for_bench(args.model)
         report.update(
-            bench_semantic(components, engines, report["prompt_tokens"], args.frames, args.reference_frames, args.seed)
+            bench_semantic(components, engines, report["prompt_tokens"], args.frames, args.reference_frames, args.seed,
+                           args.tuning)
         )
         del components
         torch.cuda.empty_cache()
@@ -261,10 +271,26 @@ def main(argv: list[str] | None = None) -> int:
         from .song import bench_song
 
         report["song"] = bench_song(args.song, args.reference_song, torch.device("cuda"), args.memory_song)
+    return finish(report, args.output)
+
+
+def failed_checks(report: dict) -> list[str]:
+    """The engines whose teacher-forced check failed: their speed measures a wrong function."""
+    return [name for name, check in report.get("teacher_forced_check", {}).items() if not check["ok"]]
+
+
+def finish(report: dict, output: str | None) -> int:
+    """Print (and write) the JSON, then the exit status: 1 when any teacher-forced check failed, so that a script or
+    CI step running the bench cannot take a wrong engine's numbers for a result."""
     text = json.dumps(report, indent=1)
     print(text)
-    if args.output:
-        with open(args.output, "w") as handle:
+    if output:
+        with open(output, "w") as handle:
             handle.write(text + "\n")
+    failed = failed_checks(report)
+    if failed:
+        print(f"teacher-forced check failed for {', '.join(failed)}: the engine disagrees with the reference "
+              "computation (see max_relative_error_vs_bf16_reference above)", file=sys.stderr)
+        return 1
     return 0
 

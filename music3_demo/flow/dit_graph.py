@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from ..devices import check_launch_device, on_device
 from .guidance import guided_velocity
 
 
@@ -23,13 +24,16 @@ class _Captured:
         self.scale = torch.ones((), dtype=torch.float32, device=device)
         self.transformer = transformer
         self.graph = torch.cuda.CUDAGraph()
+        check_launch_device(device, "The flow stage's velocity graph")
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up kernels, cuBLAS handles and the rotary cache outside the capture
                 self._forward()
         torch.cuda.current_stream(device).wait_stream(side)
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        # Captured on this device's own stream: torch's default capture stream is made once per process, on
+        # whichever device was current at the first capture, so a second GPU's graph would be captured on the first.
+        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             self.velocity = self._forward()
 
     def _forward(self) -> torch.Tensor:
@@ -61,9 +65,10 @@ class VelocityGraphs:
         length = latents.shape[-1]
         with self._lock:
             if length not in self._graphs:
-                self._graphs[length] = _Captured(
-                    self.transformer, latents.shape[1], length, condition.shape[-1], latents.dtype, latents.device
-                )
+                with on_device(latents.device):
+                    self._graphs[length] = _Captured(
+                        self.transformer, latents.shape[1], length, condition.shape[-1], latents.dtype, latents.device
+                    )
                 self.captures += 1
             return self._graphs[length]
 

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from ..devices import on_device
 from ..events import Progress
 from ..handoff import END, Handoff
 from .stream import FlowStream, Piece
@@ -58,10 +59,11 @@ class FlowWorker:
         self._inbox.put(_FINISH)
 
     def _run(self, put) -> None:
+        # A new thread starts with device 0 current: Triton kernels (the DiT's fused launches) would run from there.
         self.flow.on_step = lambda chunk, done, total: put(("step", chunk, done, total))
         context = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         try:
-            with context, torch.no_grad():
+            with on_device(self.device), context, torch.no_grad():
                 while True:
                     item = self._inbox.get()
                     if self.abort.is_set():

@@ -6,6 +6,7 @@ they are made). `reference` is eager and diffusers-exact; `graph` replays one CU
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Protocol
@@ -18,9 +19,14 @@ from ..events import Cancelled, check_cancel  # re-exported: they live with the 
 __all__ = [
     "Cancelled",
     "ENGINE_NAMES",
+    "EngineRecord",
+    "EngineUnavailable",
+    "GRAPH_ON_CPU_ENV",
     "SamplingSettings",
     "SemanticEngine",
     "check_cancel",
+    "graph_on_cpu_allowed",
+    "make_engine",
     "resolve_engine_name",
 ]
 
@@ -74,14 +80,30 @@ def check_prefix(prefix: torch.Tensor | None, max_frames: int, audio_vocab: int)
 
 
 ENGINE_NAMES = ("auto", "reference", "graph")
+# Tests only: with Triton's CPU interpreter on (TRITON_INTERPRET=1), this variable set to 1 lets `auto` and `graph`
+# pick the graph engine on the CPU, so the fast engine's set-up, self-check and fallback run end to end without a GPU
+# (through the CLI and app too, which build their pipelines themselves). Very slow: tiny models, few frames.
+GRAPH_ON_CPU_ENV = "MUSIC3_TEST_GRAPH_ON_CPU"
 
 
-def resolve_engine_name(engine: str, device: torch.device) -> str:
-    """`auto` means graph on CUDA and reference elsewhere; `graph` off CUDA is an error with a fix."""
+def graph_on_cpu_allowed(allow: bool | None = None) -> bool:
+    """`allow` given: that; else the test variable. Either way only under the Triton interpreter."""
+    if allow is None:
+        allow = os.environ.get(GRAPH_ON_CPU_ENV) == "1"
+    return allow and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_engine_name(engine: str, device: torch.device, allow_interpreter: bool | None = None) -> str:
+    """`auto` means graph on CUDA and reference elsewhere; `graph` off CUDA is an error with a fix. (What runs in the
+    end is make_engine's choice: a graph engine that fails its self-check falls back.)"""
     if engine not in ENGINE_NAMES:
         raise ValueError(f"Unknown engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}.")
+    fast_possible = device.type == "cuda" or graph_on_cpu_allowed(allow_interpreter)
     if engine == "auto":
-        return "graph" if device.type == "cuda" else "reference"
-    if engine == "graph" and device.type != "cuda":
+        return "graph" if fast_possible else "reference"
+    if engine == "graph" and not fast_possible:
         raise ValueError("The graph engine needs a CUDA GPU; use --engine reference (or auto) on this machine.")
     return engine
+
+
+from .setup import EngineRecord, EngineUnavailable, make_engine  # noqa: E402 - needs the names above

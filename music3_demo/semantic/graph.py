@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 import torch
 
 from .. import contract as c
+from ..devices import check_launch_device, normalize, on_device
 from ..events import check_cancel
 from . import SamplingSettings, check_prefix
 from .config import GraphConfig
@@ -42,6 +43,7 @@ from .kernels import (
     pdl_supported,
     rmsnorm,
 )
+from .kernels.tuning import Tuning, tuning_for
 from .state import AUDIO_CODES, EngineState, prefill, round_up
 from .weights import Block, EngineWeights
 
@@ -78,15 +80,18 @@ class GraphEngine(EngineWeights):
         attention_splits: int | None = None,
         chain: bool | None = None,
         config: GraphConfig | None = None,
+        tuning: Tuning | None = None,
     ) -> None:
         """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits` and `chain`, when
         given, override its fields."""
-        device = torch.device(device)
+        device = normalize(device)
         if device.type != "cuda" and not interpreting():
             raise ValueError(
                 "The graph engine needs a CUDA GPU; use the reference engine (--engine reference or auto) here."
             )
         self.device = device
+        # Kernel tile configs for this device's GPU (kernels/tuning.py: its measured table, else the heuristic).
+        self.tuning = tuning or tuning_for(device)
         self.language_model = language_model
         self.depth_decoder = depth_decoder
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
@@ -103,14 +108,15 @@ class GraphEngine(EngineWeights):
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # keyed by `record` (teacher forcing's logits)
         self._state: EngineState | None = None
         self._lock = threading.Lock()
-        self._load_weights()
-        if device.type == "cuda":
-            self._stream = torch.cuda.Stream(device)
-            self._pool = torch.cuda.graph_pool_handle()
-            self._pinned = torch.zeros(self.IN_FLIGHT + 1, dtype=torch.int32, pin_memory=True)
-            self._rng = torch.Generator(device)
-        else:
-            self._rng = torch.Generator("cpu")
+        with on_device(device):  # the stream, graph pool and pinned flags belong to this device's context
+            self._load_weights()
+            if device.type == "cuda":
+                self._stream = torch.cuda.Stream(device)
+                self._pool = torch.cuda.graph_pool_handle()
+                self._pinned = torch.zeros(self.IN_FLIGHT + 1, dtype=torch.int32, pin_memory=True)
+                self._rng = torch.Generator(device)
+            else:
+                self._rng = torch.Generator("cpu")
         self._next_slot = 0
 
     # ------------------------------------------------------------------ public API
@@ -129,7 +135,9 @@ class GraphEngine(EngineWeights):
         prefix = check_prefix(prefix, max_frames, self.audio_vocab)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
         with self._exclusive():
-            advance = self._start(text_ids, max_frames, sampling, seed, forced=prefix, record=False)
+            # Not held across the yields (the caller's code runs there): each launch below enters the device again.
+            with on_device(self.device):
+                advance = self._start(text_ids, max_frames, sampling, seed, forced=prefix, record=False)
             yield from self._replay(advance, max_frames, cancel)
 
     @torch.no_grad()
@@ -140,7 +148,7 @@ class GraphEngine(EngineWeights):
         ones. Returns the LM audio logits of every step ([steps, 2, 16385]) and the emitted frames
         ([steps - 1, 8·hidden]); the reference computation on the same codes must agree within bf16 rounding."""
         steps = codes.shape[0]
-        with self._exclusive():
+        with self._exclusive(), on_device(self.device):
             advance = self._start(text_ids, steps - 1, SamplingSettings(cfg_scale), 0, forced=codes, record=True)
             state = self._state
             with self._on_stream():  # allocated on the stream that writes it
@@ -160,7 +168,7 @@ class GraphEngine(EngineWeights):
 
     def reserve(self, prompt_tokens: int, max_frames: int) -> None:
         """Size the caches for songs up to these lengths now, so later songs neither reallocate nor recapture."""
-        with self._exclusive():
+        with self._exclusive(), on_device(self.device):
             self._ensure_capacity(prompt_tokens + max_frames + 1, max_frames + 1)
 
     def release(self) -> None:
@@ -182,6 +190,9 @@ class GraphEngine(EngineWeights):
             raise ValueError("max_frames must be at least 1")
         if not 1 <= sampling.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be in 1..{MAX_TOP_K}, got {sampling.top_k}")
+        # Every capture, prefill and replay of this song launches from here on: on the wrong device's context they
+        # would read this device's memory (an illegal access found only at a later synchronize).
+        check_launch_device(self.device, "The graph engine")
         text_ids = text_ids.to(self.device)
         self._ensure_capacity(text_ids.shape[1] + max_frames + 1, max_frames + 1)
         advance = self._advance(record)  # captures on first use (before seeding)
@@ -319,8 +330,10 @@ class GraphEngine(EngineWeights):
         (no later kernel reads a bf16 copy of h: each stack's first q|k|v and its final norm read h)."""
         if self.chain:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
+            qkv_rows = following.qkv.shape[0] if following is not None else 16
+            config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows)
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
-                       self._state.tail_scratch, next_qkv=next_qkv)
+                       self._state.tail_scratch, next_qkv=next_qkv, config=config)
             return
         self._gemv(attn, block.o, h, residual=h, out_copy=h16)
         self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True)
@@ -329,7 +342,8 @@ class GraphEngine(EngineWeights):
     def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, **epilogue) -> None:
         # Split-K products share one workspace in stream order, which PDL's overlapping kernels would break.
         workspace = None if self.pdl else self._state.gemv_workspace
-        gemv(x, weight, out, pdl=self.pdl, workspace=workspace, **epilogue)
+        config = self.tuning.gemv(x.shape[0], *weight.shape, epilogue.get("swiglu", False), x.element_size())
+        gemv(x, weight, out, pdl=self.pdl, workspace=workspace, config=config, **epilogue)
 
     # ------------------------------------------------------------------ host loop
     def _replay(
@@ -396,7 +410,13 @@ class GraphEngine(EngineWeights):
 
     # ------------------------------------------------------------------ plumbing
     def _on_stream(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self._stream) if self.device.type == "cuda" else contextlib.nullcontext()
+        """The engine's device and stream (Triton launches on the current device's current stream)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        scope = contextlib.ExitStack()
+        scope.enter_context(on_device(self.device))
+        scope.enter_context(torch.cuda.stream(self._stream))
+        return scope
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -7,10 +7,13 @@ naive (full-vocabulary head, the depth decoder re-run over its whole prefix for 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 from typing import Iterator
 
 import torch
+import transformers
 from transformers import DynamicCache
 
 from .. import contract as c
@@ -18,7 +21,27 @@ from ..events import Cancelled, check_cancel
 from . import SamplingSettings, check_prefix
 from .sampling import guide, reference_sample_top_k, reference_semantic_logits
 
-__all__ = ["ReferenceEngine", "Cancelled"]
+__all__ = ["ReferenceEngine", "Cancelled", "lm_forward"]
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """The name under which the model's forward takes its KV cache. transformers 5.24 renamed `past_key_values` to
+    `cache`; an older version swallows an unknown `cache=` in **kwargs and starts a fresh cache every call (each decode
+    step then forgets the prompt): see docs/VERSIONS.md."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def lm_forward(lm, embeds: torch.Tensor, cache) -> torch.Tensor:
+    """Run the LM's trunk over `embeds` [B, T, hidden], appending to `cache`; the last position's hidden [B, hidden]."""
+    before = cache.get_seq_length()
+    output = lm.model(inputs_embeds=embeds, use_cache=True, **{_cache_keyword(type(lm.model)): cache})
+    if cache.get_seq_length() != before + embeds.shape[1]:
+        raise RuntimeError(
+            f"transformers {transformers.__version__} did not extend the KV cache it was given; the reference would "
+            "decode without its context (see docs/VERSIONS.md)"
+        )
+    return output.last_hidden_state[:, -1]
 
 
 def embed_audio_frame(language_model, depth_decoder, frame_codes: torch.Tensor) -> torch.Tensor:
@@ -86,8 +109,7 @@ class ReferenceEngine:
         prefix = check_prefix(prefix, max_frames, self.depth_decoder.config.audio_vocab_size)
         self._codes = []
         cache = DynamicCache(config=lm.config)
-        output = lm.model(inputs_embeds=lm.model.embed_tokens(text_ids), cache=cache, use_cache=True)
-        last_hidden = output.last_hidden_state[:, -1]
+        last_hidden = lm_forward(lm, lm.model.embed_tokens(text_ids), cache)
 
         vocab_mask = torch.ones(lm.config.vocab_size, dtype=torch.bool, device=text_ids.device)
         vocab_mask[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE] = False
@@ -117,8 +139,7 @@ class ReferenceEngine:
                 if emitted >= max_frames:
                     return
             feedback = embed_audio_frame(lm, self.depth_decoder, frame_codes)
-            output = lm.model(inputs_embeds=feedback, cache=cache, use_cache=True)
-            last_hidden = output.last_hidden_state[:, -1]
+            last_hidden = lm_forward(lm, feedback, cache)
 
     def song_codes(self) -> torch.Tensor:
         """[steps, 8] codes of the last song's decode steps (step 0, which is not a frame, included)."""

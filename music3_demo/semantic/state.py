@@ -76,7 +76,8 @@ class EngineState:
         self.scale = torch.ones(1, device=dev, dtype=torch.float32)
         self.top_k = torch.ones(1, device=dev, dtype=torch.int32)
         self.gemv_workspace = GemvWorkspace(dev)  # sized by the warm-up step that precedes every capture
-        self.tail_scratch = TailScratch(dev)  # chained block tails: grid barrier and RMSNorm partial sums
+        # chained block tails: grid barrier and RMSNorm partial sums, one program per SM at most
+        self.tail_scratch = TailScratch(dev, e.tuning.programs)
 
 
 @torch.no_grad()

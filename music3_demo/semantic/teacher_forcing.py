@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from .. import contract as c
-from .reference import embed_audio_frame
+from .reference import embed_audio_frame, lm_forward
 
 
 @torch.no_grad()
@@ -22,7 +22,7 @@ def reference_teacher_forced(
          torch.tensor([c.AUDIO_END_TOKEN_ID]))
     ).to(text_ids.device)
     cache = DynamicCache(config=lm.config)
-    last = lm.model(inputs_embeds=lm.model.embed_tokens(text_ids), cache=cache, use_cache=True).last_hidden_state[:, -1]
+    last = lm_forward(lm, lm.model.embed_tokens(text_ids), cache)
     vocab = depth.config.audio_vocab_size
     logits, frames = [], []
     for step, step_codes in enumerate(codes.to(text_ids.device)):
@@ -35,8 +35,7 @@ def reference_teacher_forced(
             sequence.append(depth.projection(depth.audio_embeddings(pair[:, index] + (index - 1) * vocab)))
         if step > 0:
             frames.append(torch.cat([last[:1]] + hiddens, dim=-1))
-        last = lm.model(inputs_embeds=embed_audio_frame(lm, depth, pair), cache=cache, use_cache=True)
-        last = last.last_hidden_state[:, -1]
+        last = lm_forward(lm, embed_audio_frame(lm, depth, pair), cache)
     return torch.stack(logits), torch.cat(frames)
 
 

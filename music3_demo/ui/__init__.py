@@ -1,4 +1,5 @@
-"""The Gradio front end: page (layout + wiring), API endpoints, job runner, song store, history."""
+"""The Gradio front end: page (layout + wiring), API endpoints, job runner, song store, history, and the holder of
+loaded pipelines per device."""
 
 from .core import AppContext
 from .page import build_ui, launch_options

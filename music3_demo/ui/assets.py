@@ -56,6 +56,9 @@ def banner_html(status: HolderStatus) -> str:
     parts = [f'<div class="m3-status m3-{status.state}" id="model-status" data-state="{status.state}">{line}</div>']
     if status.error:
         parts.append(f'<div class="m3-banner m3-error" role="alert">{html.escape(status.error)}</div>')
+    if status.engine_note:
+        parts.append(f'<div class="m3-banner m3-engine" role="status" id="engine-banner">⚠️ '
+                     f'{html.escape(status.engine_note)}</div>')
     if status.notice:
         parts.append(
             f'<div class="m3-banner m3-noise" role="alert" id="noise-banner">🔊 {html.escape(status.notice)} '

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
+from ..devices import on_device
 from ..events import Cancelled
+from ..semantic import EngineUnavailable
 
 if TYPE_CHECKING:  # the pipeline (diffusers, transformers) is imported on first load, not when the page is built
     from ..pipeline import Music3Pipeline
@@ -44,6 +46,8 @@ class HolderStatus:
     devices: tuple[str, ...]
     busy: tuple[str, ...]  # devices running a generation now
     engine: str | None
+    engine_note: str | None  # why the fast engine is not used (it failed its self-check or could not start)
+    engine_check_s: float | None  # the fast engine's self-check at load, when one ran
     error: str | None
     notice: str | None  # set when the loaded model is a built-in random one
     loading_for_s: float | None
@@ -108,6 +112,11 @@ class ModelHolder:
             devices=tuple(self.devices),
             busy=busy,
             engine=loaded[0].engine_name if loaded else None,
+            # A note from any device (each checks its own engine); the check time of the first that ran one.
+            engine_note=next((p.engine_record.fallback_reason for p in loaded if p.engine_record.fallback_reason),
+                             None),
+            engine_check_s=next((p.engine_record.check_s for p in loaded if p.engine_record.check_s is not None),
+                                None),
             error=self._error if not loaded else None,
             notice=self._source.notice if self._source is not None else None,
             loading_for_s=time.monotonic() - min(loading.values()) if loading else None,
@@ -173,14 +182,15 @@ class ModelHolder:
                 source = self._resolve(on_phase)
                 self._set_phase(f"{LOAD_PHASES[1]} {self.model} onto {slot.device}", on_phase)
                 target = str(source.folder) if source.folder is not None else source.name
-                pipeline = Music3Pipeline.from_pretrained(target, device=slot.device, engine=self.engine)
-                if self._tokenizer is None:
-                    self._tokenizer = pipeline.tokenizer
-                if self.warmup:
-                    # The first song on a fresh pipeline pays one-off costs (kernel selection, graph capture,
-                    # allocator growth); a one-second song here keeps them away from the first user.
-                    self._set_phase(f"{LOAD_PHASES[2]} up on {slot.device}", on_phase)
-                    pipeline.warm()
+                with on_device(slot.device):  # this thread (preload, a request's runner) may have another current
+                    pipeline = Music3Pipeline.from_pretrained(target, device=slot.device, engine=self.engine)
+                    if self._tokenizer is None:
+                        self._tokenizer = pipeline.tokenizer
+                    if self.warmup:
+                        # The first song on a fresh pipeline pays one-off costs (kernel selection, graph capture,
+                        # allocator growth); a one-second song here keeps them away from the first user.
+                        self._set_phase(f"{LOAD_PHASES[2]} up on {slot.device}", on_phase)
+                        pipeline.warm()
             except Exception as error:
                 self._error = load_error_message(self.model, error)
                 self._phase = "failed to load"
@@ -242,6 +252,8 @@ def default_devices() -> list[str]:
 def load_error_message(model: str, error: Exception) -> str:
     """One paragraph: what failed (the checkpoint code's own sentence when it has one) and how to get going."""
     why = str(error).strip() or type(error).__name__
+    if isinstance(error, EngineUnavailable):  # the weights are fine: the sentence names the engine flag to change
+        return why
     if not isinstance(error, CheckpointError):
         why = f"Could not load {model}: {why}"
     return why if "--model" in why else f"{why} {FIX_HINT}"  # checkpoint.py's messages already name the fix

@@ -30,6 +30,7 @@ def song_report(song: Song, request: GenerationRequest, record: JobRecord, model
         "ended_at": record.ended_at,
         "settings": request.as_dict() | {"seed": song.seed},
         "notice": song.model_notice,
+        "engine_note": song.engine_note,
     }
 
 
@@ -51,6 +52,8 @@ def report_markdown(report: dict) -> str:
         + (f" · semantic {rate:.1f} frames/s" if rate else "")
         + (f" · first audio after {first:.2f} s" if first is not None else ""),
     ]
+    if report.get("engine_note"):
+        lines.append(f"⚠️ {report['engine_note']}")
     if report.get("notice"):
         lines.append(f"⚠️ {report['notice']}")
     return "\n\n".join(lines)

@@ -31,9 +31,7 @@ resets the counter, all in one launch. Kernels sharing a workspace must run in o
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -177,40 +175,10 @@ def _gemv_kernel(
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (or graph replay)
 
 
-# Tuned on an H200 by scripts/tune_gemv.py (docs/PERFORMANCE.md); keyed by (rows, N, K), or (rows, N, K, "swiglu")
-# for the SwiGLU epilogue (which falls back to its shape's entry). Anything else gets the heuristic.
-# MUSIC3_GEMV_TUNED=<json written by the script> overrides entries (tuning runs).
-TUNED: dict[tuple, GemvConfig] = {  # TB/s of weight bytes in session 4's sweep (engine dtypes; TMA candidates)
-    (2, 6144, 4096): GemvConfig(64, 256, 4, 3),  # LM q|k|v (+ RMSNorm)              2.97
-    (2, 4096, 4096): GemvConfig(32, 256, 4, 5),  # LM o, depth out/projection        2.85
-    (2, 24576, 4096, "swiglu"): GemvConfig(128, 128, 4, 3, tma=True),  # LM gate|up (+ SwiGLU) 3.91
-    (2, 4096, 12288): GemvConfig(32, 256, 4, 5),  # LM down                          3.63
-    (2, 16385, 4096): GemvConfig(64, 128, 4, 4, tma=True),  # LM audio head          4.05
-    (4, 12288, 4096): GemvConfig(64, 64, 4, 8, tma=True),  # depth q|k|v, pass 1     3.29
-    (2, 12288, 4096): GemvConfig(64, 64, 4, 8, tma=True),  # depth q|k|v             3.33
-    (4, 12288, 4096, "swiglu"): GemvConfig(64, 64, 4, 8, tma=True),  # depth gate|up, pass 1  3.49
-    (2, 12288, 4096, "swiglu"): GemvConfig(64, 64, 4, 8, tma=True),  # depth gate|up  3.52
-    (4, 4096, 4096): GemvConfig(32, 256, 4, 5),  #                                  2.82
-    (4, 4096, 6144): GemvConfig(32, 256, 4, 5),  # depth down, pass 1               3.19
-    (2, 4096, 6144): GemvConfig(32, 256, 4, 5),  # depth down                       3.17
-    (2, 1024, 4096): GemvConfig(32, 128, 4, 6, 4),  # depth heads, split-K 4        1.18
-}
-
-
-def load_tuned(path: str) -> None:
-    with open(path) as handle:
-        for entry in json.load(handle):
-            TUNED[tuple(entry["key"])] = GemvConfig(*entry["config"])
-
-
-if os.environ.get("MUSIC3_GEMV_TUNED"):
-    load_tuned(os.environ["MUSIC3_GEMV_TUNED"])
-
-
 @functools.lru_cache(maxsize=None)
 def tma_supported(device: torch.device) -> bool:
-    """TMA needs Hopper or newer (the tuned table is an H200's; other GPUs fall back to cp.async tiles). The CPU
-    interpreter emulates it, which the tests use."""
+    """TMA needs Hopper or newer (older GPUs fall back to cp.async tiles). The CPU interpreter emulates it, which the
+    tests use."""
     if TensorDescriptor is None:
         return False
     if device.type != "cuda":
@@ -219,9 +187,7 @@ def tma_supported(device: torch.device) -> bool:
 
 
 def default_config(m: int, n: int, k: int, swiglu: bool = False) -> GemvConfig:
-    tuned = (swiglu and TUNED.get((m, n, k, "swiglu"))) or TUNED.get((m, n, k))
-    if tuned is not None:
-        return tuned
+    """The heuristic config of a product no tuning table names (`kernels/tuning.py` holds the tables)."""
     block_k = next(b for b in (256, 128, 64, 32, 16) if k % b == 0)
     if interpreting():
         return GemvConfig(block_n=256, block_k=block_k)  # the CPU interpreter runs programs one by one: few, wide

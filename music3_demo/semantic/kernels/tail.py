@@ -25,8 +25,6 @@ oracle for the fused launch.
 from __future__ import annotations
 
 import functools
-import json
-import os
 from dataclasses import dataclass
 
 import torch
@@ -67,40 +65,10 @@ def default_programs(device: torch.device) -> int:
     return min(128, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-# Tuned on an H200 by scripts/tune_tail.py, keyed by (hidden, attention width, gate|up rows, q|k|v rows).
-# MUSIC3_TAIL_TUNED=<json written by the script> overrides entries (tuning runs).
-TAIL_TUNED: dict[tuple[int, int, int, int], TailConfig] = {  # session 5's sweep (run #12c): us per block in a graph
-    (4096, 4096, 24576, 6144): TailConfig(  # LM: 103.7 chained vs 105.7 as four GEMV launches
-        o=GemvConfig(32, 256, 4, 5), gate_up=GemvConfig(64, 256, 4, 4), down=GemvConfig(32, 256, 4, 5),
-        qkv=GemvConfig(64, 256, 4, 3),  # 96 row blocks: 32 programs idle, as the GEMV's 96 programs
-    ),
-    (4096, 4096, 12288, 12288): TailConfig(  # depth decoder: 81.2 vs 86.5
-        o=GemvConfig(32, 256, 4, 5), gate_up=GemvConfig(32, 256, 4, 5), down=GemvConfig(32, 256, 4, 5),
-        qkv=GemvConfig(32, 256, 4, 5),
-    ),
-}
-
-
-def load_tail_tuned(path: str) -> None:
-    with open(path) as handle:
-        for entry in json.load(handle):
-            cfg = entry["config"]
-            TAIL_TUNED[tuple(entry["key"])] = TailConfig(
-                *(GemvConfig(**cfg[name]) for name in ("o", "gate_up", "down", "qkv")),
-                num_warps=cfg["num_warps"], prefetch=cfg["prefetch"],
-            )
-
-
-if os.environ.get("MUSIC3_TAIL_TUNED"):
-    load_tail_tuned(os.environ["MUSIC3_TAIL_TUNED"])
-
-
 def default_tail_config(hidden: int, attn: int, gate_up: int, qkv: int, device: torch.device) -> TailConfig:
-    """The tuned entry, else row blocks that split evenly over 128 programs (o/down: 32 rows as tuned for the GEMV;
-    gate|up and q|k|v: 3 blocks of the LM's or depth decoder's rows each)."""
-    tuned = TAIL_TUNED.get((hidden, attn, gate_up, qkv))
-    if tuned is not None and device.type == "cuda":
-        return tuned
+    """The heuristic config of a shape no tuning table names (`kernels/tuning.py`): row blocks that split evenly over
+    128 programs (o/down: 32 rows as tuned for the GEMV; gate|up and q|k|v: 3 blocks of the LM's or depth decoder's
+    rows each)."""
     if interpreting() or device.type != "cuda":
         def small(k: int) -> GemvConfig:
             return GemvConfig(block_n=16, block_k=next(b for b in (64, 32, 16) if k % b == 0))

@@ -1,0 +1,180 @@
+"""Engine choice for one device: build the fast engine, prove it on the loaded weights, or fall back and say why.
+
+`make_engine` is the only place that decides which semantic engine a pipeline runs. A fast engine is used only after
+it has passed a short teacher-forced check against the eager reference computation on the very weights it will
+serve (the same codes fed to both; LM audio logits and frame hiddens compared). A failed check, or any error while
+building, compiling or capturing it (a Triton compile error, too little shared memory, a grid barrier whose
+programs cannot all be resident), never reaches a listener as noise or a crash: with `auto` the reference engine
+takes over and the record carries one plain sentence saying why (pipelines put it in the song, the holder in the
+banner); with `graph` asked for explicitly, EngineUnavailable carries the sentence instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .. import contract as c
+from ..devices import normalize, on_device
+from . import SamplingSettings, SemanticEngine, resolve_engine_name
+
+log = logging.getLogger("music3_demo.engine")
+
+# The check's size: a short prompt and a few steps keep it cheap (the eager reference takes ~110 ms a frame on an
+# H200, the engine's own graph capture a fraction of a second), while every kernel and the KV cache's growth over
+# steps is exercised once.
+SELF_CHECK_PROMPT_TOKENS = 32
+SELF_CHECK_STEPS = 6
+# Largest relative error (per step, ||engine - reference|| / ||reference||) the check accepts, for the LM audio
+# logits, the LM's frame hidden and the depth decoder's hiddens. A correct bf16 engine sits near 2e-2 from the
+# reference (bf16 rounding over 36 layers; the float32 engine on CPU agrees to 1e-5); the wrong-model failure of
+# issue 13 gave 1.41. 0.1 leaves a 5x margin above the first and fails the second by 14x.
+SELF_CHECK_MAX_ERROR = 0.1
+
+
+class EngineUnavailable(ValueError):
+    """The fast engine was asked for explicitly and cannot be used on this device; the message says why."""
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """What make_engine chose and why: shown in the song report, the app's status and the CLI's notes."""
+
+    name: str  # the engine that runs
+    requested: str  # what was asked for: auto | reference | graph
+    fallback_reason: str | None = None  # one sentence when the fast engine was tried and is not used
+    check_errors: dict[str, float] | None = None  # the self-check's largest relative errors, by part
+    check_s: float | None = None  # wall time of the self-check (None when no fast engine was tried)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_engine(
+    language_model,
+    depth_decoder,
+    device: torch.device | str,
+    engine: str = "auto",
+    *,
+    allow_interpreter: bool | None = None,
+    check_steps: int | None = None,
+) -> tuple[SemanticEngine, EngineRecord]:
+    """The engine for `device` and its record. A graph engine that passes its self-check also gets its memory
+    trimmed: the full 168k-row lm_head is dropped and the token embeddings move to host memory, so nothing else may
+    read those modules afterwards (the reference engine would need them: it is never built after the trim)."""
+    device = normalize(device)
+    name = resolve_engine_name(engine, device, allow_interpreter)
+    if name == "reference":
+        return _reference(language_model, depth_decoder), EngineRecord("reference", engine)
+    with on_device(device):
+        graph, errors, check_s, failure = _try_graph(
+            language_model, depth_decoder, device, check_steps or SELF_CHECK_STEPS
+        )
+    if failure is None:
+        # The graph engine keeps its own copies of the audio rows it reads per frame: the full head (1.4 GB in
+        # bf16) is never read again, and the token embeddings only by the prefill, which gathers the prompt's rows
+        # on the host (another 1.24 GB of GPU memory).
+        language_model.lm_head = None
+        graph.text_embeddings_to_host()
+        log.info("graph engine on %s passed its self-check in %.2f s (largest relative errors %s)", device, check_s,
+                 _figures(errors))
+        return graph, EngineRecord("graph", engine, None, errors, check_s)
+    if engine == "graph":
+        raise EngineUnavailable(f"{failure} Start with --engine auto (or reference) to use the reference engine.")
+    reason = f"{failure} Songs are made by the slower reference engine instead."
+    log.warning("%s", reason)
+    return _reference(language_model, depth_decoder), EngineRecord("reference", engine, reason, errors, check_s)
+
+
+def _try_graph(lm, depth, device: torch.device, check_steps: int):
+    """(engine, errors, check seconds, failure sentence or None); the engine is None when it failed."""
+    from .graph import GraphEngine
+
+    graph = errors = check_s = None
+    try:
+        # The CPU interpreter runs Triton programs one by one: few attention splits keep the (test-only) check fast.
+        options = {} if device.type == "cuda" else {"attention_splits": 2}
+        graph = GraphEngine(lm, depth, device, **options)
+        started = time.perf_counter()
+        try:
+            errors = self_check(graph, lm, depth, check_steps)
+            failure = _check_failure(errors, device)
+            if failure is None:
+                sample_once(graph)
+        finally:
+            check_s = time.perf_counter() - started
+    except Exception as error:  # noqa: BLE001 - any failure to build or run the fast engine means: do not use it
+        log.info("the graph engine could not start on %s", device, exc_info=True)  # the traceback, for the log
+        failure = f"The fast graph engine could not start on {device} ({_one_line(error)})."
+    if failure is not None and graph is not None:
+        graph.release()
+        graph = None
+    if failure is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+    return graph, errors, check_s, failure
+
+
+@torch.no_grad()
+def self_check(graph, lm, depth, steps: int = SELF_CHECK_STEPS) -> dict[str, float]:
+    """Teacher-force `steps` random frames through the graph engine and the eager reference on the same weights
+    (before any trimming: the reference reads lm_head and the token embeddings) and return the largest relative
+    error of the LM audio logits, the LM frame hidden and the depth hiddens."""
+    from .teacher_forcing import random_codes, reference_teacher_forced, relative_error
+
+    device = graph.device
+    generator = torch.Generator().manual_seed(0)
+    vocab = min(lm.config.vocab_size, c.AUDIO_CODE_OFFSET)
+    text_ids = torch.randint(0, vocab, (2, SELF_CHECK_PROMPT_TOKENS), generator=generator).to(device)
+    codes = random_codes(steps, generator, depth.config.num_codebooks, depth.config.audio_vocab_size)
+    logits, frames = graph.teacher_forced(text_ids, codes)
+    expected_logits, expected_frames = reference_teacher_forced(lm, depth, text_ids, codes)
+    hidden = lm.config.hidden_size
+    errors = {
+        "logits": relative_error(logits, expected_logits).max().item(),
+        "lm_hidden": relative_error(frames[:, :hidden], expected_frames[:, :hidden]).max().item(),
+        "depth_hiddens": relative_error(frames[:, hidden:], expected_frames[:, hidden:]).max().item(),
+    }
+    return errors
+
+
+def sample_once(graph) -> None:
+    """One sampled frame, so the song path's graph is compiled and captured at load too, not in a user's song."""
+    text_ids = torch.zeros(2, SELF_CHECK_PROMPT_TOKENS, dtype=torch.long, device=graph.device)
+    generator = torch.Generator(graph.device).manual_seed(0)
+    sampled = list(graph.frames(text_ids, 1, SamplingSettings(), generator))
+    if sampled and not torch.isfinite(sampled[0]).all():  # (a random model may end the song at once: no frame)
+        raise ArithmeticError("a sampled frame holds values that are not finite numbers")
+
+
+def _check_failure(errors: dict[str, float], device: torch.device) -> str | None:
+    failed = [(part, value) for part, value in errors.items() if not value <= SELF_CHECK_MAX_ERROR]  # NaN fails
+    if not failed:
+        return None
+    part, value = max(failed, key=lambda item: math.inf if math.isnan(item[1]) else item[1])
+    return (f"The fast graph engine failed its self-check on {device}: its {_PARTS[part]} differ from the "
+            f"reference computation by a relative error of {value:.3g} (at most {SELF_CHECK_MAX_ERROR} passes).")
+
+
+_PARTS = {"logits": "language-model logits", "lm_hidden": "language-model hidden states",
+          "depth_hiddens": "depth-decoder hidden states"}
+
+
+def _figures(errors: dict[str, float]) -> str:
+    return ", ".join(f"{part} {value:.2e}" for part, value in errors.items())
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()).rstrip(".") or "no message"
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(error).__name__}: {text}"
+
+
+def _reference(lm, depth):
+    from .reference import ReferenceEngine
+
+    return ReferenceEngine(lm, depth)

@@ -1,0 +1,271 @@
+"""Compile every Triton kernel the graph engine launches for the full-size model, for GPU architectures that need
+not be present, and report what each compiled kernel needs: shared memory (Triton's figure), registers (ptxas's,
+read back from the cubin) and, for the chained tail's spin barrier, how many of its programs one SM holds.
+
+No GPU and no weights: the engine is built over the random-full model's modules on the `meta` device and runs one
+frame (sampled and teacher-forced) with Triton's launcher pointed at a stand-in driver for the target; each launch is
+recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with Triton's own compiler for
+`GPUTarget("cuda", capability, 32)`. The configs are those `kernels/tuning.py` chooses for that architecture.
+tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
+
+Run (TRITON_INTERPRET must be unset): python scripts/compile_arch.py 86 90 [--sms 82] [--name "NVIDIA H200"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from music3_demo.semantic.kernels import linear, tail  # noqa: E402
+from music3_demo.semantic.kernels.tuning import (  # noqa: E402
+    BLOCK_RESERVED_SHARED,
+    REGISTERS_PER_SM,
+    Target,
+    Tuning,
+    tuning_for_target,
+)
+
+# A typical SM count per architecture (the tail's grid is min(128, SMs) at run time; any count gets one program per
+# SM, which is what residency needs): A100, RTX 3090, RTX 4090, H200, B200, RTX 5090.
+TYPICAL = {80: ("NVIDIA A100-SXM4-80GB", 108), 86: ("NVIDIA GeForce RTX 3090", 82),
+           89: ("NVIDIA GeForce RTX 4090", 128), 90: ("NVIDIA H200", 132), 100: ("NVIDIA B200", 148),
+           120: ("NVIDIA GeForce RTX 5090", 170)}
+
+
+class _StandInDriver:
+    """What Triton's launcher asks the active driver before compiling, for a GPU that is not here. The device id is
+    the capability, so each architecture gets its own binder (and target) in a kernel's per-device caches."""
+
+    def __init__(self, capability: int) -> None:
+        self.capability = capability
+
+    def get_current_device(self) -> int:
+        return self.capability
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", self.capability, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("meta")
+
+
+@dataclass
+class Compiled:
+    kernel: str
+    constants: dict
+    num_warps: int
+    num_stages: int
+    shared: int
+    registers: int
+    seconds: float
+    x_bytes: int  # element size of the activation operand (x_ptr), where the kernel has one
+
+
+def full_size_engine(tuning: Tuning):
+    """The graph engine over the random-full model's language model and depth decoder, on the meta device."""
+    from music3_demo import random_models
+    from music3_demo.semantic import graph
+
+    if not _MODELS:  # built once per process (the engine fuses their weights again for each architecture)
+        with torch.device("meta"):
+            models = random_models._make_models(random_models.FULL)
+        _MODELS.update(lm=models["language_model"].to(torch.bfloat16),
+                       depth=models["rvq_depth_decoder"].to(torch.bfloat16))
+    lm, depth = _MODELS["lm"], _MODELS["depth"]
+    with _patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
+        return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=True, tuning=tuning)
+
+
+@contextlib.contextmanager
+def _patched(module, **values):
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+@dataclass
+class Launch:
+    fn: object  # the JIT function
+    spec: str  # Triton's specialization data (JSON)
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    @property
+    def constants(self) -> dict:
+        data = json.loads(self.spec)
+        names = [p.name for p in self.fn.params]
+        return {names[key[0]]: value for key, value in zip(data["constant_keys"], data["constant_vals"])
+                if len(key) == 1 and not isinstance(value, dict)}
+
+
+_MODELS: dict = {}
+
+
+def record_launches(target: Target) -> tuple[Tuning, list[Launch]]:
+    """Every distinct kernel launch of one frame (sampled and teacher-forced) on `target`."""
+    tuning = tuning_for_target(target)
+    engine = full_size_engine(tuning)
+    launches: dict[str, Launch] = {}
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        if is_manual_warmup:
+            return False  # a preload: compile it
+        launches.setdefault(compile["specialization_data"], Launch(fn.jit_function, compile["specialization_data"]))
+        return True  # recorded, not launched
+
+    from music3_demo.semantic import graph
+
+    tma = target.tma
+    fused_tails = functools.partial(tail.block_tail, fused=True)  # as on a GPU (fused by default there)
+    with _patched(knobs.runtime, jit_cache_hook=hook), _patched(linear, tma_supported=lambda device: tma), \
+            _patched(tail, tma_supported=lambda device: tma), _patched(graph, block_tail=fused_tails), \
+            _stand_in(target.capability):
+        engine._rng = None  # meta tensors take no generator
+        engine._ensure_capacity(512, 256)
+        for forced in (False, True):
+            engine._advance(forced)()
+    return tuning, list(launches.values())
+
+
+# Kernels whose launch configuration no tuning changes: their code differs between architectures only through
+# Triton's per-generation passes, so the CI set compiles them for one architecture per generation.
+FIXED = {"_cfg_sample_kernel", "_decode_attn_kernel", "_depth_attn_kernel", "_rmsnorm_kernel", "_frame_tail_kernel"}
+GENERATION = {86: 80, 89: 80}
+# Constants that only select a subset of the same code (a tail without the next block's q|k|v, a teacher-forced
+# sample) or shift offsets and masks (rows, cached depth positions): variants that differ only in them need no
+# separate compile in the CI set (the full set, --all, compiles them all).
+MINOR = {"_block_tail_kernel": {"M", "HAS_NEXT", "Q", "BN_Q", "BK_Q", "ST_Q", "TMA_Q", "PF_Q"},
+         "_cfg_sample_kernel": {"FORCED", "COPIES"}, "_depth_attn_kernel": {"BASE"}}
+
+
+def ci_set(launches: list[Launch], capability: int) -> list[Launch]:
+    """The launches that cover every distinct kernel specialisation of this architecture (see FIXED, MINOR). The
+    first launch of each kind is the fullest (a stack's first tail has a next block, the first sample copies)."""
+    chosen, seen = [], set()
+    for launch in launches:
+        if launch.name in FIXED and GENERATION.get(capability, capability) != capability:
+            continue
+        minor = MINOR.get(launch.name, set())
+        key = (launch.name, json.dumps({k: v for k, v in launch.constants.items() if k not in minor}, sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            chosen.append(launch)
+    return chosen
+
+
+@contextlib.contextmanager
+def _stand_in(capability: int):
+    saved = driver._active
+    driver.set_active(_StandInDriver(capability))
+    try:
+        yield
+    finally:
+        driver._active = saved
+
+
+def compile_launch(launch: Launch, capability: int) -> Compiled:
+    start = _cpu_seconds()
+    with _stand_in(capability):
+        kernel = launch.fn.preload(launch.spec)
+    seconds = _cpu_seconds() - start
+    x_type = json.loads(launch.spec)["signature"].get("x_ptr", "")
+    return Compiled(launch.name, launch.constants, kernel.metadata.num_warps, kernel.metadata.num_stages,
+                    kernel.metadata.shared, registers(kernel.asm["cubin"]), seconds, 4 if x_type == "*fp32" else 2)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (ptxas): compile cost independent of machine load."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def registers(cubin: bytes) -> int:
+    """Registers per thread, as ptxas allocated them (cuobjdump's resource usage of the cubin)."""
+    from triton.backends.nvidia.compiler import knobs as nvidia_knobs
+
+    tool = Path(nvidia_knobs.nvidia.ptxas.path).with_name("cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        usage = subprocess.run([str(tool), "-res-usage", handle.name], capture_output=True, text=True, check=True)
+    return int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+
+
+def programs_per_sm(compiled: Compiled, target: Target) -> int:
+    """How many programs of a kernel one SM holds at once (shared memory, registers, threads)."""
+    threads = compiled.num_warps * 32
+    regs = -(-compiled.registers * 32 // 256) * 256 * compiled.num_warps  # allocated per warp, 256 at a time
+    by_shared = target.shared_per_sm // (compiled.shared + BLOCK_RESERVED_SHARED)
+    return min(by_shared, REGISTERS_PER_SM // max(regs, 1), target.threads_per_sm // threads, 32)
+
+
+def check(capability: int, name: str, sms: int, everything: bool = False) -> dict:
+    """Compile for one architecture (every launch, or the CI set); the report and the list of what does not fit."""
+    target = Target(name, capability, sms)
+    tuning, launches = record_launches(target)
+    kernels = [compile_launch(launch, capability) for launch in (launches if everything else ci_set(launches,
+                                                                                                   capability))]
+    problems, residency = [], []
+    for k in kernels:
+        if k.shared > target.shared_per_block:
+            problems.append(f"{k.kernel} needs {k.shared} B of shared memory, sm_{capability} allows "
+                            f"{target.shared_per_block}")
+        if k.kernel == "_block_tail_kernel" and k.constants.get("SYNC"):
+            resident = programs_per_sm(k, target) * sms
+            residency.append(resident)
+            if tuning.programs > resident:
+                problems.append(f"the chained tail's {tuning.programs} programs exceed the {resident} resident "
+                                f"on {sms} SMs")
+    return {
+        "capability": capability, "gpu": name, "sms": sms, "shared_per_block": target.shared_per_block,
+        "tma": target.tma, "table": tuning.source, "tail_programs": tuning.programs,
+        "tail_resident": min(residency, default=0),
+        "kernels": [k.__dict__ for k in kernels], "problems": problems,
+        "compile_s": round(sum(k.seconds for k in kernels), 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("capabilities", nargs="+", type=int, help="e.g. 80 86 89 90 100 120")
+    parser.add_argument("--sms", type=int, help="SM count (default: a typical GPU of the architecture)")
+    parser.add_argument("--name", help="GPU name as the driver reports it (picks its tuning table)")
+    parser.add_argument("--all", action="store_true", help="compile every launch, not only the CI set")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":  # kernels defined under it are the interpreter's
+        raise SystemExit("compile_arch.py compiles for a GPU: unset TRITON_INTERPRET")
+    for capability in args.capabilities:
+        name, sms = TYPICAL.get(capability, (f"sm_{capability}", 128))
+        print(json.dumps(check(capability, args.name or name, args.sms or sms, args.all)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The app on two GPUs under concurrent API clients (issue 13; run on nvidia-h200-x2).
+
+Starts `python app.py --model random-full --devices cuda:0,cuda:1` on a free port, waits until both devices hold
+the model (loaded, self-checked, warmed up), sends REQUESTS concurrent `generate` calls through gradio_client and
+prints one JSON object: each request's device and its server-side start/end (when the job held its device), the
+client's wall time, the largest overlap between two songs on different devices, and the server's engine status
+(engine, fallback note, self-check seconds). Exits 1 when a request failed, a device was never used, or no two
+songs ran at the same time. The server's log is kept in $OUT (or the temp dir) as two_gpu_app.log.
+
+Usage (repo root): python scripts/two_gpu_app.py [--requests 4] [--duration 20] [--steps 8] [--ready-timeout 900]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _status(url: str) -> dict | None:
+    from gradio_client import Client
+
+    try:
+        return Client(url, verbose=False).predict(api_name="/status")
+    except Exception:  # noqa: BLE001 - not up yet
+        return None
+
+
+def _wait_ready(url: str, server: subprocess.Popen, devices: int, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"app.py exited with {server.returncode} while loading")
+        status = _status(url)
+        if status is not None and status["state"] == "failed":
+            raise SystemExit(f"the model failed to load: {status['error']}")
+        if status is not None and status["loads"] >= devices and status["state"] == "ready":
+            return status
+        time.sleep(2.0)
+    raise SystemExit(f"the app was not ready on {devices} devices within {timeout:.0f} s")
+
+
+def _request(url: str, index: int, duration: float, steps: int) -> dict:
+    from gradio_client import Client
+
+    client = Client(url, verbose=False)
+    began = time.time()
+    try:
+        _, report = client.predict(description="dreamy synth-pop, 110 BPM", lyrics="[verse]\nhello\n[chorus]\nla la",
+                                   duration=duration, num_steps=steps, seed=100 + index, api_name="/generate")
+    except Exception as error:  # noqa: BLE001 - reported in the JSON
+        return {"request": index, "error": str(error), "wall_s": round(time.time() - began, 3)}
+    return {"request": index, "device": report["device"], "start": report["started_at"], "end": report["ended_at"],
+            "wall_s": round(time.time() - began, 3), "engine": report["engine"], "engine_note": report["engine_note"],
+            "frames": report["frames"], "semantic_frames_per_s": report["semantic_frames_per_s"],
+            "first_audio_s": report["timings"].get("first_audio_s"), "total_s": report["timings"]["total_s"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", default="cuda:0,cuda:1")
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    args = parser.parse_args()
+    devices = args.devices.split(",")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/"
+    log_path = Path(os.environ.get("OUT") or tempfile.gettempdir()) / "two_gpu_app.log"
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "app.py", "--model", "random-full", "--devices", args.devices, "--port", str(port),
+             "--max-queue", str(args.requests * 2)],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+    try:
+        status = _wait_ready(url, server, len(devices), args.ready_timeout)
+        ready_s = time.monotonic() - started
+        with ThreadPoolExecutor(args.requests) as pool:
+            results = list(pool.map(lambda i: _request(url, i, args.duration, args.steps), range(args.requests)))
+        alive = server.poll() is None
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    done = [r for r in results if "error" not in r]
+    overlap = max((min(a["end"], b["end"]) - max(a["start"], b["start"])
+                   for a, b in itertools.combinations(done, 2) if a["device"] != b["device"]), default=0.0)
+    summary = {
+        "ready_s": round(ready_s, 1),
+        "engine": status["engine"],
+        "engine_note": status.get("engine_note"),
+        "engine_check_s": status.get("engine_check_s"),
+        "requests": results,
+        "devices_used": sorted({r["device"] for r in done}),
+        "max_overlap_s": round(overlap, 3),
+        "server_alive": alive,
+        "log": str(log_path),
+    }
+    print(json.dumps(summary, indent=1))
+    ok = len(done) == len(results) and set(summary["devices_used"]) == set(devices) and overlap > 0 and alive
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

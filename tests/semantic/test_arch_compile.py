@@ -1,0 +1,65 @@
+"""Every Triton kernel the graph engine launches for the full-size model compiles for sm_80, 86, 89, 90, 100 and 120
+with the configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
+tail's spin-barrier grid is resident all at once (scripts/compile_arch.py does the compiling, in two processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from music3_demo.semantic.kernels.linear import GemvConfig
+from music3_demo.semantic.kernels.tuning import SHARED_MEMORY, shared_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+# Two halves of about equal compile time (CI has two cores); each process builds the meta model once.
+GROUPS = (("80", "86", "89", "120"), ("90", "100"))
+TIMEOUT = 600  # seconds per process (about 90 on two idle cores)
+
+
+def _compile(tmp_path: Path) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # really compile: nothing from an earlier run
+    runs = [subprocess.Popen([sys.executable, str(ROOT / "scripts" / "compile_arch.py"), *group], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for group in GROUPS]
+    reports = []
+    for run in runs:
+        out, err = run.communicate(timeout=TIMEOUT)
+        assert run.returncode == 0, err[-3000:]
+        reports += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return reports
+
+
+def test_every_engine_kernel_compiles_and_fits_every_architecture(tmp_path):
+    started = time.perf_counter()
+    reports = _compile(tmp_path)
+    print(f"compiled in {time.perf_counter() - started:.0f} s (CPU: {sum(r['compile_s'] for r in reports):.0f} s)")
+    assert sorted(r["capability"] for r in reports) == [80, 86, 89, 90, 100, 120]
+    for report in reports:
+        cap = report["capability"]
+        assert report["problems"] == [], report["problems"]
+        assert report["shared_per_block"] == SHARED_MEMORY[cap][0]
+        assert report["tma"] == (cap >= 90)
+        names = {k["kernel"] for k in report["kernels"]}
+        assert {"_gemv_kernel", "_block_tail_kernel"} <= names
+        tails = [k for k in report["kernels"] if k["kernel"] == "_block_tail_kernel"]
+        assert tails and all(k["constants"]["SYNC"] for k in tails)  # fused, as on a GPU
+        assert report["tail_programs"] == min(128, report["sms"])
+        for kernel in report["kernels"]:
+            assert kernel["shared"] <= report["shared_per_block"], (cap, kernel)
+            c = kernel["constants"]
+            # tuning.shared_bytes (what chooses configs at run time) bounds what Triton allocates
+            if kernel["kernel"] == "_gemv_kernel":
+                assert not c["TMA"] or cap >= 90
+                cfg = GemvConfig(c["BLOCK_N"], c["BLOCK_K"], kernel["num_warps"], kernel["num_stages"])
+                assert kernel["shared"] <= shared_bytes(cfg, kernel["x_bytes"]), (cap, kernel)
+            if kernel["kernel"] == "_block_tail_kernel":
+                products = [GemvConfig(c[f"BN_{p}"], c[f"BK_{p}"], 4, c[f"ST_{p}"]) for p in ("O", "GU", "D", "Q")]
+                assert all(not c[f"TMA_{p}"] or cap >= 90 for p in ("O", "GU", "D", "Q"))
+                assert kernel["shared"] <= max(shared_bytes(p) for p in products), (cap, kernel)
+    by_cap = {r["capability"]: r for r in reports}
+    assert "nvidia-h200.sm90.json" in by_cap[90]["table"]
+    assert all(by_cap[cap]["table"] == "heuristic" for cap in (80, 86, 89, 100, 120))
