@@ -7,6 +7,7 @@ import errno
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import soundfile as sf
@@ -14,6 +15,7 @@ import soundfile as sf
 from . import contract as c
 from .audio import AudioFileWriter, output_format
 from .checkpoint import CheckpointError, default_model
+from .continuation import SongState, check_continuation, extension_request
 from .events import AudioPiece, Event, Progress
 from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import ENGINE_NAMES
@@ -26,16 +28,18 @@ def _parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="make one song and write it to a .wav, .flac or .mp3 file")
     gen.add_argument("--model", default=None, help=f"Hub repo id, local folder, 'tiny' or 'random-full' "
                      f"(default: $MUSIC3_MODEL or {c.HUB_REPO_ID})")
-    gen.add_argument("--prompt", required=True, help="music description: genre, BPM, key, vocals, arrangement")
+    gen.add_argument("--prompt", help="music description: genre, BPM, key, vocals, arrangement (with "
+                     "--continue-from: the song's own unless given)")
     lyrics = gen.add_mutually_exclusive_group()
     lyrics.add_argument("--lyrics", default="", help="lyrics text; structure tags like [verse] on their own line")
     lyrics.add_argument("--lyrics-file", type=Path, help="read the lyrics from this UTF-8 file")
     gen.add_argument("--instrumental", action="store_true", help="no vocals: sends the [instrumental] tag")
-    gen.add_argument("--duration", type=float, default=c.DEFAULT_DURATION_S, help="seconds (1-360)")
-    gen.add_argument("--steps", type=int, default=c.DEFAULT_STEPS, help="flow-matching steps per chunk (1-100)")
-    gen.add_argument("--guidance", type=float, default=c.DEFAULT_GUIDANCE, help="flow-stage guidance scale")
-    gen.add_argument("--lm-cfg", type=float, default=c.AR_CFG_SCALE, help="semantic-stage CFG scale")
-    gen.add_argument("--top-k", type=int, default=c.AR_SAMPLING_TOP_K, help="semantic-stage top-k")
+    gen.add_argument("--duration", type=float, default=c.DEFAULT_DURATION_S,
+                     help="seconds (1-360); with --continue-from, the seconds to add")
+    gen.add_argument("--steps", type=int, help=f"flow-matching steps per chunk (1-100, default {c.DEFAULT_STEPS})")
+    gen.add_argument("--guidance", type=float, help=f"flow-stage guidance scale (default {c.DEFAULT_GUIDANCE})")
+    gen.add_argument("--lm-cfg", type=float, help=f"semantic-stage CFG scale (default {c.AR_CFG_SCALE})")
+    gen.add_argument("--top-k", type=int, help=f"semantic-stage top-k (default {c.AR_SAMPLING_TOP_K})")
     gen.add_argument("--seed", type=int, default=None, help="0 to 2^32-1; random when omitted")
     gen.add_argument("--engine", choices=ENGINE_NAMES, default="auto", help="auto = graph on CUDA, else reference")
     gen.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available)")
@@ -43,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--out", type=Path, default=Path("song.wav"), help="output .wav, .flac or .mp3 (320 kb/s)")
     gen.add_argument("--subtype", default=None,
                      help="sample format: PCM_16 (default), PCM_24, FLOAT (WAV only); not for .mp3")
+    gen.add_argument("--state", type=Path, help="also save what --continue-from needs to extend this song (.npz)")
+    gen.add_argument("--continue-from", type=Path, metavar="STATE",
+                     help="extend the song whose --state file this is by --duration seconds; --lyrics are the added "
+                     "part's words; the other settings default to the song's own")
     gen.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
 
@@ -130,18 +138,26 @@ def _progress_printer(quiet: bool):
     return show
 
 
+def _request(args: argparse.Namespace) -> tuple[GenerationRequest, SongState | None]:
+    """The request (and with --continue-from the song to extend); unset numbers take the song's or the defaults."""
+    knobs = {"num_steps": args.steps, "guidance_scale": args.guidance, "lm_cfg_scale": args.lm_cfg,
+             "top_k": args.top_k}
+    given = {key: value for key, value in knobs.items() if value is not None}
+    if args.continue_from is None:
+        if args.prompt is None:
+            raise InvalidRequest("Describe the music with --prompt (or extend a saved song with --continue-from).")
+        return GenerationRequest(description=_argument_text("--prompt", args.prompt), lyrics=_read_lyrics(args),
+                                 duration=args.duration,
+                                 seed=args.seed, instrumental=args.instrumental, **given), None
+    state = SongState.load(args.continue_from)
+    request = extension_request(state, args.duration, _read_lyrics(args), args.seed, args.prompt)
+    request = replace(request, instrumental=request.instrumental or args.instrumental, **given)
+    check_continuation(validate(request), state)
+    return request, state
+
+
 def generate(args: argparse.Namespace) -> int:
-    request = GenerationRequest(
-        description=_argument_text("--prompt", args.prompt),
-        lyrics=_read_lyrics(args),
-        duration=args.duration,
-        num_steps=args.steps,
-        guidance_scale=args.guidance,
-        lm_cfg_scale=args.lm_cfg,
-        top_k=args.top_k,
-        seed=args.seed,
-        instrumental=args.instrumental,
-    )
+    request, state = _request(args)
     validate(request)  # the cheap checks before a long model load
     output_format(args.out, args.subtype)
     device = _device(args.device)
@@ -162,11 +178,13 @@ def generate(args: argparse.Namespace) -> int:
             if isinstance(event, AudioPiece):
                 _writing(args.out, writer.write, event.samples)
 
-        song = pipeline.generate(request, on_event=on_event)
+        song = pipeline.generate(request, on_event=on_event, continue_from=state)
         _writing(args.out, writer.close)
     except BaseException:
         writer.discard()  # nothing half-made is left at --out: a failed or interrupted song leaves no file
         raise
+    if args.state is not None:
+        song.state.save(args.state)
     stages = " ".join(f"{key}={value:.2f}" for key, value in song.timings.items())
     print(f"{args.out}")
     print(f"duration={song.duration:.2f}s frames={song.frames} seed={song.seed} engine={song.engine} {stages}")

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .continuation import SongState
 
 STAGES = ("loading", "prompt", "semantic", "flow", "vocoder")
 
@@ -36,6 +40,7 @@ class Song:
     engine: str = ""
     model_notice: str | None = None  # set when a built-in random model made it (the output is noise)
     engine_note: str | None = None  # set when the fast engine was not used although it was tried, and why
+    state: SongState | None = None  # what continuing it needs (its codes, the flow state at its last chunk)
 
     @property
     def duration(self) -> float:

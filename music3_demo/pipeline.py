@@ -19,16 +19,17 @@ from .checkpoint import (
     load_components,
     resolve,
 )
+from .continuation import SongState, check_continuation
 from .devices import normalize, on_device
 from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
 from . import flow as flow_stage
-from .flow.stream import FlowSettings, FlowStream
+from .flow.stream import FlowSettings, FlowStream, Piece
 from .flow.worker import FlowWorker, progress_from_step
 from .prompt import count_prompt_tokens, tokenize
 from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import SamplingSettings, make_engine, resolve_engine_name
 
-__all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest"]
+__all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest", "SongState"]
 
 # The flow stage's generator on the fast engines is seeded apart from the semantic one, so overlap cannot change
 # results run to run.
@@ -123,15 +124,30 @@ class Music3Pipeline:
         flow = torch.Generator(self.device).manual_seed((seed + FLOW_SEED_OFFSET) % 2**64)
         return semantic, flow
 
+    def _resumed_flow_generator(self, state: SongState, seed: int) -> torch.Generator:
+        """The flow generator as it was before the song's last chunk, so the continuation decodes as the whole song
+        would have. A state from another kind of device (a GPU song continued on a CPU) cannot be restored there:
+        the re-rendered chunks then take fresh noise (the audio before them is kept either way)."""
+        kind = self.device if self.separate_flow_rng else torch.device("cpu")
+        restored = state.flow.generator(kind)
+        if restored is not None:
+            return restored
+        return torch.Generator(kind).manual_seed((seed + FLOW_SEED_OFFSET) % 2**64)
+
     def generate(
         self,
         request: GenerationRequest,
         on_event: Callable[[Event], None] | None = None,
         cancel: threading.Event | None = None,
+        continue_from: SongState | None = None,
     ) -> Song:
+        """Make a song, or with `continue_from` (a finished song's `Song.state`, or `SongState.load(path)`) extend
+        that song by `request.duration` seconds (`continuation.extension_request` builds such a request): its codes
+        are the forced prefix, the flow stage restarts at its last chunk, and its audio before that chunk comes back
+        unchanged as the first piece."""
         # Callers run on any thread (the app's runners start with device 0 current).
         with on_device(self.device):
-            return self._generate(request, on_event, cancel)
+            return self._generate(request, on_event, cancel, continue_from)
 
     @torch.no_grad()
     def _generate(
@@ -139,9 +155,13 @@ class Music3Pipeline:
         request: GenerationRequest,
         on_event: Callable[[Event], None] | None,
         cancel: threading.Event | None,
+        continue_from: SongState | None,
     ) -> Song:
         emit = on_event or (lambda event: None)
         request = self.validate(request)
+        max_frames = request.max_frames
+        if continue_from is not None:
+            max_frames = check_continuation(request, continue_from)
         started = time.perf_counter()
         timings: dict[str, float] = {}
 
@@ -151,14 +171,24 @@ class Music3Pipeline:
         emit(Progress("prompt", 1, 1))
 
         semantic_generator, flow_generator = self._generators(request.seed)
-        max_frames = request.max_frames
+        if continue_from is not None:
+            flow_generator = self._resumed_flow_generator(continue_from, request.seed)
         expected_chunks = len(c.chunk_starts(max_frames))
         flow_settings = FlowSettings(request.num_steps, request.guidance_scale, batched_cfg=self.separate_flow_rng)
         flow = FlowStream(
             self.components, flow_settings, flow_generator, self.device, cancel=cancel, graphs=self.velocity_graphs
         )
+        prefix = None
+        if continue_from is not None:
+            flow.resume(continue_from.flow)
+            prefix = torch.from_numpy(continue_from.codes).long()
         worker = FlowWorker(flow, self.device)
         pieces: list[np.ndarray] = []
+
+        def deliver(piece: Piece) -> None:
+            timings.setdefault("first_audio_s", time.perf_counter() - started)
+            pieces.append(piece.samples)
+            emit(AudioPiece(piece.samples, piece.start_sample))
 
         def publish(wait: bool, until_audio: bool = False) -> None:
             for item in worker.results(wait, until_audio):
@@ -166,16 +196,19 @@ class Music3Pipeline:
                     emit(progress_from_step(item, expected_chunks))
                     continue
                 for piece in item:
-                    timings.setdefault("first_audio_s", time.perf_counter() - started)
-                    pieces.append(piece.samples)
-                    emit(AudioPiece(piece.samples, piece.start_sample))
+                    deliver(piece)
+
+        if continue_from is not None and continue_from.head.shape[-1]:
+            deliver(Piece(continue_from.head, 0))  # final already: the listener hears it while the rest is made
 
         frames = 0
         held: list[torch.Tensor] = []
         try:
             semantic_started = time.perf_counter()
             paused = 0.0  # time the semantic stage stood still for chunk 0 (not semantic work)
-            for block in self.engine.frames(text_ids, max_frames, sampling_for(request), semantic_generator, cancel):
+            blocks = self.engine.frames(text_ids, max_frames, sampling_for(request), semantic_generator, cancel,
+                                        prefix=prefix)
+            for block in blocks:
                 frames += block.shape[0]
                 elapsed = time.perf_counter() - semantic_started
                 rate = frames / max(elapsed, 1e-9)
@@ -194,6 +227,9 @@ class Music3Pipeline:
             timings["semantic_s"] = time.perf_counter() - semantic_started - paused
             if frames == 0:
                 raise InvalidRequest("The model ended the song before its first frame; try another seed.")
+            if continue_from is not None and frames <= continue_from.frames:
+                raise InvalidRequest("The model ended the song where it already ended; try another seed.")
+            codes = self.engine.song_codes()[: frames + 1].to("cpu", torch.int32).numpy()
             check_cancel(cancel)
             if held:
                 worker.submit(torch.cat(held))
@@ -211,6 +247,8 @@ class Music3Pipeline:
         timings["realtime_factor"] = (audio.shape[-1] / c.SAMPLE_RATE) / timings["total_s"]
         if self.engine_record.check_s is not None:
             timings["engine_check_s"] = self.engine_record.check_s  # paid once at load, not by this song
+        resume = flow.resume_point
+        state = SongState(request, codes, resume, audio[:, : resume.boundary])
         song = Song(
             audio=audio,
             sample_rate=c.SAMPLE_RATE,
@@ -220,6 +258,7 @@ class Music3Pipeline:
             engine=self.engine_name,
             model_notice=self.source.notice,
             engine_note=self.engine_record.fallback_reason,
+            state=state,
         )
         emit(Finished(song))
         return song

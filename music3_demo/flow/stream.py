@@ -4,6 +4,9 @@ Chunk k covers frames [100k, 100k + 200). It can be denoised once those frames e
 for the right crop (258 latents), which is only kept when the chunk turns out to be the last one. Holding that tail
 back until the song's length is known is what lets pieces stream with no change to the result: the pieces
 concatenated equal diffusers' batch decode exactly (same operations, same order, same noise draws).
+
+The stream also remembers its state just before each chunk (`resume_point`): a continued song restarts there at the
+song's last chunk (`resume`), so a continuation decodes exactly as the whole song would have.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import contract as c
+from ..continuation import FlowResume
 from ..events import check_cancel
 from .dit_graph import VelocityGraphs
 from .guidance import guided_velocity
@@ -144,6 +148,22 @@ class FlowStream:
         self._previous_condition: torch.Tensor | None = None
         self._held_tail: np.ndarray | None = None
         self._emitted_samples = 0
+        self._skip = 0  # frames still to drop from the front of what is pushed (before a resumed chunk)
+        self.resume_point: FlowResume | None = None  # the state before the latest chunk (see `resume`)
+
+    def resume(self, point: FlowResume) -> None:
+        """Start at chunk `point.chunk` as if the chunks before it had been decoded here: pushed frames before its
+        first one are dropped, its overlap blends toward the saved latents, and pieces start at `point.boundary`.
+        The caller passes a generator in the saved state (or accepts other noise from there on)."""
+        if self._num_frames or self._next_chunk:
+            raise RuntimeError("resume() must come before the first frames")
+        dtype = self.transformer.dtype
+        self._next_chunk = point.chunk
+        self._first_kept = self._num_frames = self._skip = point.first_frame
+        if point.previous_latent is not None:
+            self._previous_latent = point.previous_latent.to(self.device, dtype)
+            self._previous_condition = point.previous_condition.to(self.device, dtype)
+        self._emitted_samples = point.boundary
 
     @property
     def chunks_done(self) -> int:
@@ -151,8 +171,12 @@ class FlowStream:
 
     def push(self, frames: torch.Tensor) -> list[Piece]:
         """Add [n, 8 * hidden] frame hiddens; return the pieces that became final."""
-        self._frames.append(frames.reshape(-1, frames.shape[-1]))
-        self._num_frames += self._frames[-1].shape[0]
+        frames = frames.reshape(-1, frames.shape[-1])
+        if self._skip:
+            dropped = min(self._skip, frames.shape[0])
+            frames, self._skip = frames[dropped:], self._skip - dropped
+        self._frames.append(frames)
+        self._num_frames += frames.shape[0]
         pieces = []
         while self._next_chunk * c.CHUNK_HOP + c.CHUNK_FRAMES <= self._num_frames:
             pieces += self._decode_chunk(self._next_chunk * c.CHUNK_HOP, c.CHUNK_FRAMES, last=False)
@@ -185,6 +209,11 @@ class FlowStream:
 
     def _decode_chunk(self, start: int, length: int, last: bool) -> list[Piece]:
         chunk_index = self._next_chunk
+        # References only: the previous latents are replaced, never written, by later chunks.
+        self.resume_point = FlowResume(
+            chunk_index, self._emitted_samples, self._previous_latent, self._previous_condition,
+            self.generator.get_state(), self.generator.device.type,
+        )
         began = time.perf_counter()
         with torch.no_grad():
             latents = self._denoise_chunk(chunk_index, start, length)

@@ -50,9 +50,33 @@ class SemanticEngine(Protocol):
         sampling: SamplingSettings,
         generator: torch.Generator,
         cancel: threading.Event | None = None,
+        prefix: torch.Tensor | None = None,
     ) -> Iterator[torch.Tensor]:
-        """Yield blocks of frame hiddens, [n, num_codebooks * hidden], in order, until the end token or max_frames."""
+        """Yield blocks of frame hiddens, [n, num_codebooks * hidden], in order, until the end token or max_frames.
+        `prefix` ([P, num_codebooks] codes, see `check_prefix`) forces the first P decode steps' codes (a song's own
+        codes reproduce its frames; decoding then goes on from there: "continue this song")."""
         ...
+
+    def song_codes(self) -> torch.Tensor:
+        """[steps, num_codebooks] codes of the last song's decode steps, step 0 (not a frame) first: frame f is
+        made at step f + 1, so a song of F frames is described by its first F + 1 rows."""
+        ...
+
+
+def check_prefix(prefix: torch.Tensor | None, max_frames: int, audio_vocab: int) -> torch.Tensor:
+    """A forced prefix as int64 [P, 8] on the CPU ([0, 8] for none): semantic codes below 16,384, residual codes
+    below `audio_vocab`, at most max_frames + 1 steps (step 0 is not a frame)."""
+    if prefix is None:
+        return torch.zeros(0, 8, dtype=torch.long)
+    prefix = torch.as_tensor(prefix).detach().to("cpu", torch.long)
+    if prefix.dim() != 2 or prefix.shape[1] != 8:
+        raise ValueError(f"a prefix of codes must be [steps, 8], got {tuple(prefix.shape)}")
+    if prefix.shape[0] > max_frames + 1:
+        raise ValueError(f"a prefix of {prefix.shape[0]} steps does not fit in {max_frames} frames")
+    limits = torch.tensor([c.SEMANTIC_VOCAB_SIZE] + [audio_vocab] * 7)
+    if prefix.numel() and ((prefix < 0).any() or (prefix >= limits).any()):
+        raise ValueError("a prefix holds codes outside the model's vocabularies")
+    return prefix
 
 
 ENGINE_NAMES = ("auto", "reference", "graph")

@@ -30,7 +30,7 @@ import torch
 from .. import contract as c
 from ..devices import check_launch_device, normalize, on_device
 from ..events import check_cancel
-from . import SamplingSettings
+from . import SamplingSettings, check_prefix
 from .config import GraphConfig
 from .kernels import (
     block_tail,
@@ -105,7 +105,7 @@ class GraphEngine(EngineWeights):
         self.chain = (device.type == "cuda" and not self.pdl) if config.chain is None else config.chain
         self.capture_count = 0
         self.last_song: SongStats | None = None
-        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # keyed by `record` (teacher forcing's logits)
         self._state: EngineState | None = None
         self._lock = threading.Lock()
         with on_device(device):  # the stream, graph pool and pinned flags belong to this device's context
@@ -128,12 +128,16 @@ class GraphEngine(EngineWeights):
         sampling: SamplingSettings,
         generator: torch.Generator,
         cancel: threading.Event | None = None,
+        prefix: torch.Tensor | None = None,
     ) -> Iterator[torch.Tensor]:
+        """`prefix` ([P, 8] codes): the first P steps take these codes in place of the sampled ones (the samplers
+        still draw, so the random stream does not depend on P), then decoding goes on freely."""
+        prefix = check_prefix(prefix, max_frames, self.audio_vocab)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
         with self._exclusive():
             # Not held across the yields (the caller's code runs there): each launch below enters the device again.
             with on_device(self.device):
-                advance = self._start(text_ids, max_frames, sampling, seed, forced=None)
+                advance = self._start(text_ids, max_frames, sampling, seed, forced=prefix, record=False)
             yield from self._replay(advance, max_frames, cancel)
 
     @torch.no_grad()
@@ -145,7 +149,7 @@ class GraphEngine(EngineWeights):
         ([steps - 1, 8·hidden]); the reference computation on the same codes must agree within bf16 rounding."""
         steps = codes.shape[0]
         with self._exclusive(), on_device(self.device):
-            advance = self._start(text_ids, steps - 1, SamplingSettings(cfg_scale), 0, forced=codes)
+            advance = self._start(text_ids, steps - 1, SamplingSettings(cfg_scale), 0, forced=codes, record=True)
             state = self._state
             with self._on_stream():  # allocated on the stream that writes it
                 frames = torch.empty(steps - 1, state.frames.shape[1], device=self.device, dtype=self.dtype)
@@ -178,7 +182,7 @@ class GraphEngine(EngineWeights):
     # ------------------------------------------------------------------ song setup
     def _start(
         self, text_ids: torch.Tensor, max_frames: int, sampling: SamplingSettings, seed: int,
-        forced: torch.Tensor | None,
+        forced: torch.Tensor, record: bool,
     ) -> Callable[[], None]:
         if text_ids.dim() != 2 or text_ids.shape[0] != 2:
             raise ValueError(f"text_ids must be the [2, T] CFG pair, got {tuple(text_ids.shape)}")
@@ -191,7 +195,7 @@ class GraphEngine(EngineWeights):
         check_launch_device(self.device, "The graph engine")
         text_ids = text_ids.to(self.device)
         self._ensure_capacity(text_ids.shape[1] + max_frames + 1, max_frames + 1)
-        advance = self._advance(forced is not None)  # captures on first use (before seeding)
+        advance = self._advance(record)  # captures on first use (before seeding)
         state = self._state
         if self.device.type == "cuda":
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -200,8 +204,8 @@ class GraphEngine(EngineWeights):
             self._rng.manual_seed(seed)
             state.scale.fill_(float(sampling.cfg_scale))
             state.top_k.fill_(sampling.top_k)
-            if forced is not None:
-                state.forced[: forced.shape[0]].copy_(forced.to(self.device, torch.int32))
+            state.forced[: forced.shape[0]].copy_(forced.to(self.device, torch.int32))
+            state.forced_steps.fill_(forced.shape[0])
             self._song_marks = (self._mark(),)
             prefill(self._state, self, text_ids)
             self._song_marks += (self._mark(),)
@@ -219,48 +223,47 @@ class GraphEngine(EngineWeights):
             torch.cuda.empty_cache()
         self._state = EngineState(self, round_up(positions, 256), round_up(steps, 256))
 
-    def _advance(self, forced: bool) -> Callable[[], None]:
+    def _advance(self, record: bool) -> Callable[[], None]:
         state = self._state
-        if forced and state.record is None:
+        if record and state.record is None:
             state.record = torch.zeros(state.steps, 2, AUDIO_CODES, device=self.device, dtype=self.dtype)
         if not self.use_graphs:
-            return lambda: self._step(forced)
-        graph = self._graphs.get(forced)
+            return lambda: self._step(record)
+        graph = self._graphs.get(record)
         if graph is None:
-            graph = self._graphs[forced] = self._capture(forced)
+            graph = self._graphs[record] = self._capture(record)
         return graph.replay
 
-    def _capture(self, forced: bool) -> torch.cuda.CUDAGraph:
+    def _capture(self, record: bool) -> torch.cuda.CUDAGraph:
         state = self._state
         with self._on_stream():
             # Warm-up outside the graph compiles every kernel; counters at 0 keep its writes in bounds.
             state.counters.zero_()
-            self._step(forced)
+            self._step(record)
             state.counters.zero_()
         self._stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(self._rng)
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            self._step(forced)
+            self._step(record)
         self.capture_count += 1
         return graph
 
     # ------------------------------------------------------------------ the frame (what the graph holds)
-    def _step(self, forced: bool) -> None:
+    def _step(self, record: bool) -> None:
         s = self._state
         step, pos = s.counters[0:1], s.counters[1:2]
-        forced_codes = s.forced if forced else None
 
         def sample(logits: torch.Tensor, slot: int, noise: torch.Tensor, **kw) -> None:
             cfg_sample(
                 logits, noise, s.scale, s.top_k, s.codes[:, slot], step, step_stride=self.num_codebooks,
-                forced=None if forced_codes is None else forced_codes[:, slot], **kw,
+                forced=(s.forced[:, slot], s.forced_steps), **kw,
             )
 
         copy_programs = max(1, min(8, self.hidden // 512))
         # 1. Semantic code from the LM's current state (the audio slice of lm_head only).
         self._gemv(s.lm_hidden, self.audio_head, s.logits)
-        if forced:
+        if record:
             s.record.index_copy_(0, step.long(), s.logits.unsqueeze(0))
         s.noise.exponential_(generator=self._rng)
         sample(

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from .. import contract as c
 from ..events import Cancelled, check_cancel
-from . import SamplingSettings
+from . import SamplingSettings, check_prefix
 from .sampling import guide, reference_sample_top_k, reference_semantic_logits
 
 __all__ = ["ReferenceEngine", "Cancelled", "lm_forward"]
@@ -62,11 +62,14 @@ class ReferenceEngine:
     def __init__(self, language_model, depth_decoder) -> None:
         self.language_model = language_model
         self.depth_decoder = depth_decoder
+        self._codes: list[torch.Tensor] = []  # the current (or last) song's codes, one [8] row per decode step
 
     def _depth_codes(
-        self, last_hidden: torch.Tensor, semantic_code: torch.Tensor, sampling: SamplingSettings, generator
+        self, last_hidden: torch.Tensor, semantic_code: torch.Tensor, sampling: SamplingSettings, generator,
+        forced: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample residual codes c1..c7 for one frame; return ([2, 8] codes, [1, 7 * hidden] conditional hiddens)."""
+        """Sample residual codes c1..c7 for one frame (or take them from `forced`, the step's [8] codes, drawing
+        nothing); return ([2, 8] codes, [1, 7 * hidden] conditional hiddens)."""
         depth = self.depth_decoder
         num_codebooks = depth.config.num_codebooks
         sequence = [depth.projection(last_hidden).unsqueeze(1)]
@@ -77,10 +80,13 @@ class ReferenceEngine:
         for index in range(1, num_codebooks):
             hidden = depth(torch.cat(sequence, dim=1))[:, -1]
             hidden_parts.append(hidden[:1])
-            logits = depth.audio_heads[index - 1](hidden)
-            logits = guide(logits[:1].float(), logits[1:2].float(), sampling.cfg_scale)
-            # The code is repeated so the LM feedback keeps its [conditional, unconditional] rows.
-            code = reference_sample_top_k(logits, sampling.top_k, generator).repeat(2)
+            if forced is not None:
+                code = forced[index].repeat(2)
+            else:
+                logits = depth.audio_heads[index - 1](hidden)
+                logits = guide(logits[:1].float(), logits[1:2].float(), sampling.cfg_scale)
+                # The code is repeated so the LM feedback keeps its [conditional, unconditional] rows.
+                code = reference_sample_top_k(logits, sampling.top_k, generator).repeat(2)
             codes.append(code)
             if index < num_codebooks - 1:
                 embed = depth.audio_embeddings(code + (index - 1) * depth.config.audio_vocab_size)
@@ -95,8 +101,13 @@ class ReferenceEngine:
         sampling: SamplingSettings,
         generator: torch.Generator,
         cancel: threading.Event | None = None,
+        prefix: torch.Tensor | None = None,
     ) -> Iterator[torch.Tensor]:
+        """`prefix` ([P, 8] codes): the first P decode steps take these codes instead of sampling (teacher forcing,
+        no draws), then decoding goes on freely; a song's own codes as the prefix reproduce its frames exactly."""
         lm = self.language_model
+        prefix = check_prefix(prefix, max_frames, self.depth_decoder.config.audio_vocab_size)
+        self._codes = []
         cache = DynamicCache(config=lm.config)
         last_hidden = lm_forward(lm, lm.model.embed_tokens(text_ids), cache)
 
@@ -108,13 +119,20 @@ class ReferenceEngine:
         # The first decode step only advances past `<|audio_start|>`; it is not an emitted frame.
         for frame_index in range(max_frames + 1):
             check_cancel(cancel)
-            guided = reference_semantic_logits(lm.lm_head(last_hidden), vocab_mask, sampling.cfg_scale, sampling.top_k)
-            sampled = reference_sample_top_k(guided, sampling.top_k, generator)
-            if int(sampled.item()) == c.AUDIO_END_TOKEN_ID:
-                return
+            forced = prefix[frame_index].to(text_ids.device) if frame_index < len(prefix) else None
+            if forced is not None:
+                sampled = forced[:1] + c.AUDIO_CODE_OFFSET
+            else:
+                guided = reference_semantic_logits(
+                    lm.lm_head(last_hidden), vocab_mask, sampling.cfg_scale, sampling.top_k
+                )
+                sampled = reference_sample_top_k(guided, sampling.top_k, generator)
+                if int(sampled.item()) == c.AUDIO_END_TOKEN_ID:
+                    return
             frame_codes, depth_hidden = self._depth_codes(
-                last_hidden, (sampled - c.AUDIO_CODE_OFFSET).repeat(2), sampling, generator
+                last_hidden, (sampled - c.AUDIO_CODE_OFFSET).repeat(2), sampling, generator, forced
             )
+            self._codes.append(frame_codes[0])
             if frame_index > 0:
                 yield torch.cat((last_hidden[:1], depth_hidden), dim=-1)
                 emitted += 1
@@ -122,3 +140,9 @@ class ReferenceEngine:
                     return
             feedback = embed_audio_frame(lm, self.depth_decoder, frame_codes)
             last_hidden = lm_forward(lm, feedback, cache)
+
+    def song_codes(self) -> torch.Tensor:
+        """[steps, 8] codes of the last song's decode steps (step 0, which is not a frame, included)."""
+        if not self._codes:
+            raise RuntimeError("no song has run on this engine")
+        return torch.stack(self._codes)

@@ -41,7 +41,10 @@ class EngineState:
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         self.frames = torch.zeros(e.FRAME_RING, e.num_codebooks * hid, device=dev, dtype=dt)
         self.codes = torch.zeros(steps, e.num_codebooks, device=dev, dtype=torch.int32)
+        # Steps below `forced_steps` take their codes from `forced` instead of the samplers (a song's own codes as a
+        # prefix to continue it; every step for teacher forcing). Device values, so one graph serves every song.
         self.forced = torch.zeros_like(self.codes)
+        self.forced_steps = torch.zeros(1, device=dev, dtype=torch.int32)
         self.record: torch.Tensor | None = None  # teacher forcing: LM audio logits per step
         # Per-frame scratch. Residual streams are float32: over 36 layers bf16 adds are the largest rounding error
         # (the fp32 reference is the oracle; the bf16 HF model is itself ~1.5e-2 away from it).

@@ -31,6 +31,21 @@ def _documented(component: gr.components.Component, kind: str, text: str) -> gr.
     return component
 
 
+def api_results(items: Iterator) -> Iterator[tuple]:
+    """An endpoint's yields for one run's items (`core.run`'s): skips while it runs, then (the WAV, the report)."""
+    try:
+        with closing(items):
+            for item in items:
+                if isinstance(item, Outcome):
+                    yield item.saved.wav, item.report
+                    return
+                if item is None or isinstance(item, AudioPiece):
+                    # Handing control back lets a client's cancel close this generator promptly.
+                    yield gr.skip(), gr.skip()
+    except Cancelled:
+        raise refusal(STOPPED_MESSAGE, "Stopped") from None
+
+
 def add_api(ctx: AppContext, concurrency: int) -> None:
     blocks = gr.context.Context.root_block
 
@@ -52,17 +67,7 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
         seed = None if seed == RANDOM_SEED else seed
         song_request = check(ctx.holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
                                                       lm_cfg_scale, top_k, instrumental))
-        try:
-            with closing(run(ctx, song_request, request.session_hash, progress)) as items:
-                for item in items:
-                    if isinstance(item, Outcome):
-                        yield item.saved.wav, item.report
-                        return
-                    if item is None or isinstance(item, AudioPiece):
-                        # Handing control back lets a client's cancel close this generator promptly.
-                        yield gr.skip(), gr.skip()
-        except Cancelled:
-            raise refusal(STOPPED_MESSAGE, "Stopped") from None
+        yield from api_results(run(ctx, song_request, request.session_hash, progress))
 
     def status(request: gr.Request) -> dict:
         """The server's state for anyone (model loading / ready / failed with why, devices and the busy ones, songs

@@ -15,6 +15,7 @@ import numpy as np
 import soundfile as sf
 
 from ..checkpoint import CheckpointError
+from ..continuation import SongState
 from ..events import AudioPiece, Cancelled, Finished, Progress, Song
 from ..request import GenerationRequest, InvalidRequest, validate
 from .holder import ModelHolder
@@ -120,17 +121,20 @@ def wav_bytes(samples: np.ndarray, sample_rate: int) -> bytes:
 def run(
     ctx: AppContext, request: GenerationRequest, session: str | None, progress: ProgressFn,
     tracker: StageTracker | None = None,
+    continue_from: SongState | None = None,
 ) -> Iterator[AudioPiece | Outcome | None]:
-    """Run one song: yields audio pieces, the Outcome once it is saved, and `None` on ticks (see runner.py).
-    `tracker`: the caller's, to draw its own progress from (the page); else a new one reporting to `progress`."""
+    """Run one song (or extend `continue_from`'s): yields audio pieces, the Outcome once it is saved, and `None` on
+    ticks (see runner.py). `tracker`: the caller's, to draw its own progress from (the page); else a new one
+    reporting to `progress`."""
     try:
         ctx.store.check_room(request.duration)
     except DiskFull as error:
         log.warning("refused a request: %s", error)
         raise refusal(str(error), DISK_FULL_TITLE) from None
-    job = Job(ctx.holder, request, ctx.registry, session)
+    job = Job(ctx.holder, request, ctx.registry, session, continue_from)
     ctx.registry.start(session, job)
-    tracker = tracker or StageTracker(request.duration, request.num_steps)
+    added = continue_from.seconds if continue_from is not None else 0.0
+    tracker = tracker or StageTracker(request.duration + added, request.num_steps)
     tracker.report(progress, force=True)
     events = job.events(ctx.tick)
     song: Song | None = None
@@ -187,6 +191,7 @@ def finish(ctx: AppContext, request: GenerationRequest, job: Job, song: Song) ->
     # Names only: the files come back as the endpoint's output, and a server path is nobody else's business.
     report["files"] = {"song_id": saved.id, "wav": Path(saved.wav).name, "flac": Path(saved.flac).name,
                        "mp3": Path(saved.mp3).name}
+    report["song_id"] = saved.id  # what the `continue` endpoint takes
     log.info("song %s: %.2f s, seed %s, %.2fx realtime", saved.id, song.duration, song.seed,
              song.timings.get("realtime_factor", 0.0))
     return Outcome(song, saved, report)

@@ -36,6 +36,7 @@ from .controls import (
     settings_values,
     token_counter_markdown,
 )
+from .continue_view import add_continue_api, build_continue_panel, wire_continue_panel
 from .core import AppContext, Outcome, check, make_request, run
 from .history import STORAGE_KEY, add_entry, browser_secret, render_history
 from .progress import StageTracker, _seconds
@@ -79,6 +80,8 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
                         render_history(entries, ctx.store.root, controls.settable(), settings_values,
                                        view.song_outputs(), view.play_entry)
 
+                continue_panel = build_continue_panel()
+
         examples = assets.load_examples()
         gr.Examples(
             examples=[[e.description, e.lyrics, e.duration, e.instrumental] for e in examples],
@@ -90,6 +93,7 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
         )
         gr.Markdown(assets.footer_markdown(), elem_id="licence")
         add_api(ctx, concurrency)
+        add_continue_api(ctx, GPU_GROUP, concurrency)
         ticket = gr.State(None)  # the validated request of the latest accepted click
         run_id = gr.Textbox(visible="hidden", elem_id="run-id")  # set when a click was accepted, else ""
         start_run = gr.Button("start", visible="hidden", elem_id="start-run")
@@ -162,13 +166,18 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
             if not ticket_value:
                 return
             song_request = check(holder, GenerationRequest(**ticket_value["request"]))
-            clicked_at = ticket_value["at"]
-            tracker = StageTracker(song_request.duration, song_request.num_steps,
+            yield from play(song_request, ticket_value["at"], entries, request.session_hash)
+
+        def play(song_request: GenerationRequest, clicked_at: float, entries: list[dict], session: str | None,
+                 continue_from=None):
+            """Page updates for one run (a new song, or `continue_from`'s extension): the stream with the page's own
+            progress, then the result with the song added to the history; a stop says so."""
+            added = continue_from.seconds if continue_from is not None else 0.0
+            tracker = StageTracker(song_request.duration + added, song_request.num_steps,
                                    speed=next(iter(holder.speeds.values()), None))
             yield view.start() | {view.progress: tracker.page_html(time.time() - clicked_at)}
-            session = request.session_hash
             try:
-                with closing(run(ctx, song_request, session, _no_progress, tracker)) as items:
+                with closing(run(ctx, song_request, session, _no_progress, tracker, continue_from)) as items:
                     for item in items:
                         if ctx.registry.stopped(session):
                             # Ends the handler now (closing the run sets the cancel flag again): the worker may
@@ -206,12 +215,17 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
             concurrency_id=GPU_GROUP, concurrency_limit=concurrency, show_progress="minimal",
             show_progress_on=[view.queue], api_visibility="private",
         )
-        run_event.then(restore, None, [generate_button, stop_button], queue=False, api_visibility="private").then(
-            refresh_banner, None, [banner, banner_timer], queue=False, api_visibility="private")
+        busy = ([generate_button, stop_button, view.status],
+                lambda: (gr.update(interactive=False, value="Generating…"), gr.update(visible=True), ""))
+        continue_event = wire_continue_panel(ctx, continue_panel, history, view.outputs(), busy, play, GPU_GROUP,
+                                             concurrency)
+        for event in (run_event, continue_event):
+            event.then(restore, None, [generate_button, stop_button], queue=False, api_visibility="private").then(
+                refresh_banner, None, [banner, banner_timer], queue=False, api_visibility="private")
         stop_button.click(stop, None, [view.status, view.progress, view.queue, generate_button, stop_button, cancel_id],
                           queue=False, api_visibility="private",
                           ).then(None, cancel_id, None, js=click_if_set("cancel-queued"), api_visibility="private")
-        cancel_queued.click(None, None, None, cancels=[run_event], queue=False, api_visibility="private")
+        cancel_queued.click(None, None, None, cancels=[run_event, continue_event], queue=False, api_visibility="private")
 
         def tab_closed(request: gr.Request) -> None:
             ctx.registry.stop(request.session_hash)  # a closed tab must not keep a GPU busy for nobody

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from ..continuation import SongState
 from ..events import Event
 from ..handoff import END, Handoff
 from ..request import GenerationRequest
@@ -50,7 +51,8 @@ class JobRecord:
 
 
 def generation_events(
-    holder: ModelHolder, request: GenerationRequest, cancel: threading.Event, record: JobRecord, tick: float = 0.2
+    holder: ModelHolder, request: GenerationRequest, cancel: threading.Event, record: JobRecord, tick: float = 0.2,
+    continue_from: SongState | None = None,
 ) -> Iterator[Event | Phase | None]:
     """Run one generation in a worker thread and yield its events in order (`None` on idle ticks).
 
@@ -64,7 +66,8 @@ def generation_events(
                 record.state, record.device = "running", lease.device
                 record.started_at = time.time()
                 try:
-                    song = lease.pipeline.generate(request, on_event=put, cancel=cancel)
+                    song = lease.pipeline.generate(request, on_event=put, cancel=cancel,
+                                                   continue_from=continue_from)
                     holder.record_song(lease.device, lease.pipeline, song, request.num_steps)  # for later ETAs
                 finally:
                     # Stamped before the device is handed on, so two jobs' [started, ended] never overlap.
@@ -97,16 +100,17 @@ class Job:
     """One request's generation, its cancel flag and its record."""
 
     def __init__(self, holder: ModelHolder, request: GenerationRequest, registry: JobRegistry | None = None,
-                 session: str | None = None) -> None:
+                 session: str | None = None, continue_from: SongState | None = None) -> None:
         self.holder = holder
         self.request = request
+        self.continue_from = continue_from  # the song this job extends (continuation.py), if any
         self.cancel = threading.Event()
         self.record = JobRecord(next(_ids), request.duration, session=session)
         if registry is not None:
             registry.remember(self.record)
 
     def events(self, tick: float = 0.2) -> Iterator[Event | Phase | None]:
-        return _gpu_generation_events(self.holder, self.request, self.cancel, self.record, tick)
+        return _gpu_generation_events(self.holder, self.request, self.cancel, self.record, tick, self.continue_from)
 
     def stop(self) -> None:
         self.cancel.set()

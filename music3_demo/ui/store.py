@@ -1,4 +1,4 @@
-"""Finished songs on disk (WAV, FLAC, MP3, waveform picture) and the background cleaner that deletes them at TTL.
+"""Finished songs on disk (WAV, FLAC, MP3, waveform picture, the state that continuing a song needs) and the background cleaner that deletes them at TTL.
 
 A song is written into a hidden `.partial-<pid>-<id>` folder and renamed into place only when every file is
 complete, so nothing half-written is ever listed or served; a failed save removes what it wrote, and start-up
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .. import contract as c
 from ..audio import waveform_image, write_audio
+from ..continuation import SongState
 from ..events import Song
 
 DEFAULT_TTL_S = 24 * 3600
@@ -44,6 +45,8 @@ class DiskFull(OSError):
 
     def __str__(self) -> str:
         return self.strerror
+STATE_FILE = "continue.npz"
+_SONG_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a folder name of this store, never a path
 
 
 def default_root() -> Path:
@@ -58,6 +61,7 @@ class SavedSong:
     mp3: str
     waveform: str
     created: float
+    state: str | None = None  # what "continue this song" reads (SongState.save's file)
 
 
 def _slug(text: str, limit: int = 40) -> str:
@@ -99,6 +103,8 @@ class SongStore:
                 jobs = [pool.submit(write_audio, partial / f"{name}.{ext}", song.audio, song.sample_rate)
                         for ext in ("wav", "flac", "mp3")]
                 jobs.append(pool.submit(lambda: waveform_image(song.audio).save(partial / "waveform.png")))
+                if song.state is not None:
+                    jobs.append(pool.submit(song.state.save, partial / STATE_FILE))
                 for job in jobs:
                     job.result()
             partial.rename(folder)
@@ -108,7 +114,8 @@ class SongStore:
                 raise DiskFull() from error
             raise
         return SavedSong(song_id, str(folder / f"{name}.wav"), str(folder / f"{name}.flac"),
-                         str(folder / f"{name}.mp3"), str(folder / "waveform.png"), time.time())
+                         str(folder / f"{name}.mp3"), str(folder / "waveform.png"), time.time(),
+                         str(folder / STATE_FILE) if song.state is not None else None)
 
     def _disk_is_full(self, error: BaseException) -> bool:
         # libsndfile reports a full disk with its own codes, not errno: ask the disk itself.
@@ -133,6 +140,14 @@ class SongStore:
             log.warning("removed %d unfinished song folder(s) left by a stopped process: %s", len(removed),
                         ", ".join(sorted(removed)))
         return removed
+
+    def load_state(self, song_id: str) -> SongState:
+        """The saved state of a song in this store, or ValueError with one sentence (unknown id, expired files)."""
+        path = self.root / song_id / STATE_FILE if isinstance(song_id, str) and _SONG_ID.match(song_id) else None
+        if path is None or not path.is_file():
+            raise ValueError("That song is no longer on the server (its files expire after a while), so it cannot "
+                             "be continued; make a new one.")
+        return SongState.load(path)
 
     def sweep(self, now: float | None = None) -> int:
         """Delete song folders older than the TTL; returns how many went."""

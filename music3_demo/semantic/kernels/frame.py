@@ -92,7 +92,7 @@ def _row_slice(c, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, PARTS: tl.constexpr
 @triton.jit
 def _cfg_sample_kernel(
     logits_ptr, stride_lr, stride_lc, noise_ptr, stride_nr, scale_ptr, top_k_ptr, V,
-    codes_ptr, stride_cr, step_ptr, stride_cs, forced_ptr, end_ptr, end_index,
+    codes_ptr, stride_cr, step_ptr, stride_cs, forced_ptr, forced_steps_ptr, end_ptr, end_index,
     table_rows, table_ptr, stride_t, copy_ptr, stride_copy, table2_ptr, stride_t2, copy2_ptr, stride_copy2,
     BLOCK_V: tl.constexpr, COND_TOPK: tl.constexpr, FORCED: tl.constexpr, HAS_END: tl.constexpr,
     COPIES: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, PARTS: tl.constexpr, CHUNK2: tl.constexpr,
@@ -126,8 +126,8 @@ def _cfg_sample_kernel(
     noise = tl.load(noise_ptr + r * stride_nr + offs, mask=valid, other=1.0)
     score = tl.where(keep, guided - tl.log(noise), float("-inf"))
     code = tl.argmax(score, axis=0).to(tl.int32)
-    if FORCED:
-        code = tl.load(forced_ptr + step * stride_cs)
+    if FORCED:  # steps below forced_steps take the given code (the draw above is made either way)
+        code = tl.where(step < tl.load(forced_steps_ptr), tl.load(forced_ptr + step * stride_cs), code)
     tl.store(codes_ptr + r * stride_cr + step * stride_cs, code)
     if HAS_END:
         tl.atomic_min(end_ptr, tl.where(code == end_index, step, 2147483647))
@@ -164,7 +164,7 @@ def cfg_sample(
     *,
     conditional_top_k: bool,
     step_stride: int = 0,
-    forced: torch.Tensor | None = None,
+    forced: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     end: tuple[torch.Tensor, int] | None = None,
     copies: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (),
     copy_programs: int = 8,
@@ -175,7 +175,8 @@ def cfg_sample(
     one captured graph serves every top-k) of the guided logits,
     among the top_k of the conditional row with `conditional_top_k` (the LM's semantic code). noise: Exp(1) draws,
     [V] or [R, V]. The code goes to codes[r + step·step_stride] (step: int32 [1] on device); `forced` (same layout)
-    overrides it (teacher forcing); `end` = (flag int32 [1], index) records the first step that sampled `index`;
+    overrides it (teacher forcing), at every step or, given as (codes, steps int32 [1] on device), at steps below
+    `steps` (a forced prefix); `end` = (flag int32 [1], index) records the first step that sampled `index`;
     each of up to two `copies` (table [rows, W], dest [2, W]; tables with the same rows, codes past them read the
     last) writes table[code] to both dest rows, split over `copy_programs` programs.
     """
@@ -200,9 +201,12 @@ def cfg_sample(
         chunking.append((codes, 0, codes, 0, 1, 1))
     (table, stride_t, dest, stride_d, chunk, chunks), (table2, stride_t2, dest2, stride_d2, chunk2, chunks2) = chunking
     end_flag, end_index = end if end is not None else (codes, -1)
+    if forced is not None and not isinstance(forced, tuple):
+        forced = (forced, torch.full((1,), 2**31 - 1, dtype=torch.int32, device=forced.device))
+    forced_codes, forced_steps = forced if forced is not None else (codes, codes)
     _cfg_sample_kernel[(draws, programs)](
         pairs, pairs.stride(0), pairs.stride(1), noise2, noise2.stride(0) if draws > 1 else 0, scale, top_k, vocab,
-        codes, 1, step, step_stride, codes if forced is None else forced, end_flag, end_index,
+        codes, 1, step, step_stride, forced_codes, forced_steps, end_flag, end_index,
         copies[0][0].shape[0] if copies else 1, table, stride_t, dest, stride_d, table2, stride_t2, dest2, stride_d2,
         BLOCK_V=triton.next_power_of_2(vocab), COND_TOPK=conditional_top_k, FORCED=forced is not None,
         HAS_END=end is not None, COPIES=len(copies), CHUNK=chunk, CHUNKS=chunks, PARTS=triton.next_power_of_2(chunks),
