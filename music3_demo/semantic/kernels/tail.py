@@ -2,7 +2,7 @@
 o (+ residual) -> gate|up (+ RMSNorm, SwiGLU) -> down (+ residual) [-> next block's q|k|v (+ RMSNorm)].
 
 Why: as separate launches each product pays ~4 us of launch, ramp and tail (the LM o product: 11.8 us for 33.6 MB,
-8 us at copy bandwidth). PDL could not hide it (runs #2, #8, #9 in docs/PERFORMANCE.md). Here one grid of
+8 us at copy bandwidth). PDL could not hide it (runs #2, #8, #9 in docs/PERFORMANCE_LOG.md). Here one grid of
 `programs` (<= the SM count, so all are resident together) runs the products in turn with a grid barrier between
 two: ~2 us per boundary saved, +1.5-2% frames/s (run #12c; a barrier still waits for the slowest program). Each
 program owns row blocks pid, pid + programs, ... of every product, walked as one flattened k-loop so the pipeline
