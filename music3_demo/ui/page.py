@@ -225,7 +225,8 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
         stop_button.click(stop, None, [view.status, view.progress, view.queue, generate_button, stop_button, cancel_id],
                           queue=False, api_visibility="private",
                           ).then(None, cancel_id, None, js=click_if_set("cancel-queued"), api_visibility="private")
-        cancel_queued.click(None, None, None, cancels=[run_event, continue_event], queue=False, api_visibility="private")
+        cancel_queued.click(None, None, None, cancels=[run_event, continue_event], queue=False,
+                            api_visibility="private")
 
         def tab_closed(request: gr.Request) -> None:
             ctx.registry.stop(request.session_hash)  # a closed tab must not keep a GPU busy for nobody

@@ -1,4 +1,5 @@
-"""Finished songs on disk (WAV, FLAC, MP3, waveform picture, the state that continuing a song needs) and the background cleaner that deletes them at TTL.
+"""Finished songs on disk (WAV, FLAC, MP3, waveform picture, the state that continuing a song needs) and the
+background cleaner that deletes them at TTL.
 
 A song is written into a hidden `.partial-<pid>-<id>` folder and renamed into place only when every file is
 complete, so nothing half-written is ever listed or served; a failed save removes what it wrote, and start-up
