@@ -105,6 +105,7 @@ class Job:
         self.request = request
         self.continue_from = continue_from  # the song this job extends (continuation.py), if any
         self.cancel = threading.Event()
+        self.stop_requested = False
         self.record = JobRecord(next(_ids), request.duration, session=session)
         if registry is not None:
             registry.remember(self.record)
@@ -113,6 +114,9 @@ class Job:
         return _gpu_generation_events(self.holder, self.request, self.cancel, self.record, tick, self.continue_from)
 
     def stop(self) -> None:
+        # Told apart from `cancel`, which the event stream also sets when it ends normally (to stop a worker whose
+        # consumer went away): only this says the user asked to stop.
+        self.stop_requested = True
         self.cancel.set()
 
 
@@ -150,7 +154,7 @@ class JobRegistry:
         """Whether the session's running job has been told to stop (its handler then shows "Stopped")."""
         with self._lock:
             job = self._active.get(session) if session else None
-        return job is not None and job.cancel.is_set()
+        return job is not None and job.stop_requested
 
     def unfinished(self) -> list[dict]:
         """Every session's queued or running jobs, for the server's own estimates (never shown per job)."""
