@@ -136,12 +136,13 @@ class QuantizedAudioHead(nn.Module):
 
 @dataclass
 class QuantReport:
-    """What `quantize_model_` did: the mode and scheme, how many Linear modules were swapped, their weight bytes
-    before and after (1-byte values + float32 scales), and the time it took."""
+    """What `quantize_model_` did: the mode and scheme, how many Linear modules were swapped (and their weights'
+    element count), their weight bytes before and after (1-byte values + float32 scales), and the time it took."""
 
     mode: str
     scheme: str = "bf16"
     modules: int = 0
+    weights: int = 0  # elements of the swapped weights
     bytes_before: int = 0
     bytes_after: int = 0
     seconds: float = 0.0
@@ -226,6 +227,7 @@ def quantize_model_(
 def _swap(linear: nn.Linear, fmt: str, group: int, device: torch.device, report: QuantReport) -> QuantizedLinear:
     weight = linear.weight.detach()
     report.modules += 1
+    report.weights += weight.numel()
     report.bytes_before += weight.numel() * weight.element_size()
     quantized = QuantizedLinear(quantize_weight(weight.to(device), fmt, group))
     linear.weight = None  # the bf16 weight goes as soon as its quantized form exists
