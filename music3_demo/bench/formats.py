@@ -1,7 +1,7 @@
 """How much a weight format changes the model (issue 15, "Quality 2"), apart from any kernel: the float32 reference
 computation with the dequantized weights against the float32 reference with the original weights, teacher-forced on
 the same random codes, on random weights with injected outlier input channels (a few columns of every quantized
-Linear scaled x30, as real checkpoints have).
+Linear scaled x30, as real checkpoints have: 4 per 4,096 columns, the same density on a smaller model).
 
 Figures per scheme, over every forced step's LM audio logits (the CFG pair):
 - `logits_rel_error`: ||logits_q - logits|| / ||logits|| per step (mean and max);
@@ -33,28 +33,27 @@ MID = ModelSizes(
     dit_head_dim=8, dit_ff=32, dit_rotary_dim=4, dit_fourier_dim=16, vocoder_input_dim=16, vocoder_hidden_dim=16,
 )
 SCHEMES = (Scheme("fp8", 0), Scheme("fp8", 128), Scheme("int8", 0), Scheme("int8", 128))
-OUTLIER_COLUMNS, OUTLIER_GAIN = 4, 30.0
+OUTLIER_COLUMNS, OUTLIER_GAIN = 4, 30.0  # per 4,096 input columns (at least one per Linear)
 
 
 @torch.no_grad()
 def inject_outliers(language_model, depth_decoder, columns: int = OUTLIER_COLUMNS, gain: float = OUTLIER_GAIN,
                     seed: int = 0) -> int:
-    """Scale `columns` random input columns of every Linear that `quantize_model_` would quantize (and of lm_head's
-    audio rows) by `gain`. Returns the number of weights changed."""
+    """Scale random input columns of every Linear that `quantize_model_` would quantize (and of lm_head's audio rows)
+    by `gain`: `columns` per 4,096 (at least one), so a narrower model keeps the full size's density (4 columns of a
+    512-wide product would hit most of its 128-column groups, which the full model's 4,096 columns do not). Returns
+    the number of weights changed."""
     from ..semantic.quant import _linear_targets, audio_head_rows
 
     generator = torch.Generator().manual_seed(seed)
     weights = [linear.weight for _, _, linear in _linear_targets(language_model, depth_decoder)]
-    changed = 0
-    for weight in weights:
-        cols = torch.randperm(weight.shape[1], generator=generator)[:columns].to(weight.device)
-        weight[:, cols] *= gain
-        changed += 1
     head = language_model.lm_head.weight
-    rows = audio_head_rows(head.device)
-    cols = torch.randperm(head.shape[1], generator=generator)[:columns].to(head.device)
-    head[rows[:, None], cols[None, :]] *= gain
-    return changed + 1
+    for weight in weights + [head]:
+        k = weight.shape[1]
+        cols = torch.randperm(k, generator=generator)[: max(1, round(columns * k / 4096))].to(weight.device)
+        rows = audio_head_rows(head.device)[:, None] if weight is head else slice(None)  # head: its audio rows only
+        weight[rows, cols] *= gain
+    return len(weights) + 1
 
 
 def sampling_figures(logits: torch.Tensor, logits_q: torch.Tensor, top_k: int = c.AR_CFG_TOP_K,

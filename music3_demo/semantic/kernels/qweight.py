@@ -84,9 +84,10 @@ def dense(weight: Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
     return weight.dequantize(dtype) if isinstance(weight, QWeight) else weight
 
 
-def weight_format(weight: Weight) -> tuple[int, int]:
-    """(bytes per weight element, scale group: 0 per-channel) — what the tuning tables key 1-byte weights by."""
-    return (1, weight.group) if isinstance(weight, QWeight) else (weight.element_size(), 0)
+def weight_format(weight: Weight) -> tuple[int, ...]:
+    """The tuning's extra arguments for a weight: (1 byte, scale group: 0 per-channel) for a QWeight, none for a
+    model-dtype weight (whose lookups stay exactly what they were)."""
+    return (1, weight.group) if isinstance(weight, QWeight) else ()
 
 
 def kernel_args(weight: Weight) -> tuple[torch.Tensor, torch.Tensor, int, int, object]:
