@@ -79,19 +79,28 @@ class Compiled:
     registers: int
     seconds: float
     x_bytes: int  # element size of the activation operand (x_ptr), where the kernel has one
+    w_bytes: int = 2  # element size of the weights (1: fp8/int8 weights, `semantic/quant.py`)
 
 
-def full_size_engine(tuning: Tuning):
-    """The graph engine over the random-full model's language model and depth decoder, on the meta device."""
+def full_size_engine(tuning: Tuning, precision: str = "bf16"):
+    """The graph engine over the random-full model's language model and depth decoder, on the meta device, with its
+    weights in `precision` (bf16, or fp8/int8 in their default schemes)."""
+    import copy
+
     from music3_demo import random_models
     from music3_demo.semantic import graph
+    from music3_demo.semantic.quant import quantize_model_
 
     if not _MODELS:  # built once per process (the engine fuses their weights again for each architecture)
         with torch.device("meta"):
             models = random_models._make_models(random_models.FULL)
-        _MODELS.update(lm=models["language_model"].to(torch.bfloat16),
-                       depth=models["rvq_depth_decoder"].to(torch.bfloat16))
-    lm, depth = _MODELS["lm"], _MODELS["depth"]
+        _MODELS.update(bf16=(models["language_model"].to(torch.bfloat16),
+                             models["rvq_depth_decoder"].to(torch.bfloat16)))
+    if precision not in _MODELS:
+        lm, depth = (copy.deepcopy(m) for m in _MODELS["bf16"])
+        quantize_model_(lm, depth, precision, "meta")
+        _MODELS[precision] = (lm, depth)
+    lm, depth = _MODELS[precision]
     with _patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
         return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=True, tuning=tuning)
 
@@ -128,12 +137,22 @@ class Launch:
 _MODELS: dict = {}
 
 
-def record_launches(target: Target) -> tuple[Tuning, list[Launch]]:
-    """Every distinct kernel launch of one frame (sampled and teacher-forced) on `target`."""
-    tuning = tuning_for_target(target)
-    engine = full_size_engine(tuning)
-    launches: dict[str, Launch] = {}
+def precisions_of(capability: int) -> tuple[str, ...]:
+    """The weight precisions an engine can run with on this architecture (fp8 from sm_89 on)."""
+    return ("bf16", "int8", "fp8") if capability >= 89 else ("bf16", "int8")
 
+
+def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",)) -> tuple[Tuning, list[Launch]]:
+    """Every distinct kernel launch of one frame (sampled and teacher-forced) on `target`, for engines with weights
+    in each of `precisions` (the kernels they share are recorded once)."""
+    tuning = tuning_for_target(target)
+    launches: dict[str, Launch] = {}
+    for precision in precisions:
+        _record(full_size_engine(tuning, precision), target, launches)
+    return tuning, list(launches.values())
+
+
+def _record(engine, target: Target, launches: dict) -> None:
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         if is_manual_warmup:
             return False  # a preload: compile it
@@ -151,7 +170,6 @@ def record_launches(target: Target) -> tuple[Tuning, list[Launch]]:
         engine._ensure_capacity(512, 256)
         for forced in (False, True):
             engine._advance(forced)()
-    return tuning, list(launches.values())
 
 
 # Kernels whose launch configuration no tuning changes: their code differs between architectures only through
@@ -195,9 +213,12 @@ def compile_launch(launch: Launch, capability: int) -> Compiled:
     with _stand_in(capability):
         kernel = launch.fn.preload(launch.spec)
     seconds = _cpu_seconds() - start
-    x_type = json.loads(launch.spec)["signature"].get("x_ptr", "")
+    signature = json.loads(launch.spec)["signature"]
+    x_type = signature.get("x_ptr", "")
+    w_type = signature.get("w_ptr", signature.get("wo_ptr", ""))
     return Compiled(launch.name, launch.constants, kernel.metadata.num_warps, kernel.metadata.num_stages,
-                    kernel.metadata.shared, registers(kernel.asm["cubin"]), seconds, 4 if x_type == "*fp32" else 2)
+                    kernel.metadata.shared, registers(kernel.asm["cubin"]), seconds, 4 if x_type == "*fp32" else 2,
+                    1 if w_type in ("*i8", "*u8", "*fp8e4nv") else 2)
 
 
 def _cpu_seconds() -> float:
@@ -229,7 +250,7 @@ def programs_per_sm(compiled: Compiled, target: Target) -> int:
 def check(capability: int, name: str, sms: int, everything: bool = False) -> dict:
     """Compile for one architecture (every launch, or the CI set); the report and the list of what does not fit."""
     target = Target(name, capability, sms)
-    tuning, launches = record_launches(target)
+    tuning, launches = record_launches(target, precisions_of(capability))
     kernels = [compile_launch(launch, capability) for launch in (launches if everything else ci_set(launches,
                                                                                                    capability))]
     problems, residency = [], []

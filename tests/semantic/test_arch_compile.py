@@ -1,5 +1,6 @@
-"""Every Triton kernel the graph engine launches for the full-size model compiles for sm_80, 86, 89, 90, 100 and 120
-with the configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
+"""Every Triton kernel the graph engine launches for the full-size model (bf16 weights, and the 1-byte int8/fp8
+weights of semantic/quant.py where the architecture runs them) compiles for sm_80, 86, 89, 90, 100 and 120 with the
+configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
 tail's spin-barrier grid is resident all at once (scripts/compile_arch.py does the compiling, in two processes)."""
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def test_every_engine_kernel_compiles_and_fits_every_architecture(tmp_path):
         assert report["tma"] == (cap >= 90)
         names = {k["kernel"] for k in report["kernels"]}
         assert {"_gemv_kernel", "_block_tail_kernel"} <= names
+        # 1-byte weights (semantic/quant.py): int8 on every architecture, fp8 from sm_89 on, per their default schemes
+        quant = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] == "_gemv_kernel"}
+        assert quant == ({0, 1, 2} if cap >= 89 else {0, 2}), (cap, quant)
         tails = [k for k in report["kernels"] if k["kernel"] == "_block_tail_kernel"]
         assert tails and all(k["constants"]["SYNC"] for k in tails)  # fused, as on a GPU
         assert report["tail_programs"] == min(128, report["sms"])
@@ -55,11 +59,11 @@ def test_every_engine_kernel_compiles_and_fits_every_architecture(tmp_path):
             if kernel["kernel"] == "_gemv_kernel":
                 assert not c["TMA"] or cap >= 90
                 cfg = GemvConfig(c["BLOCK_N"], c["BLOCK_K"], kernel["num_warps"], kernel["num_stages"])
-                assert kernel["shared"] <= shared_bytes(cfg, kernel["x_bytes"]), (cap, kernel)
+                assert kernel["shared"] <= shared_bytes(cfg, kernel["x_bytes"], kernel["w_bytes"]), (cap, kernel)
             if kernel["kernel"] == "_block_tail_kernel":
                 products = [GemvConfig(c[f"BN_{p}"], c[f"BK_{p}"], 4, c[f"ST_{p}"]) for p in ("O", "GU", "D", "Q")]
                 assert all(not c[f"TMA_{p}"] or cap >= 90 for p in ("O", "GU", "D", "Q"))
-                assert kernel["shared"] <= max(shared_bytes(p) for p in products), (cap, kernel)
+                assert kernel["shared"] <= max(shared_bytes(p, 2, kernel["w_bytes"]) for p in products), (cap, kernel)
     by_cap = {r["capability"]: r for r in reports}
     assert "nvidia-h200.sm90.json" in by_cap[90]["table"]
     assert all(by_cap[cap]["table"] == "heuristic" for cap in (80, 86, 89, 100, 120))
