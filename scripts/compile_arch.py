@@ -9,6 +9,7 @@ recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with
 tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
 
 Run (TRITON_INTERPRET must be unset): python scripts/compile_arch.py 86 90 [--sms 82] [--name "NVIDIA H200"]
+[--precisions bf16,int8,fp8]
 """
 
 from __future__ import annotations
@@ -137,9 +138,9 @@ class Launch:
 _MODELS: dict = {}
 
 
-def precisions_of(capability: int) -> tuple[str, ...]:
-    """The weight precisions an engine can run with on this architecture (fp8 from sm_89 on)."""
-    return ("bf16", "int8", "fp8") if capability >= 89 else ("bf16", "int8")
+def precisions_of(capability: int, asked: tuple[str, ...] = ("bf16",)) -> tuple[str, ...]:
+    """Those of the `asked` weight precisions an engine can run with on this architecture (fp8 from sm_89 on)."""
+    return tuple(p for p in asked if p != "fp8" or capability >= 89)
 
 
 def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",)) -> tuple[Tuning, list[Launch]]:
@@ -247,10 +248,12 @@ def programs_per_sm(compiled: Compiled, target: Target) -> int:
     return min(by_shared, REGISTERS_PER_SM // max(regs, 1), target.threads_per_sm // threads, 32)
 
 
-def check(capability: int, name: str, sms: int, everything: bool = False) -> dict:
-    """Compile for one architecture (every launch, or the CI set); the report and the list of what does not fit."""
+def check(capability: int, name: str, sms: int, everything: bool = False, precisions: tuple[str, ...] = ("bf16",)
+          ) -> dict:
+    """Compile for one architecture (every launch, or the CI set) with weights in each of `precisions` (those the
+    architecture runs); the report and the list of what does not fit."""
     target = Target(name, capability, sms)
-    tuning, launches = record_launches(target, precisions_of(capability))
+    tuning, launches = record_launches(target, precisions_of(capability, precisions))
     kernels = [compile_launch(launch, capability) for launch in (launches if everything else ci_set(launches,
                                                                                                    capability))]
     problems, residency = [], []
@@ -269,7 +272,7 @@ def check(capability: int, name: str, sms: int, everything: bool = False) -> dic
         "tma": target.tma, "table": tuning.source, "tail_programs": tuning.programs,
         "tail_resident": min(residency, default=0),
         "kernels": [k.__dict__ for k in kernels], "problems": problems,
-        "compile_s": round(sum(k.seconds for k in kernels), 1),
+        "compile_s": round(sum(k.seconds for k in kernels), 1), "precisions": precisions_of(capability, precisions),
     }
 
 
@@ -279,12 +282,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sms", type=int, help="SM count (default: a typical GPU of the architecture)")
     parser.add_argument("--name", help="GPU name as the driver reports it (picks its tuning table)")
     parser.add_argument("--all", action="store_true", help="compile every launch, not only the CI set")
+    parser.add_argument("--precisions", default="bf16",
+                        help="comma list of weight precisions (bf16, int8, fp8: semantic/quant.py's default schemes; "
+                        "fp8 only from sm_89 on)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # kernels defined under it are the interpreter's
         raise SystemExit("compile_arch.py compiles for a GPU: unset TRITON_INTERPRET")
     for capability in args.capabilities:
         name, sms = TYPICAL.get(capability, (f"sm_{capability}", 128))
-        print(json.dumps(check(capability, args.name or name, args.sms or sms, args.all)), flush=True)
+        precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
+        print(json.dumps(check(capability, args.name or name, args.sms or sms, args.all, precisions)), flush=True)
 
 
 if __name__ == "__main__":
