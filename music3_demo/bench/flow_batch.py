@@ -3,6 +3,7 @@ songs, run one after another, concurrently without merging, and concurrently wit
 one process on the same weights; plus the executor's own per-bucket call times (what `calibrate()` decides from).
 
 `python -m music3_demo.bench.flow_batch --output $OUT/flow_batch.json [--steps 30] [--songs 1,2,4]`
+(`--device cpu --tiny`: the same run on the tiny model, eager and unmeasured: the CPU suite checks the script works.)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from .. import contract as c
 from .. import flow as flow_stage
 from .. import random_models
+from ..devices import normalize, on_device
 from ..flow.executor import FlowExecutor
 from ..flow.stream import FlowSettings, FlowStream, full_chunk_latents
 from ..flow.worker import FlowWorker
@@ -44,7 +46,7 @@ def run_songs(components, executor, frames: list[torch.Tensor], steps: int, toge
     """Wall time for every song's chunk, and the audio; `together`: each song on its own thread at once, the
     executor held until all first calls are queued (as songs whose chunks became ready at one moment)."""
     audio: list = [None] * len(frames)
-    torch.cuda.synchronize(executor.device)
+    _synchronize(executor.device)
     began = time.perf_counter()
     if not together:
         for index, song_frames in enumerate(frames):
@@ -60,8 +62,13 @@ def run_songs(components, executor, frames: list[torch.Tensor], steps: int, toge
             thread.start()
         for thread in threads:
             thread.join()
-    torch.cuda.synchronize(executor.device)
+    _synchronize(executor.device)
     return time.perf_counter() - began, audio
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def hold_until_queued(executor: FlowExecutor, count: int, timeout: float = 30.0) -> None:
@@ -75,17 +82,20 @@ def relative(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
 
 
-def bench(device: torch.device, steps: int, song_counts: list[int], repeats: int) -> dict:
-    components = random_models.build_components(random_models.FULL, seed=0, device=device, dtype=torch.bfloat16)
+def bench(device: torch.device, steps: int, song_counts: list[int], repeats: int, tiny: bool = False) -> dict:
+    sizes, dtype = (random_models.TINY, torch.float32) if tiny else (random_models.FULL, torch.bfloat16)
+    components = random_models.build_components(sizes, seed=0, device=device, dtype=dtype)
     components["vocoder"] = components["vocoder"].float()
     executor = flow_stage.prepare(components, device, fast=True)
     length = full_chunk_latents(components)
-    result = {"steps": steps, "latents_per_chunk": length, "calibration": executor.calibrate(length)}
+    calibration = executor.calibrate(length) if executor.graphs is not None else None
+    result = {"steps": steps, "latents_per_chunk": length, "calibration": calibration}
     hidden = components["language_model"].config.hidden_size
     generator = torch.Generator(device).manual_seed(0)
-    frames = [torch.randn(c.CHUNK_FRAMES, 8 * hidden, generator=generator, device=device, dtype=torch.bfloat16)
+    frames = [torch.randn(c.CHUNK_FRAMES, 8 * hidden, generator=generator, device=device, dtype=dtype)
               for _ in range(max(song_counts))]
-    torch.cuda.reset_peak_memory_stats(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for count in song_counts:
         songs = frames[:count]
         times: dict[str, list[float]] = {"sequential": [], "concurrent_unmerged": [], "batched": []}
@@ -114,7 +124,8 @@ def bench(device: torch.device, steps: int, song_counts: list[int], repeats: int
         print(json.dumps({f"songs_{count}": result[f"songs_{count}"]}), flush=True)
     executor.set_mode("auto")
     result["auto_buckets"] = {"dit": executor.plans["graph"].buckets, "vocoder": executor.plans["vocode"].buckets}
-    result["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+    if device.type == "cuda":
+        result["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
     executor.close()
     return result
 
@@ -126,18 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--songs", default="1,2,4")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model (a CPU check of the script)")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = normalize(args.device)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "gpu": torch.cuda.get_device_name(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "torch": torch.__version__,
-        "model": "random-full",
+        "model": "tiny" if args.tiny else "random-full",
     }
-    with torch.cuda.device(device):
-        result |= bench(device, args.steps, [int(n) for n in args.songs.split(",")], args.repeats)
+    with on_device(device):
+        result |= bench(device, args.steps, [int(n) for n in args.songs.split(",")], args.repeats, args.tiny)
     with open(args.output, "w") as handle:
         json.dump(result, handle, indent=1)
     print(json.dumps(result))

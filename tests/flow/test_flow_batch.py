@@ -31,8 +31,11 @@ SONGS = {
     "a": GenerationRequest("ambient", "[verse]\nhello", duration=4.0, num_steps=STEPS, guidance_scale=1.7, seed=21),
     "b": GenerationRequest("rock", "[verse]\nyeah", duration=4.0, num_steps=STEPS, guidance_scale=2.5, seed=5),
 }
-# float32 on the CPU: a merged call's rows may take other matrix-kernel blockings than a lone call's.
+# float32 on the CPU: a merged call's rows may take other matrix-kernel blockings than a lone call's, so one call
+# agrees to ~1e-6; through a song's steps and the vocoder (the tiny random model amplifies) the audio to ~1e-5 in
+# relative L2 (a few samples differ by up to ~4e-4); the bound keeps a 30x margin.
 CLOSE = dict(rtol=1e-4, atol=1e-5)
+AUDIO_CLOSE = 1e-3  # a mixed-up row or scale is off by O(1)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +95,10 @@ def test_concurrent_songs_with_merged_calls_match_alone(pipeline, alone):
     assert executor.stats["velocity_x2"] > before
     for name, song in songs.items():
         assert song.timings["flow_shared_calls"] >= 1, name
-        np.testing.assert_allclose(song.audio, alone[name], **CLOSE)
+        assert song.audio.shape == alone[name].shape
+        error = np.linalg.norm(song.audio - alone[name]) / np.linalg.norm(alone[name])
+        print(f"song {name}: merged vs alone, relative L2 {error:.2e}")
+        assert error < AUDIO_CLOSE, name
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +197,20 @@ def test_merge_plan_keeps_only_buckets_measured_faster():
     assert MergePlan.lone().choose(4) == 1 and MergePlan.always().choose(3) == 4
     with pytest.raises(ValueError):
         FlowExecutor(None, None, torch.device("cpu"), mode="sometimes")
+
+
+def test_flow_batch_timing_script_runs_on_the_tiny_model(tmp_path):
+    """The GPU timing script (`python -m music3_demo.bench.flow_batch`), on the CPU: a broken script would cost a
+    device call. Unmerged concurrent songs equal the same songs alone; merged ones agree closely."""
+    import json
+
+    from music3_demo.bench import flow_batch
+
+    output = tmp_path / "flow_batch.json"
+    assert flow_batch.main(["--device", "cpu", "--tiny", "--steps", "1", "--songs", "2", "--repeats", "1",
+                            "--output", str(output)]) == 0
+    result = json.loads(output.read_text())["songs_2"]
+    assert set(result["wall_s"]) == {"sequential", "concurrent_unmerged", "batched"}
+    assert result["audio_equal_unmerged_vs_alone"] == [True, True]
+    assert max(result["audio_rel_l2_batched_vs_alone"]) < AUDIO_CLOSE
+    assert result["batched_calls"].get("velocity_x2", 0) >= 1
