@@ -286,7 +286,7 @@ class FlowExecutor:
             if self._stream is not None:
                 for pending, output in zip(group, outputs):
                     _record_stream(output, pending.consumer)
-                finished = torch.cuda.Event()
+                finished = torch.cuda.Event(blocking=True)  # the throttle's wait sleeps rather than spins a core
                 finished.record(self._stream)
                 self._in_flight.append(finished)
         except BaseException as error:  # noqa: BLE001 - raised again on each song's own thread

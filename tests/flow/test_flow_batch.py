@@ -11,13 +11,13 @@ tests/flow/test_flow_batch_gpu.py. Here the same test pins the contract with and
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from music3_demo import random_models
+from music3_demo.bench.flow_batch import hold_until_queued
 from music3_demo.flow.executor import FlowExecutor, MergePlan
 from music3_demo.flow.guidance import guided_velocity
 from music3_demo.flow.stream import FlowSettings, FlowStream
@@ -67,13 +67,6 @@ def _together(pipeline) -> dict:
     return songs
 
 
-def _hold_until_queued(executor: FlowExecutor, count: int, timeout: float = 120.0) -> None:
-    """Runs on the executor's thread: keeps it busy until `count` calls are queued behind it."""
-    deadline = time.monotonic() + timeout
-    while executor.queued() < count and time.monotonic() < deadline:
-        time.sleep(0.005)
-
-
 def test_concurrent_songs_equal_the_same_songs_made_alone(pipeline, alone):
     assert pipeline.flow_executor.mode == "auto" and pipeline.flow_executor.plans["eager"].buckets == [1]
     songs = _together(pipeline)
@@ -88,7 +81,7 @@ def test_concurrent_songs_with_merged_calls_match_alone(pipeline, alone):
     before = executor.stats["velocity_x2"]
     try:
         # Hold the executor until both songs' first DiT calls are queued, so they merge whatever the timing.
-        executor.submit_call(_hold_until_queued, executor, 2)
+        executor.submit_call(hold_until_queued, executor, 2)
         songs = _together(pipeline)
     finally:
         executor.set_mode("auto")

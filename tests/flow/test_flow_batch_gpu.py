@@ -70,7 +70,9 @@ def _song(components, shared, frames: torch.Tensor, seed: int) -> np.ndarray:
 def _together(components, shared, frames: list[torch.Tensor], hold: bool = False) -> list[np.ndarray]:
     audio: list = [None] * len(frames)
     if hold:  # keep the executor busy until every song's first call is queued, so they merge
-        shared.submit_call(_hold_until_queued, shared, len(frames))
+        from music3_demo.bench.flow_batch import hold_until_queued  # here: the file also runs on pre-executor code
+
+        shared.submit_call(hold_until_queued, shared, len(frames))
 
     def one(index):
         audio[index] = _song(components, shared, frames[index], index)
@@ -81,14 +83,6 @@ def _together(components, shared, frames: list[torch.Tensor], hold: bool = False
     for thread in threads:
         thread.join(timeout=300)
     return audio
-
-
-def _hold_until_queued(executor, count: int, timeout: float = 60.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while executor.queued() < count and time.monotonic() < deadline:
-        time.sleep(0.001)
 
 
 def _relative(a, b) -> float:
