@@ -43,6 +43,7 @@ from .kernels import (
     pdl_supported,
     rmsnorm,
 )
+from .kernels.qweight import Weight, weight_format
 from .kernels.tuning import Tuning, tuning_for
 from .state import AUDIO_CODES, EngineState, prefill, round_up
 from .weights import Block, EngineWeights
@@ -331,7 +332,8 @@ class GraphEngine(EngineWeights):
         if self.chain:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
             qkv_rows = following.qkv.shape[0] if following is not None else 16
-            config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows)
+            config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows,
+                                      *weight_format(block.o))
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
                        self._state.tail_scratch, next_qkv=next_qkv, config=config)
             return
@@ -339,10 +341,11 @@ class GraphEngine(EngineWeights):
         self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True)
         self._gemv(act, block.down, h, residual=h, out_copy=h16)
 
-    def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, **epilogue) -> None:
+    def _gemv(self, x: torch.Tensor, weight: Weight, out: torch.Tensor, **epilogue) -> None:
         # Split-K products share one workspace in stream order, which PDL's overlapping kernels would break.
         workspace = None if self.pdl else self._state.gemv_workspace
-        config = self.tuning.gemv(x.shape[0], *weight.shape, epilogue.get("swiglu", False), x.element_size())
+        config = self.tuning.gemv(x.shape[0], *weight.shape, epilogue.get("swiglu", False), x.element_size(),
+                                  *weight_format(weight))
         gemv(x, weight, out, pdl=self.pdl, workspace=workspace, config=config, **epilogue)
 
     # ------------------------------------------------------------------ host loop
