@@ -350,10 +350,9 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, ch
     if choice.quantized:
         from .semantic.quant import quantize_model_
 
-        lm, depth = components["language_model"], components["rvq_depth_decoder"]
-        report = quantize_model_(lm, depth, choice.mode, device)
-        lm.to(device)  # what the quantizer leaves in bf16 (embeddings, norms, heads) joins the device
-        depth.to(device)
-        log.info("quantized the language model and depth decoder to %s on %s: %s", choice.mode, device, report)
+        # Layer by layer onto the device; what stays bf16 (embeddings, norms, lm_head's text rows) follows.
+        report = quantize_model_(components["language_model"], components["rvq_depth_decoder"], choice.mode, device)
+        log.info("quantized the language model and depth decoder to %s on %s: %s", choice.mode, device,
+                 report.as_dict())
     release_cached(device)  # what loading left in the allocator's cache (conversions, host round trips)
     return components

@@ -89,3 +89,41 @@ def test_the_readme_states_what_auto_picks():
     assert {int(free): picks for free, picks in rows.items()} == {
         free: f"{without} | {with_fp8}" for free, (without, with_fp8) in EXPECTED.items()
     }
+
+
+def test_a_quantized_load_of_the_tiny_model_runs_songs_and_every_surface_names_its_precision(tiny_folder):
+    """The same loading path as a real checkpoint: LM and depth decoder read into host memory, quantized by
+    semantic.quant onto the device (the CPU here), the reference engine reading the dequantized weights."""
+    from music3_demo.events import Song
+    from music3_demo.request import GenerationRequest
+    from music3_demo.semantic.quant import QuantizedLinear
+    from music3_demo.ui.assets import banner_html
+    from music3_demo.ui.holder import ModelHolder
+    from music3_demo.ui.report import report_markdown, song_report
+    from music3_demo.ui.runner import JobRecord
+
+    holder = ModelHolder("tiny", ["cpu"], "reference", warmup=False, precision="int8")
+    holder.preload(background=False)
+    status = holder.status()
+    assert (status.precision, status.precision_reason) == ("int8", "int8 as asked (--precision int8).")
+    assert "<code>int8</code> weights" in banner_html(status) and "int8 as asked" in banner_html(status)
+    with holder.acquire() as lease:
+        lm = lease.pipeline.components["language_model"]
+        assert isinstance(lm.model.layers[0].mlp.down_proj, QuantizedLinear)
+        assert lm.model.layers[0].mlp.down_proj.fmt == "int8"
+        song: Song = lease.pipeline.generate(GenerationRequest("x", "[verse]\nla", duration=1.0, num_steps=1, seed=2))
+    assert (song.precision, song.memory) == ("int8", None)  # no device memory to report on a CPU
+    report = song_report(song, GenerationRequest("x", "[verse]\nla"), JobRecord(1, 1.0, device="cpu"), "tiny")
+    assert report["precision"] == "int8" and "`int8` weights" in report_markdown(report)
+    holder.release()
+
+
+def test_an_unknown_precision_is_refused_before_loading():
+    from music3_demo import cli
+    from music3_demo.pipeline import Music3Pipeline
+
+    with pytest.raises(ValueError, match="choose one of auto, bf16, fp8, int8"):
+        Music3Pipeline.from_pretrained("tiny", device="cpu", precision="fp16")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--model", "tiny", "--prompt", "x", "--precision", "fp16"])
+    assert exit_info.value.code == 2
