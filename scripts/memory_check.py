@@ -116,7 +116,7 @@ def summary(result: dict) -> str:
     song = result["song"]
     return (f"{result['mode']} {result['song_s']:g} s: device peak {song['device_peak_gb']} GB (target "
             f"{result['target_gb']}, estimate {result['estimate_gb']['song']}; torch reserved "
-            f"{song['peak_reserved_gb']}, allocated {song['peak_gb']}), idle after warm-up "
+            f"{song['peak_reserved_gb']}, allocated {song['peak_gpu_gb']}), idle after warm-up "
             f"{result['idle_after_warm']['used_gb']} GB, load peak {result['load']['device_peak_gb']} GB; wall "
             f"{song['wall_s']} s, first audio {song['first_audio_s']} s, {song['semantic_frames_per_s']} frames/s, "
             f"engine {song['engine']}")
