@@ -137,6 +137,8 @@ def space_generation_events(
             if record.as_dict() != seen:
                 seen = record.as_dict()
                 yield RecordUpdate(seen)
+            if isinstance(item, Finished) and item.song.state is not None:
+                item.song.state = item.song.state.on_host()  # its flow tensors are on this worker's GPU
             yield item
     except Exception as error:  # noqa: BLE001 - every failure goes back as a value (see Raised)
         yield RecordUpdate(record.as_dict())
