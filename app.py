@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     from music3_demo.precision import choose_precision
     from music3_demo.memory import free_and_capability
     from music3_demo.ui.gpu import zero_gpu
-    from music3_demo.ui.runner import JobRegistry
+    from music3_demo.ui.runner import JobRegistry, register_holder
     from music3_demo.ui.store import SongStore
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else default_devices()
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     # ZeroGPU runs CUDA work only inside spaces.GPU calls, in worker processes (ui/gpu.py): the weights are placed
     # at start-up, the engines are built by each worker's first song, and there is no warm-up song here.
     holder = ModelHolder(args.model, devices, args.engine, warmup=not space, precision=args.precision, lazy=space)
+    if space:
+        register_holder(holder)  # before ZeroGPU forks its first worker, which must find it (ui/runner.py)
     if args.preload or space:
         # ZeroGPU wants the weights placed at start-up in the main process; elsewhere load behind the open page.
         holder.preload(background=not space)
