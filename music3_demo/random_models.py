@@ -208,7 +208,7 @@ def _randomize(name: str, module: torch.nn.Module, generator: torch.Generator) -
             param.zero_()
         else:
             unit = param.dim() == 1 or ("embed" in pname and param.dim() == 2)
-            std = 1.0 if unit else param[0].numel() ** -0.5
+            std = 1.0 if unit or param.dim() < 2 else param[0].numel() ** -0.5
             drawn = param if param.dtype == torch.float32 else torch.empty_like(param, dtype=torch.float32)
             drawn.normal_(0.0, std, generator=generator)
             if drawn is not param:
