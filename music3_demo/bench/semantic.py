@@ -5,8 +5,9 @@ It reports frames/s of each engine, their ratio, the bytes one frame must read (
 weight tensors, plus the KV cache at the song's mean context length), the copy bandwidth measured in the same run,
 and the fraction of the resulting limit reached. `--precision bf16,fp8,int8` times every graph engine also on fp8 and
 int8 copies of the weights (`semantic/quant.py`; named `graph:fp8`, ...), side by side in the same call, each with
-its teacher-forced check against the reference on its own (dequantized) weights. `--song SECONDS` adds bench/song.py's whole-song timing (flow stage
-included) to the same JSON; `--engine ""` skips the semantic part. Importable without gradio/soundfile.
+its teacher-forced check against the reference on its own (dequantized) weights. `--song SECONDS` adds
+bench/song.py's whole-song timing (flow stage included) to the same JSON; `--engine ""` skips the semantic part.
+Importable without gradio/soundfile.
 """
 
 from __future__ import annotations

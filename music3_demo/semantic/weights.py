@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .. import contract as c
 from ..fused_weights import fuse_rows
 from .kernels import interleave_rows
-from .kernels.qweight import Weight, dense
+from .kernels.qweight import Weight, dense, rows
 from .quant import QuantizedAudioHead, QuantizedLinear, fuse_quantized, precision_of
 
 
@@ -115,8 +115,7 @@ class EngineWeights:
         ]
         self.depth_norm = depth.norm.weight.data
         heads = _fuse(list(depth.audio_heads), dtype)  # one head per residual codebook: rows of one fused weight
-        self.depth_heads_w = [heads[i * self.audio_vocab : (i + 1) * self.audio_vocab] if isinstance(heads, torch.Tensor)
-                              else heads.rows(i * self.audio_vocab, (i + 1) * self.audio_vocab)
+        self.depth_heads_w = [rows(heads, i * self.audio_vocab, (i + 1) * self.audio_vocab)
                               for i in range(self.num_codebooks - 1)]
         self.projection = _weight(depth.projection, dtype)
         projection = dense(self.projection)  # the tables below: the reference's products, on the same weights

@@ -86,7 +86,8 @@ def test_block_tail_on_one_byte_weights_runs_the_products_as_the_gemvs_do(scheme
     """The chained tail's products (one launch each under the interpreter) with 1-byte weights against the same
     products through `gemv`; a tail mixing formats is refused."""
     d, a, i, q = 64, 48, 96, 80
-    dense = [_outlier_weight(*shape, seed=seed).half() for seed, shape in enumerate([(d, a), (2 * i, d), (d, i), (q, d)])]
+    shapes = [(d, a), (2 * i, d), (d, i), (q, d)]
+    dense = [_outlier_weight(*shape, seed=seed).half() for seed, shape in enumerate(shapes)]
     weights = [quantize_weight(w, scheme.fmt, scheme.group) for w in dense]
     ln1, ln2 = (rand(d, dtype=torch.float16, seed=seed, scale=0.1) + 1 for seed in (5, 6))
     attn, start = rand(2, a, dtype=torch.float16, seed=7), rand(2, d, seed=8)

@@ -99,18 +99,22 @@ def test_fused_block_tail_on_one_byte_weights_equals_its_products_one_by_one(sch
         assert torch.equal(got, expected)
 
 
-def _full_models():
+@pytest.fixture(scope="module")
+def full_models():
+    """The full-size LM and depth decoder in bf16 on the GPU, with outlier columns (the flow stage's parts dropped)."""
     components = random_models.build_components(random_models.FULL, seed=0, device=DEVICE, dtype=torch.bfloat16)
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    del components
+    torch.cuda.empty_cache()
     inject_outliers(lm, depth)
     return lm, depth
 
 
-def test_engine_in_each_mode_matches_the_float32_reference_on_the_same_weights_within_2x_bf16():
+def test_engine_in_each_mode_matches_the_float32_reference_on_the_same_weights_within_2x_bf16(full_models):
     """Teacher forcing at full size, 200 frames: the graph engine in fp8 and int8 (default schemes) against the float32
     reference computation on the same dequantized weights; the bf16 engine against float32 on the bf16 weights sets
     the bar (2x its error, per part: LM logits, LM frame hidden, depth hiddens)."""
-    lm, depth = _full_models()
+    lm, depth = full_models
     hidden = lm.config.hidden_size
     text_ids = random_prompt(400, seed=3, device=DEVICE)
     codes = random_codes(201, torch.Generator().manual_seed(4))
@@ -133,6 +137,7 @@ def test_engine_in_each_mode_matches_the_float32_reference_on_the_same_weights_w
     for mode in modes:  # copies first: the bf16 engine fuses the bf16 modules' rows in place
         lm_q, depth_q = copy.deepcopy(lm), copy.deepcopy(depth)
         quantize_model_(lm_q, depth_q, mode, DEVICE)
+        assert lm_q.lm_head.audio.fmt == mode
         quantized[mode] = (lm_q, depth_q)
     bar = errors((lm, depth))
     print(f"\nbf16 engine vs float32 (logits, LM hidden, depth hiddens): {bar}")
@@ -146,11 +151,10 @@ def test_engine_in_each_mode_matches_the_float32_reference_on_the_same_weights_w
     assert not failures, failures
 
 
-def test_quantizing_moves_layer_by_layer_without_a_second_full_copy():
+def test_quantizing_moves_layer_by_layer_without_a_second_full_copy(full_models):
     """Models on the CPU in bf16, quantized onto the GPU: the GPU never holds more than the quantized model plus one
     layer's float32 working copy (well under the bf16 model's size)."""
-    components = random_models.build_components(random_models.FULL, seed=0, device="cpu", dtype=torch.bfloat16)
-    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    lm, depth = (copy.deepcopy(m).to("cpu") for m in full_models)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(DEVICE)
     before = torch.cuda.memory_allocated(DEVICE)

@@ -248,7 +248,8 @@ def gemv(
 ) -> torch.Tensor:
     """out[m] = epilogue(W · prologue(x[m])) for each of the M <= 16 rows of x ([M, K], unit stride along K).
 
-    `weight` is [N, K], a model-dtype tensor or a 1-byte `QWeight`; `out` is [M, N] with any row stride; `residual` is [M, N] or [1, N] expanded to M rows
+    `weight` is [N, K], a model-dtype tensor or a 1-byte `QWeight`; `out` is [M, N] with any row stride; `residual`
+    is [M, N] or [1, N] expanded to M rows
     (stride 0), and may be `out` itself. A split-K config needs a `workspace` (without one it runs unsplit).
     With `swiglu`, `weight` is a row-interleaved gate|up (`interleave_rows`) and `out` is [M, N/2].
     `out_copy` (out's shape and strides, another dtype) receives out rounded to its dtype: the graph engine keeps a
@@ -288,7 +289,8 @@ def gemv(
     data, scales, quant, group, dot = kernel_args(weight)
     w_desc = TensorDescriptor.from_tensor(data, [cfg.block_n, cfg.block_k]) if cfg.tma else data
     _gemv_kernel[(blocks, split)](
-        x, data, w_desc, scales, out, res, out if out_copy is None else out_copy, x if norm_weight is None else norm_weight,
+        x, data, w_desc, scales, out, res, out if out_copy is None else out_copy,
+        x if norm_weight is None else norm_weight,
         partials, counters,
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,

@@ -90,6 +90,11 @@ def weight_format(weight: Weight) -> tuple[int, ...]:
     return (1, weight.group) if isinstance(weight, QWeight) else ()
 
 
+def rows(weight: Weight, start: int, stop: int) -> Weight:
+    """Rows [start, stop) of either kind of weight, as views."""
+    return weight.rows(start, stop) if isinstance(weight, QWeight) else weight[start:stop]
+
+
 def kernel_args(weight: Weight) -> tuple[torch.Tensor, torch.Tensor, int, int, object]:
     """(data, scales, QUANT, GROUP, DOT) for a kernel launch: a plain weight passes itself as its (unread) scales."""
     if isinstance(weight, QWeight):
