@@ -99,9 +99,11 @@ def dense(weight: Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def weight_format(weight: Weight) -> tuple[int, ...]:
-    """The tuning's extra arguments for a weight: (1 byte, scale group: 0 per-channel) for a QWeight, none for a
-    model-dtype weight (whose lookups stay exactly what they were)."""
-    return (1, weight.group) if isinstance(weight, QWeight) else ()
+    """The tuning's extra arguments for a weight: (1 byte, scale group: 0 per-channel, "fp8"/"int8") for a QWeight,
+    none for a model-dtype weight (whose lookups stay exactly what they were)."""
+    if not isinstance(weight, QWeight):
+        return ()
+    return 1, weight.group, "fp8" if weight.data.dtype == torch.float8_e4m3fn else "int8"
 
 
 def rows(weight: Weight, start: int, stop: int) -> Weight:
