@@ -363,12 +363,13 @@ def main() -> None:
                 print(json.dumps(tail_rows[-1]), flush=True)
             _CACHE.clear()
             torch.cuda.empty_cache()
-    pool.shutdown()
-    path = write_table(Path(args.output), tuning, gemv_table, tail_table, target)
-    Path(path).with_suffix(".rows.json").write_text(json.dumps({"gemv": rows, "routes": route_rows,
-                                                                "tails": tail_rows}, indent=1))
-    print(f"wrote {path} ({len(gemv_table)} gemv, {len(tail_table)} tail entries) in "
-          f"{time.perf_counter() - started:.0f} s", flush=True)
+        # after each format: a run cut short by its time limit still leaves a table
+        path = write_table(Path(args.output), tuning, gemv_table, tail_table, target)
+        Path(path).with_suffix(".rows.json").write_text(json.dumps({"gemv": rows, "routes": route_rows,
+                                                                    "tails": tail_rows}, indent=1))
+        print(f"wrote {path} ({len(gemv_table)} gemv, {len(tail_table)} tail entries) at "
+              f"{time.perf_counter() - started:.0f} s", flush=True)
+    pool.shutdown(cancel_futures=True)
 
 
 def copies_for(nbytes: int) -> int:
@@ -394,11 +395,14 @@ def write_table(path: Path, tuning: Tuning, gemv_table: dict, tail_table: dict, 
     """This GPU's packaged table (its bf16 entries) plus the 1-byte winners, in kernels/tuning.py's format."""
     from music3_demo.semantic.kernels.tuning import write_section
 
-    if tuning.source != "heuristic" and Path(tuning.source).resolve() != path.resolve():
-        shutil.copyfile(tuning.source, path)
+    packaged = Path(tuning.source) if tuning.source != "heuristic" else None
+    if packaged is not None and packaged.resolve() == path.resolve():
+        raise SystemExit(f"write the 1-byte table to a file of its own, not {path}")
+    path.unlink(missing_ok=True)  # rewritten after each format, from the packaged table
+    old_gemv, old_tail = {}, {}
+    if packaged is not None:
+        shutil.copyfile(packaged, path)
         old_gemv, old_tail = load_table(path)
-    else:
-        old_gemv, old_tail = {}, {}
     write_section(path, "gemv", {**old_gemv, **gemv_table}, target=target)
     return write_section(path, "tail", {**old_tail, **tail_table}, target=target)
 
