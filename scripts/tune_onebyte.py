@@ -2,11 +2,12 @@
 launches (GEMV shapes of tune_gemv.py; the chained tails of tune_tail.py), per weight format (fp8/channel and
 int8/g128, the defaults, then fp8/g128 and int8/channel), and write the winners as a tuning table.
 
-Stages, per format: (1) routes: every conversion route (`qweight.CAST` ...) with three tiles on the four products a
-chained LM block runs (q|k|v, o, gate|up, down; 2 rows), the route with the least total time wins; (2) tiles: a grid
-of configs (block_n, block_k, stages, warps, TMA, split-K) with the winning route (and the cast route, as control)
-on every GEMV shape; (3) tails: the LM's and the depth decoder's block tail built from the products' winners, from
-the one-byte heuristic, and each with every route, timed over as many weight copies as the model has blocks.
+Pass 1, per format: (1) routes: every conversion route (`qweight.CAST` ...) with three tiles on the four products
+a chained LM block runs (q|k|v, o, gate|up, down; 2 rows), ranked by total time; (2) the LM's and the depth
+decoder's block tails (most of a frame's bytes) on the heuristic's tiles, with every route. Pass 2, per format:
+(3) a grid of tiles (block_n, block_k, stages, warps, TMA, split-K) with the best route (and the runner-up where the
+budget allows) on every GEMV shape; (4) the tails built from those winners, with every route. Tails are timed over
+as many weight copies as the model has blocks, GEMVs over enough copies to defeat the L2 (tune_gemv.py's timer).
 Every candidate is first checked against torch's product on the same dequantized weights (a wrong one is printed
 as WRONG and skipped). Compiling is the slow part: a pool of processes compiles every candidate first (Triton's
 disk cache), so the timing loop only loads kernels.
@@ -217,16 +218,17 @@ def with_route(cfg: GemvConfig, route: str) -> GemvConfig:
     return dataclasses.replace(cfg, convert=CONVERSIONS[route])
 
 
-def tail_candidates(fmt: str, family: str, tuning: Tuning, best: dict) -> list[TailConfig]:
-    """The heuristic's tail and one built from the GEMV winners of the same products, each with every route."""
+def tail_candidates(fmt: str, family: str, tuning: Tuning, best: dict, which: str) -> list[TailConfig]:
+    """The heuristic's tail ("heuristic") or one built from the GEMV winners of the same products ("winners", if
+    all four have one), each with every route."""
     kind, group = FORMATS[fmt]
     d, a, g, q, _ = FAMILIES[family]
     heuristic = tuning.tail(d, a, g, q, 1, group, kind)
     products = {"o": (2, d, a, "residual"), "gate_up": (2, g, d, "swiglu"), "down": (2, d, g // 2, "residual"),
                 "qkv": (2, q, d, "norm")}
     found = {name: best.get((fmt, shape)) for name, shape in products.items()}
-    bases = [heuristic]
-    if all(found.values()):  # the tail has no split-K: its grid already spreads the row blocks
+    bases = [heuristic] if which == "heuristic" else []
+    if which == "winners" and all(found.values()):  # the tail has no split-K: its grid already spreads the row blocks
         bases.append(TailConfig(**{n: dataclasses.replace(c, split_k=1) for n, c in found.items()},
                                 num_warps=max(c.num_warps for c in found.values())))
     out = []
@@ -276,14 +278,58 @@ def main() -> None:
         print(f"compiled {len(jobs)} candidates in {time.perf_counter() - t0:.0f} s", flush=True)
 
     best: dict = {}  # (fmt, shape) -> GemvConfig
-    rows, route_rows, tail_rows = [], [], []
-    gemv_table, tail_table = {}, {}
+    routes: dict = {}  # fmt -> routes ranked by the LM block's four products
+    rows, route_rows = [], []
+    gemv_table, tail_best = {}, {}  # tail_best: (fmt, family) -> (TailConfig, seconds per block, TB/s)
+
+    def save() -> None:  # after every stage: a run cut short by its time limit still leaves a table
+        tail_table = {(*FAMILIES[family][:4], "w1", *FORMATS[fmt]): found[0]
+                      for (fmt, family), found in tail_best.items()}
+        path = write_table(Path(args.output), tuning, gemv_table, tail_table, target)
+        tails = [{"format": fmt, "family": family, "us_per_block": round(t * 1e6, 2), "TBps": round(tbps, 3),
+                  "best": dataclasses.asdict(cfg)} for (fmt, family), (cfg, t, tbps) in tail_best.items()]
+        Path(path).with_suffix(".rows.json").write_text(json.dumps({"gemv": rows, "routes": route_rows,
+                                                                    "tails": tails}, indent=1))
+        print(f"wrote {path} ({len(gemv_table)} gemv, {len(tail_table)} tail entries) at "
+              f"{time.perf_counter() - started:.0f} s", flush=True)
+
+    def tune_tails(fmt: str, which: str) -> None:
+        for family in FAMILIES:
+            if left() < 25:
+                print(f"BUDGET: {fmt} {family} tail ({which}) not tuned", flush=True)
+                continue
+            candidates = tail_candidates(fmt, family, tuning, best, which)
+            if not candidates:
+                continue
+            compile_all([("tail", fmt, family, c) for c in candidates])
+            case = tail_family(fmt, family)
+            for cfg in candidates:
+                try:
+                    err = case["error"](cfg)
+                except Exception as error:  # noqa: BLE001
+                    print(f"SKIP tail {fmt} {family} {cfg}: {type(error).__name__}: {str(error)[:160]}", flush=True)
+                    continue
+                if not err < 2e-2:
+                    print(f"WRONG tail {fmt} {family} {cfg}: rel err {err:.2e}", flush=True)
+                    continue
+                t = time_graph(lambda _: [case["launch"](cfg, i) for i in range(case["layers"])], 1) / case["layers"]
+                print(f"  tail {fmt} {family} {which} {t * 1e6:.1f} us routes "
+                      f"{[c.convert for c in (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)]}", flush=True)
+                if (fmt, family) not in tail_best or t < tail_best[(fmt, family)][1]:
+                    tail_best[(fmt, family)] = (cfg, t, case["nbytes"] / t / 1e12)
+            if (fmt, family) in tail_best:
+                cfg, t, tbps = tail_best[(fmt, family)]
+                print(json.dumps({"format": fmt, "family": family, "after": which, "us_per_block": round(t * 1e6, 2),
+                                  "TBps": round(tbps, 3), "best": dataclasses.asdict(cfg)}), flush=True)
+            _CACHE.clear()
+            torch.cuda.empty_cache()
+
+    # Pass 1, every format: the route, then the tails (most of a frame's bytes) from the heuristic's tiles.
     for fmt in formats:
         kind, group = FORMATS[fmt]
         if left() < 30:
             print(f"BUDGET: {fmt} not tuned", flush=True)
             continue
-        # (1) routes
         jobs = [("gemv", fmt, s, with_route(c, r)) for r in ROUTES[kind] for s in ROUTE_SHAPES
                 for c in route_tiles(group) if fits_shape(c, s)]
         compile_all(jobs)
@@ -296,19 +342,25 @@ def main() -> None:
         for route, total in totals.items():
             route_rows.append({"format": fmt, "route": route, "lm_block_us": round(total * 1e6, 1)})
             print(json.dumps(route_rows[-1]), flush=True)
-        ranked = sorted(totals, key=totals.get)
-        routes = [ranked[0]] + (["cast"] if ranked[0] != "cast" else [])
-        # (2) tiles on every GEMV shape
-        jobs = [("gemv", fmt, s, with_route(c, r)) for r in routes for s in SHAPES for c in tiles(group)
+        routes[fmt] = sorted(totals, key=totals.get)
+        tune_tails(fmt, "heuristic")
+        save()
+    # Pass 2, every format: the tile grid on every GEMV shape with the best route, then tails from the winners.
+    for fmt in routes:
+        kind, group = FORMATS[fmt]
+        ranked = routes[fmt][:1] if left() < 150 else routes[fmt][:2]  # the runner-up too where time allows
+        jobs = [("gemv", fmt, s, with_route(c, r)) for r in ranked for s in SHAPES for c in tiles(group)
                 if fits_shape(c, s)]
-        if left() > 60:
-            compile_all(jobs)
+        if left() < 40:
+            print(f"BUDGET: {fmt} tiles not tuned", flush=True)
+            continue
+        compile_all(jobs)
         for shape in SHAPES:
-            if left() < 20:
+            if left() < 15:
                 print(f"BUDGET: {fmt} {shape} not tuned", flush=True)
                 break
             found = None
-            for route in routes:
+            for route in ranked:
                 for cfg in tiles(group):
                     if fits_shape(cfg, shape) and (t := measure(fmt, shape, with_route(cfg, route))) is not None:
                         if found is None or t < found[1]:
@@ -331,44 +383,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             key = (rows_, n, k) + (("swiglu",) if epilogue == "swiglu" else ()) + ("w1", kind, group)
             gemv_table[key] = found[0]
-        # (3) tails
-        for family in FAMILIES:
-            if left() < 40:
-                print(f"BUDGET: {fmt} {family} tail not tuned", flush=True)
-                continue
-            candidates = tail_candidates(fmt, family, tuning, best)
-            compile_all([("tail", fmt, family, c) for c in candidates])
-            case = tail_family(fmt, family)
-            found = None
-            for cfg in candidates:
-                try:
-                    err = case["error"](cfg)
-                except Exception as error:  # noqa: BLE001
-                    print(f"SKIP tail {fmt} {family} {cfg}: {type(error).__name__}: {str(error)[:160]}", flush=True)
-                    continue
-                if not err < 2e-2:
-                    print(f"WRONG tail {fmt} {family} {cfg}: rel err {err:.2e}", flush=True)
-                    continue
-                t = time_graph(lambda _: [case["launch"](cfg, i) for i in range(case["layers"])], 1) / case["layers"]
-                print(f"  tail {fmt} {family} {t * 1e6:.1f} us routes {[c.convert for c in (cfg.o, cfg.down)]}",
-                      flush=True)
-                if found is None or t < found[1]:
-                    found = (cfg, t)
-            if found is not None:
-                d, a, g, q = case["shape"]
-                tail_table[(d, a, g, q, "w1", kind, group)] = found[0]
-                tail_rows.append({"format": fmt, "family": family, "us_per_block": round(found[1] * 1e6, 2),
-                                  "TBps": round(case["nbytes"] / found[1] / 1e12, 3),
-                                  "best": dataclasses.asdict(found[0])})
-                print(json.dumps(tail_rows[-1]), flush=True)
-            _CACHE.clear()
-            torch.cuda.empty_cache()
-        # after each format: a run cut short by its time limit still leaves a table
-        path = write_table(Path(args.output), tuning, gemv_table, tail_table, target)
-        Path(path).with_suffix(".rows.json").write_text(json.dumps({"gemv": rows, "routes": route_rows,
-                                                                    "tails": tail_rows}, indent=1))
-        print(f"wrote {path} ({len(gemv_table)} gemv, {len(tail_table)} tail entries) at "
-              f"{time.perf_counter() - started:.0f} s", flush=True)
+        tune_tails(fmt, "winners")
+        save()
     pool.shutdown(cancel_futures=True)
 
 
