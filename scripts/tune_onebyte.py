@@ -50,6 +50,7 @@ ROUTE_SHAPES = [(2, 6144, 4096, "norm"), (2, 4096, 4096, "residual"), (2, 24576,
 FAMILIES = {"lm": (4096, 4096, 24576, 6144, 36), "depth": (4096, 4096, 12288, 12288, 28)}
 SHARED_LIMIT = 227 * 1024  # sm_90's per-block limit
 LAUNCHES = 24
+DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16  # a smoke run of the logic sets cpu, float16 (interpreter)
 
 
 def tiles(group: int) -> list[GemvConfig]:
@@ -95,12 +96,12 @@ def gemv_case(fmt: str, shape: tuple, copies: int = 1) -> dict:
     torch.cuda.empty_cache()
     kind, group = FORMATS[fmt]
     rows, n, k, epilogue = shape
-    device = torch.device("cuda")
-    dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+    device = DEVICE
+    dense = [torch.randn(n, k, device=device, dtype=DTYPE) * k**-0.5 for _ in range(copies)]
     weights = [quantize_weight(w, kind, group) for w in dense]
     swiglu, normed = epilogue == "swiglu", epilogue in ("norm", "swiglu")
-    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-    gain = torch.rand(k, device=device, dtype=torch.bfloat16) + 0.5
+    x = torch.randn(rows, k, device=device, dtype=DTYPE)
+    gain = torch.rand(k, device=device, dtype=DTYPE) + 0.5
     res = torch.randn(rows, n, device=device, dtype=torch.float32)
     out = torch.empty(rows, n // 2 if swiglu else n, device=device,
                       dtype=torch.float32 if epilogue == "residual" else torch.bfloat16)
@@ -161,23 +162,23 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
     kind, group = FORMATS[fmt]
     d, a, g, q, blocks = FAMILIES[family]
     layers = layers or blocks
-    device = torch.device("cuda")
+    device = DEVICE
 
     def weight(n: int, k: int, interleave: bool = False):
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5
+        w = torch.randn(n, k, device=device, dtype=DTYPE) * k**-0.5
         if interleave:
             w = interleave_rows(w[: n // 2], w[n // 2:])
         return quantize_weight(w, kind, group)
 
     ws = [dict(o=weight(d, a), gate_up=weight(g, d, True), down=weight(d, g // 2), qkv=weight(q, d),
-               ln1=torch.rand(d, device=device, dtype=torch.bfloat16) + 0.5,
-               ln2=torch.rand(d, device=device, dtype=torch.bfloat16) + 0.5) for _ in range(layers)]
-    attn = torch.randn(2, a, device=device, dtype=torch.bfloat16)
+               ln1=torch.rand(d, device=device, dtype=DTYPE) + 0.5,
+               ln2=torch.rand(d, device=device, dtype=DTYPE) + 0.5) for _ in range(layers)]
+    attn = torch.randn(2, a, device=device, dtype=DTYPE)
     start = torch.randn(2, d, device=device)
     h, h16 = start.clone(), start.to(torch.bfloat16)
-    act = torch.zeros(2, g // 2, device=device, dtype=torch.bfloat16)
-    qkv = torch.zeros(2, q, device=device, dtype=torch.bfloat16)
-    scratch = TailScratch(device, min(128, torch.cuda.get_device_properties(device).multi_processor_count))
+    act = torch.zeros(2, g // 2, device=device, dtype=DTYPE)
+    qkv = torch.zeros(2, q, device=device, dtype=DTYPE)
+    scratch = TailScratch(device)
 
     def launch(cfg: TailConfig, index: int) -> None:
         w = ws[index % layers]
@@ -262,17 +263,17 @@ def main() -> None:
             print(f"{fmt}: routes {ROUTES[kind]}, {len(tiles(group))} tiles, {n_tiles} shape x tile cases")
         return
 
-    device = torch.device("cuda")
+    device = DEVICE
     target = Target.of(device)
     tuning = tuning_for(device)
     print(f"{target.name} sm{target.capability}: starting from {tuning.source}", flush=True)
-    pool = ProcessPoolExecutor(args.jobs, mp_context=torch.multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(args.jobs, mp_context=torch.multiprocessing.get_context("spawn")) if args.jobs else None
 
     def compile_all(jobs: list[tuple]) -> None:
         t0 = time.perf_counter()
         # one job per compiled kernel: GEMV shapes of one epilogue and row count share their kernels
         jobs = list({(j[0], j[1], j[2] if j[0] == "tail" else (j[2][0], j[2][3]), j[3]): j for j in jobs}.values())
-        for line in pool.map(warm, jobs):
+        for line in (pool.map(warm, jobs) if pool else map(warm, jobs)):
             if line:
                 print(line, flush=True)
         print(f"compiled {len(jobs)} candidates in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -385,7 +386,8 @@ def main() -> None:
             gemv_table[key] = found[0]
         tune_tails(fmt, "winners")
         save()
-    pool.shutdown(cancel_futures=True)
+    if pool:
+        pool.shutdown(cancel_futures=True)
 
 
 def copies_for(nbytes: int) -> int:
