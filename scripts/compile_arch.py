@@ -23,7 +23,7 @@ import resource
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -79,6 +79,7 @@ class Compiled:
     registers: int
     seconds: float
     x_bytes: int  # element size of the activation operand (x_ptr), where the kernel has one
+    w_bytes: int  # element size of the weights (1: int8/fp8 with scales)
 
 
 def full_size_engine(tuning: Tuning):
@@ -151,7 +152,54 @@ def record_launches(target: Target) -> tuple[Tuning, list[Launch]]:
         engine._ensure_capacity(512, 256)
         for forced in (False, True):
             engine._advance(forced)()
+        one_byte_launches(tuning, target.capability)
     return tuning, list(launches.values())
+
+
+# The 1-byte products of a chained LM block and the depth decoder's (rows, N, K, epilogue), as tune_onebyte.py.
+ONE_BYTE_SHAPES = [(2, 6144, 4096, "norm"), (2, 4096, 4096, "residual"), (2, 24576, 4096, "swiglu"),
+                   (2, 4096, 12288, "residual"), (2, 16385, 4096, "plain"), (4, 12288, 4096, "norm")]
+ONE_BYTE_TAILS = [(4096, 4096, 24576, 6144), (4096, 4096, 12288, 12288)]
+
+
+def one_byte_launches(tuning: Tuning, capability: int) -> None:
+    """The GEMV and tail launches of 1-byte weights with the configs `tuning` picks (int8/g128 everywhere, fp8 from
+    sm_89), and one GEMV per conversion route (`qweight.CONVERSIONS`; the native fp8 route from sm_89), on meta
+    tensors under the recording hook."""
+    from music3_demo.semantic.kernels.qweight import CONVERSIONS, NATIVE_F16, QWeight
+
+    meta, bf16 = torch.device("meta"), torch.bfloat16
+    formats = [("int8", 128)] + ([("fp8", 0)] if capability >= 89 else [])
+    for kind, group in formats:
+        dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+
+        def weight(n: int, k: int) -> QWeight:
+            return QWeight(torch.empty(n, k, dtype=dtype, device=meta),
+                           torch.empty((n, k // group) if group else (n,), device=meta), group, bf16)
+
+        workspace = linear.GemvWorkspace(meta)
+        for rows, n, k, epilogue in ONE_BYTE_SHAPES:
+            swiglu = epilogue == "swiglu"
+            x = torch.empty(rows, k, dtype=bf16, device=meta)
+            out = torch.empty(rows, n // 2 if swiglu else n, device=meta,
+                              dtype=torch.float32 if epilogue == "residual" else bf16)
+            kw = dict(norm_weight=torch.empty(k, dtype=bf16, device=meta) if epilogue == "norm" or swiglu else None,
+                      residual=out if epilogue == "residual" else None, swiglu=swiglu, workspace=workspace)
+            cfg = tuning.gemv(rows, n, k, swiglu, 2, 1, group, kind)
+            linear.gemv(x, weight(n, k), out, config=cfg, **kw)
+            if (rows, n, k) == (2, 4096, 12288):  # every route once
+                for route in CONVERSIONS.values():
+                    if route != cfg.convert and (route != NATIVE_F16 or kind == "fp8"):
+                        linear.gemv(x, weight(n, k), out, config=replace(cfg, convert=route), **kw)
+        for d, a, g, q in ONE_BYTE_TAILS:
+            h = torch.empty(2, d, device=meta)
+            tail.block_tail(torch.empty(2, a, dtype=bf16, device=meta), h, torch.empty(2, d, dtype=bf16, device=meta),
+                            torch.empty(2, g // 2, dtype=bf16, device=meta), weight(d, a), weight(g, d),
+                            weight(d, g // 2), torch.empty(d, dtype=bf16, device=meta), 1e-6,
+                            tail.TailScratch(meta, tuning.programs),
+                            next_qkv=(weight(q, d), torch.empty(d, dtype=bf16, device=meta),
+                                      torch.empty(2, q, dtype=bf16, device=meta)),
+                            config=tuning.tail(d, a, g, q, 1, group, kind), fused=True)
 
 
 # Kernels whose launch configuration no tuning changes: their code differs between architectures only through
@@ -197,7 +245,8 @@ def compile_launch(launch: Launch, capability: int) -> Compiled:
     seconds = _cpu_seconds() - start
     x_type = json.loads(launch.spec)["signature"].get("x_ptr", "")
     return Compiled(launch.name, launch.constants, kernel.metadata.num_warps, kernel.metadata.num_stages,
-                    kernel.metadata.shared, registers(kernel.asm["cubin"]), seconds, 4 if x_type == "*fp32" else 2)
+                    kernel.metadata.shared, registers(kernel.asm["cubin"]), seconds, 4 if x_type == "*fp32" else 2,
+                    1 if launch.constants.get("QUANT") else 2)
 
 
 def _cpu_seconds() -> float:

@@ -55,11 +55,20 @@ def test_every_engine_kernel_compiles_and_fits_every_architecture(tmp_path):
             if kernel["kernel"] == "_gemv_kernel":
                 assert not c["TMA"] or cap >= 90
                 cfg = GemvConfig(c["BLOCK_N"], c["BLOCK_K"], kernel["num_warps"], kernel["num_stages"])
-                assert kernel["shared"] <= shared_bytes(cfg, kernel["x_bytes"]), (cap, kernel)
+                assert kernel["shared"] <= shared_bytes(cfg, kernel["x_bytes"], kernel["w_bytes"]), (cap, kernel)
             if kernel["kernel"] == "_block_tail_kernel":
                 products = [GemvConfig(c[f"BN_{p}"], c[f"BK_{p}"], 4, c[f"ST_{p}"]) for p in ("O", "GU", "D", "Q")]
                 assert all(not c[f"TMA_{p}"] or cap >= 90 for p in ("O", "GU", "D", "Q"))
-                assert kernel["shared"] <= max(shared_bytes(p) for p in products), (cap, kernel)
+                assert kernel["shared"] <= max(shared_bytes(p, 2, kernel["w_bytes"]) for p in products), (cap, kernel)
+        # 1-byte weights (scripts/compile_arch.one_byte_launches): int8/g128 everywhere, fp8 from sm_89, every
+        # conversion route (the native fp8 one with fp8 only)
+        quantized = [k["constants"] for k in report["kernels"] if k["constants"].get("QUANT")]
+        assert {(k["QUANT"], k["GROUP"]) for k in quantized} >= {(2, 128)}, cap
+        assert {"_gemv_kernel", "_block_tail_kernel"} <= {k["kernel"] for k in report["kernels"]
+                                                         if k["constants"].get("QUANT")}
+        gemv_routes = {c["CONV"] for c in quantized if "CONV" in c}
+        assert gemv_routes == ({0, 1, 2, 3} if cap >= 89 else {0, 1, 2}), (cap, gemv_routes)
+        assert any(c["QUANT"] == 1 for c in quantized) == (cap >= 89), cap
     by_cap = {r["capability"]: r for r in reports}
     assert "nvidia-h200.sm90.json" in by_cap[90]["table"]
     assert all(by_cap[cap]["table"] == "heuristic" for cap in (80, 86, 89, 100, 120))
