@@ -139,8 +139,8 @@ def warm(job: tuple) -> str:
     """Compile one candidate in a pool process (fills Triton's disk cache); returns a line for the log."""
     what, fmt, shape, cfg = job
     try:
-        if what == "gemv":
-            run_gemv(gemv_case(fmt, shape), cfg)
+        if what in ("gemv", "bf16"):
+            run_gemv(gemv_case(fmt, shape), cfg, dense=what == "bf16")
         else:
             tail_family(fmt, shape, layers=1)["launch"](cfg, 0)
         torch.cuda.synchronize()
@@ -352,6 +352,10 @@ def main() -> None:
         ranked = routes[fmt][:1] if left() < 150 else routes[fmt][:2]  # the runner-up too where time allows
         jobs = [("gemv", fmt, s, with_route(c, r)) for r in ranked for s in SHAPES for c in tiles(group)
                 if fits_shape(c, s)]
+        for rows_, n, k, epilogue in SHAPES:  # the two baselines of the table: the heuristic and bf16's tuned config
+            shape = (rows_, n, k, epilogue)
+            jobs.append(("gemv", fmt, shape, tuning.gemv(rows_, n, k, epilogue == "swiglu", 2, 1, group, kind)))
+            jobs.append(("bf16", fmt, shape, tuning.gemv(rows_, n, k, epilogue == "swiglu", 2)))
         if left() < 40:
             print(f"BUDGET: {fmt} tiles not tuned", flush=True)
             continue
