@@ -110,17 +110,20 @@ def shared_bytes(cfg: GemvConfig, x_bytes: int = 2, w_bytes: int = 2) -> int:
 
 def one_byte_config(cfg: GemvConfig, k: int, group: int) -> GemvConfig:
     """The heuristic for a 1-byte weight, from the model-dtype config of the same product: the same bytes in flight
-    per program. Per-channel scales: K tiles twice as long (where K allows), the same stages; per-group scales: K
-    tiles within one group (<= 128 columns), stages doubled (up to 8) instead. `fit_shared` then bounds it.
+    per program and no larger a tile in registers (the tile is converted to bf16 there; 64x256 fp8 tiles compiled to
+    255 registers on sm_90). Per-channel scales: K tiles twice as long where the tile stays within 8K elements (and K
+    allows), else twice the stages; per-group scales: K tiles within one group (<= 128 columns), stages doubled (for
+    a halved tile, quadrupled), at most 8. `fit_shared` then bounds it by the GPU's shared memory.
     What to sweep on a GPU (scripts/tune_gemv.py / tune_tail.py with 1-byte weights, keys ending in "w1"): block_k
-    256/512 x stages 3-6 per-channel, stages 6-10 at block_k 128 per-group, block_n 32-128, TMA on/off; the
-    conversion to bf16 in registers may shift the best point to more warps (8) on int8."""
+    128-512 x stages 3-8 per-channel, stages 6-10 at block_k 128 per-group, block_n 32-128, TMA on/off, 4 or 8 warps
+    (int8 -> bf16 conversion is more instructions than fp8's), checking registers in scripts/compile_arch.py."""
     if group:
         block_k = math.gcd(cfg.block_k, group)
         return replace(cfg, block_k=block_k, num_stages=min(8, cfg.num_stages * 2 * cfg.block_k // block_k))
-    if k % (cfg.block_k * 2 * max(cfg.split_k, 1)) == 0 and cfg.block_k < 512:
-        return replace(cfg, block_k=cfg.block_k * 2)
-    return cfg
+    longer = cfg.block_k * 2
+    if cfg.block_n * longer <= 8192 and k % (longer * max(cfg.split_k, 1)) == 0:
+        return replace(cfg, block_k=longer)
+    return replace(cfg, num_stages=min(8, cfg.num_stages * 2))
 
 
 def fit_shared(cfg: GemvConfig, limit: int, x_bytes: int = 2, w_bytes: int = 2) -> GemvConfig:
