@@ -24,7 +24,7 @@ import resource
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -149,11 +149,32 @@ def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",)) -> 
     tuning = tuning_for_target(target)
     launches: dict[str, Launch] = {}
     for precision in precisions:
-        _record(full_size_engine(tuning, precision), target, launches)
+        _record(full_size_engine(tuning, precision), target, launches,
+                routes=precision if precision != "bf16" else None)
     return tuning, list(launches.values())
 
 
-def _record(engine, target: Target, launches: dict) -> None:
+def _route_launches(tuning: Tuning, kind: str) -> None:
+    """The down product's GEMV once per conversion route of 1-byte tiles (`qweight.CONVERSIONS`; the native fp16
+    conversion only for fp8) in `kind`'s default scheme, on meta tensors: every route compiles everywhere the format
+    runs, whichever the tuning picks today."""
+    from music3_demo.semantic.kernels.qweight import CONVERSIONS, NATIVE_F16, QWeight
+    from music3_demo.semantic.quant import DEFAULT_SCHEMES
+
+    meta, bf16 = torch.device("meta"), torch.bfloat16
+    group, n, k = DEFAULT_SCHEMES[kind].group, 4096, 12288
+    dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    weight = QWeight(torch.empty(n, k, dtype=dtype, device=meta),
+                     torch.empty((n, k // group) if group else (n,), device=meta), group, bf16)
+    out = torch.empty(2, n, device=meta)
+    cfg = tuning.gemv(2, n, k, False, 2, 1, group, kind)
+    for route in CONVERSIONS.values():
+        if route != NATIVE_F16 or kind == "fp8":
+            linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
+                        config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
+
+
+def _record(engine, target: Target, launches: dict, routes: str | None = None) -> None:
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         if is_manual_warmup:
             return False  # a preload: compile it
@@ -171,6 +192,8 @@ def _record(engine, target: Target, launches: dict) -> None:
         engine._ensure_capacity(512, 256)
         for forced in (False, True):
             engine._advance(forced)()
+        if routes is not None:
+            _route_launches(engine.tuning, routes)
 
 
 # Kernels whose launch configuration no tuning changes: their code differs between architectures only through

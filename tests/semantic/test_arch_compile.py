@@ -50,6 +50,10 @@ def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(tmp_p
                                                                                        "_block_tail_kernel")}
         assert quant == ({1, 2} if cap >= 89 else {2}), (cap, quant)
         assert all(k["w_bytes"] == 1 for k in report["kernels"] if k["kernel"] == "_block_tail_kernel")
+        # every conversion route of 1-byte tiles (kernels/qweight.CONVERSIONS), the native fp16 one with fp8 only
+        routes = {k["constants"]["CONV"] for k in report["kernels"] if k["constants"].get("QUANT")
+                  and "CONV" in k["constants"]}
+        assert routes == ({0, 1, 2, 3} if cap >= 89 else {0, 1, 2}), (cap, routes)
 
 
 def _check(tmp_path: Path, precisions: str) -> list[dict]:
