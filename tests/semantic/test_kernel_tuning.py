@@ -127,7 +127,12 @@ def test_h200_table_chooses_what_the_tables_in_code_chose(on_gpu, chain):
 
 
 def test_packaged_table_holds_the_entries_verbatim():
-    assert load_table(TABLES / "nvidia-h200.sm90.json") == (TODAY_GEMV, TODAY_TAIL)
+    """The bf16 entries are the sweeps' configs verbatim; the 1-byte ones ("w1" keys) come beside them, per format."""
+    gemv, tail = load_table(TABLES / "nvidia-h200.sm90.json")
+    assert {k: v for k, v in gemv.items() if "w1" not in k} == TODAY_GEMV
+    assert {k: v for k, v in tail.items() if "w1" not in k} == TODAY_TAIL
+    for fmt in (("fp8", 0), ("int8", 128)):  # the default schemes have an entry for every bf16 product
+        assert all((*key, "w1", *fmt) in gemv for key in TODAY_GEMV)
 
 
 def test_a_gpu_takes_its_table_else_its_architectures_else_the_heuristic_within_its_limits(on_gpu):
