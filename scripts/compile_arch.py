@@ -147,10 +147,9 @@ def record_launches(target: Target) -> tuple[Tuning, list[Launch]]:
     with _patched(knobs.runtime, jit_cache_hook=hook), _patched(linear, tma_supported=lambda device: tma), \
             _patched(tail, tma_supported=lambda device: tma), _patched(graph, block_tail=fused_tails), \
             _stand_in(target.capability):
-        engine._rng = None  # meta tensors take no generator
-        engine._ensure_capacity(512, 256)
+        engine.allocate(512)
         for forced in (False, True):
-            engine._advance(forced)()
+            engine._advance(1, forced)()
     return tuning, list(launches.values())
 
 

@@ -3,8 +3,10 @@
 
 It reports frames/s of each engine, their ratio, the bytes one frame must read (counted from the engine's actual
 weight tensors, plus the KV cache at the song's mean context length), the copy bandwidth measured in the same run,
-and the fraction of the resulting limit reached. `--song SECONDS` adds bench/song.py's whole-song timing (flow stage
-included) to the same JSON; `--engine ""` skips the semantic part. Importable without gradio/soundfile.
+and the fraction of the resulting limit reached. `--batch 1,2,4,8` adds the graph engine's aggregate frames/s with
+that many songs at once (one thread per song, as the app runs them). `--song SECONDS` adds bench/song.py's
+whole-song timing (flow stage included) to the same JSON; `--engine ""` skips the semantic part. Importable without
+gradio/soundfile.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -165,6 +168,54 @@ def bench_semantic(
     }
 
 
+def bench_batch(components: dict, batches: list[int], prompt_tokens: int, frames: int, seed: int) -> dict:
+    """Songs at once on one graph engine, B at a time for each B in `batches`: aggregate frames/s (all songs'
+    frames over the wall time from their start to the last one's end) and milliseconds per replay (the wall time
+    over the steps of a song). One thread per song, as the app runs them; graphs are captured first (reserve), so
+    only replays are timed. Each song's prefill is in the wall time (a few ms at 400 tokens)."""
+    from ..semantic.graph import GraphEngine
+
+    device = torch.device("cuda")
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    engine = GraphEngine(lm, depth, device, slots=max(batches))
+    engine.reserve(prompt_tokens, frames)
+    prompts = [random_prompt(prompt_tokens, seed + index, device) for index in range(max(batches))]
+    runs = []
+    for count in batches:
+        made, errors = [0] * count, []
+        gate = threading.Barrier(count + 1)
+
+        def sing(index: int) -> None:
+            try:
+                generator = torch.Generator(device).manual_seed(seed + index)
+                run = engine.frames(prompts[index], frames, SamplingSettings(), generator)
+                gate.wait()
+                made[index] = sum(block.shape[0] for block in run)
+                torch.cuda.current_stream(device).synchronize()
+            except BaseException as error:  # noqa: BLE001 - reported in the JSON
+                errors.append(repr(error))
+
+        threads = [threading.Thread(target=sing, args=(index,)) for index in range(count)]
+        for thread in threads:
+            thread.start()
+        torch.cuda.synchronize()
+        gate.wait()
+        started = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - started
+        runs.append({
+            "songs": count, "frames_per_song": frames, "frames": sum(made), "wall_s": wall,
+            "aggregate_frames_per_s": sum(made) / wall, "per_song_frames_per_s": sum(made) / count / wall,
+            "ms_per_replay": wall / (frames + 1) * 1e3, "errors": errors,
+        })
+    base = runs[0]["aggregate_frames_per_s"] if runs else None
+    for run in runs:
+        run["aggregate_over_first"] = run["aggregate_frames_per_s"] / base if base else None
+    engine.release()
+    return {"prompt_tokens": prompt_tokens, "captures": engine.capture_count, "runs": runs}
+
+
 def graph_variant(name: str) -> dict:
     """GraphEngine options of a bench engine name: graph[-pdl|-chain|-unchained][-s<attention splits>]; plain
     `graph` is the engine's default (chained block tails on a GPU), `graph-unchained` one launch per product."""
@@ -228,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-frames", type=int, default=100,
                         help="frames for the reference engine (it runs ~9 frames/s; its rate is steady)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", default="", help="comma list of song counts (e.g. 1,2,4,8): the graph engine's "
+                        "aggregate frames/s with that many songs at once, at the first prompt length")
     parser.add_argument("--song", type=float, help="also time a whole song of this many seconds (bench/song.py)")
     parser.add_argument("--reference-song", type=float, default=10.0, help="seconds of the reference song to time")
     parser.add_argument("--memory-song", type=float, help="also time a song of this length for peak memory")
@@ -260,12 +313,16 @@ def main(argv: list[str] | None = None) -> int:
         "frames": args.frames,
         "prompt_tokens": [int(t) for t in args.prompt_tokens.split(",")],
     }
-    if engines:
+    batches = [int(count) for count in args.batch.split(",") if count.strip()]
+    if engines or batches:
         components = load_for_bench(args.model)
-        report.update(
-            bench_semantic(components, engines, report["prompt_tokens"], args.frames, args.reference_frames, args.seed,
-                           args.tuning)
-        )
+        if engines:
+            report.update(
+                bench_semantic(components, engines, report["prompt_tokens"], args.frames, args.reference_frames,
+                               args.seed, args.tuning)
+            )
+        if batches:
+            report["batch"] = bench_batch(components, batches, report["prompt_tokens"][0], args.frames, args.seed)
         del components
         torch.cuda.empty_cache()
     if args.song:

@@ -86,10 +86,9 @@ def engine_requests(tuning: Tuning, chain: bool) -> _Recording:
     try:
         for name, stub in skipped.items():
             setattr(graph, name, stub)
-        engine._rng = None
-        engine._ensure_capacity(512, 256)
+        engine.allocate(512)
         for forced in (False, True):
-            engine._advance(forced)()
+            engine._advance(1, forced)()
     finally:
         for name, value in saved.items():
             setattr(graph, name, value)
