@@ -46,6 +46,7 @@ from .kernels import (
     rmsnorm,
 )
 from .kernels.frame import NO_END
+from .kernels.qweight import Weight, weight_format
 from .kernels.tuning import Tuning, tuning_for
 from .run import FrameRun
 from .state import AUDIO_CODES, PARKING, EngineState, PositionPool, copy_prompt, prefill, round_up, song_positions
@@ -476,7 +477,8 @@ class GraphEngine(EngineWeights):
         if self.chain:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
             qkv_rows = following.qkv.shape[0] if following is not None else 16
-            config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows)
+            config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows,
+                                      *weight_format(block.o))
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
                        s.tail_scratch, next_qkv=next_qkv, config=config)
             return
@@ -484,12 +486,13 @@ class GraphEngine(EngineWeights):
         self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True, per_song=per_song)
         self._gemv(act, block.down, h, residual=h, out_copy=h16, per_song=per_song)
 
-    def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, per_song: int = 2, **epilogue) -> None:
+    def _gemv(self, x: torch.Tensor, weight: Weight, out: torch.Tensor, per_song: int = 2, **epilogue) -> None:
         # The tile config of the one-song engine (`per_song` rows: 4 in the depth decoder's first pass), whatever
         # the bucket: another config could sum in another order, and a song's numbers would depend on its batch.
         # Split-K products share one workspace in stream order, which PDL's overlapping kernels would break.
         workspace = None if self.pdl else self._state_in_step.gemv_workspace
-        config = self.tuning.gemv(per_song, *weight.shape, epilogue.get("swiglu", False), x.element_size())
+        config = self.tuning.gemv(per_song, *weight.shape, epilogue.get("swiglu", False), x.element_size(),
+                                  *weight_format(weight))
         gemv(x, weight, out, pdl=self.pdl, workspace=workspace, config=config, **epilogue)
 
     # ------------------------------------------------------------------ plumbing

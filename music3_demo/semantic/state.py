@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from .. import contract as c
 from .kernels import AttentionScratch, GemvWorkspace, TailScratch
 from .kernels.frame import NO_END
+from .kernels.qweight import dense
 
 if TYPE_CHECKING:
     from .graph import GraphEngine
@@ -166,7 +167,7 @@ def prefill(state: EngineState, engine: GraphEngine, text_ids: torch.Tensor, slo
     cos, sin = state.cos[None, :length], state.sin[None, :length]
     for index, (layer, block) in enumerate(zip(lm.model.layers, engine.blocks)):
         attn = layer.self_attn
-        q, k, v = F.linear(layer.input_layernorm(h), block.qkv).split(
+        q, k, v = F.linear(layer.input_layernorm(h), dense(block.qkv)).split(
             [heads * hd, kv_heads * hd, kv_heads * hd], dim=-1
         )
         q = attn.q_norm(q.view(2, length, heads, hd)).transpose(1, 2)
@@ -183,9 +184,9 @@ def prefill(state: EngineState, engine: GraphEngine, text_ids: torch.Tensor, slo
                 q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True,
                 scale=hd**-0.5,
             ).transpose(1, 2)
-        h = h + F.linear(out.reshape(2, length, heads * hd), block.o)
-        gate, up = F.linear(layer.post_attention_layernorm(h), block.gate_up).unflatten(-1, (-1, 2)).unbind(-1)
-        h = h + F.linear(F.silu(gate) * up, block.down)
+        h = h + F.linear(out.reshape(2, length, heads * hd), dense(block.o))
+        gate, up = F.linear(layer.post_attention_layernorm(h), dense(block.gate_up)).unflatten(-1, (-1, 2)).unbind(-1)
+        h = h + F.linear(F.silu(gate) * up, dense(block.down))
     state.prompt_hidden[slot].copy_(lm.model.norm(h[:, -1]))
 
 
