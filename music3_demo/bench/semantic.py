@@ -14,6 +14,7 @@ semantic part. Importable without gradio/soundfile.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -365,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                                args.seed, args.tuning, precisions)
             )
         if batches:
+            gc.collect()  # the engines above (an engine and its batch refer to each other) and their KV pools
+            torch.cuda.empty_cache()
             report["batch"] = bench_batch(components, batches, report["prompt_tokens"][0], args.frames, args.seed)
         del components
         torch.cuda.empty_cache()

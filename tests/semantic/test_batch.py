@@ -39,9 +39,22 @@ def _same(run, blocks: list, alone) -> None:
 
 
 @pytest.fixture(scope="module")
-def alone(tiny_models):
+def models():
+    """The tiny model cut to one LM block and one depth block: every kernel still runs, at half the interpreter's
+    time per step."""
+    import dataclasses
+
+    from music3_demo import random_models
+
+    sizes = dataclasses.replace(random_models.TINY, lm_layers=1, depth_layers=1)
+    components = random_models.build_components(sizes, seed=0)
+    return components["language_model"], components["rvq_depth_decoder"]
+
+
+@pytest.fixture(scope="module")
+def alone(models):
     """Each song alone on a fresh engine: its frames and codes."""
-    engine = _engine(tiny_models, slots=2)
+    engine = _engine(models, slots=2)
     songs = {}
     for song in (FIRST, OTHER, VARIATION):
         run = _start(engine, song)
@@ -50,8 +63,8 @@ def alone(tiny_models):
     return songs
 
 
-def test_a_song_joining_mid_song_changes_neither(tiny_models, alone):
-    engine = _engine(tiny_models, slots=2)
+def test_a_song_joining_mid_song_changes_neither(models, alone):
+    engine = _engine(models, slots=2)
     first = _start(engine, FIRST)
     first_blocks = [next(first)]  # the first song has made a frame alone
     other = _start(engine, OTHER)
@@ -62,14 +75,14 @@ def test_a_song_joining_mid_song_changes_neither(tiny_models, alone):
     assert first.stats.peers == other.stats.peers == 1
 
 
-def test_variation_and_cancelled_song_beside_a_song(tiny_models, alone, monkeypatch):
+def test_variation_and_cancelled_song_beside_a_song(models, alone, monkeypatch):
     """Three songs in a bucket of 4 with the depth decoder's first pass split in two (as 8 songs run it): the
     variation copies the first song's prompt K/V instead of a prefill, the third song is cancelled (closed) after
     its first frame."""
-    from music3_demo.semantic import graph, state
+    from music3_demo.semantic import graph, state, step
 
-    monkeypatch.setattr(graph, "FUSED_FIRST_PASS_ROWS", 4)  # one song's 4 rows fuse; 2 songs or more split
-    engine = _engine(tiny_models, slots=4)
+    monkeypatch.setattr(step, "FUSED_FIRST_PASS_ROWS", 4)  # one song's 4 rows fuse; 2 songs or more split
+    engine = _engine(models, slots=4)
     prefills = []
 
     def counted(*args):
@@ -90,11 +103,11 @@ def test_variation_and_cancelled_song_beside_a_song(tiny_models, alone, monkeypa
     assert first.stats.peers == 2
 
 
-def test_a_full_kv_pool_admits_no_song_until_one_leaves(tiny_models):
+def test_a_full_kv_pool_admits_no_song_until_one_leaves(models):
     from music3_demo.semantic.state import PARKING, song_positions
 
     need = song_positions(FIRST[0], FIRST[2])
-    engine = _engine(tiny_models, slots=2, pool=need + 3 + PARKING)
+    engine = _engine(models, slots=2, pool=need + 3 + PARKING)
     assert engine.can_admit(FIRST[0], FIRST[2])
     first = _start(engine, FIRST)
     next(first)
