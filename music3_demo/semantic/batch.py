@@ -4,7 +4,8 @@ Each song's caller iterates its own `FrameRun` on its own thread; the songs shar
 (rows 2s, 2s + 1 of every product are song s's CFG pair), advanced together by one graph replay per frame. There is
 no scheduler thread: whichever caller finds its queue empty takes the drive lock and runs one *round*: retire the
 songs whose callers left, admit waiting songs (each gets a free slot and a region of the KV pool; its prefill runs
-eagerly between two blocks, or a copy of the K/V of an active song with the same prompt), then either queue one
+eagerly between two blocks, `prefill_chunk` prompt tokens per round, or its prompt's K/V are copied from an active
+song with the same prompt), then either queue one
 block of replays for every active slot or wait for the oldest block in flight and hand each song its new frames
 through its own queue (`IN_FLIGHT` blocks stay queued ahead, as for one song). Callers that are not driving wait on
 a condition until their queue has something or the drive lock is free.
@@ -48,6 +49,8 @@ class Song:
     ready: object = None  # the caller's stream has made text_ids (a CUDA event; the prefill's stream waits for it)
     slot: int | None = None
     start: int | None = None  # first position of its region of the KV pool
+    filled: int = 0  # prompt tokens prefilled (or copied)
+    live: bool = False  # its prompt is in place and it runs in the replays
     launched: int = 0  # decode steps queued (at most total)
     emitted: int = 0  # frames handed to the caller's queue
     peers: int = 0
@@ -151,7 +154,8 @@ class Batch:
             with on_device(self.engine.device):
                 self._retire_gone()
                 self._admit()
-                running = [s for s in self.active.values() if s.launched < s.total]
+                self._fill()
+                running = [s for s in self.active.values() if s.live and s.launched < s.total]
                 if running and len(self.blocks) <= self.engine.IN_FLIGHT:
                     self._launch()
                 elif self.blocks:
@@ -183,18 +187,41 @@ class Batch:
             if start is None:
                 return  # no room yet: it (and the songs behind it) wait for a song to leave
             slot = min(set(range(engine.slots)) - set(self.active))
-            source = next((s for s in self.active.values() if not s.finished and s.prompt.shape == song.prompt.shape
+            length = song.prompt.shape[1]
+            source = next((s for s in self.active.values() if s.filled == length and s.prompt.shape == song.prompt.shape
                            and torch.equal(s.prompt, song.prompt)), None)
             song.marks = (engine.mark(),)
-            engine.begin(slot, song.text_ids, song.total, song.sampling, song.seed, song.forced, start,
-                         None if source is None else (source.slot, source.start), song.ready)
-            song.marks += (engine.mark(),)
+            engine.begin(slot, song.text_ids, song.total, song.sampling, song.seed, song.forced, start, song.ready)
             song.slot, song.start = slot, start
+            if source is not None:  # a variation: the same prompt's K/V, copied
+                engine.copy(slot, start, (source.slot, source.start), length)
+                self._go(song)
             with self.lock:
                 self.waiting.popleft()
                 self.active[slot] = song
                 for other in self.active.values():
                     other.peers = max(other.peers, len(self.active) - 1)
+
+    def _fill(self) -> None:
+        """Prefill up to `prefill_chunk` prompt tokens of the admitted songs, oldest first (a long prompt takes
+        several rounds, so the songs already running wait about one block at a time)."""
+        budget = self.engine.config.prefill_chunk
+        for song in [s for s in self.active.values() if not s.live]:
+            length = song.prompt.shape[1]
+            end = min(length, song.filled + budget)
+            self.engine.fill(song.slot, song.text_ids, song.start, song.filled, end)
+            budget -= end - song.filled
+            song.filled = end
+            if end == length:
+                self._go(song)
+            if budget <= 0:
+                return
+
+    def _go(self, song: Song) -> None:
+        song.filled = song.prompt.shape[1]
+        self.engine.go(song.slot, song.start, song.filled, song.total)
+        song.marks += (self.engine.mark(),)
+        song.live = True
 
     def _launch(self) -> None:
         engine = self.engine
@@ -203,6 +230,8 @@ class Batch:
         engine.replay(bucket, count)
         record = {}
         for slot, song in self.active.items():
+            if not song.live:
+                continue
             song.launched = min(song.total, song.launched + count)
             record[slot] = (song, song.launched)
         self.blocks.append((record, engine.mark(), engine.end_flags(bucket)))

@@ -160,7 +160,10 @@ class GraphEngine(EngineWeights, FrameStep):
                 state.record = torch.zeros(round_up(steps, 256), 2, AUDIO_CODES, device=self.device, dtype=self.dtype)
             start = self.pool.take(need)
             try:
-                self.begin(0, text_ids.to(self.device), steps, SamplingSettings(cfg_scale), 0, codes, start, None)
+                text_ids = text_ids.to(self.device)
+                self.begin(0, text_ids, steps, SamplingSettings(cfg_scale), 0, codes, start)
+                self.fill(0, text_ids, start, 0, text_ids.shape[1])
+                self.go(0, start, text_ids.shape[1], steps)
                 with self._on_stream():  # allocated on the stream that writes it
                     frames = torch.empty(steps - 1, state.frames.shape[2], device=self.device, dtype=self.dtype)
                     for step in range(steps):
@@ -242,30 +245,41 @@ class GraphEngine(EngineWeights, FrameStep):
         return next(bucket for bucket in self.buckets if bucket >= songs)
 
     def begin(self, slot: int, text_ids: torch.Tensor, total: int, sampling: SamplingSettings, seed: int,
-              forced: torch.Tensor, start: int, source: tuple[int, int] | None, ready: object = None) -> None:
-        """Song `slot` starts: its settings, its prefill into its region from `start` (or a copy of the prompt of the
-        song in slot source[0], region from source[1]), its counters. `total` decode steps; it then stands still."""
+              forced: torch.Tensor, start: int, ready: object = None) -> None:
+        """Song `slot` takes its region from `start` and its settings (`total` decode steps; it then stands still).
+        Its prompt then comes from `fill` (in chunks) or `copy`, and `go` sets it running."""
         # Every launch of this song runs on this thread's current device: on another device's context they would
         # read this device's memory (an illegal access found only at a later synchronize).
         check_launch_device(self.device, "The graph engine")
-        s, length = self._state, text_ids.shape[1]
+        s = self._state
         if self.device.type == "cuda":
             if ready is not None:  # text_ids came from the song's caller's stream (maybe not this thread's)
                 self._stream.wait_event(ready)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             text_ids.record_stream(self._stream)
-        with self._on_stream():
-            s.base[slot].fill_(start)
+        with self._on_stream():  # (its base, counters and end flag stay parked until `go`: it replays meanwhile)
             s.seeds[slot].fill_(seed)
             s.scale[slot].fill_(float(sampling.cfg_scale))
             s.top_k[slot].fill_(sampling.top_k)
             s.forced[slot, : forced.shape[0]].copy_(forced.to(self.device, torch.int32))
             s.forced_steps[slot].fill_(forced.shape[0])
+
+    def fill(self, slot: int, text_ids: torch.Tensor, start: int, begin: int, end: int) -> None:
+        """Prefill prompt tokens [begin, end) of song `slot` (region from `start`)."""
+        with self._on_stream():
+            prefill(self._state, self, text_ids, slot, start, begin, end)
+
+    def copy(self, slot: int, start: int, source: tuple[int, int], length: int) -> None:
+        """Song `slot` (region from `start`) has the prompt of the song in slot source[0] (region from source[1])."""
+        with self._on_stream():
+            copy_prompt(self._state, source[0], source[1], slot, start, length)
+
+    def go(self, slot: int, start: int, length: int, total: int) -> None:
+        """Song `slot`, its prompt of `length` tokens in place from `start`, runs from the next replay."""
+        s = self._state
+        with self._on_stream():
+            s.base[slot].fill_(start)
             s.end_at[slot].fill_(NO_END)
-            if source is None:
-                prefill(s, self, text_ids, slot, start)
-            else:
-                copy_prompt(s, source[0], source[1], slot, start, length)
             s.lm_hidden[2 * slot : 2 * slot + 2].copy_(s.prompt_hidden[slot])
             s.counters[slot, 0].fill_(0)
             s.counters[slot, 1].fill_(length)

@@ -153,41 +153,50 @@ def song_positions(prompt_tokens: int, max_frames: int) -> int:
 
 
 @torch.no_grad()
-def prefill(state: EngineState, engine: GraphEngine, text_ids: torch.Tensor, slot: int, start: int) -> None:
-    """Both CFG rows of a song in one eager pass with the fused weights, writing K/V straight into its region of the
-    pool (from position `start`) and its LM state after the prompt into `prompt_hidden[slot]`."""
+def prefill(state: EngineState, engine: GraphEngine, text_ids: torch.Tensor, slot: int, start: int, begin: int = 0,
+            end: int | None = None) -> None:
+    """Tokens [begin, end) of a song's prompt (both CFG rows) in one eager pass with the fused weights, writing K/V
+    straight into its region of the pool (from position `start`); a chunk after the first attends to the K/V of the
+    tokens before it, read back from the region. After the last token, the LM state goes into `prompt_hidden[slot]`.
+    (Chunks let a long prompt join a running batch without holding it up for more than about one block.)"""
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
     lm = engine.language_model
     length = text_ids.shape[1]
-    region = slice(start, start + length)
+    end = length if end is None else end
+    count = end - begin
     heads, kv_heads, hd = engine.heads, engine.kv_heads, engine.head_dim
+    group = heads // kv_heads
     table = engine.text_embed
-    h = F.embedding(text_ids.to(table.device), table).to(engine.device, non_blocking=True)
-    cos, sin = state.cos[None, :length], state.sin[None, :length]
+    h = F.embedding(text_ids[:, begin:end].to(table.device), table).to(engine.device, non_blocking=True)
+    cos, sin = state.cos[None, begin:end], state.sin[None, begin:end]
+    causal = None if begin == 0 else (
+        torch.arange(end, device=engine.device)[None, :] <= torch.arange(begin, end, device=engine.device)[:, None])
     for index, (layer, block) in enumerate(zip(lm.model.layers, engine.blocks)):
         attn = layer.self_attn
         q, k, v = F.linear(layer.input_layernorm(h), dense(block.qkv)).split(
             [heads * hd, kv_heads * hd, kv_heads * hd], dim=-1
         )
-        q = attn.q_norm(q.view(2, length, heads, hd)).transpose(1, 2)
-        k = attn.k_norm(k.view(2, length, kv_heads, hd)).transpose(1, 2)
-        v = v.view(2, length, kv_heads, hd).transpose(1, 2)
+        q = attn.q_norm(q.view(2, count, heads, hd)).transpose(1, 2)
+        k = attn.k_norm(k.view(2, count, kv_heads, hd)).transpose(1, 2)
+        v = v.view(2, count, kv_heads, hd).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        state.kv[index, 0, :, :, region] = k
-        state.kv[index, 1, :, :, region] = v
-        if _flash_attn_func is not None and h.is_cuda:
+        state.kv[index, 0, :, :, start + begin : start + end] = k
+        state.kv[index, 1, :, :, start + begin : start + end] = v
+        if begin:  # the whole context so far, from the region
+            k, v = state.kv[index, 0, :, :, start : start + end], state.kv[index, 1, :, :, start : start + end]
+        if _flash_attn_func is not None and h.is_cuda:  # (its causal mask aligns the last query with the last key)
             out = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         else:
-            group = heads // kv_heads
             out = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True,
-                scale=hd**-0.5,
+                q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=causal,
+                is_causal=causal is None, scale=hd**-0.5,
             ).transpose(1, 2)
-        h = h + F.linear(out.reshape(2, length, heads * hd), dense(block.o))
+        h = h + F.linear(out.reshape(2, count, heads * hd), dense(block.o))
         gate, up = F.linear(layer.post_attention_layernorm(h), dense(block.gate_up)).unflatten(-1, (-1, 2)).unbind(-1)
         h = h + F.linear(F.silu(gate) * up, dense(block.down))
-    state.prompt_hidden[slot].copy_(lm.model.norm(h[:, -1]))
+    if end == length:
+        state.prompt_hidden[slot].copy_(lm.model.norm(h[:, -1]))
 
 
 def copy_prompt(state: EngineState, source: int, start: int, slot: int, to: int, length: int) -> None:

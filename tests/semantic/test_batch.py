@@ -22,7 +22,8 @@ def _engine(models, slots: int, pool: int | None = None):
     from music3_demo.semantic.config import GraphConfig
     from music3_demo.semantic.graph import GraphEngine
 
-    config = GraphConfig(replay_block=1, in_flight=0, frame_ring=2, attention_splits=2, slots=slots)
+    # prompts of 6 and 9 tokens join in chunks of 4 (as long prompts join a running batch)
+    config = GraphConfig(replay_block=1, in_flight=0, frame_ring=2, attention_splits=2, slots=slots, prefill_chunk=4)
     return GraphEngine(*models, "cpu", config=config, kv_pool_positions=pool)
 
 
@@ -49,6 +50,23 @@ def models():
     sizes = dataclasses.replace(random_models.TINY, lm_layers=1, depth_layers=1)
     components = random_models.build_components(sizes, seed=0)
     return components["language_model"], components["rvq_depth_decoder"]
+
+
+def test_a_prompt_prefilled_in_chunks_is_the_prompt_prefilled_at_once(models):
+    """Chunks after the first read the K/V before them back from the song's region of the pool (float32: equal to
+    rounding)."""
+    from music3_demo.semantic.state import prefill
+
+    engine = _engine(models, slots=2)
+    engine.allocate(64)
+    state = engine._state
+    text_ids = torch.randint(0, 250, (2, 10), generator=torch.Generator().manual_seed(3))
+    prefill(state, engine, text_ids, 0, 16)
+    for begin in range(0, 10, 4):
+        prefill(state, engine, text_ids, 1, 40, begin, min(10, begin + 4))
+    torch.testing.assert_close(state.kv[..., 40:50, :], state.kv[..., 16:26, :], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.prompt_hidden[1], state.prompt_hidden[0], rtol=1e-5, atol=1e-5)
+    assert state.kv[..., 26:40, :].abs().sum() == 0  # nothing outside the regions
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +117,7 @@ def test_variation_and_cancelled_song_beside_a_song(models, alone, monkeypatch):
     first_blocks += list(first)
     _same(first, first_blocks, alone[FIRST])
     _same(variation, variation_blocks, alone[VARIATION])
-    assert prefills == [0, 2]  # the variation (slot 1) copied the first song's prompt instead of a prefill
+    assert prefills == [0, 0, 2, 2, 2]  # chunks of 4 tokens; the variation (slot 1) copied the first song's prompt
     assert first.stats.peers == 2
 
 
