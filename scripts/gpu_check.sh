@@ -4,9 +4,10 @@
 # Files in $OUT:
 # gpu.txt [tune.log] [tail.log tuning.rows.json] [tuning.json] pytest.log bench_400.json bench_4000.json bench.log
 # [profile_{semantic,flow}.{json,log}]
-# [song.json song.log].
+# [song.json song.log] [flow_batch.json flow_batch.log].
 # Usage (repo root): MUSIC3_COMMIT=<sha> [TUNE=1] [TAIL=1] [TESTS=path | TESTS=none] [SEMANTIC=0]
 #   [ENGINES=reference,graph] [ENGINES_4000=graph] [PROFILE=1 [PROFILE_MODES="semantic flow"]] [SONG=1] [BENCH_ARGS=...]
+#   [FLOW_BATCH=1] (one flow chunk for 1, 2, 4 songs: merged DiT/vocoder calls vs one after another)
 #   bash scripts/gpu_check.sh
 # Put this checkout's sha in MUSIC3_COMMIT here, not `git rev-parse` run there: the device's copy of .git can be stale.
 set -o pipefail
@@ -45,4 +46,9 @@ if [ "${SONG:-0}" = 1 ]; then
     > "$OUT/song.log"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:3000])" "$OUT/song.json" \
     || tail -n 20 "$OUT/song.log"
+fi
+if [ "${FLOW_BATCH:-0}" = 1 ]; then
+  timeout "${FLOW_BATCH_TIMEOUT:-300}" python3 -m music3_demo.bench.flow_batch --output "$OUT/flow_batch.json" 2>&1 \
+    | grep -v 'should be kept in float32' > "$OUT/flow_batch.log"
+  tail -n 6 "$OUT/flow_batch.log" | cut -c1-3000
 fi

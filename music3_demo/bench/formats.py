@@ -43,10 +43,10 @@ def inject_outliers(language_model, depth_decoder, columns: int = OUTLIER_COLUMN
     by `gain`: `columns` per 4,096 (at least one), so a narrower model keeps the full size's density (4 columns of a
     512-wide product would hit most of its 128-column groups, which the full model's 4,096 columns do not). Returns
     the number of weights changed."""
-    from ..semantic.quant import _linear_targets, audio_head_rows
+    from ..semantic.quant import linear_targets, audio_head_rows
 
     generator = torch.Generator().manual_seed(seed)
-    weights = [linear.weight for _, _, linear in _linear_targets(language_model, depth_decoder)]
+    weights = [linear.weight for _, _, linear in linear_targets(language_model, depth_decoder)]
     head = language_model.lm_head.weight
     for weight in weights + [head]:
         k = weight.shape[1]

@@ -163,7 +163,7 @@ def precision_of(language_model, depth_decoder=None) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
 
 
-def _linear_targets(language_model, depth_decoder) -> list[tuple[nn.Module, str, nn.Linear]]:
+def linear_targets(language_model, depth_decoder) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, name, module) of every Linear to quantize: the LM's decoder layers and all of the depth decoder's
     (projection, attention, MLP, audio heads)."""
     targets = []
@@ -205,7 +205,7 @@ def quantize_model_(
         scheme = scheme or DEFAULT_SCHEMES[mode]
         if scheme.fmt != mode:
             raise ValueError(f"scheme {scheme.name} is not a {mode} scheme")
-        targets = _linear_targets(language_model, depth_decoder)
+        targets = linear_targets(language_model, depth_decoder)
         group = model_group(targets, scheme.group) if scheme.group else 0
         if group != scheme.group:
             report.notes.append(f"scale groups of {group} columns (every K here divides by {group}, not by "
