@@ -7,16 +7,22 @@ Also the Hugging Face Space's app_file. Flags → model holder (loads in the bac
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import shutil
 import sys
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a local demo should not phone home
+if importlib.util.find_spec("spaces") is not None:
+    # Hugging Face ZeroGPU patches torch when `spaces` is imported and refuses to work once anything has initialised
+    # CUDA, so it comes first (outside ZeroGPU importing it changes nothing).
+    import spaces  # noqa: F401
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from music3_demo.checkpoint import default_model
+    from music3_demo.precision import PRECISIONS
     from music3_demo.semantic import ENGINE_NAMES
 
     parser = argparse.ArgumentParser(description="MiniMax Music 3 song generator (Gradio app).")
@@ -25,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "or MiniMaxAI/MiniMax-Music3)")
     parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
                         help="semantic-stage engine: graph on CUDA, reference elsewhere (default: auto)")
+    parser.add_argument("--precision", default="auto", choices=PRECISIONS,
+                        help="LM / depth-decoder weights: bf16 (exact), fp8 (sm_89+), int8; auto = bf16 where the "
+                             "longest song fits each GPU, else fp8 or int8 (default: auto)")
     parser.add_argument("--devices", default=None,
                         help="comma-separated devices, one generation at a time on each (default: every CUDA GPU, "
                              "else the CPU)")
@@ -64,22 +73,29 @@ def main(argv: list[str] | None = None) -> None:
     from music3_demo.semantic import resolve_engine_name
     from music3_demo.ui import AppContext, build_ui, launch_options
     from music3_demo.ui.admission import GRADIO_QUEUE_HEADROOM
-    from music3_demo.ui.gpu import spaces_available
-    from music3_demo.ui.runner import JobRegistry
+    from music3_demo.precision import choose_precision
+    from music3_demo.memory import free_and_capability
+    from music3_demo.ui.gpu import zero_gpu
+    from music3_demo.ui.runner import JobRegistry, register_holder
     from music3_demo.ui.store import SongStore
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else default_devices()
     try:
         for device in devices:
             resolve_engine_name(args.engine, torch.device(device))
+            if args.precision == "fp8":  # refused before a long load when a GPU has no fp8
+                choose_precision("fp8", *free_and_capability(device), None)
     except (ValueError, RuntimeError) as error:
         sys.exit(f"app.py: {error}")
-    zero_gpu = spaces_available()
-    # ZeroGPU runs CUDA work only inside spaces.GPU calls: no warm-up song at start-up there.
-    holder = ModelHolder(args.model, devices, args.engine, warmup=not zero_gpu)
-    if args.preload:
+    space = zero_gpu()
+    # ZeroGPU runs CUDA work only inside spaces.GPU calls, in worker processes (ui/gpu.py): the weights are placed
+    # at start-up, the engines are built by each worker's first song, and there is no warm-up song here.
+    holder = ModelHolder(args.model, devices, args.engine, warmup=not space, precision=args.precision, lazy=space)
+    if space:
+        register_holder(holder)  # before ZeroGPU forks its first worker, which must find it (ui/runner.py)
+    if args.preload or space:
         # ZeroGPU wants the weights placed at start-up in the main process; elsewhere load behind the open page.
-        holder.preload(background=not zero_gpu)
+        holder.preload(background=not space)
     store = SongStore(args.output_dir, ttl_s=args.ttl_hours * 3600)
     store.start_cleaner()
     # The store's folder is this app's own Gradio cache: Gradio then serves the songs where they are (a file

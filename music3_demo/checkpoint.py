@@ -15,6 +15,7 @@ import torch
 
 from . import random_models
 from . import contract as c
+from .precision import ModelFigures
 
 
 class CheckpointError(RuntimeError):
@@ -169,8 +170,16 @@ def _class_for(folder: Path, name: str, index: dict):
     return getattr(module, class_name)
 
 
-def load_components(folder: Path, device: torch.device, dtype: torch.dtype) -> dict[str, object]:
-    """Every component, loaded with its own class. The vocoder stays float32 (bf16 costs ~2e-3 of audio error)."""
+# What a quantized load keeps in host memory until the quantizer puts it on the device layer by layer, so that the
+# bf16 weights and their quantized copies never sit on the GPU together.
+QUANTIZED_COMPONENTS = ("language_model", "rvq_depth_decoder")
+
+
+def load_components(
+    folder: Path, device: torch.device, dtype: torch.dtype, host: tuple[str, ...] = ()
+) -> dict[str, object]:
+    """Every component, loaded with its own class. The vocoder stays float32 (bf16 costs ~2e-3 of audio error).
+    Components named in `host` stay in host memory (the caller quantizes them onto the device)."""
     components: dict[str, object] = {}
     index = read_index(folder)
     try:
@@ -182,7 +191,7 @@ def load_components(folder: Path, device: torch.device, dtype: torch.dtype) -> d
             else:
                 load_dtype = torch.float32 if name == "vocoder" else dtype
                 model = cls.from_pretrained(subfolder, dtype=load_dtype)
-                components[name] = model.to(device).eval()
+                components[name] = (model if name in host else model.to(device)).eval()
     except torch.cuda.OutOfMemoryError as error:
         free = torch.cuda.mem_get_info(device)[0] / 2**30 if device.type == "cuda" else 0.0
         raise CheckpointError(
@@ -218,9 +227,43 @@ def damaged_weight_files(component: Path) -> list[str]:
     return damaged
 
 
-def build_random_full(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+def build_random_full(
+    device: torch.device, dtype: torch.dtype, host: tuple[str, ...] = (), sizes: random_models.ModelSizes | None = None
+) -> dict[str, object]:
+    """The full-size random model built on the GPU; components named in `host` are moved to host memory as soon as
+    they are built (a quantized load, as in load_components)."""
     if device.type != "cuda":
         raise CheckpointError("random-full is the full-size test model for GPU speed work; use --model tiny on a CPU.")
-    components = random_models.build_components(random_models.FULL, seed=0, device=device, dtype=dtype)
+    components = random_models.build_components(sizes or random_models.FULL, seed=0, device=device, dtype=dtype,
+                                                host=host)
     components["vocoder"] = components["vocoder"].float()
     return components
+
+
+def model_figures(source: ModelSource) -> ModelFigures | None:
+    """Parameter counts by role and the LM's attention shape, read from the checkpoint's configs and safetensors
+    headers (no weights are read), or from the built-in sizes: what `precision.Footprint` estimates memory from.
+    None when the files do not say (a damaged checkpoint: loading it then names the fault)."""
+    if source.folder is None:
+        return random_models.figures(random_models.FULL)
+    try:
+        return _figures_from(source.folder)
+    except Exception:  # noqa: BLE001 - JSON, safetensors, missing keys: load_components reports these properly
+        return None
+
+
+def _figures_from(folder: Path) -> ModelFigures:
+    shapes = ((component, name, shape) for component in random_models.WEIGHT_COMPONENTS
+              for name, shape in _tensor_shapes(folder / component))
+    lm = json.loads((folder / "language_model" / "config.json").read_text(encoding="utf-8"))
+    depth = json.loads((folder / "rvq_depth_decoder" / "config.json").read_text(encoding="utf-8"))
+    return random_models.figures_from_shapes(shapes, lm, depth)
+
+
+def _tensor_shapes(component: Path):
+    from safetensors import safe_open
+
+    for path in sorted(component.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            for key in weights.keys():
+                yield key, weights.get_slice(key).get_shape()

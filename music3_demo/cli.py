@@ -17,6 +17,7 @@ from .audio import AudioFileWriter, output_format
 from .checkpoint import CheckpointError, default_model
 from .continuation import SongState, check_continuation, extension_request
 from .events import AudioPiece, Event, Progress
+from .precision import PRECISIONS
 from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import ENGINE_NAMES
 from .versions import untested_warnings
@@ -42,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, help=f"semantic-stage top-k (default {c.AR_SAMPLING_TOP_K})")
     gen.add_argument("--seed", type=int, default=None, help="0 to 2^32-1; random when omitted")
     gen.add_argument("--engine", choices=ENGINE_NAMES, default="auto", help="auto = graph on CUDA, else reference")
+    gen.add_argument("--precision", choices=PRECISIONS, default="auto",
+                     help="LM / depth-decoder weights: bf16 (exact), fp8 (sm_89+), int8; auto = bf16 where the "
+                     "longest song fits the GPU, else fp8 or int8")
     gen.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available)")
     gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     gen.add_argument("--out", type=Path, default=Path("song.wav"), help="output .wav, .flac or .mp3 (320 kb/s)")
@@ -166,7 +170,9 @@ def generate(args: argparse.Namespace) -> int:
         from .pipeline import Music3Pipeline  # heavy imports only once the request is sane
 
         pipeline = Music3Pipeline.from_pretrained(args.model or default_model(), device=device,
-                                                  engine=args.engine, revision=args.revision)
+                                                  engine=args.engine, revision=args.revision,
+                                                  precision=args.precision)
+        print(f"note: precision {pipeline.precision.mode}: {pipeline.precision.reason}", file=sys.stderr)
         if pipeline.source.notice:
             print(f"note: {pipeline.source.notice}", file=sys.stderr)
         if pipeline.engine_record.fallback_reason:
@@ -187,7 +193,9 @@ def generate(args: argparse.Namespace) -> int:
         song.state.save(args.state)
     stages = " ".join(f"{key}={value:.2f}" for key, value in song.timings.items())
     print(f"{args.out}")
-    print(f"duration={song.duration:.2f}s frames={song.frames} seed={song.seed} engine={song.engine} {stages}")
+    memory = f" device_peak_gb={song.memory['device_peak_gb']}" if song.memory else ""
+    print(f"duration={song.duration:.2f}s frames={song.frames} seed={song.seed} engine={song.engine} "
+          f"precision={song.precision} {stages}{memory}")
     return 0
 
 

@@ -71,6 +71,14 @@ class SongState:
         start = FlowResume(0, 0, None, None, flow_generator.get_state(), flow_generator.device.type)
         return replace(self, flow=start, head=np.zeros((2, 0), np.float32))
 
+    def on_host(self) -> "SongState":
+        """The same state with its tensors in host memory: what crosses a process boundary (a Space's GPU worker
+        pickles what it yields, and the main process has no GPU to unpickle a CUDA tensor onto)."""
+        flow = self.flow
+        host = [None if t is None else t.to("cpu") for t in (flow.previous_latent, flow.previous_condition)]
+        return replace(self, flow=replace(flow, previous_latent=host[0], previous_condition=host[1],
+                                          generator_state=flow.generator_state.to("cpu")))
+
     def save(self, path: str | Path) -> Path:
         """One .npz file (numpy arrays and a JSON header; no pickles), ~0.35 MB per second of song (the head)."""
         path = Path(path)

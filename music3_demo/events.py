@@ -41,6 +41,9 @@ class Song:
     model_notice: str | None = None  # set when a built-in random model made it (the output is noise)
     engine_note: str | None = None  # set when the fast engine was not used although it was tried, and why
     state: SongState | None = None  # what continuing it needs (its codes, the flow state at its last chunk)
+    precision: str = "bf16"  # the LM / depth decoder weights it was made with: bf16 | fp8 | int8
+    precision_reason: str | None = None  # why that precision (auto's sentence)
+    memory: dict | None = None  # the device's memory as the card saw it during the song (memory.PeakSampler)
 
     @property
     def duration(self) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -11,16 +13,20 @@ import torch
 
 from . import contract as c
 from .checkpoint import (
+    QUANTIZED_COMPONENTS,
     CheckpointError,
     ModelSource,
     build_random_full,
     default_device,
     default_dtype,
     load_components,
+    model_figures,
     resolve,
 )
 from .continuation import SongState, check_continuation
 from .devices import normalize, on_device
+from .memory import PeakSampler, free_and_capability, release_cached
+from .precision import Footprint, PrecisionChoice, check_precision, choose_precision
 from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
 from . import flow as flow_stage
 from .flow.stream import FlowSettings, FlowStream, Piece
@@ -30,6 +36,8 @@ from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import SamplingSettings, make_engine, resolve_engine_name
 
 __all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest", "SongState"]
+
+log = logging.getLogger("music3_demo.pipeline")
 
 # The flow stage's generator on the fast engines is seeded apart from the semantic one, so overlap cannot change
 # results run to run.
@@ -45,28 +53,63 @@ class Music3Pipeline:
         engine: str = "auto",
         overlap: bool | None = None,
         allow_interpreter: bool | None = None,
+        precision: PrecisionChoice | None = None,
+        lazy: bool = False,
     ) -> None:
         """`overlap`: run the flow stage while semantic frames are still being made (default: when the engine draws
         from its own generator). With the reference engine it switches to separate per-stage generators, so results
         then differ from diffusers' single-generator draws (still deterministic for a seed). `allow_interpreter`:
-        tests only, see `semantic.graph_on_cpu_allowed`."""
+        tests only, see `semantic.graph_on_cpu_allowed`. `precision`: what `components` were loaded as and why
+        (from_pretrained's choice; unquantized weights when not given). `lazy`: build the engine (self-check, graph
+        capture) and the flow stage's fast path at the first song, in the process that runs it (Space mode)."""
         self.components = components
         self.source = source
-        self.device = device = normalize(device)
+        self.device = normalize(device)
+        self.precision = precision or PrecisionChoice("bf16", "bf16", "The weights as they were given.")
+        self.requested_engine = engine
+        self._overlap = overlap
+        self._allow_interpreter = allow_interpreter
         # The engine that runs (`auto` falls back to the reference when the fast engine fails its self-check) and
-        # why: the record's sentence and check time travel with every song.
-        self.engine, self.engine_record = make_engine(
-            components["language_model"], components["rvq_depth_decoder"], device, engine,
-            allow_interpreter=allow_interpreter,
-        )
-        self.engine_name = self.engine_record.name
-        self.overlap = self.engine.separate_flow_rng if overlap is None else overlap
-        self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
-        # Every song's DiT and vocoder calls go through the one executor (several songs may share this pipeline);
-        # it holds the captured DiT graphs on CUDA.
-        self.flow_executor = flow_stage.prepare(components, device, fast=self.separate_flow_rng)
-        self.velocity_graphs = self.flow_executor.graphs
-        self.flow_calibration: dict | None = None  # the executor's measured merged calls (`warm` on CUDA)
+        # why: the record's sentence and check time travel with every song. None until the stages are built.
+        self.engine = self.engine_record = self.engine_name = self.velocity_graphs = self.flow_executor = None
+        self.flow_calibration: dict | None = None  # the flow executor's measured merged calls (`warm` on CUDA)
+        self.overlap = self.separate_flow_rng = bool(overlap)  # what the stages will do, until they are built
+        self.stages_pid: int | None = None  # the process whose CUDA context holds the engine's graphs and buffers
+        self.setup_s: float | None = None  # what building the stages took (self-check and captures included)
+        self._stages_lock = threading.Lock()
+        if not lazy:
+            self.ensure_stages()
+
+    def ensure_stages(self) -> bool:
+        """Build the semantic engine and the flow stage's fast path unless this process already has them; True
+        when they were built now. CUDA graphs, streams and buffers belong to the process that made them: a ZeroGPU
+        worker is a fork of a parent that never touched the GPU, so each new worker builds its own here, at its
+        first song (a lazy pipeline), and a worker that is reused keeps them."""
+        with self._stages_lock:
+            if self.stages_pid == os.getpid():
+                return False
+            if self.stages_pid is not None and self.components["language_model"].lm_head is None:
+                raise RuntimeError(
+                    f"This pipeline's engine was built in process {self.stages_pid} and trimmed the model there; "
+                    "build pipelines that are shared with forked workers with lazy=True."
+                )
+            started = time.perf_counter()
+            self.engine, self.engine_record = make_engine(
+                self.components["language_model"], self.components["rvq_depth_decoder"], self.device,
+                self.requested_engine, allow_interpreter=self._allow_interpreter,
+            )
+            self.engine_name = self.engine_record.name
+            self.overlap = self.engine.separate_flow_rng if self._overlap is None else self._overlap
+            self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
+            # Every song's DiT and vocoder calls go through the one executor (several songs may share this
+            # pipeline); it holds the captured DiT graphs on CUDA, and its thread belongs to this process too.
+            self.flow_executor = flow_stage.prepare(self.components, self.device, fast=self.separate_flow_rng)
+            self.velocity_graphs = self.flow_executor.graphs
+            # What the self-check and the trim (full lm_head dropped, embeddings to the host) left in the cache.
+            release_cached(self.device)
+            self.stages_pid = os.getpid()
+            self.setup_s = time.perf_counter() - started
+            return True
 
     @classmethod
     def from_pretrained(
@@ -79,17 +122,20 @@ class Music3Pipeline:
         token: str | None = None,
         overlap: bool | None = None,
         allow_interpreter: bool | None = None,
+        precision: str = "auto",
+        lazy: bool = False,
     ) -> "Music3Pipeline":
+        """`precision`: auto | bf16 | fp8 | int8 (see precision.py); `lazy`: see __init__."""
         device = normalize(device) if device is not None else normalize(default_device())
         resolve_engine_name(engine, device, allow_interpreter)  # fail before a long load
+        check_precision(precision)
         dtype = dtype or default_dtype(device)
         source = resolve(model, revision=revision, token=token)
         with on_device(device):
-            if source.folder is None:
-                components = build_random_full(device, dtype)
-            else:
-                components = load_components(source.folder, device, dtype)
-        return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter)
+            choice = precision_for(precision, device, source)
+            components = load_model(source, device, dtype, choice)
+        return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
+                   precision=choice, lazy=lazy)
 
     @property
     def tokenizer(self):
@@ -103,21 +149,22 @@ class Music3Pipeline:
 
     def release(self) -> None:
         """Drop engine state (graphs, KV caches) and the weights; the object is unusable afterwards."""
-        release = getattr(self.engine, "release", None)
-        if release is not None:
-            release()
-        self.flow_executor.close()
-        if self.velocity_graphs is not None:
-            self.velocity_graphs.release()
+        if self.stages_pid == os.getpid():  # another process's graphs and executor thread are not ours to free
+            release = getattr(self.engine, "release", None)
+            if release is not None:
+                release()
+            self.flow_executor.close()
+            if self.velocity_graphs is not None:
+                self.velocity_graphs.release()
         self.components.clear()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_cached(self.device)
 
     def warm(self) -> Song:
         """Pay the one-off costs (kernel selection, semantic and flow graph capture, allocator growth) with a
         throw-away song, so the first real song does not. On CUDA the song is long enough for one full flow chunk,
         whose guided DiT step is then captured here rather than inside a user's song; then the flow executor
         measures its merged DiT and vocoder calls and merges songs' calls only where that is faster."""
+        self.ensure_stages()
         seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
         reserve = getattr(self.engine, "reserve", None)
         if reserve is not None:  # the graph engine: its KV pool and every batch size's graph, before any user
@@ -159,7 +206,10 @@ class Music3Pipeline:
         unchanged as the first piece."""
         # Callers run on any thread (the app's runners start with device 0 current).
         with on_device(self.device):
-            return self._generate(request, on_event, cancel, continue_from)
+            built = self.ensure_stages()  # a lazy pipeline's first song (in this process) builds the engine
+            with PeakSampler(self.device) as memory:
+                return self._generate(request, on_event, cancel, continue_from, memory,
+                                      self.setup_s if built else None)
 
     @torch.no_grad()
     def _generate(
@@ -168,6 +218,8 @@ class Music3Pipeline:
         on_event: Callable[[Event], None] | None,
         cancel: threading.Event | None,
         continue_from: SongState | None,
+        memory: PeakSampler,
+        setup_s: float | None,
     ) -> Song:
         emit = on_event or (lambda event: None)
         request = self.validate(request)
@@ -263,6 +315,9 @@ class Music3Pipeline:
         timings["realtime_factor"] = (audio.shape[-1] / c.SAMPLE_RATE) / timings["total_s"]
         if self.engine_record.check_s is not None:
             timings["engine_check_s"] = self.engine_record.check_s  # paid once at load, not by this song
+        if setup_s is not None:
+            timings["setup_s"] = setup_s  # this song built the engine first (a lazy pipeline in a new process)
+        memory.stop()
         resume = flow.resume_point
         state = SongState(request, codes, resume, audio[:, : resume.boundary])
         song = Song(
@@ -275,6 +330,9 @@ class Music3Pipeline:
             model_notice=self.source.notice,
             engine_note=self.engine_record.fallback_reason,
             state=state,
+            precision=self.precision.mode,
+            precision_reason=self.precision.reason,
+            memory=memory.as_dict(),
         )
         emit(Finished(song))
         return song
@@ -282,3 +340,35 @@ class Music3Pipeline:
 
 def sampling_for(request: GenerationRequest) -> SamplingSettings:
     return SamplingSettings(request.lm_cfg_scale, request.top_k)
+
+
+def precision_for(requested: str, device: torch.device, source: ModelSource) -> PrecisionChoice:
+    """The precision for this device and model (precision.choose_precision on the device's free memory and
+    capability), logged in one line with its reason."""
+    free, capability = free_and_capability(device)
+    figures = model_figures(source) if free is not None and requested == "auto" else None
+    choice = choose_precision(requested, free, capability, Footprint(figures) if figures is not None else None)
+    log.info("precision %s on %s (asked: %s): %s", choice.mode, device, requested, choice.reason)
+    return choice
+
+
+def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, choice: PrecisionChoice,
+               sizes=None) -> dict:
+    """The components on `device`, the LM and depth decoder in `choice.mode`. A quantized load reads (or builds)
+    those two in host memory and quantizes them onto the device layer by layer, so their bf16 weights and the
+    quantized copies never sit on the GPU together; the DiT and vocoder load as always. `sizes`: a built-in model's
+    (random-full only; the bench mutes its end token)."""
+    host = QUANTIZED_COMPONENTS if choice.quantized else ()
+    if source.folder is None:
+        components = build_random_full(device, dtype, host=host, sizes=sizes)
+    else:
+        components = load_components(source.folder, device, dtype, host=host)
+    if choice.quantized:
+        from .semantic.quant import quantize_model_
+
+        # Layer by layer onto the device; what stays bf16 (embeddings, norms, lm_head's text rows) follows.
+        report = quantize_model_(components["language_model"], components["rvq_depth_decoder"], choice.mode, device)
+        log.info("quantized the language model and depth decoder to %s on %s: %s", choice.mode, device,
+                 report.as_dict())
+    release_cached(device)  # what loading left in the allocator's cache (conversions, host round trips)
+    return components

@@ -143,13 +143,61 @@ def _make_models(sizes: ModelSizes) -> dict[str, torch.nn.Module]:
     }
 
 
+# The components that hold weights, and what each weight is to a pipeline's memory (precision.ModelFigures).
+WEIGHT_COMPONENTS = ("language_model", "rvq_depth_decoder", "condition_encoder", "transformer", "vocoder")
+
+
+def weight_role(component: str, name: str, ndim: int) -> str:
+    """quantizable (LM / depth-decoder block matrices) | trimmed (token embeddings, full lm_head: off the device
+    once the graph engine runs) | kept (the other LM / depth weights) | flow | vocoder."""
+    if component in ("condition_encoder", "transformer"):
+        return "flow"
+    if component == "vocoder":
+        return "vocoder"
+    if name.startswith(("model.layers.", "layers.")) and ndim == 2:
+        return "quantizable"
+    if name.startswith(("model.embed_tokens.", "lm_head.")):
+        return "trimmed"
+    return "kept"
+
+
+def figures_from_shapes(shapes, lm_config: dict, depth_config: dict):
+    """precision.ModelFigures from (component, weight name, shape) triples and the LM's / depth decoder's configs."""
+    from .precision import ModelFigures
+
+    counts = {"quantizable": 0, "kept": 0, "trimmed": 0, "flow": 0, "vocoder": 0}
+    for component, name, shape in shapes:
+        numel = 1
+        for size in shape:
+            numel *= size
+        counts[weight_role(component, name, len(shape))] += numel
+    heads = lm_config["num_attention_heads"]
+    return ModelFigures(
+        **counts, lm_layers=lm_config["num_hidden_layers"], kv_heads=lm_config["num_key_value_heads"],
+        head_dim=lm_config.get("head_dim") or lm_config["hidden_size"] // heads, hidden=lm_config["hidden_size"],
+        audio_vocab=depth_config.get("audio_vocab_size", 1024), num_codebooks=depth_config.get("num_codebooks", 8),
+    )
+
+
+def figures(sizes: ModelSizes):
+    """precision.ModelFigures of a built-in model, from its classes on `meta` (nothing allocated)."""
+    with torch.device("meta"):
+        models = _make_models(sizes)
+    shapes = [(component, name, tuple(param.shape)) for component in WEIGHT_COMPONENTS
+              for name, param in models[component].named_parameters()]
+    return figures_from_shapes(shapes, models["language_model"].config.to_dict(),
+                               dict(models["rvq_depth_decoder"].config))
+
+
 _ONES_SUFFIXES = ("norm.weight", "layernorm.weight", "norm1.weight", "norm2.weight", "alpha", "layer_scale",
                   "original0", "weight_g", "q_norm.weight", "k_norm.weight")
 
 
 @torch.no_grad()
 def _randomize(name: str, module: torch.nn.Module, generator: torch.Generator) -> None:
-    """Deterministic scale-aware random init (unit-variance activations), the same on CPU and GPU."""
+    """Deterministic scale-aware random init (unit-variance activations), the same on CPU and GPU. Values are drawn
+    in float32 whatever the parameters' dtype (a scratch tensor per parameter), so a bf16 model gets exactly the
+    rounded float32 model's weights without ever holding the float32 model."""
     for pname, param in module.named_parameters():
         if pname == "conv_out.weight_g":
             # Keeps the vocoder's output tanh out of saturation, so waveform comparisons stay sensitive.
@@ -158,25 +206,30 @@ def _randomize(name: str, module: torch.nn.Module, generator: torch.Generator) -
             param.fill_(1.0)
         elif pname.endswith("bias"):
             param.zero_()
-        elif param.dim() == 1:
-            param.normal_(0.0, 1.0, generator=generator)
-        elif "embed" in pname and param.dim() == 2:
-            param.normal_(0.0, 1.0, generator=generator)
         else:
-            fan_in = param[0].numel() if param.dim() > 1 else 1
-            param.normal_(0.0, fan_in**-0.5, generator=generator)
+            unit = param.dim() == 1 or ("embed" in pname and param.dim() == 2)
+            std = 1.0 if unit or param.dim() < 2 else param[0].numel() ** -0.5
+            drawn = param if param.dtype == torch.float32 else torch.empty_like(param, dtype=torch.float32)
+            drawn.normal_(0.0, std, generator=generator)
+            if drawn is not param:
+                param.copy_(drawn)
 
 
 def build_components(
-    sizes: ModelSizes, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    sizes: ModelSizes, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    host: tuple[str, ...] = (),
 ) -> dict[str, object]:
     """Random components with the real classes. Parameters are created on `meta` and filled on `device`, so a
-    full-size model is built on the GPU in seconds without a CPU copy."""
+    full-size model is built on the GPU in seconds without a CPU copy. They are created in `dtype` directly: a
+    float32 build converted afterwards leaves the caching allocator holding the float32 blocks that the bf16 weights
+    were carved from (14 GB on the full model, which no `empty_cache` can return). Components named in `host` move
+    to host memory as soon as they are built (a quantized load puts them back layer by layer)."""
     device = torch.device(device)
     with torch.device("meta"):
         models = _make_models(sizes)
     generator = torch.Generator(device).manual_seed(seed)
     for name, model in models.items():
+        model.to(dtype=dtype)  # on `meta`: only the recorded dtype changes
         model.to_empty(device=device)
         _randomize(name, model, generator)
         # Buffers that initialisation computed (rotary inverse frequencies) were lost on `meta` (`to_empty` leaves
@@ -189,9 +242,11 @@ def build_components(
         if dtype != torch.float32:
             model.to(dtype=dtype)
         model.eval()
-    with torch.no_grad():
-        lm_head = models["language_model"].lm_head.weight
-        lm_head[c.AUDIO_END_TOKEN_ID].mul_(sizes.end_token_gain)
+        if name == "language_model":
+            with torch.no_grad():
+                model.lm_head.weight[c.AUDIO_END_TOKEN_ID].mul_(sizes.end_token_gain)
+        if name in host:
+            model.to("cpu")
     models["tokenizer"] = build_tokenizer()
     models["scheduler"] = build_scheduler()
     return models

@@ -9,6 +9,7 @@ recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with
 tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
 
 Run (TRITON_INTERPRET must be unset): python scripts/compile_arch.py 86 90 [--sms 82] [--name "NVIDIA H200"]
+[--precisions bf16,int8,fp8]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import resource
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -79,19 +80,28 @@ class Compiled:
     registers: int
     seconds: float
     x_bytes: int  # element size of the activation operand (x_ptr), where the kernel has one
+    w_bytes: int = 2  # element size of the weights (1: fp8/int8 weights, `semantic/quant.py`)
 
 
-def full_size_engine(tuning: Tuning):
-    """The graph engine over the random-full model's language model and depth decoder, on the meta device."""
+def full_size_engine(tuning: Tuning, precision: str = "bf16"):
+    """The graph engine over the random-full model's language model and depth decoder, on the meta device, with its
+    weights in `precision` (bf16, or fp8/int8 in their default schemes)."""
+    import copy
+
     from music3_demo import random_models
     from music3_demo.semantic import graph
+    from music3_demo.semantic.quant import quantize_model_
 
     if not _MODELS:  # built once per process (the engine fuses their weights again for each architecture)
         with torch.device("meta"):
             models = random_models._make_models(random_models.FULL)
-        _MODELS.update(lm=models["language_model"].to(torch.bfloat16),
-                       depth=models["rvq_depth_decoder"].to(torch.bfloat16))
-    lm, depth = _MODELS["lm"], _MODELS["depth"]
+        _MODELS.update(bf16=(models["language_model"].to(torch.bfloat16),
+                             models["rvq_depth_decoder"].to(torch.bfloat16)))
+    if precision not in _MODELS:
+        lm, depth = (copy.deepcopy(m) for m in _MODELS["bf16"])
+        quantize_model_(lm, depth, precision, "meta")
+        _MODELS[precision] = (lm, depth)
+    lm, depth = _MODELS[precision]
     with _patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
         return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=True, tuning=tuning)
 
@@ -128,12 +138,43 @@ class Launch:
 _MODELS: dict = {}
 
 
-def record_launches(target: Target) -> tuple[Tuning, list[Launch]]:
-    """Every distinct kernel launch of one frame (sampled and teacher-forced) on `target`."""
-    tuning = tuning_for_target(target)
-    engine = full_size_engine(tuning)
-    launches: dict[str, Launch] = {}
+def precisions_of(capability: int, asked: tuple[str, ...] = ("bf16",)) -> tuple[str, ...]:
+    """Those of the `asked` weight precisions an engine can run with on this architecture (fp8 from sm_89 on)."""
+    return tuple(p for p in asked if p != "fp8" or capability >= 89)
 
+
+def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",)) -> tuple[Tuning, list[Launch]]:
+    """Every distinct kernel launch of one frame (sampled and teacher-forced) on `target`, for engines with weights
+    in each of `precisions` (the kernels they share are recorded once)."""
+    tuning = tuning_for_target(target)
+    launches: dict[str, Launch] = {}
+    for precision in precisions:
+        _record(full_size_engine(tuning, precision), target, launches,
+                routes=precision if precision != "bf16" else None)
+    return tuning, list(launches.values())
+
+
+def _route_launches(tuning: Tuning, kind: str) -> None:
+    """The down product's GEMV once per conversion route of 1-byte tiles (`qweight.CONVERSIONS`; the native fp16
+    conversion only for fp8) in `kind`'s default scheme, on meta tensors: every route compiles everywhere the format
+    runs, whichever the tuning picks today."""
+    from music3_demo.semantic.kernels.qweight import CONVERSIONS, NATIVE_F16, QWeight
+    from music3_demo.semantic.quant import DEFAULT_SCHEMES
+
+    meta, bf16 = torch.device("meta"), torch.bfloat16
+    group, n, k = DEFAULT_SCHEMES[kind].group, 4096, 12288
+    dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    weight = QWeight(torch.empty(n, k, dtype=dtype, device=meta),
+                     torch.empty((n, k // group) if group else (n,), device=meta), group, bf16)
+    out = torch.empty(2, n, device=meta)
+    cfg = tuning.gemv(2, n, k, False, 2, 1, group, kind)
+    for route in CONVERSIONS.values():
+        if route != NATIVE_F16 or kind == "fp8":
+            linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
+                        config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
+
+
+def _record(engine, target: Target, launches: dict, routes: str | None = None) -> None:
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         if is_manual_warmup:
             return False  # a preload: compile it
@@ -150,7 +191,8 @@ def record_launches(target: Target) -> tuple[Tuning, list[Launch]]:
         engine.allocate(512)
         for forced in (False, True):
             engine._advance(1, forced)()
-    return tuning, list(launches.values())
+        if routes is not None:
+            _route_launches(engine.tuning, routes)
 
 
 # Kernels whose launch configuration no tuning changes: their code differs between architectures only through
@@ -194,9 +236,12 @@ def compile_launch(launch: Launch, capability: int) -> Compiled:
     with _stand_in(capability):
         kernel = launch.fn.preload(launch.spec)
     seconds = _cpu_seconds() - start
-    x_type = json.loads(launch.spec)["signature"].get("x_ptr", "")
+    signature = json.loads(launch.spec)["signature"]
+    x_type = signature.get("x_ptr", "")
+    w_type = signature.get("w_ptr", signature.get("wo_ptr", ""))
     return Compiled(launch.name, launch.constants, kernel.metadata.num_warps, kernel.metadata.num_stages,
-                    kernel.metadata.shared, registers(kernel.asm["cubin"]), seconds, 4 if x_type == "*fp32" else 2)
+                    kernel.metadata.shared, registers(kernel.asm["cubin"]), seconds, 4 if x_type == "*fp32" else 2,
+                    1 if w_type in ("*i8", "*u8", "*fp8e4nv") else 2)
 
 
 def _cpu_seconds() -> float:
@@ -225,10 +270,12 @@ def programs_per_sm(compiled: Compiled, target: Target) -> int:
     return min(by_shared, REGISTERS_PER_SM // max(regs, 1), target.threads_per_sm // threads, 32)
 
 
-def check(capability: int, name: str, sms: int, everything: bool = False) -> dict:
-    """Compile for one architecture (every launch, or the CI set); the report and the list of what does not fit."""
+def check(capability: int, name: str, sms: int, everything: bool = False, precisions: tuple[str, ...] = ("bf16",)
+          ) -> dict:
+    """Compile for one architecture (every launch, or the CI set) with weights in each of `precisions` (those the
+    architecture runs); the report and the list of what does not fit."""
     target = Target(name, capability, sms)
-    tuning, launches = record_launches(target)
+    tuning, launches = record_launches(target, precisions_of(capability, precisions))
     kernels = [compile_launch(launch, capability) for launch in (launches if everything else ci_set(launches,
                                                                                                    capability))]
     problems, residency = [], []
@@ -247,7 +294,7 @@ def check(capability: int, name: str, sms: int, everything: bool = False) -> dic
         "tma": target.tma, "table": tuning.source, "tail_programs": tuning.programs,
         "tail_resident": min(residency, default=0),
         "kernels": [k.__dict__ for k in kernels], "problems": problems,
-        "compile_s": round(sum(k.seconds for k in kernels), 1),
+        "compile_s": round(sum(k.seconds for k in kernels), 1), "precisions": precisions_of(capability, precisions),
     }
 
 
@@ -257,12 +304,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sms", type=int, help="SM count (default: a typical GPU of the architecture)")
     parser.add_argument("--name", help="GPU name as the driver reports it (picks its tuning table)")
     parser.add_argument("--all", action="store_true", help="compile every launch, not only the CI set")
+    parser.add_argument("--precisions", default="bf16",
+                        help="comma list of weight precisions (bf16, int8, fp8: semantic/quant.py's default schemes; "
+                        "fp8 only from sm_89 on)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # kernels defined under it are the interpreter's
         raise SystemExit("compile_arch.py compiles for a GPU: unset TRITON_INTERPRET")
     for capability in args.capabilities:
         name, sms = TYPICAL.get(capability, (f"sm_{capability}", 128))
-        print(json.dumps(check(capability, args.name or name, args.sms or sms, args.all)), flush=True)
+        precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
+        print(json.dumps(check(capability, args.name or name, args.sms or sms, args.all, precisions)), flush=True)
 
 
 if __name__ == "__main__":

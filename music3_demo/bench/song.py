@@ -17,7 +17,9 @@ from .. import random_models
 from ..checkpoint import ModelSource
 from ..events import AudioPiece, Event, Progress
 from ..flow.stream import FlowSettings, FlowStream, full_chunk_latents
-from ..pipeline import Music3Pipeline
+from ..memory import PeakSampler
+from ..pipeline import Music3Pipeline, load_model
+from ..precision import PrecisionChoice
 from ..request import GenerationRequest
 
 SONG_PROMPT = "energetic synth-pop, 124 BPM, A minor, female vocals, punchy drums, big chorus"
@@ -26,12 +28,14 @@ SONG_LYRICS = "[verse]\n" + "\n".join(f"line {i} of a long verse about the city 
 )
 
 
-def full_size_pipeline(engine: str, device: torch.device) -> Music3Pipeline:
-    """random-full with the end token muted, so every benchmarked song runs to its full length."""
+def full_size_pipeline(engine: str, device: torch.device, precision: str = "bf16") -> Music3Pipeline:
+    """random-full with the end token muted, so every benchmarked song runs to its full length; loaded in
+    `precision` through the pipeline's own loading path (a quantized mode: built, moved to the host, quantized)."""
     sizes = dataclasses.replace(random_models.FULL, end_token_gain=0.0)
-    components = random_models.build_components(sizes, seed=0, device=device, dtype=torch.bfloat16)
-    components["vocoder"] = components["vocoder"].float()
-    return Music3Pipeline(components, ModelSource("random-full", None, "random-full"), device, engine)
+    source = ModelSource("random-full", None, "random-full")
+    choice = PrecisionChoice(precision, precision, f"{precision} as asked (bench).")
+    components = load_model(source, device, torch.bfloat16, choice, sizes=sizes)
+    return Music3Pipeline(components, source, device, engine, precision=choice)
 
 
 def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_STEPS) -> dict:
@@ -50,14 +54,16 @@ def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_S
             marks["semantic_end_s"] = now
 
     request = GenerationRequest(SONG_PROMPT, SONG_LYRICS, duration=seconds, num_steps=steps, seed=1)
-    song = pipeline.generate(request, on_event=on_event)
-    torch.cuda.synchronize(device)
+    with PeakSampler(device, peak_counters_reset=True) as memory:
+        song = pipeline.generate(request, on_event=on_event)
+        torch.cuda.synchronize(device)
     wall = time.perf_counter() - started
     busy = {k: song.timings[k] for k in ("semantic_s", "flow_s", "vocoder_s")}
     serial = sum(busy.values())
     longest = max(busy.values())
     return {
         "engine": pipeline.engine_name,
+        "precision": pipeline.precision.mode,
         "song_s": song.duration,
         "frames": song.frames,
         "wall_s": round(wall, 3),
@@ -72,6 +78,10 @@ def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_S
         # The issue's budget is in GB (10^9 bytes); "reserved" adds the caching allocator's slack, what the GPU holds.
         "peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2),
         "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / 1e9, 2),
+        # As the card sees it (nvidia-smi): sampled used memory, or torch's peak reserved plus what lies outside
+        # torch (CUDA context, other processes), whichever is larger. This is the figure a GPU must have.
+        "device_peak_gb": round(memory.peak / 1e9, 2),
+        "memory": memory.as_dict(),
     }
 
 

@@ -48,12 +48,17 @@ def banner_html(status: HolderStatus) -> str:
         took = f" · {status.loading_for_s:.0f} s" if status.loading_for_s else ""
         line = f"⏳ Loading <b>{model}</b>: {html.escape(status.phase)}{took}"
     elif status.state == "ready":
-        line = f"✅ <b>{model}</b> · engine <code>{html.escape(status.engine or '?')}</code> on {devices}"
+        engine = html.escape(status.engine or "built by the first song")
+        precision = f" · <code>{html.escape(status.precision)}</code> weights" if status.precision else ""
+        line = f"✅ <b>{model}</b> · engine <code>{engine}</code>{precision} on {devices}"
     elif status.state == "failed":
         line = f"❌ <b>{model}</b> is not loaded"
     else:
         line = f"💤 <b>{model}</b> loads with the first song on {devices} (that song takes longer)"
     parts = [f'<div class="m3-status m3-{status.state}" id="model-status" data-state="{status.state}">{line}</div>']
+    if status.state == "ready" and status.precision_reason:
+        parts.append(f'<div class="m3-note" id="precision-note">Precision: {html.escape(status.precision_reason)}'
+                     "</div>")
     if status.error:
         parts.append(f'<div class="m3-banner m3-error" role="alert">{html.escape(status.error)}</div>')
     if status.engine_note:

@@ -21,7 +21,9 @@ import torch
 from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
 from ..devices import on_device
 from ..events import Cancelled
+from ..memory import device_memory
 from ..semantic import EngineUnavailable
+from .gpu import WorkerClock
 from .speed import Speed
 
 if TYPE_CHECKING:  # the pipeline (diffusers, transformers) is imported on first load, not when the page is built
@@ -50,6 +52,9 @@ class HolderStatus:
     engine: str | None
     engine_note: str | None  # why the fast engine is not used (it failed its self-check or could not start)
     engine_check_s: float | None  # the fast engine's self-check at load, when one ran
+    precision: str | None  # the LM / depth-decoder weights: bf16 | fp8 | int8
+    precision_reason: str | None  # why (auto's sentence, or "as asked")
+    memory: dict | None  # device -> the card's memory now (memory.DeviceMemory), for loaded CUDA devices
     error: str | None
     notice: str | None  # set when the loaded model is a built-in random one
     loading_for_s: float | None
@@ -77,11 +82,18 @@ class Lease:
 
 class ModelHolder:
     def __init__(
-        self, model: str, devices: list[str] | None = None, engine: str = "auto", warmup: bool = True
+        self, model: str, devices: list[str] | None = None, engine: str = "auto", warmup: bool = True,
+        precision: str = "auto", lazy: bool = False,
     ) -> None:
+        """`precision`: see precision.py. `lazy`: pipelines build their engines at their first song, in the process
+        that runs it (Space mode: ui/gpu.py); the holder then learns the engine from the songs."""
         self.model = model
         self.engine = engine
         self.warmup = warmup
+        self.precision = precision
+        self.lazy = lazy
+        self.workers = WorkerClock()  # Space mode: what the GPU workers' set-up costs
+        self._song_engine: dict[str, tuple[str, str | None]] = {}  # device -> (engine, note) of its last song
         self.devices = devices or default_devices()
         self._slots = [_Slot(device) for device in self.devices]
         self._free = threading.Condition()  # guards every slot's `busy` flag
@@ -109,18 +121,26 @@ class ModelHolder:
             state = "idle"
         with self._free:
             busy = tuple(slot.device for slot in self._slots if slot.busy)
+        first = loaded[0] if loaded else None
+        seen = next(iter(self._song_engine.values()), (None, None))
+        memory = {slot.device: figures.as_dict() for slot in self._slots
+                  if slot.pipeline is not None and not self.lazy and (figures := device_memory(slot.device))}
         return HolderStatus(
             model=self.model,
             state=state,
             phase=self._phase,
             devices=tuple(self.devices),
             busy=busy,
-            engine=loaded[0].engine_name if loaded else None,
+            # A lazy pipeline (Space mode) has no engine in this process: its songs say which one ran.
+            engine=(first.engine_name or seen[0]) if first else None,
             # A note from any device (each checks its own engine); the check time of the first that ran one.
-            engine_note=next((p.engine_record.fallback_reason for p in loaded if p.engine_record.fallback_reason),
-                             None),
-            engine_check_s=next((p.engine_record.check_s for p in loaded if p.engine_record.check_s is not None),
-                                None),
+            engine_note=next((p.engine_record.fallback_reason for p in loaded
+                              if p.engine_record and p.engine_record.fallback_reason), seen[1]),
+            engine_check_s=next((p.engine_record.check_s for p in loaded
+                                 if p.engine_record and p.engine_record.check_s is not None), None),
+            precision=first.precision.mode if first else None,
+            precision_reason=first.precision.reason if first else None,
+            memory=memory or None,
             error=self._error if not loaded else None,
             notice=self._source.notice if self._source is not None else None,
             loading_for_s=time.monotonic() - min(loading.values()) if loading else None,
@@ -195,7 +215,8 @@ class ModelHolder:
                     # on the CPU too. With the reference engine that means per-stage generators: the app's songs are
                     # deterministic per seed but not diffusers' waveform (the CLI and Python API keep that contract).
                     pipeline = Music3Pipeline.from_pretrained(target, device=slot.device, engine=self.engine,
-                                                              overlap=True)
+                                                              overlap=True, precision=self.precision,
+                                                              lazy=self.lazy)
                     if self._tokenizer is None:
                         self._tokenizer = pipeline.tokenizer
                     if self.warmup:
@@ -223,6 +244,18 @@ class ModelHolder:
         if measured is not None:
             known = self.speeds.get(device)
             self.speeds[device] = measured if known is None else known.blend(measured)
+
+    def record_finished(self, device: str, song, steps: int) -> None:
+        """A song made elsewhere (a Space's GPU worker) on `device`'s pipeline: its speed, engine and set-up."""
+        pipeline = next((slot.pipeline for slot in self._slots if slot.device == device), None)
+        if pipeline is not None:
+            self.record_song(device, pipeline, song, steps)
+        self._song_engine[device] = (song.engine, song.engine_note)
+        self.workers.note_song(song.timings)
+
+    def speed(self) -> Speed | None:
+        """The slowest device's measured speed (None before any song)."""
+        return min(self.speeds.values(), key=lambda speed: speed.frames_per_s, default=None)
 
     def estimate_s(self, frames: int, steps: int) -> float | None:
         """Expected seconds for a song once it has a device (the slowest device's speed); None before a warm-up."""

@@ -31,6 +31,9 @@ def song_report(song: Song, request: GenerationRequest, record: JobRecord, model
         "settings": request.as_dict() | {"seed": song.seed},
         "notice": song.model_notice,
         "engine_note": song.engine_note,
+        "precision": song.precision,
+        "precision_reason": song.precision_reason,
+        "memory": song.memory,  # the device as the card saw it during the song (GB), None off CUDA
     }
 
 
@@ -46,7 +49,9 @@ def report_markdown(report: dict) -> str:
     first = timings.get("first_audio_s")
     lines = [
         f"**{_clock(report['duration_s'])}** · {report['frames']} frames · {report['sample_rate'] / 1000:g} kHz "
-        f"stereo · seed `{report['seed']}` · engine `{report['engine']}` on `{report['device']}`",
+        f"stereo · seed `{report['seed']}` · engine `{report['engine']}` with `{report.get('precision', 'bf16')}` "
+        f"weights on `{report['device']}`"
+        + (f" · peak {report['memory']['device_peak_gb']:.1f} GB on the card" if report.get("memory") else ""),
         f"Stages: {stages} · total **{timings.get('total_s', 0):.2f} s** · "
         f"**{report['realtime_factor']:.2f}× realtime**"
         + (f" · semantic {rate:.1f} frames/s" if rate else "")

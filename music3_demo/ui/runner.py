@@ -8,18 +8,19 @@ calls, and closing is how a Stop press or a vanished browser tab reaches us. So 
 from __future__ import annotations
 
 import itertools
+import pickle
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..continuation import SongState
-from ..events import Event
+from ..events import Cancelled, Event, Finished
 from ..handoff import END, Handoff
 from ..request import GenerationRequest
-from .gpu import on_gpu
+from .gpu import estimate_gpu_seconds, on_gpu, zero_gpu
 from .holder import ModelHolder
 
 _ids = itertools.count(1)
@@ -45,6 +46,7 @@ class JobRecord:
     device: str | None = None
     error: str | None = None
     session: str | None = None  # whose job it is: a client sees only its own (never shown)
+    gpu_s: int | None = None  # Space mode: the GPU time promised to ZeroGPU for it
 
     def as_dict(self) -> dict:
         return {key: value for key, value in self.__dict__.items() if key != "session"}
@@ -93,7 +95,108 @@ def generation_events(
         cancel.set()  # no-op after a normal end; stops the worker when the consumer went away
 
 
-_gpu_generation_events = on_gpu(generation_events)
+# Space mode (ui/gpu.py): the holder a ZeroGPU worker uses is its copy of this process's, found by key (a holder
+# cannot be pickled; the worker, a fork, has the same registry).
+_HOLDERS: dict[int, ModelHolder] = {}
+
+
+def register_holder(holder: ModelHolder) -> int:
+    _HOLDERS[id(holder)] = holder
+    return id(holder)
+
+
+@dataclass(frozen=True)
+class RecordUpdate:
+    """The job record as the GPU worker last saw it (the main process's own record is another copy)."""
+
+    fields: dict
+
+
+@dataclass(frozen=True)
+class Raised:
+    """An exception of the worker's song, carried as a value: ZeroGPU would turn a raised one into a generic error."""
+
+    error: BaseException
+
+
+def space_generation_events(
+    holder_key: int, request: GenerationRequest, record: JobRecord, tick: float,
+    continue_from: SongState | None,
+) -> Iterator[Event | Phase | RecordUpdate | Raised | None]:
+    """The GPU part of a job in Space mode, run in a ZeroGPU worker (under `spaces.GPU`): the song's events with
+    snapshots of the record whenever it changed, and its exception as a `Raised` value. Closing it (the main process
+    closed its side) cancels the song."""
+    holder = _HOLDERS.get(holder_key)
+    if holder is None:
+        raise RuntimeError("the GPU worker has no model holder: register_holder() before the first GPU call")
+    cancel = threading.Event()
+    seen = record.as_dict()
+    events = generation_events(holder, request, cancel, record, tick, continue_from)
+    try:
+        for item in events:
+            if record.as_dict() != seen:
+                seen = record.as_dict()
+                yield RecordUpdate(seen)
+            if isinstance(item, Finished) and item.song.state is not None:
+                item.song.state = item.song.state.on_host()  # its flow tensors are on this worker's GPU
+            yield item
+    except Exception as error:  # noqa: BLE001 - every failure goes back as a value (see Raised)
+        yield RecordUpdate(record.as_dict())
+        yield Raised(_picklable(error))
+        return
+    finally:
+        events.close()
+    yield RecordUpdate(record.as_dict())
+
+
+def _picklable(error: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - a library's exception that does not pickle: keep its sentence
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _space_duration(holder_key: int, request: GenerationRequest, record: JobRecord, tick: float,
+                    continue_from: SongState | None) -> int:
+    """Seconds to promise ZeroGPU (runs in the main process before the call; see gpu.estimate_gpu_seconds)."""
+    holder = _HOLDERS[holder_key]
+    clock = holder.workers
+    prefix = continue_from.frames if continue_from is not None else 0
+    seconds = estimate_gpu_seconds(request, holder.speed(), clock.new_worker_s() if clock.may_be_new() else 0.0,
+                                   prefix)
+    record.gpu_s = seconds
+    return seconds
+
+
+_gpu_space_events = on_gpu(space_generation_events, duration=_space_duration)
+
+
+def relay_space_events(
+    job: Job, gpu_events: Callable[..., Iterator], tick: float
+) -> Iterator[Event | Phase | None]:
+    """The main process's side of a Space-mode job: runs `gpu_events` (the GPU call) and passes its events on,
+    applies the record snapshots, raises the worker's exception as itself, notes the finished song in this
+    process's holder, and closes the call when the job is stopped (which stops the worker's song)."""
+    key = register_holder(job.holder)
+    call = gpu_events(key, job.request, job.record, tick, job.continue_from)
+    try:
+        for item in call:
+            if job.cancel.is_set():
+                raise Cancelled()
+            if isinstance(item, RecordUpdate):
+                vars(job.record).update(item.fields)
+                continue
+            if isinstance(item, Raised):
+                raise item.error
+            if isinstance(item, Finished) and job.record.device is not None:
+                job.holder.record_finished(job.record.device, item.song, job.request.num_steps)
+            yield item
+    finally:
+        call.close()
+        job.cancel.set()
+        if job.record.state in ("queued", "running"):
+            job.record.state, job.record.ended_at = "cancelled", job.record.ended_at or time.time()
 
 
 class Job:
@@ -111,7 +214,9 @@ class Job:
             registry.remember(self.record)
 
     def events(self, tick: float = 0.2) -> Iterator[Event | Phase | None]:
-        return _gpu_generation_events(self.holder, self.request, self.cancel, self.record, tick, self.continue_from)
+        if zero_gpu():
+            return relay_space_events(self, _gpu_space_events, tick)
+        return generation_events(self.holder, self.request, self.cancel, self.record, tick, self.continue_from)
 
     def stop(self) -> None:
         # Told apart from `cancel`, which the event stream also sets when it ends normally (to stop a worker whose

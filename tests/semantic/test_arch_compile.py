@@ -1,5 +1,6 @@
-"""Every Triton kernel the graph engine launches for the full-size model compiles for sm_80, 86, 89, 90, 100 and 120
-with the configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
+"""Every Triton kernel the graph engine launches for the full-size model (bf16 weights, and the 1-byte int8/fp8
+weights of semantic/quant.py where the architecture runs them) compiles for sm_80, 86, 89, 90, 100 and 120 with the
+configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
 tail's spin-barrier grid is resident all at once (scripts/compile_arch.py does the compiling, in two processes)."""
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ GROUPS = (("80", "86", "89", "120"), ("90", "100"))
 TIMEOUT = 600  # seconds per process (about 90 on two idle cores)
 
 
-def _compile(tmp_path: Path) -> list[dict]:
+def _compile(tmp_path: Path, precisions: str = "bf16") -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # really compile: nothing from an earlier run
-    runs = [subprocess.Popen([sys.executable, str(ROOT / "scripts" / "compile_arch.py"), *group], env=env,
+    runs = [subprocess.Popen([sys.executable, str(ROOT / "scripts" / "compile_arch.py"), *group, "--precisions",
+                              precisions], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for group in GROUPS]
     reports = []
     for run in runs:
@@ -34,8 +36,29 @@ def _compile(tmp_path: Path) -> list[dict]:
 
 
 def test_every_engine_kernel_compiles_and_fits_every_architecture(tmp_path):
+    _check(tmp_path, "bf16")
+
+
+def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(tmp_path):
+    """The engine on fp8/int8 weights (semantic/quant.py's default schemes): int8 on every architecture, fp8 from
+    sm_89 on. A separate run (about as long again as the bf16 one) so each stays within its time limit."""
+    reports = _check(tmp_path, "int8,fp8")
+    for report in reports:
+        cap = report["capability"]
+        assert report["precisions"] == (["int8", "fp8"] if cap >= 89 else ["int8"])
+        quant = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] in ("_gemv_kernel",
+                                                                                       "_block_tail_kernel")}
+        assert quant == ({1, 2} if cap >= 89 else {2}), (cap, quant)
+        assert all(k["w_bytes"] == 1 for k in report["kernels"] if k["kernel"] == "_block_tail_kernel")
+        # every conversion route of 1-byte tiles (kernels/qweight.CONVERSIONS), the native fp16 one with fp8 only
+        routes = {k["constants"]["CONV"] for k in report["kernels"] if k["constants"].get("QUANT")
+                  and "CONV" in k["constants"]}
+        assert routes == ({0, 1, 2, 3} if cap >= 89 else {0, 1, 2}), (cap, routes)
+
+
+def _check(tmp_path: Path, precisions: str) -> list[dict]:
     started = time.perf_counter()
-    reports = _compile(tmp_path)
+    reports = _compile(tmp_path, precisions)
     print(f"compiled in {time.perf_counter() - started:.0f} s (CPU: {sum(r['compile_s'] for r in reports):.0f} s)")
     assert sorted(r["capability"] for r in reports) == [80, 86, 89, 90, 100, 120]
     for report in reports:
@@ -55,11 +78,12 @@ def test_every_engine_kernel_compiles_and_fits_every_architecture(tmp_path):
             if kernel["kernel"] == "_gemv_kernel":
                 assert not c["TMA"] or cap >= 90
                 cfg = GemvConfig(c["BLOCK_N"], c["BLOCK_K"], kernel["num_warps"], kernel["num_stages"])
-                assert kernel["shared"] <= shared_bytes(cfg, kernel["x_bytes"]), (cap, kernel)
+                assert kernel["shared"] <= shared_bytes(cfg, kernel["x_bytes"], kernel["w_bytes"]), (cap, kernel)
             if kernel["kernel"] == "_block_tail_kernel":
                 products = [GemvConfig(c[f"BN_{p}"], c[f"BK_{p}"], 4, c[f"ST_{p}"]) for p in ("O", "GU", "D", "Q")]
                 assert all(not c[f"TMA_{p}"] or cap >= 90 for p in ("O", "GU", "D", "Q"))
-                assert kernel["shared"] <= max(shared_bytes(p) for p in products), (cap, kernel)
+                assert kernel["shared"] <= max(shared_bytes(p, 2, kernel["w_bytes"]) for p in products), (cap, kernel)
     by_cap = {r["capability"]: r for r in reports}
     assert "nvidia-h200.sm90.json" in by_cap[90]["table"]
     assert all(by_cap[cap]["table"] == "heuristic" for cap in (80, 86, 89, 100, 120))
+    return reports

@@ -9,10 +9,13 @@ from kernel_cases import rand  # first: checks Triton's interpreter is on
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 import torch.nn.functional as F
 
 from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, TailScratch, block_tail, gemv
-from music3_demo.semantic.kernels.qweight import QWeight
+from music3_demo.semantic.kernels.linear import convert_tile
+from music3_demo.semantic.kernels.qweight import BITS_BF16, BITS_F16, NATIVE_F16, QWeight
 from music3_demo.semantic.quant import (
     QuantizedAudioHead, QuantizedLinear, Scheme, audio_head_rows, fp8_supported, quantize_model_, quantize_weight,
 )
@@ -195,3 +198,54 @@ def test_tuning_gives_one_byte_weights_the_same_bytes_in_flight_within_shared_me
                 assert shared_bytes(cfg, 2, 1) <= target.shared_per_block
         tail = tuning.tail(4096, 4096, 24576, 6144, 1, 128)
         assert all(128 % c.block_k == 0 for c in (tail.o, tail.gate_up, tail.down, tail.qkv))
+
+
+@triton.jit
+def _convert_bits(src, dst, CONV: tl.constexpr, DOT: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(dst + offs, convert_tile(tl.load(src + offs), CONV, DOT).to(tl.int16, bitcast=True))
+
+
+def _every_byte(fmt: str) -> torch.Tensor:
+    data = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8)
+    return data.view(torch.float8_e4m3fn) if fmt == "fp8" else data
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("route", [BITS_BF16, BITS_F16, NATIVE_F16], ids=["bits_bf16", "bits_f16", "native_f16"])
+def test_every_conversion_route_gives_every_byte_its_value_times_the_folded_power_of_two(fmt, route):
+    """All 256 bytes (fp8 subnormals and signs included; its two NaN patterns are never produced by quantization and
+    are left out) through `linear.convert_tile`, compared as bit patterns. The interpreter cannot do bf16
+    arithmetic, so the int8 bf16 route's one subtraction is checked on its two bit patterns with torch."""
+    data = _every_byte(fmt)
+    dtype = torch.bfloat16 if route == BITS_BF16 else torch.float16
+    factor = {BITS_BF16: 2.0**-120, BITS_F16: 2.0**-8}.get(route, 1.0) if fmt == "fp8" else 1.0
+    want = (data.float() * factor).to(dtype)
+    if fmt == "int8" and route == BITS_BF16:  # the kernel's integer ops, then its subtraction, in torch
+        b = data.to(torch.int16)
+        got = ((b & 0x7F) | 0x4300).view(torch.bfloat16) - ((b & 0x80) | 0x4300).view(torch.bfloat16)
+    else:
+        out = torch.empty(256, dtype=torch.int16)
+        _convert_bits[(1,)](data, out, CONV=route, DOT=tl.bfloat16 if route == BITS_BF16 else tl.float16)
+        got = out.view(dtype)
+    keep = ~want.isnan()
+    assert keep.sum() == (254 if fmt == "fp8" else 256)
+    assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("group", [0, 32])
+def test_fp16_routes_give_the_cast_route_results_bit_for_bit(fmt, group):
+    """An fp16 model: the bit route (its power of two folded into the scales) and the native conversion give the
+    products of the plain cast exactly, per-channel and per-group, every byte value in the weight."""
+    n, k = 32, 128
+    data = _every_byte(fmt).repeat(n * k // 256).reshape(n, k)[torch.randperm(n, generator=torch.Generator()
+                                                                              .manual_seed(0))]
+    if fmt == "fp8":
+        data = data.view(torch.int8).masked_fill((data.view(torch.int8) & 0x7F) == 0x7F, 0x10).view(data.dtype)
+    scale = rand(*((n,) if not group else (n, k // group)), seed=9).abs() + 0.1
+    q = QWeight(data, scale.float(), group, torch.float16)
+    x = rand(2, k, dtype=torch.float16, seed=10)
+    cast = gemv(x, q, torch.empty(2, n), config=GemvConfig(16, 32))
+    for route in (BITS_F16, NATIVE_F16):
+        assert torch.equal(gemv(x, q, torch.empty(2, n), config=GemvConfig(16, 32, convert=route)), cast), route

@@ -198,17 +198,6 @@ def test_finished_songs_expire_after_the_ttl(tmp_path):
     assert not Path(old.wav).exists() and all(Path(path).exists() for path in (new.wav, new.flac, new.mp3))
 
 
-def test_zero_gpu_duration_grows_with_the_song():
-    from music3_demo.ui.gpu import MAX_GPU_S, estimate_gpu_seconds, on_gpu, spaces_available
-
-    short, long = GenerationRequest("x", duration=10), GenerationRequest("x", duration=240)
-    assert 0 < estimate_gpu_seconds(short) < estimate_gpu_seconds(long) <= MAX_GPU_S
-    assert estimate_gpu_seconds(GenerationRequest("x", duration=60, num_steps=100)) > estimate_gpu_seconds(
-        GenerationRequest("x", duration=60, num_steps=10))
-    if not spaces_available():
-        assert on_gpu(test_zero_gpu_duration_grows_with_the_song) is test_zero_gpu_duration_grows_with_the_song
-
-
 def test_progress_line_follows_overlapping_stages():
     """On a GPU the flow stage runs while frames are still being made: the line shows both, the bar the frames."""
     from music3_demo.events import Progress

@@ -55,6 +55,7 @@ class GemvConfig:
     num_stages: int = 4
     split_k: int = 1
     tma: bool = False  # weight tiles by the Hopper tensor-memory accelerator (a host descriptor) instead of cp.async
+    convert: int = 0  # 1-byte weights only: how a tile becomes MMA operands (qweight.CAST, BITS_BF16, ...)
 
 
 class GemvWorkspace:
@@ -86,25 +87,57 @@ def prefetch_rows_l2(row_ptrs, nbytes: tl.constexpr):
 
 
 @triton.jit
-def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr):
+def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr):
+    """A 1-byte weight tile (int8 or fp8 e4m3) as DOT values, by route CONV (`qweight.CAST` ...: what each does and
+    why). The bit routes are integer ops on the sign-extended bytes; the fp8 ones leave a power of two in the values
+    (`qweight.kernel_args`' WSCALE), which the scales take back."""
+    if CONV == 0:
+        return w.to(DOT)
+    elif CONV == 3:
+        return w.to(tl.float16)
+    else:
+        b = w.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: bits 7..15 are the sign
+        if w.dtype == tl.int8:
+            if CONV == 1:  # bf16(0x4300 | low 7 bits) = 128 + low; minus 128 (b >= 0) or 256 (b < 0)
+                v = ((b & 0x7F) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                c = ((b & 0x80) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                return (v - c).to(DOT)
+            else:  # fp16(0x6400 | u) = 1024 + u for u = b + 128 in [0, 255]
+                v = (((b ^ 0x80) & 0xFF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                return (v - 1152.0).to(DOT)
+        else:
+            if CONV == 1:  # sign to bit 15, exponent|mantissa to bits 4..10: e4m3 value x 2^-120 as bf16
+                return ((b & -32768) | ((b & 0x7F) << 4)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            else:  # bit 8 (a sign copy) lands on 15, exponent|mantissa on 7..13; bit 7 -> 14 is masked: x 2^-8
+                return ((b << 7) & -16512).to(tl.int16).to(tl.float16, bitcast=True)  # 0xBF80
+
+
+@triton.jit
+def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
+             CONV: tl.constexpr = 0, WSCALE: tl.constexpr = 1.0):
     """acc += W_tile · x_tileᵀ. QUANT 0: a model-dtype weight, as before. 1-byte weights (`qweight.py`) are converted
-    to DOT in registers; per-group (QUANT 2) scales are applied per K tile here (the tile lies in one group),
-    per-channel ones (QUANT 1) later, by `channel_scale`."""
+    to DOT in registers by route CONV (`convert_tile`); per-group (QUANT 2) scales are applied per K tile here (the
+    tile lies in one group), per-channel ones (QUANT 1) later, by `channel_scale`."""
     if QUANT == 0:
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     elif QUANT == 1:
-        acc = tl.dot(w.to(DOT), tl.trans(x.to(DOT)), acc)
+        acc = tl.dot(convert_tile(w, CONV, DOT), tl.trans(x.to(DOT)), acc)
     else:
         scale = tl.load(s_ptr + offs_n.to(tl.int64) * (K // GROUP) + k0 // GROUP, mask=n_mask, other=0.0)
-        acc += tl.dot(w.to(DOT), tl.trans(x.to(DOT))) * scale[:, None]
+        if WSCALE != 1.0:
+            scale = scale * WSCALE
+        acc += tl.dot(convert_tile(w, CONV, DOT), tl.trans(x.to(DOT))) * scale[:, None]
     return acc
 
 
 @triton.jit
-def channel_scale(acc, s_ptr, offs_n, n_mask, QUANT: tl.constexpr):
+def channel_scale(acc, s_ptr, offs_n, n_mask, QUANT: tl.constexpr, WSCALE: tl.constexpr = 1.0):
     """Per-channel 1-byte weights: one multiply per output row once its k-loop is done."""
     if QUANT == 1:
-        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+        if WSCALE != 1.0:
+            scale = scale * WSCALE
+        acc = acc * scale[:, None]
     return acc
 
 
@@ -142,7 +175,8 @@ def _gemv_kernel(
     N, K, stride_xm, stride_om, stride_rm, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr,
-    TMA: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
+    TMA: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr,
+    WSCALE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     pid = tl.program_id(0)
@@ -171,9 +205,9 @@ def _gemv_kernel(
             xf = x.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
             x = xf * tl.load(g_ptr + offs_k + k0).to(tl.float32)[None, :]
-        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, split * k_len + k0, K, QUANT, GROUP, DOT)
+        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, split * k_len + k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
     if SPLIT_K == 1:
-        acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT)
+        acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
         gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm,
                        eps, K, NORM, RESIDUAL, SWIGLU, COPY)
     else:
@@ -195,7 +229,7 @@ def _gemv_kernel(
                 total += tl.load(base + part * BLOCK_N * BLOCK_M + tile, mask=m_mask[None, :], other=0.0,
                                  cache_modifier=".cg")
                 total_sq += tl.load(squares + part * BLOCK_M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg")
-            total = channel_scale(total, s_ptr, offs_n, n_mask, QUANT)
+            total = channel_scale(total, s_ptr, offs_n, n_mask, QUANT, WSCALE)
             gemv_epilogue(total, total_sq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om,
                            stride_rm, eps, K, NORM, RESIDUAL, SWIGLU, COPY)
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (or graph replay)
@@ -286,7 +320,7 @@ def gemv(
         partials, counters = workspace.partials, workspace.counters
     else:
         partials, counters = x, x  # never read
-    data, scales, quant, group, dot = kernel_args(weight)
+    data, scales, quant, group, dot, conv, wscale = kernel_args(weight, cfg.convert)
     w_desc = TensorDescriptor.from_tensor(data, [cfg.block_n, cfg.block_k]) if cfg.tma else data
     _gemv_kernel[(blocks, split)](
         x, data, w_desc, scales, out, res, out if out_copy is None else out_copy,
@@ -295,7 +329,7 @@ def gemv(
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl,
-        TMA=cfg.tma, QUANT=quant, GROUP=group, DOT=dot,
+        TMA=cfg.tma, QUANT=quant, GROUP=group, DOT=dot, CONV=conv, WSCALE=wscale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out

@@ -18,6 +18,20 @@ import triton.language as tl
 ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 PER_CHANNEL, PER_GROUP = 1, 2  # the kernels' QUANT constexpr; 0 is a plain (model-dtype) weight
+# How a 1-byte tile becomes MMA operands in registers (the kernels' CONV constexpr, `GemvConfig.convert`):
+# CAST: Triton's conversion to the model dtype (fp8 -> bf16 on sm_90 goes through f16 and f32; int8 -> bf16 is an
+#   I2F, quarter rate, plus an F2F);
+# BITS_BF16: integer ops build bf16 bit patterns: fp8 e4m3 bits placed as bf16 (sign | exponent-mantissa << 4: the
+#   value times 2^-120, subnormals included, folded back into the fp32 scale); int8 by the magic number 0x4300
+#   (bf16 128.0): (0x4300 | b & 0x7F) - (0x4300 | b & 0x80) is b exactly, one bf16 subtraction;
+# BITS_F16: the same into fp16 and an fp16 MMA: fp8 bits << 7 (value times 2^-8, folded into the scale), int8 by
+#   0x6400 (fp16 1024.0): (0x6400 | b ^ 0x80) - 1152 is b exactly;
+# NATIVE_F16: Triton's conversion to fp16 (fp8: one cvt.rn.f16x2.e4m3x2 per two weights on sm_89+) and an fp16 MMA.
+# The fp16 routes round the bf16 activations to fp16: exact inside fp16's range (|x| < 65504; bf16's 8 significant
+# bits fit fp16's 11), flushed towards zero below 6e-5 (a negligible share of a sum), infinite above: they are for
+# products whose activations are known to stay in range.
+CAST, BITS_BF16, BITS_F16, NATIVE_F16 = 0, 1, 2, 3
+CONVERSIONS = {"cast": CAST, "bits_bf16": BITS_BF16, "bits_f16": BITS_F16, "native_f16": NATIVE_F16}
 
 
 @dataclass(frozen=True)
@@ -85,9 +99,11 @@ def dense(weight: Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def weight_format(weight: Weight) -> tuple[int, ...]:
-    """The tuning's extra arguments for a weight: (1 byte, scale group: 0 per-channel) for a QWeight, none for a
-    model-dtype weight (whose lookups stay exactly what they were)."""
-    return (1, weight.group) if isinstance(weight, QWeight) else ()
+    """The tuning's extra arguments for a weight: (1 byte, scale group: 0 per-channel, "fp8"/"int8") for a QWeight,
+    none for a model-dtype weight (whose lookups stay exactly what they were)."""
+    if not isinstance(weight, QWeight):
+        return ()
+    return 1, weight.group, "fp8" if weight.data.dtype == torch.float8_e4m3fn else "int8"
 
 
 def rows(weight: Weight, start: int, stop: int) -> Weight:
@@ -95,8 +111,13 @@ def rows(weight: Weight, start: int, stop: int) -> Weight:
     return weight.rows(start, stop) if isinstance(weight, QWeight) else weight[start:stop]
 
 
-def kernel_args(weight: Weight) -> tuple[torch.Tensor, torch.Tensor, int, int, object]:
-    """(data, scales, QUANT, GROUP, DOT) for a kernel launch: a plain weight passes itself as its (unread) scales."""
+def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torch.Tensor, int, int, object, int, float]:
+    """(data, scales, QUANT, GROUP, DOT, CONV, WSCALE) for a kernel launch: a plain weight passes itself as its
+    (unread) scales. DOT is the MMA's operand dtype, WSCALE the power of two the conversion `convert` leaves in the
+    weights (folded into the scales)."""
     if isinstance(weight, QWeight):
-        return weight.data, weight.scale, weight.quant, weight.group or 1, TL_DTYPES[weight.dtype]
-    return weight, weight, 0, 1, TL_DTYPES.get(weight.dtype, tl.float32)
+        dot = tl.float16 if convert in (BITS_F16, NATIVE_F16) else TL_DTYPES[weight.dtype]
+        fp8 = weight.data.dtype == torch.float8_e4m3fn
+        wscale = {BITS_BF16: 2.0**120, BITS_F16: 2.0**8}.get(convert, 1.0) if fp8 else 1.0
+        return weight.data, weight.scale, weight.quant, weight.group or 1, dot, convert, wscale
+    return weight, weight, 0, 1, TL_DTYPES.get(weight.dtype, tl.float32), CAST, 1.0

@@ -25,7 +25,7 @@ oracle for the fused launch.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -127,7 +127,7 @@ def _product(
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
     NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr,
-    QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
+    QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr, WSCALE: tl.constexpr,
 ):
     """This program's row blocks of out = epilogue(W · x). FRESH: x and out were written earlier in this launch
     (by other programs), so they are read through L2 only (`.cg`; L1 is not coherent).
@@ -137,7 +137,8 @@ def _product(
     k-loop is a plain product, with no per-tile reduction (which made 16-32-row tiles 2-3x slower, run #12).
     RESIDUAL: out (float32) += y; with NEXT, also next = bf16(bf16(out) ⊙ gain) for the next NORM product and this
     program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s, and so is the
-    handling of 1-byte weights (QUANT, GROUP, DOT: `linear.dot_tile`; per-channel scales at each row block's end).
+    handling of 1-byte weights (QUANT, GROUP, DOT, CONV, WSCALE: `linear.dot_tile`; per-channel scales at each row
+    block's end).
     """
     BLOCK_M: tl.constexpr = 16
     K_TILES: tl.constexpr = K // BLOCK_K
@@ -170,9 +171,9 @@ def _product(
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
         else:
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT, GROUP, DOT)
+        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
         if t % K_TILES == K_TILES - 1:
-            acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT)
+            acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
             if RESIDUAL:
                 mask = n_mask[:, None] & m_mask[None, :]
                 out_ptrs = out_ptr + offs_m[None, :] * stride_o + offs_n[:, None]
@@ -210,30 +211,37 @@ def _block_tail_kernel(
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, ST_GU: tl.constexpr, TMA_GU: tl.constexpr,
     BN_D: tl.constexpr, BK_D: tl.constexpr, ST_D: tl.constexpr, TMA_D: tl.constexpr,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, ST_Q: tl.constexpr, TMA_Q: tl.constexpr,
-    QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
+    QUANT: tl.constexpr, GROUP: tl.constexpr,
+    DT_O: tl.constexpr, CV_O: tl.constexpr, WS_O: tl.constexpr, DT_GU: tl.constexpr, CV_GU: tl.constexpr,
+    WS_GU: tl.constexpr, DT_D: tl.constexpr, CV_D: tl.constexpr, WS_D: tl.constexpr, DT_Q: tl.constexpr,
+    CV_Q: tl.constexpr, WS_Q: tl.constexpr,
 ):
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
-    input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/GROUP/DOT: the weights' format (one for all four
-    products: `qweight.kernel_args`), the s*_ptr their scales."""
+    input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/GROUP: the weights' format (one for all four
+    products: `qweight.kernel_args`), the s*_ptr their scales; DT_/CV_/WS_: each product's MMA dtype, conversion
+    route and the power of two it leaves (its `GemvConfig.convert`)."""
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
         _product(attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps,
-                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, QUANT, GROUP, DOT)
+                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, QUANT, GROUP, DT_O, CV_O,
+                 WS_O)
     if SYNC:
         _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
         _product(xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps,
-                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC, QUANT, GROUP, DOT)
+                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC, QUANT, GROUP, DT_GU,
+                 CV_GU, WS_GU)
     if SYNC:
         _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
         _product(act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps,
                  M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC, QUANT, GROUP,
-                 DOT)
+                 DT_D, CV_D, WS_D)
     if SYNC and HAS_NEXT:
         _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
         _product(xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps,
-                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, QUANT, GROUP, DOT)
+                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, QUANT, GROUP, DT_Q, CV_Q,
+                 WS_Q)
 
 
 def _descriptor(weight: torch.Tensor, cfg: GemvConfig):
@@ -281,13 +289,14 @@ def block_tail(
     device = h.device
     cfg = config or default_tail_config(d, a, g, q, device)
     if not tma_supported(device):
-        cfg = TailConfig(*(GemvConfig(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in
+        cfg = TailConfig(*(replace(c, tma=False) for c in
                            (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)), num_warps=cfg.num_warps, prefetch=cfg.prefetch)
     wq, ln1, qkv_out = next_qkv if next_qkv is not None else (o, ln2, act)
     cfg = TailConfig(*(fit_group(c, w) for c, w in ((cfg.o, o), (cfg.gate_up, gate_up), (cfg.down, down),
                                                     (cfg.qkv, wq))), num_warps=cfg.num_warps, prefetch=cfg.prefetch)
-    packed = [kernel_args(w) for w in (o, gate_up, down, wq)]
-    if len({p[2:] for p in packed}) > 1:
+    products = (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)
+    packed = [kernel_args(w, c.convert) for w, c in zip((o, gate_up, down, wq), products)]
+    if len({p[2:4] for p in packed}) > 1:
         raise ValueError("block_tail needs its four weights in one format")
     for c, k in ((cfg.o, a), (cfg.gate_up, d), (cfg.down, g // 2), (cfg.qkv, d)):
         if k % c.block_k:
@@ -303,7 +312,9 @@ def block_tail(
            for name, w in (("GU", gate_up), ("D", down), ("Q", wq))},
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
-        QUANT=packed[0][2], GROUP=packed[0][3], DOT=packed[0][4],
+        QUANT=packed[0][2], GROUP=packed[0][3],
+        **{f"{key}_{name}": value for name, p in zip(("O", "GU", "D", "Q"), packed)
+           for key, value in zip(("DT", "CV", "WS"), p[4:])},
     )
     (wo, so, *_), (wgu, sgu, *_), (wd, sd, *_), (wqd, sq, *_) = packed
     args = (attn, h, xn, act, qkv_out, wo, _descriptor(wo, cfg.o), wgu, _descriptor(wgu, cfg.gate_up),

@@ -30,6 +30,7 @@ import torch
 
 from . import linear, tail
 from .linear import GemvConfig
+from .qweight import NATIVE_F16
 from .tail import TailConfig
 
 TABLES = Path(__file__).with_name("tuning")
@@ -109,17 +110,20 @@ def shared_bytes(cfg: GemvConfig, x_bytes: int = 2, w_bytes: int = 2) -> int:
 
 def one_byte_config(cfg: GemvConfig, k: int, group: int) -> GemvConfig:
     """The heuristic for a 1-byte weight, from the model-dtype config of the same product: the same bytes in flight
-    per program. Per-channel scales: K tiles twice as long (where K allows), the same stages; per-group scales: K
-    tiles within one group (<= 128 columns), stages doubled (up to 8) instead. `fit_shared` then bounds it.
+    per program and no larger a tile in registers (the tile is converted to bf16 there; 64x256 fp8 tiles compiled to
+    255 registers on sm_90). Per-channel scales: K tiles twice as long where the tile stays within 8K elements (and K
+    allows), else twice the stages; per-group scales: K tiles within one group (<= 128 columns), stages doubled (for
+    a halved tile, quadrupled), at most 8. `fit_shared` then bounds it by the GPU's shared memory.
     What to sweep on a GPU (scripts/tune_gemv.py / tune_tail.py with 1-byte weights, keys ending in "w1"): block_k
-    256/512 x stages 3-6 per-channel, stages 6-10 at block_k 128 per-group, block_n 32-128, TMA on/off; the
-    conversion to bf16 in registers may shift the best point to more warps (8) on int8."""
+    128-512 x stages 3-8 per-channel, stages 6-10 at block_k 128 per-group, block_n 32-128, TMA on/off, 4 or 8 warps
+    (int8 -> bf16 conversion is more instructions than fp8's), checking registers in scripts/compile_arch.py."""
     if group:
         block_k = math.gcd(cfg.block_k, group)
         return replace(cfg, block_k=block_k, num_stages=min(8, cfg.num_stages * 2 * cfg.block_k // block_k))
-    if k % (cfg.block_k * 2 * max(cfg.split_k, 1)) == 0 and cfg.block_k < 512:
-        return replace(cfg, block_k=cfg.block_k * 2)
-    return cfg
+    longer = cfg.block_k * 2
+    if cfg.block_n * longer <= 8192 and k % (longer * max(cfg.split_k, 1)) == 0:
+        return replace(cfg, block_k=longer)
+    return replace(cfg, num_stages=min(8, cfg.num_stages * 2))
 
 
 def fit_shared(cfg: GemvConfig, limit: int, x_bytes: int = 2, w_bytes: int = 2) -> GemvConfig:
@@ -139,6 +143,14 @@ def fit_shared(cfg: GemvConfig, limit: int, x_bytes: int = 2, w_bytes: int = 2) 
     return cfg
 
 
+def one_byte_suffixes(w_bytes: int, kind: str, group: int) -> list[tuple]:
+    """The key endings a table entry for this weight format may have, most specific first: ("w1", "fp8", 0) is
+    per-channel fp8 only, ("w1",) any 1-byte weight. A model-dtype weight: the plain key."""
+    if w_bytes != 1:
+        return [()]
+    return ([("w1", kind, group)] if kind else []) + [("w1",)]
+
+
 def _tail_products(cfg: TailConfig) -> tuple[GemvConfig, ...]:
     return cfg.o, cfg.gate_up, cfg.down, cfg.qkv
 
@@ -152,23 +164,26 @@ class Tuning:
     tail_table: dict[tuple, TailConfig] = field(default_factory=dict)
     source: str = "heuristic"  # the table file the entries came from
 
-    def valid(self, cfg: GemvConfig, x_bytes: int = 2, w_bytes: int = 2, group: int = 0) -> bool:
+    def valid(self, cfg: GemvConfig, x_bytes: int = 2, w_bytes: int = 2, group: int = 0, kind: str = "") -> bool:
         """Whether a tuned config can run on this device (entries of another GPU's table may not) and weight format
-        (per-group scales need K tiles within a group)."""
+        (per-group scales need K tiles within a group; the native fp8 conversion needs sm_89)."""
         target = self.target
         return target is not None and (target.tma or not cfg.tma) and (
-            shared_bytes(cfg, x_bytes, w_bytes) <= target.shared_per_block) and not (group and group % cfg.block_k)
+            shared_bytes(cfg, x_bytes, w_bytes) <= target.shared_per_block) and not (
+            group and group % cfg.block_k) and not (
+            kind == "fp8" and cfg.convert == NATIVE_F16 and target.capability < 89)
 
     def gemv(self, m: int, n: int, k: int, swiglu: bool = False, x_bytes: int = 2, w_bytes: int = 2,
-             group: int = 0) -> GemvConfig:
+             group: int = 0, kind: str = "") -> GemvConfig:
         """The config of `gemv` for x [m, k] (elements of `x_bytes`) and a weight [n, k] (elements of `w_bytes`;
-        1-byte weights with scales per `group` columns or, 0, per channel). 1-byte entries of a table end their
-        key with "w1"; without one, `one_byte_config` of the model-dtype entry or heuristic."""
-        suffix = ("w1",) if w_bytes == 1 else ()
-        tuned = ((swiglu and self.gemv_table.get((m, n, k, "swiglu", *suffix)))
-                 or self.gemv_table.get((m, n, k, *suffix)))
-        if tuned is not None and self.valid(tuned, x_bytes, w_bytes, group):
-            return tuned
+        1-byte weights of `kind` "fp8"/"int8" with scales per `group` columns or, 0, per channel). 1-byte entries
+        of a table end their key with "w1", kind, group (that format only: `one_byte_suffixes`) or with "w1" alone;
+        without one, `one_byte_config` of the model-dtype entry or heuristic."""
+        for suffix in one_byte_suffixes(w_bytes, kind, group):
+            tuned = ((swiglu and self.gemv_table.get((m, n, k, "swiglu", *suffix)))
+                     or self.gemv_table.get((m, n, k, *suffix)))
+            if tuned is not None and self.valid(tuned, x_bytes, w_bytes, group, kind):
+                return tuned
         if w_bytes == 1:
             base = self.gemv(m, n, k, swiglu, x_bytes)
             cfg = one_byte_config(base, k, group)
@@ -176,13 +191,14 @@ class Tuning:
             cfg = linear.default_config(m, n, k, swiglu)
         return cfg if self.target is None else fit_shared(cfg, self.target.shared_per_block, x_bytes, w_bytes)
 
-    def tail(self, hidden: int, attn: int, gate_up: int, qkv: int, w_bytes: int = 2, group: int = 0) -> TailConfig:
+    def tail(self, hidden: int, attn: int, gate_up: int, qkv: int, w_bytes: int = 2, group: int = 0,
+             kind: str = "") -> TailConfig:
         """The config of `block_tail` (`qkv`: the next block's q|k|v rows, 16 without one). Its products run one
         after another, so each alone must fit; their inputs are bf16. 1-byte weights as in `gemv`."""
-        suffix = ("w1",) if w_bytes == 1 else ()
-        tuned = self.tail_table.get((hidden, attn, gate_up, qkv, *suffix))
-        if tuned is not None and all(self.valid(c, 2, w_bytes, group) for c in _tail_products(tuned)):
-            return tuned
+        for suffix in one_byte_suffixes(w_bytes, kind, group):
+            tuned = self.tail_table.get((hidden, attn, gate_up, qkv, *suffix))
+            if tuned is not None and all(self.valid(c, 2, w_bytes, group, kind) for c in _tail_products(tuned)):
+                return tuned
         if w_bytes == 1:
             base = self.tail(hidden, attn, gate_up, qkv)
             ks = (attn, hidden, gate_up // 2, hidden)

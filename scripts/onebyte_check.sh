@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One device call (<= 9.5 min on an H200: tuning <= 225 s, bench <= 160 s, tests <= 170 s): sweep the 1-byte kernels (scripts/tune_onebyte.py: conversion routes x tiles,
+# GEMVs and chained tails), bench bf16/fp8/int8 with the table it wrote, then the 1-byte GPU tests with that table
+# as this GPU's packaged one (the device's copy of the checkout only). Files in $OUT:
+# gpu.txt onebyte.json onebyte.rows.json tune.log bench.json bench.log pytest.log summary.txt
+# Usage (repo root): [BUDGET=190] [FORMATS=fp8/channel,int8/g128,fp8/g128,int8/channel] bash scripts/onebyte_check.sh
+set -o pipefail
+OUT=${OUT:-/tmp/music3_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+
+timeout "${TUNE_TIMEOUT:-225}" python3 scripts/tune_onebyte.py "$OUT/onebyte.json" --budget "${BUDGET:-190}" \
+  --formats "${FORMATS:-fp8/channel,int8/g128,fp8/g128,int8/channel}" 2>&1 | tee "$OUT/tune.log" \
+  | grep -v '^SKIP\|^  tail' | tail -n 60
+TUNING=()
+[ -s "$OUT/onebyte.json" ] && TUNING=(--tuning "$OUT/onebyte.json")
+
+timeout "${BENCH_TIMEOUT:-160}" python3 -m music3_demo.bench --model random-full --engine graph \
+  --precision bf16,fp8,int8 --prompt-tokens 400 --frames 500 "${TUNING[@]}" --output "$OUT/bench.json" 2>&1 \
+  | grep -v 'should be kept in float32\|weight_norm' > "$OUT/bench.log"
+
+# the GPU tests read this GPU's packaged table: the tuned one stands in for it here
+[ -s "$OUT/onebyte.json" ] && cp "$OUT/onebyte.json" music3_demo/semantic/kernels/tuning/nvidia-h200.sm90.json
+timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -m gpu tests/semantic/test_quant_gpu.py -q -p no:cacheprovider \
+  2>&1 | grep -v 'should be kept in float32' > "$OUT/pytest.log"
+git checkout -- music3_demo/semantic/kernels/tuning/ 2>/dev/null
+
+python3 - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+rows = out / "onebyte.rows.json"
+if rows.exists():
+    doc = json.loads(rows.read_text())
+    for r in doc["routes"]:
+        print(f"route {r['format']:13} {r['route']:11} LM block (4 GEMVs) {r['lm_block_us']:8.1f} us")
+    for r in doc["gemv"]:
+        b = r["best"]
+        print(f"gemv {r['format']:13} {str(r['shape']):28} {r['us']:7.1f} us {r['TBps']:5.2f} TB/s"
+              f" (heuristic {r['heuristic_us']}, bf16 {r['bf16_us']} us {r['bf16_TBps']} TB/s)"
+              f" bn{b['block_n']} bk{b['block_k']} w{b['num_warps']} s{b['num_stages']} sk{b['split_k']}"
+              f" tma{int(b['tma'])} conv{b['convert']}")
+    for r in doc["tails"]:
+        print(f"tail {r['format']:13} {r['family']:6} {r['us_per_block']:7.1f} us/block {r['TBps']:5.2f} TB/s"
+              f" conv {[r['best'][p]['convert'] for p in ('o', 'gate_up', 'down', 'qkv')]}")
+else:
+    print("no tuning rows (see tune.log)")
+try:
+    bench = json.loads((out / "bench.json").read_text())
+    print("frames/s at 400:", {k: round(v, 1) for k, v in bench["frames_per_s_by_engine"]["400"].items()},
+          "tuning:", bench.get("tuning"))
+except Exception as error:  # noqa: BLE001
+    print("bench failed:", error)
+log = (out / "pytest.log").read_text().strip().splitlines()
+print("pytest:", log[-1] if log else "no output")
+EOF

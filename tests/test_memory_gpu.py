@@ -1,0 +1,64 @@
+"""GPU: the card's memory as the pipeline reports it, what loading leaves behind, lazy pipelines (Space mode) and the
+quantized load path on the device. Whole-song budgets per precision: scripts/memory_check.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from music3_demo.memory import PeakSampler, device_memory, release_cached
+from music3_demo.pipeline import Music3Pipeline
+from music3_demo.request import GenerationRequest
+
+pytestmark = pytest.mark.gpu
+GB = 1e9
+
+
+def song(seed: int = 1) -> GenerationRequest:
+    return GenerationRequest("lofi", "[verse]\nla la", duration=2.0, num_steps=2, seed=seed)
+
+
+def test_the_sampler_sees_a_short_peak_and_the_card_gets_released_blocks_back():
+    device = torch.device("cuda")
+    release_cached(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with PeakSampler(device, peak_counters_reset=True) as sampler:
+        block = torch.empty(int(2 * GB), dtype=torch.uint8, device=device)
+        time.sleep(0.2)
+        del block
+    before = sampler.start.used
+    assert sampler.peak >= before + 2 * GB  # what nvidia-smi showed at the peak
+    assert sampler.end.used >= before + 2 * GB  # the block is freed but still cached by torch...
+    release_cached(device)
+    assert device_memory(device).used < before + 0.1 * GB  # ...until the cache is given back
+
+
+def test_a_lazy_pipeline_builds_its_engine_at_its_first_song_and_songs_report_the_cards_memory(tiny_folder):
+    pipeline = Music3Pipeline.from_pretrained("tiny", device="cuda", lazy=True)
+    assert pipeline.engine is None and pipeline.stages_pid is None
+    memory = device_memory(pipeline.device)
+    assert memory.reserved - memory.allocated < 0.1 * GB  # nothing left cached by the load
+    first = pipeline.generate(song())
+    assert pipeline.engine_name == "graph" and first.timings["setup_s"] > 0
+    second = pipeline.generate(song(2))
+    assert "setup_s" not in second.timings  # built once per process
+    figures = second.memory
+    assert figures["device_peak_gb"] >= figures["device_start_gb"] > 0
+    assert abs(figures["device_end_gb"] - device_memory(pipeline.device).used / GB) < 0.3
+    pipeline.release()
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_a_quantized_load_runs_the_graph_engine_and_holds_one_byte_weights_on_the_device(tiny_folder, mode):
+    from music3_demo.semantic.quant import QuantizedLinear, fp8_supported
+
+    if mode == "fp8" and not fp8_supported("cuda"):
+        pytest.skip("fp8 needs compute capability 8.9")
+    pipeline = Music3Pipeline.from_pretrained("tiny", device="cuda", precision=mode)
+    layer = pipeline.components["language_model"].model.layers[0].mlp.down_proj
+    assert isinstance(layer, QuantizedLinear) and layer.qdata.is_cuda and layer.qdata.element_size() == 1
+    result = pipeline.generate(song())
+    assert (result.precision, pipeline.engine_name) == (mode, "graph"), pipeline.engine_record
+    pipeline.release()
