@@ -166,6 +166,9 @@ class Music3Pipeline:
         measures its merged DiT and vocoder calls and merges songs' calls only where that is faster."""
         self.ensure_stages()
         seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
+        reserve = getattr(self.engine, "reserve", None)
+        if reserve is not None:  # the graph engine: its KV pool and every batch size's graph, before any user
+            reserve(512, 256)  # (the pool is sized from free memory; this is only its least size)
         song = self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0, instrumental=True))
         if self.velocity_graphs is not None:
             self.flow_calibration = self.flow_executor.calibrate(flow_stage.full_chunk_latents(self.components))
@@ -264,6 +267,7 @@ class Music3Pipeline:
 
         frames = 0
         held: list[torch.Tensor] = []
+        blocks = None
         try:
             semantic_started = time.perf_counter()
             paused = 0.0  # time the semantic stage stood still for chunk 0 (not semantic work)
@@ -290,7 +294,7 @@ class Music3Pipeline:
                 raise InvalidRequest("The model ended the song before its first frame; try another seed.")
             if continue_from is not None and frames <= continue_from.frames:
                 raise InvalidRequest("The model ended the song where it already ended; try another seed.")
-            codes = self.engine.song_codes()[: frames + 1].to("cpu", torch.int32).numpy()
+            codes = blocks.codes()[: frames + 1].to("cpu", torch.int32).numpy()
             check_cancel(cancel)
             if held:
                 worker.submit(torch.cat(held))
@@ -298,6 +302,8 @@ class Music3Pipeline:
             publish(wait=True)
             check_cancel(cancel)
         finally:
+            if blocks is not None:
+                blocks.close()  # a cancelled or failed song leaves the engine now (its slot is free for another)
             worker.close()
         emit(Progress("vocoder", flow.timings.chunks, flow.timings.chunks))
 

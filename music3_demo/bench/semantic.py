@@ -5,19 +5,22 @@ It reports frames/s of each engine, their ratio, the bytes one frame must read (
 weight tensors, plus the KV cache at the song's mean context length), the copy bandwidth measured in the same run,
 and the fraction of the resulting limit reached. `--precision bf16,fp8,int8` times every graph engine also on fp8 and
 int8 copies of the weights (`semantic/quant.py`; named `graph:fp8`, ...), side by side in the same call, each with
-its teacher-forced check against the reference on its own (dequantized) weights. `--song SECONDS` adds
-bench/song.py's whole-song timing (flow stage included) to the same JSON; `--engine ""` skips the semantic part.
-Importable without gradio/soundfile.
+its teacher-forced check against the reference on its own (dequantized) weights. `--batch 1,2,4,8` adds the graph
+engine's aggregate frames/s with that many songs at once (one thread per song, as the app runs them). `--song
+SECONDS` adds bench/song.py's whole-song timing (flow stage included) to the same JSON; `--engine ""` skips the
+semantic part. Importable without gradio/soundfile.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -92,7 +95,8 @@ def run_song(engine: SemanticEngine, text_ids: torch.Tensor, frames: int, seed: 
     torch.cuda.synchronize()
     started = time.perf_counter()
     first_at, first_frames, count = None, 0, 0
-    for block in engine.frames(text_ids, frames, SamplingSettings(), generator):
+    run = engine.frames(text_ids, frames, SamplingSettings(), generator)
+    for block in run:
         count += block.shape[0]
         if first_at is None:
             torch.cuda.synchronize()
@@ -100,8 +104,8 @@ def run_song(engine: SemanticEngine, text_ids: torch.Tensor, frames: int, seed: 
     torch.cuda.synchronize()
     finished = time.perf_counter()
     result = {"frames": count, "wall_s": finished - started, "wall_frames_per_s": count / (finished - started)}
-    stats = getattr(engine, "last_song", None)
-    if stats is not None:  # the graph engine times itself with CUDA events: prefill vs decode
+    stats = run.stats
+    if engine.name == "graph":  # the graph engine times itself with CUDA events: prefill vs decode
         result.update(prefill_s=stats.prefill_s, decode_s=stats.decode_s, frames_per_s=stats.frames_per_s)
     elif first_at is not None and count > first_frames:
         result["frames_per_s"] = (count - first_frames) / (finished - first_at)
@@ -202,6 +206,54 @@ def quantized_copy(lm, depth, mode: str, device: torch.device):
     return lm_copy, depth_copy, report
 
 
+def bench_batch(components: dict, batches: list[int], prompt_tokens: int, frames: int, seed: int) -> dict:
+    """Songs at once on one graph engine, B at a time for each B in `batches`: aggregate frames/s (all songs'
+    frames over the wall time from their start to the last one's end) and milliseconds per replay (the wall time
+    over the steps of a song). One thread per song, as the app runs them; graphs are captured first (reserve), so
+    only replays are timed. Each song's prefill is in the wall time (a few ms at 400 tokens)."""
+    from ..semantic.graph import GraphEngine
+
+    device = torch.device("cuda")
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    engine = GraphEngine(lm, depth, device, slots=max(batches))
+    engine.reserve(prompt_tokens, frames)
+    prompts = [random_prompt(prompt_tokens, seed + index, device) for index in range(max(batches))]
+    runs = []
+    for count in batches:
+        made, errors = [0] * count, []
+        gate = threading.Barrier(count + 1)
+
+        def sing(index: int) -> None:
+            try:
+                generator = torch.Generator(device).manual_seed(seed + index)
+                run = engine.frames(prompts[index], frames, SamplingSettings(), generator)
+                gate.wait()
+                made[index] = sum(block.shape[0] for block in run)
+                torch.cuda.current_stream(device).synchronize()
+            except BaseException as error:  # noqa: BLE001 - reported in the JSON
+                errors.append(repr(error))
+
+        threads = [threading.Thread(target=sing, args=(index,)) for index in range(count)]
+        for thread in threads:
+            thread.start()
+        torch.cuda.synchronize()
+        gate.wait()
+        started = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - started
+        runs.append({
+            "songs": count, "frames_per_song": frames, "frames": sum(made), "wall_s": wall,
+            "aggregate_frames_per_s": sum(made) / wall, "per_song_frames_per_s": sum(made) / count / wall,
+            "ms_per_replay": wall / (frames + 1) * 1e3, "errors": errors,
+        })
+    base = runs[0]["aggregate_frames_per_s"] if runs else None
+    for run in runs:
+        run["aggregate_over_first"] = run["aggregate_frames_per_s"] / base if base else None
+    engine.release()
+    return {"prompt_tokens": prompt_tokens, "captures": engine.capture_count, "runs": runs}
+
+
 def graph_variant(name: str) -> dict:
     """GraphEngine options of a bench engine name: graph[-pdl|-chain|-unchained][-s<attention splits>]; plain
     `graph` is the engine's default (chained block tails on a GPU), `graph-unchained` one launch per product."""
@@ -265,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-frames", type=int, default=100,
                         help="frames for the reference engine (it runs ~9 frames/s; its rate is steady)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", default="", help="comma list of song counts (e.g. 1,2,4,8): the graph engine's "
+                        "aggregate frames/s with that many songs at once, at the first prompt length")
     parser.add_argument("--song", type=float, help="also time a whole song of this many seconds (bench/song.py)")
     parser.add_argument("--reference-song", type=float, default=10.0, help="seconds of the reference song to time")
     parser.add_argument("--memory-song", type=float, help="also time a song of this length for peak memory")
@@ -303,12 +357,18 @@ def main(argv: list[str] | None = None) -> int:
         "frames": args.frames,
         "prompt_tokens": [int(t) for t in args.prompt_tokens.split(",")],
     }
-    if engines:
+    batches = [int(count) for count in args.batch.split(",") if count.strip()]
+    if engines or batches:
         components = load_for_bench(args.model)
-        report.update(
-            bench_semantic(components, engines, report["prompt_tokens"], args.frames, args.reference_frames, args.seed,
-                           args.tuning, precisions)
-        )
+        if engines:
+            report.update(
+                bench_semantic(components, engines, report["prompt_tokens"], args.frames, args.reference_frames,
+                               args.seed, args.tuning, precisions)
+            )
+        if batches:
+            gc.collect()  # the engines above (an engine and its batch refer to each other) and their KV pools
+            torch.cuda.empty_cache()
+            report["batch"] = bench_batch(components, batches, report["prompt_tokens"][0], args.frames, args.seed)
         del components
         torch.cuda.empty_cache()
     if args.song:
