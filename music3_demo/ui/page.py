@@ -53,7 +53,9 @@ def refusal_html(sentence: str) -> str:
     return f'<div class="m3-refusal" role="alert">⚠️ {html.escape(sentence)}</div>'
 
 
-def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
+def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
+    """`concurrency`: Gradio's limit on songs handled at once (None: every admitted song's handler runs and waits in
+    the holder's line, which shows its place; ZeroGPU sets one per device)."""
     holder = ctx.holder
     # No delete_cache: the song store is the app's Gradio cache and its cleaner owns every file's lifetime.
     with gr.Blocks(title="MiniMax Music 3") as demo:
