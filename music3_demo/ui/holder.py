@@ -269,6 +269,7 @@ class ModelHolder:
         return self.scheduler.enqueue(tickets)
 
     def start_in(self, ticket: Ticket) -> float | None:
+        """Seconds until `ticket` should start (one not in line: as if it joined the line now); None: unknown."""
         return self.scheduler.start_in(ticket, self.expected_s)
 
     def _admits(self, device: str, tickets: list[Ticket]) -> bool:

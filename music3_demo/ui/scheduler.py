@@ -167,8 +167,9 @@ class Scheduler:
 
     # ---- what a waiting user is told ---------------------------------------------------------------------------
     def _start_in(self, ticket: Ticket, expected_s: ExpectedFn) -> float | None:
-        """Seconds until the ticket should start: the songs ahead take the earliest free places in turn, each for
-        its expected time; the running songs free theirs after what is left of theirs."""
+        """Seconds until the ticket should start (a ticket not in line: as if it joined the line's end now): the
+        songs ahead take the earliest free places in turn, each for its expected time; the running songs free theirs
+        after what is left of theirs."""
         now = time.monotonic()
         free_at: list[float] = []
         for device in self.devices:
@@ -182,7 +183,7 @@ class Scheduler:
         if not free_at:
             return None
         heapq.heapify(free_at)
-        for ahead in self._line:
+        for ahead in [*self._line, *([] if ticket in self._line else [ticket])]:
             start = heapq.heappop(free_at)
             if ahead is ticket:
                 return start
