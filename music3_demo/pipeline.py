@@ -263,6 +263,7 @@ class Music3Pipeline:
 
         frames = 0
         held: list[torch.Tensor] = []
+        blocks = None
         try:
             semantic_started = time.perf_counter()
             paused = 0.0  # time the semantic stage stood still for chunk 0 (not semantic work)
@@ -289,7 +290,7 @@ class Music3Pipeline:
                 raise InvalidRequest("The model ended the song before its first frame; try another seed.")
             if continue_from is not None and frames <= continue_from.frames:
                 raise InvalidRequest("The model ended the song where it already ended; try another seed.")
-            codes = self.engine.song_codes()[: frames + 1].to("cpu", torch.int32).numpy()
+            codes = blocks.codes()[: frames + 1].to("cpu", torch.int32).numpy()
             check_cancel(cancel)
             if held:
                 worker.submit(torch.cat(held))
@@ -297,6 +298,8 @@ class Music3Pipeline:
             publish(wait=True)
             check_cancel(cancel)
         finally:
+            if blocks is not None:
+                blocks.close()  # a cancelled or failed song leaves the engine now (its slot is free for another)
             worker.close()
         emit(Progress("vocoder", flow.timings.chunks, flow.timings.chunks))
 

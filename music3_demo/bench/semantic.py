@@ -87,7 +87,8 @@ def run_song(engine: SemanticEngine, text_ids: torch.Tensor, frames: int, seed: 
     torch.cuda.synchronize()
     started = time.perf_counter()
     first_at, first_frames, count = None, 0, 0
-    for block in engine.frames(text_ids, frames, SamplingSettings(), generator):
+    run = engine.frames(text_ids, frames, SamplingSettings(), generator)
+    for block in run:
         count += block.shape[0]
         if first_at is None:
             torch.cuda.synchronize()
@@ -95,8 +96,8 @@ def run_song(engine: SemanticEngine, text_ids: torch.Tensor, frames: int, seed: 
     torch.cuda.synchronize()
     finished = time.perf_counter()
     result = {"frames": count, "wall_s": finished - started, "wall_frames_per_s": count / (finished - started)}
-    stats = getattr(engine, "last_song", None)
-    if stats is not None:  # the graph engine times itself with CUDA events: prefill vs decode
+    stats = run.stats
+    if engine.name == "graph":  # the graph engine times itself with CUDA events: prefill vs decode
         result.update(prefill_s=stats.prefill_s, decode_s=stats.decode_s, frames_per_s=stats.frames_per_s)
     elif first_at is not None and count > first_frames:
         result["frames_per_s"] = (count - first_frames) / (finished - first_at)

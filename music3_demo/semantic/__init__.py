@@ -1,7 +1,8 @@
 """The autoregressive (semantic) stage: one engine per file behind one contract.
 
 An engine turns the [2, T] CFG pair of prompt ids into per-frame hidden states ([n, 8 * hidden] blocks, yielded as
-they are made). `reference` is eager and diffusers-exact; `graph` replays one CUDA graph per frame.
+they are made). `reference` is eager and diffusers-exact; `graph` replays one CUDA graph per frame, for every song
+it runs at once. An engine serves up to `slots` songs at once, each from its own thread (run.py).
 """
 
 from __future__ import annotations
@@ -15,15 +16,19 @@ import torch
 
 from .. import contract as c
 from ..events import Cancelled, check_cancel  # re-exported: they live with the events (cancel in)
+from .run import EngineBusy, FrameRun, SongStats
 
 __all__ = [
     "Cancelled",
     "ENGINE_NAMES",
+    "FrameRun",
+    "EngineBusy",
     "EngineRecord",
     "EngineUnavailable",
     "GRAPH_ON_CPU_ENV",
     "SamplingSettings",
     "SemanticEngine",
+    "SongStats",
     "check_cancel",
     "graph_on_cpu_allowed",
     "make_engine",
@@ -42,6 +47,8 @@ class SemanticEngine(Protocol):
     # True when the engine draws from its own generator, so the flow stage may run concurrently with it without
     # changing results (the reference engine shares one generator across stages, as diffusers does).
     separate_flow_rng: bool
+    # How many songs may run at once (each `frames()` call from its own thread); a call beyond it raises EngineBusy.
+    slots: int
 
     def frames(
         self,
@@ -51,15 +58,16 @@ class SemanticEngine(Protocol):
         generator: torch.Generator,
         cancel: threading.Event | None = None,
         prefix: torch.Tensor | None = None,
-    ) -> Iterator[torch.Tensor]:
-        """Yield blocks of frame hiddens, [n, num_codebooks * hidden], in order, until the end token or max_frames.
-        `prefix` ([P, num_codebooks] codes, see `check_prefix`) forces the first P decode steps' codes (a song's own
-        codes reproduce its frames; decoding then goes on from there: "continue this song")."""
+    ) -> FrameRun:
+        """The song's run: iterating it yields blocks of frame hiddens, [n, num_codebooks * hidden], in order, until
+        the end token or max_frames; then `run.codes()` gives its [steps, num_codebooks] codes and `run.stats` its
+        SongStats. `prefix` ([P, num_codebooks] codes, see `check_prefix`) forces the first P decode steps' codes (a
+        song's own codes reproduce its frames; decoding then goes on from there: "continue this song"). Safe to call
+        from up to `slots` threads at once; a song's codes do not depend on the songs that share the engine."""
         ...
 
-    def song_codes(self) -> torch.Tensor:
-        """[steps, num_codebooks] codes of the last song's decode steps, step 0 (not a frame) first: frame f is
-        made at step f + 1, so a song of F frames is described by its first F + 1 rows."""
+    def can_admit(self, prompt_tokens: int, max_frames: int) -> bool:
+        """Whether a song of this size could start now: a slot is free and its KV cache fits (the pool's room)."""
         ...
 
 

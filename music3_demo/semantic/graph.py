@@ -31,6 +31,7 @@ from .. import contract as c
 from ..devices import check_launch_device, normalize, on_device
 from ..events import check_cancel
 from . import SamplingSettings, check_prefix
+from .run import FrameRun, Occupancy, SongStats
 from .config import GraphConfig
 from .kernels import (
     block_tail,
@@ -50,19 +51,6 @@ from .weights import Block, EngineWeights
 __all__ = ["GraphEngine", "SongStats"]
 
 MAX_TOP_K = 1024
-
-
-@dataclass
-class SongStats:
-    frames: int
-    steps: int
-    prefill_s: float
-    decode_s: float
-    captures: int
-
-    @property
-    def frames_per_s(self) -> float:
-        return self.frames / max(self.decode_s, 1e-9)
 
 
 class GraphEngine(EngineWeights):
@@ -104,7 +92,7 @@ class GraphEngine(EngineWeights):
         self.attention_splits = config.attention_splits
         self.chain = (device.type == "cuda" and not self.pdl) if config.chain is None else config.chain
         self.capture_count = 0
-        self.last_song: SongStats | None = None
+        self._occupancy = Occupancy(1, self.name)
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # keyed by `record` (teacher forcing's logits)
         self._state: EngineState | None = None
         self._lock = threading.Lock()
@@ -120,7 +108,13 @@ class GraphEngine(EngineWeights):
         self._next_slot = 0
 
     # ------------------------------------------------------------------ public API
-    @torch.no_grad()
+    @property
+    def slots(self) -> int:
+        return self._occupancy.slots
+
+    def can_admit(self, prompt_tokens: int, max_frames: int) -> bool:
+        return self._occupancy.free() > 0
+
     def frames(
         self,
         text_ids: torch.Tensor,
@@ -129,16 +123,24 @@ class GraphEngine(EngineWeights):
         generator: torch.Generator,
         cancel: threading.Event | None = None,
         prefix: torch.Tensor | None = None,
-    ) -> Iterator[torch.Tensor]:
+    ) -> FrameRun:
         """`prefix` ([P, 8] codes): the first P steps take these codes in place of the sampled ones (the samplers
         still draw, so the random stream does not depend on P), then decoding goes on freely."""
         prefix = check_prefix(prefix, max_frames, self.audio_vocab)
+        return FrameRun(lambda run: self._song(run, text_ids, max_frames, sampling, generator, cancel, prefix))
+
+    @torch.no_grad()
+    def _song(self, run, text_ids, max_frames, sampling, generator, cancel, prefix) -> Iterator[torch.Tensor]:
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
-        with self._exclusive():
-            # Not held across the yields (the caller's code runs there): each launch below enters the device again.
-            with on_device(self.device):
-                advance = self._start(text_ids, max_frames, sampling, seed, forced=prefix, record=False)
-            yield from self._replay(advance, max_frames, cancel)
+        seat = self._occupancy.enter()
+        try:
+            with self._exclusive():
+                # Not held across the yields (the caller's code runs there): each launch below enters the device.
+                with on_device(self.device):
+                    advance = self._start(text_ids, max_frames, sampling, seed, forced=prefix, record=False)
+                yield from self._replay(run, advance, max_frames, cancel, seat)
+        finally:
+            self._occupancy.leave(seat)
 
     @torch.no_grad()
     def teacher_forced(
@@ -159,12 +161,6 @@ class GraphEngine(EngineWeights):
                         frames[step - 1].copy_(state.frames[(step - 1) % self.FRAME_RING])
             self._synchronize()
             return state.record[:steps].float(), frames
-
-    def song_codes(self) -> torch.Tensor:
-        """[steps, 8] codes of the last song's steps (step 0 included; a sampled end token shows as 16384)."""
-        if self.last_song is None or self._state is None:
-            raise RuntimeError("no song has finished on this engine")
-        return self._state.codes[: self.last_song.steps].clone()
 
     def reserve(self, prompt_tokens: int, max_frames: int) -> None:
         """Size the caches for songs up to these lengths now, so later songs neither reallocate nor recapture."""
@@ -347,7 +343,7 @@ class GraphEngine(EngineWeights):
 
     # ------------------------------------------------------------------ host loop
     def _replay(
-        self, advance: Callable[[], None], max_frames: int, cancel: threading.Event | None
+        self, run: FrameRun, advance: Callable[[], None], max_frames: int, cancel: threading.Event | None, seat
     ) -> Iterator[torch.Tensor]:
         total = max_frames + 1  # step 0 only steps past <|audio_start|>
         launched = emitted = 0
@@ -371,9 +367,12 @@ class GraphEngine(EngineWeights):
                 emitted = ready
             if end < done or emitted >= max_frames:
                 start, prefilled = self._song_marks
-                self.last_song = SongStats(
-                    emitted, done, self._seconds(start, prefilled), self._seconds(prefilled, mark), self.capture_count
-                )
+                steps = min(done, end + 1)
+                with self._on_stream():
+                    codes = self._state.codes[:steps].clone()
+                self._synchronize()
+                run.finish(codes, SongStats(emitted, steps, self._seconds(start, prefilled),
+                                            self._seconds(prefilled, mark), self.capture_count, seat.peers))
                 return
 
     def _take(self, start: int, stop: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import time
 from typing import Iterator
 
 import torch
@@ -19,6 +20,7 @@ from transformers import DynamicCache
 from .. import contract as c
 from ..events import Cancelled, check_cancel
 from . import SamplingSettings, check_prefix
+from .run import FrameRun, Occupancy, SongStats
 from .sampling import guide, reference_sample_top_k, reference_semantic_logits
 
 __all__ = ["ReferenceEngine", "Cancelled", "lm_forward"]
@@ -55,14 +57,27 @@ def embed_audio_frame(language_model, depth_decoder, frame_codes: torch.Tensor) 
     return (embeds + extra.to(embeds.dtype)) * num_codebooks**-0.5
 
 
+# Songs the reference engine runs at once by default: each caller decodes eagerly on its own thread with its own
+# cache and generator (nothing per song lives on the engine), so this only bounds how many share the CPU or GPU.
+REFERENCE_SLOTS = 4
+
+
 class ReferenceEngine:
     name = "reference"
     separate_flow_rng = False
 
-    def __init__(self, language_model, depth_decoder) -> None:
+    def __init__(self, language_model, depth_decoder, slots: int = REFERENCE_SLOTS) -> None:
         self.language_model = language_model
         self.depth_decoder = depth_decoder
-        self._codes: list[torch.Tensor] = []  # the current (or last) song's codes, one [8] row per decode step
+        self._occupancy = Occupancy(slots, self.name)
+
+    @property
+    def slots(self) -> int:
+        return self._occupancy.slots
+
+    def can_admit(self, prompt_tokens: int, max_frames: int) -> bool:
+        """A slot is free (the eager caches grow as they go: no pool to run out of)."""
+        return self._occupancy.free() > 0
 
     def _depth_codes(
         self, last_hidden: torch.Tensor, semantic_code: torch.Tensor, sampling: SamplingSettings, generator,
@@ -93,7 +108,6 @@ class ReferenceEngine:
                 sequence.append(depth.projection(embed).unsqueeze(1))
         return torch.stack(codes, dim=1), torch.cat(hidden_parts, dim=-1)
 
-    @torch.no_grad()
     def frames(
         self,
         text_ids: torch.Tensor,
@@ -102,12 +116,35 @@ class ReferenceEngine:
         generator: torch.Generator,
         cancel: threading.Event | None = None,
         prefix: torch.Tensor | None = None,
-    ) -> Iterator[torch.Tensor]:
+    ) -> FrameRun:
         """`prefix` ([P, 8] codes): the first P decode steps take these codes instead of sampling (teacher forcing,
         no draws), then decoding goes on freely; a song's own codes as the prefix reproduce its frames exactly."""
-        lm = self.language_model
         prefix = check_prefix(prefix, max_frames, self.depth_decoder.config.audio_vocab_size)
-        self._codes = []
+        return FrameRun(lambda run: self._song(run, text_ids, max_frames, sampling, generator, cancel, prefix))
+
+    def _song(self, run: FrameRun, text_ids, max_frames, sampling, generator, cancel, prefix) -> Iterator[torch.Tensor]:
+        seat = self._occupancy.enter()
+        try:
+            with torch.no_grad():  # (not around the yields: the caller's code runs there)
+                started = time.perf_counter()
+                codes: list[torch.Tensor] = []  # one [8] row per decode step
+                decode = self._decode(text_ids, max_frames, sampling, generator, cancel, prefix, codes)
+                first = next(decode, None)
+                prefilled = time.perf_counter()
+            emitted = 0
+            block = first
+            while block is not None:
+                emitted += 1
+                yield block
+                with torch.no_grad():
+                    block = next(decode, None)
+            run.finish(torch.stack(codes), SongStats(emitted, len(codes), prefilled - started,
+                                                    time.perf_counter() - prefilled, 0, seat.peers))
+        finally:
+            self._occupancy.leave(seat)
+
+    def _decode(self, text_ids, max_frames, sampling, generator, cancel, prefix, codes) -> Iterator[torch.Tensor]:
+        lm = self.language_model
         cache = DynamicCache(config=lm.config)
         last_hidden = lm_forward(lm, lm.model.embed_tokens(text_ids), cache)
 
@@ -128,11 +165,12 @@ class ReferenceEngine:
                 )
                 sampled = reference_sample_top_k(guided, sampling.top_k, generator)
                 if int(sampled.item()) == c.AUDIO_END_TOKEN_ID:
+                    codes.append(torch.cat((sampled - c.AUDIO_CODE_OFFSET, sampled.new_zeros(7))))
                     return
             frame_codes, depth_hidden = self._depth_codes(
                 last_hidden, (sampled - c.AUDIO_CODE_OFFSET).repeat(2), sampling, generator, forced
             )
-            self._codes.append(frame_codes[0])
+            codes.append(frame_codes[0])
             if frame_index > 0:
                 yield torch.cat((last_hidden[:1], depth_hidden), dim=-1)
                 emitted += 1
@@ -140,9 +178,3 @@ class ReferenceEngine:
                     return
             feedback = embed_audio_frame(lm, self.depth_decoder, frame_codes)
             last_hidden = lm_forward(lm, feedback, cache)
-
-    def song_codes(self) -> torch.Tensor:
-        """[steps, 8] codes of the last song's decode steps (step 0, which is not a frame, included)."""
-        if not self._codes:
-            raise RuntimeError("no song has run on this engine")
-        return torch.stack(self._codes)

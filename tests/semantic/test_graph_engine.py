@@ -48,10 +48,10 @@ def test_graph_engine_song_through_a_wrapping_frame_ring_equals_teacher_forcing(
     ring = GraphConfig(replay_block=1, in_flight=0, frame_ring=2, attention_splits=2)
     engine = GraphEngine(*tiny_models, "cpu", config=ring)
     text_ids = torch.randint(0, 250, (2, 6), generator=torch.Generator().manual_seed(21))
-    blocks = list(engine.frames(text_ids, 4, SamplingSettings(), torch.Generator().manual_seed(22)))
-    song = torch.cat(blocks)
-    assert song.shape[0] == engine.last_song.frames == 4  # the tiny model's end row is not boosted: full length
-    codes = engine.song_codes().long()
+    run = engine.frames(text_ids, 4, SamplingSettings(), torch.Generator().manual_seed(22))
+    song = torch.cat(list(run))
+    assert song.shape[0] == run.stats.frames == 4  # the tiny model's end row is not boosted: full length
+    codes = run.codes().long()
     _, forced = engine.teacher_forced(text_ids, codes)
     assert torch.equal(song, forced)
 

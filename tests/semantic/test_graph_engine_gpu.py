@@ -220,9 +220,11 @@ def test_end_token_stops_the_song_with_the_right_frame_count():
         text_ids = random_prompt(48, seed=9, device=DEVICE)
         for seed in range(6):
             max_frames = 120
-            frames = _song(engine, text_ids, max_frames, seed)
-            stats = engine.last_song
-            history = engine.song_codes()[:, 0].cpu()
+            run = engine.frames(text_ids, max_frames, SamplingSettings(), torch.Generator(DEVICE).manual_seed(seed))
+            blocks = list(run)
+            frames = torch.cat(blocks) if blocks else torch.empty(0, device=DEVICE)
+            stats = run.stats
+            history = run.codes()[:, 0].cpu()
             ends = (history == END).nonzero().flatten()
             expected = max(int(ends[0]) - 1, 0) if len(ends) else max_frames
             assert frames.shape[0] == expected == stats.frames
