@@ -226,7 +226,7 @@ def run_songs(
             stream = streams.get(index)
             if stream is not None:
                 stream.close()  # a closed handler must stop the worker now, not when the generator is collected
-            ctx.holder.scheduler.leave(job.ticket)  # a song that never started gives its place back
+            ctx.holder.scheduler.withdraw(job.ticket)  # a song that never started gives its place in line back
             ctx.registry.finish(session, job)
             if job.ended != "delivered":  # one line per job that did not end in a song
                 log.info("job %s %s", job.record.id, job.ended)

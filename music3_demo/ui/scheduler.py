@@ -84,12 +84,14 @@ class Scheduler:
         its place changes and every `every_s`."""
         told, told_at = None, 0.0
         with self._changed:
-            if ticket not in self._line and not ticket.placed:
+            if ticket not in self._line and not ticket.placed and not ticket.left:
                 self._line.append(ticket)
             while True:
                 self._place()
                 if ticket.placed:
                     return ticket.device
+                if ticket.left:  # withdrawn by its caller
+                    raise Cancelled()
                 if cancel is not None and cancel.is_set():
                     self._line.remove(ticket)
                     ticket.left = True
@@ -109,6 +111,16 @@ class Scheduler:
             ticket.joined = True
             self._place()
             self._changed.notify_all()
+
+    def withdraw(self, ticket: Ticket) -> None:
+        """Take a song out of the line if it is still waiting there (its caller went away before it started); a
+        placed song keeps its place until its own `leave`, so its device is never promised twice while it stops."""
+        with self._changed:
+            if ticket in self._line:
+                self._line.remove(ticket)
+                ticket.left = True
+                self._place()
+                self._changed.notify_all()
 
     def leave(self, ticket: Ticket) -> None:
         """The song ended (finished, stopped or failed) or was never started: its place goes to the next."""

@@ -179,3 +179,21 @@ def test_a_waiting_song_hears_when_it_should_start(holder, monkeypatch):
     assert waiting[4].heard[0][0] == 5 and waiting[4].heard[0][1] == pytest.approx(start + 10.0, abs=0.5)
     for user in users + waiting:
         user.done()
+
+
+def test_a_song_whose_caller_went_away_gives_back_its_place_in_line_but_not_on_the_device(holder):
+    users = [User(holder, f"u{i}").start() for i in range(4)]
+    wait_until(lambda: running(holder) == 4, "four songs did not start")
+    gone, next_one = holder.enqueue([holder.ticket(REQUEST), holder.ticket(REQUEST)])
+    holder.scheduler.withdraw(gone)  # its handler closed before its job's thread took the place
+    assert holder.scheduler.position(next_one) == 1 and holder.status().waiting == 1
+    late = User(holder, "late", gone).start()  # a job thread that starts afterwards does not take it again
+    late.thread.join(5)
+    assert isinstance(late.error, Cancelled) and holder.status().waiting == 1
+
+    holder.scheduler.withdraw(users[0].ticket)  # a running song keeps its place until it has really stopped
+    assert running(holder) == 4 and holder.scheduler.position(next_one) == 1
+    holder.scheduler.withdraw(next_one)
+    for user in users:
+        user.done()
+    assert holder.status().running == {"cpu": 0} and holder.status().waiting == 0
