@@ -193,7 +193,8 @@ def test_variations_each_get_their_own_player_and_history_row(browser, app):
         set_number(page, "steps", 1)
         page.locator("#variations").get_by_text("3", exact=True).click()
         page.locator("#generate").click()
-        wait_text(page, "#variation-3", "Variation 3", timeout=30_000)  # a card per further variation at once
+        page.wait_for_selector("#variation-3", state="visible", timeout=60_000)  # a card per further variation
+        wait_text(page, "#variation-3", "Variation 3")
         wait_text(page, "#run-status", "3 variations made", timeout=900_000)
         for player in ("#result-audio", "#variation-2-audio", "#variation-3-audio"):
             page.wait_for_function("(s) => { const a = document.querySelector(s + ' audio');"
