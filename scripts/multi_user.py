@@ -4,13 +4,14 @@ concurrent gradio_client clients.
 Phases (each after the last, on one loaded server): `alone` (one user, a SECONDS song), `four` and `eight` (that many
 users asking at the same moment), `join` (three users, a fourth joining JOIN_AFTER s later, mid-song), `variations`
 (one request, `variations=4`); `--soak S` adds S seconds of 8 clients asking for songs of random durations (5-120 s)
-with random cancels. Throughout, a watcher samples the `status` endpoint's latency and the devices' memory
-(nvidia-smi). For every song: the client's wall time (submit to result), the server's start/end, the report's first
-audio after the song started, how many songs shared its GPU, and whether the WAV is valid (44.1 kHz stereo, finite,
-not silent, as long as the report says). Prints one JSON object (also $OUT/multi_user.json) with each phase's
-figures and the issue's targets (4 users within 2.2x one song's wall time, 8 within 4x, first audio <= 3 s, 4
-variations within 2.2x, status <= 200 ms during the soak, no memory growth after its first minutes). Exits 1 when
-a song failed or was invalid (the targets are reported, not enforced). The server's log: $OUT/multi_user_app.log.
+with random cancels (songs still running when the soak ends are cancelled then). Throughout, a watcher samples the
+`status` endpoint's latency and the devices' memory (nvidia-smi). For every song: the client's wall time (submit to
+result), the server's start/end, the report's first audio after the song started, how many songs shared its GPU,
+and whether the WAV is valid (44.1 kHz stereo, finite, not silent, as long as the report says). Prints one JSON
+object (also $OUT/multi_user.json) with each phase's figures and the issue's targets (4 users within 2.2x one song's
+wall time, 8 within 4x, first audio <= 3 s, 4 variations within 2.2x, status <= 200 ms during the soak, no memory
+growth after its first quarter). Exits 1 when a song failed or was invalid (the targets are reported, not
+enforced). The server's log: $OUT/multi_user_app.log.
 
 Usage (repo root): python scripts/multi_user.py [--devices cuda:0,cuda:1] [--seconds 60] [--steps 30] [--model M]
     [--phases alone,four,eight,join,variations] [--soak 420] [--ready-timeout 600]
@@ -109,8 +110,9 @@ def valid_wav(path: str, seconds: float) -> str | None:
 
 
 def ask(url: str, name: str, seconds: float, steps: int, seed: int, variations: int = 1,
-        cancel_after: float | None = None, delay: float = 0.0) -> dict:
-    """One user: waits `delay`, asks for a song (or variations), optionally cancels after `cancel_after` s."""
+        cancel_after: float | None = None, delay: float = 0.0, deadline: float | None = None) -> dict:
+    """One user: waits `delay`, asks for a song (or variations); cancels it after `cancel_after` s, or when the
+    clock (time.monotonic) passes `deadline` (the soak's end), if it is not done by then."""
     from gradio_client import Client
 
     time.sleep(delay)
@@ -119,11 +121,13 @@ def ask(url: str, name: str, seconds: float, steps: int, seed: int, variations: 
     job = client.submit(**REQUEST, duration=seconds, num_steps=steps, seed=seed, variations=variations,
                         api_name="/generate")
     result = {"user": name, "seconds": seconds, "variations": variations, "submitted": submitted}
-    if cancel_after is not None:
-        time.sleep(cancel_after)
-        if not job.done():
+    stop_at = min(time.monotonic() + (cancel_after if cancel_after is not None else float("inf")),
+                  deadline if deadline is not None else float("inf"))
+    while not job.done():
+        if time.monotonic() >= stop_at:
             job.cancel()
             return result | {"cancelled": True, "wall_s": round(time.time() - submitted, 3)}
+        time.sleep(0.05)
     try:
         job.result()
     except Exception as error:  # noqa: BLE001 - reported in the JSON
@@ -167,7 +171,7 @@ def soak(url: str, seconds: float, steps: int, rng: random.Random) -> list[dict]
             duration = rng.uniform(5, 120)
             cancel = rng.uniform(2, 30) if rng.random() < 0.25 else None
             done.append(ask(url, f"soak{index}", round(duration, 1), steps, rng.randrange(2**32),
-                            cancel_after=cancel))
+                            cancel_after=cancel, deadline=ends))
         return done
 
     with ThreadPoolExecutor(8) as pool:
