@@ -95,7 +95,8 @@ class Music3Pipeline:
         graph (`velocity_graphs`, one per pipeline) has static buffers that serve one song at a time unless it says
         it is `concurrent`."""
         engine_slots = max(1, int(getattr(self.engine, "slots", 1)))
-        if self.velocity_graphs is not None and not getattr(self.velocity_graphs, "concurrent", False):
+        flow = getattr(self, "velocity_graphs", None)
+        if flow is not None and not getattr(flow, "concurrent", False):
             return 1
         return engine_slots
 
