@@ -41,6 +41,7 @@ class Song:
     model_notice: str | None = None  # set when a built-in random model made it (the output is noise)
     engine_note: str | None = None  # set when the fast engine was not used although it was tried, and why
     state: SongState | None = None  # what continuing it needs (its codes, the flow state at its last chunk)
+    peers: int | None = None  # the most other songs that shared its semantic engine at once (0: it decoded alone)
 
     @property
     def duration(self) -> float:

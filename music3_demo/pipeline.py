@@ -323,6 +323,7 @@ class Music3Pipeline:
             model_notice=self.source.notice,
             engine_note=self.engine_record.fallback_reason,
             state=state,
+            peers=blocks.stats.peers if blocks.stats is not None else None,
         )
         emit(Finished(song))
         return song

@@ -28,6 +28,7 @@ def song_report(song: Song, request: GenerationRequest, record: JobRecord, model
         "waited_for_device_s": round(record.started_at - record.submitted_at, 3) if record.started_at else None,
         # The most other songs that ran on its device at the same time (0: it had the GPU to itself).
         "shared_gpu_with": record.shared_gpu_with,
+        "peers": song.peers,  # the most other songs that shared its decode (the engine's count)
         "variation": record.variation,  # 1..N for one of N variations of a request, else None
         "started_at": record.started_at,
         "ended_at": record.ended_at,

@@ -64,12 +64,13 @@ def test_variations_arrive_as_separate_songs_with_consecutive_seeds(server):
         assert report["failed_variations"] == []
     # They shared the device (two at once here), and the first two started together.
     assert max(report["shared_gpu_with"] for _, report in songs) >= 1
+    assert max(report["peers"] for _, report in songs) >= 1  # the engine's count: they decoded side by side
     starts = sorted(report["started_at"] for _, report in songs)
     assert starts[1] - starts[0] < 2.0
     # A variation is the song its seed makes alone.
     second = next(wav for wav, report in songs if report["seed"] == 41)
     alone, report = me.predict(**QUICK, duration=1.0, seed=41, api_name="/generate")
-    assert report["shared_gpu_with"] == 0 and (sf.read(alone)[0] == sf.read(second)[0]).all()
+    assert report["shared_gpu_with"] == 0 == report["peers"] and (sf.read(alone)[0] == sf.read(second)[0]).all()
     jobs = me.predict(api_name="/status")["jobs"]
     assert sorted(job["variation"] for job in jobs if job["variation"]) == [1, 2, 3]
 
