@@ -57,7 +57,13 @@ def running_app(args: list[str], devices: int, log_path: Path, ready_timeout: fl
         yield url, server, wait_ready(url, server, devices, ready_timeout)
     finally:
         server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        if not _ended(server, 30.0):
             server.kill()
+
+
+def _ended(process: subprocess.Popen, within_s: float) -> bool:
+    try:
+        process.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
