@@ -199,7 +199,7 @@ def run_songs(
                     streams.pop(index, None)
                     failure = _failure(job, error)
                     errors.append(failure)
-                    if count == 1:
+                    if count == 1 or isinstance(failure, (KeyboardInterrupt, SystemExit, GeneratorExit)):
                         raise failure from None
                     if isinstance(failure, gr.Error):
                         yield index, Failed(failure.message)
@@ -240,7 +240,7 @@ def _lead(trackers: list[StageTracker], streams: dict, index: int) -> StageTrack
 def _failure(job: Job, error: BaseException) -> BaseException:
     """What a song that ended without a song raises: its refusal (a gr.Error with its sentence as `message`), or
     `Cancelled` / an interrupt as they are; sets the job's `ended` log text and record."""
-    if isinstance(error, (Cancelled, KeyboardInterrupt, GeneratorExit)):
+    if isinstance(error, (Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit)):
         return error
     if isinstance(error, gr.Error):
         job.ended = f"failed: {error.message}"
