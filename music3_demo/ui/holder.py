@@ -1,4 +1,4 @@
-"""Process-wide cache of loaded pipelines: one load per device, one running generation per device, visible status.
+"""Process-wide cache of loaded pipelines: one load per device, the songs sharing each device, visible status.
 
 Every request borrows a pipeline through `ModelHolder.acquire()`, which waits for the request's turn in the line
 (scheduler.py: first come, first served; as many songs at once on a device as its pipeline has slots, and only while
