@@ -101,8 +101,12 @@ def main(argv: list[str] | None = None) -> None:
                default_concurrency_limit=args.concurrency or len(devices))
     try:
         # max_file_size=0: the app takes no uploads, so none may fill the disk.
+        # Every admitted song's handler runs at once, each holding a worker thread for up to a tick at a time while
+        # it waits or streams; the status calls share that pool, so it has room for all of them (Gradio's 40 + the
+        # songs that may wait + a generous bound on those running).
         demo.launch(server_name=args.host, server_port=args.port, share=args.share,
-                    allowed_paths=[str(store.root)], show_error=True, max_file_size=0, **launch_options())
+                    allowed_paths=[str(store.root)], show_error=True, max_file_size=0,
+                    max_threads=40 + args.max_queue + 16 * len(devices), **launch_options())
     finally:
         store.stop_cleaner()
         holder.release()
