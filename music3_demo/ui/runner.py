@@ -201,11 +201,6 @@ class JobRegistry:
             jobs = list(self._active.get(session, [])) if session else []
         return any(job.stop_requested for job in jobs)
 
-    def unfinished(self) -> list[dict]:
-        """Every session's queued or running jobs, for the server's own estimates (never shown per job)."""
-        with self._lock:
-            return [record.as_dict() for record in self._recent if record.state in ("queued", "running")]
-
     def recent(self, session: str | None) -> list[dict]:
         """The recent jobs of one session (a browser tab or an API client); none for an unknown caller."""
         with self._lock:
