@@ -126,6 +126,9 @@ class Music3Pipeline:
         throw-away song, so the first real song does not. On CUDA the song is long enough for one full flow chunk,
         whose guided DiT step is then captured here rather than inside a user's song."""
         seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
+        reserve = getattr(self.engine, "reserve", None)
+        if reserve is not None:  # the graph engine: its KV pool and every batch size's graph, before any user
+            reserve(512, 256)  # (the pool is sized from free memory; this is only its least size)
         return self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0, instrumental=True))
 
     def generate_variations(

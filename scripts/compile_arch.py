@@ -140,17 +140,16 @@ def record_launches(target: Target) -> tuple[Tuning, list[Launch]]:
         launches.setdefault(compile["specialization_data"], Launch(fn.jit_function, compile["specialization_data"]))
         return True  # recorded, not launched
 
-    from music3_demo.semantic import graph
+    from music3_demo.semantic import step
 
     tma = target.tma
     fused_tails = functools.partial(tail.block_tail, fused=True)  # as on a GPU (fused by default there)
     with _patched(knobs.runtime, jit_cache_hook=hook), _patched(linear, tma_supported=lambda device: tma), \
-            _patched(tail, tma_supported=lambda device: tma), _patched(graph, block_tail=fused_tails), \
+            _patched(tail, tma_supported=lambda device: tma), _patched(step, block_tail=fused_tails), \
             _stand_in(target.capability):
-        engine._rng = None  # meta tensors take no generator
-        engine._ensure_capacity(512, 256)
+        engine.allocate(512)
         for forced in (False, True):
-            engine._advance(forced)()
+            engine._advance(1, forced)()
     return tuning, list(launches.values())
 
 

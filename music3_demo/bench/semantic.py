@@ -3,18 +3,24 @@
 
 It reports frames/s of each engine, their ratio, the bytes one frame must read (counted from the engine's actual
 weight tensors, plus the KV cache at the song's mean context length), the copy bandwidth measured in the same run,
-and the fraction of the resulting limit reached. `--song SECONDS` adds bench/song.py's whole-song timing (flow stage
-included) to the same JSON; `--engine ""` skips the semantic part. Importable without gradio/soundfile.
+and the fraction of the resulting limit reached. `--precision bf16,fp8,int8` times every graph engine also on fp8 and
+int8 copies of the weights (`semantic/quant.py`; named `graph:fp8`, ...), side by side in the same call, each with
+its teacher-forced check against the reference on its own (dequantized) weights. `--batch 1,2,4,8` adds the graph
+engine's aggregate frames/s with that many songs at once (one thread per song, as the app runs them). `--song
+SECONDS` adds bench/song.py's whole-song timing (flow stage included) to the same JSON; `--engine ""` skips the
+semantic part. Importable without gradio/soundfile.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -23,6 +29,7 @@ import torch
 from .. import contract as c
 from ..checkpoint import build_random_full, load_components, resolve
 from ..semantic import SamplingSettings, SemanticEngine
+from ..semantic.kernels.qweight import QWeight
 from ..versions import installed_version, untested_warnings
 
 WARMUP_FRAMES = 16
@@ -58,17 +65,18 @@ class BytesModel:
 def bytes_model(engine) -> BytesModel:
     """Bytes a graph-engine frame must read, from its tensors (each weight read once per use)."""
 
-    def size(*tensors: torch.Tensor | None) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    def size(*tensors) -> int:  # tensors, or 1-byte weights with their scales
+        return sum(t.nbytes() if isinstance(t, QWeight) else t.numel() * t.element_size()
+                   for t in tensors if t is not None)
 
     lm = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2, b.q_norm, b.k_norm) for b in engine.blocks)
     lm += size(engine.final_norm, engine.audio_head)
     passes = engine.num_codebooks - 1
     depth_blocks = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2) for b in engine.depth_blocks)
-    depth = size(engine.projection) + passes * (depth_blocks + size(engine.depth_norm)) + size(engine.depth_heads_w)
+    depth = size(engine.projection) + passes * (depth_blocks + size(engine.depth_norm)) + size(*engine.depth_heads_w)
     # passes 2..7 read block 0's q|k|v of their code from a table: one row instead of the weight
     depth -= (passes - 1) * (size(engine.depth_blocks[0].qkv) - size(engine.residual_qkv_tables[0, 0]))
-    kv = len(engine.blocks) * 2 * 2 * engine.kv_heads * engine.head_dim * engine.audio_head.element_size()
+    kv = len(engine.blocks) * 2 * 2 * engine.kv_heads * engine.head_dim * engine.dtype.itemsize
     return BytesModel(lm, depth, kv)
 
 
@@ -106,7 +114,7 @@ def run_song(engine: SemanticEngine, text_ids: torch.Tensor, frames: int, seed: 
 
 def bench_semantic(
     components: dict, engines: list[str], prompt_tokens: list[int], frames: int, reference_frames: int, seed: int,
-    tuning_path: str | None = None,
+    tuning_path: str | None = None, precisions: tuple[str, ...] = ("bf16",),
 ) -> dict:
     from ..semantic.graph import GraphEngine
     from ..semantic.kernels.tuning import tuning_for
@@ -114,14 +122,25 @@ def bench_semantic(
 
     device = torch.device("cuda")
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    # Quantized copies first (before any engine fuses the bf16 modules), one per mode: `name:mode` engines run on them.
+    models = {"bf16": (lm, depth)}
+    quantized = {}
+    for mode in precisions:
+        if mode != "bf16":
+            models[mode] = quantized_copy(lm, depth, mode, device)
+            quantized[mode] = models[mode][2].as_dict()
+    engines = [f"{name}:{mode}" if mode != "bf16" else name for mode in precisions for name in engines
+               if mode == "bf16" or name.startswith("graph")]
     bandwidth = measure_copy_bandwidth(device)
     tuning = tuning_for(device, tuning_path)
     graph = GraphEngine(lm, depth, device, tuning=tuning)
-    model = bytes_model(graph)
+    byte_models = {"graph": bytes_model(graph)}
     built = {"graph": graph, "reference": ReferenceEngine(lm, depth)}
     for name in engines:  # variants of the graph engine on the same weights, timed in the same process
         if name not in built:
-            built[name] = GraphEngine(lm, depth, device, tuning=tuning, **graph_variant(name))
+            base, _, mode = name.partition(":")
+            built[name] = GraphEngine(*models[mode or "bf16"][:2], device, tuning=tuning, **graph_variant(base))
+            byte_models.setdefault(name, bytes_model(built[name]))
     runs = []
     for tokens in prompt_tokens:
         text_ids = random_prompt(tokens, seed, device)
@@ -134,6 +153,7 @@ def bench_semantic(
             run_song(engine, text_ids, WARMUP_FRAMES if graphed else 2, seed + 1)  # compile + capture
             result = {"engine": name, "prompt_tokens": tokens, "requested_frames": count}
             result.update(run_song(engine, text_ids, count, seed))
+            model = byte_models.get(name, byte_models["graph"])
             bytes_per_frame = model.per_frame(tokens + result["frames"] / 2)
             limit = bandwidth / bytes_per_frame
             result.update(
@@ -142,13 +162,20 @@ def bench_semantic(
                 fraction_of_limit=result.get("frames_per_s", 0.0) / limit,
             )
             runs.append(result)
-    checks = {name: teacher_forced_check(built[name], lm, depth, random_prompt(prompt_tokens[0], seed, device))
+    checks = {name: teacher_forced_check(built[name], *models[name.partition(":")[2] or "bf16"][:2],
+                                         random_prompt(prompt_tokens[0], seed, device))
               for name in engines if name.startswith("graph")}
     speedups = {}
     for tokens in prompt_tokens:
         rates = {r["engine"]: r.get("frames_per_s") for r in runs if r["prompt_tokens"] == tokens}
         if rates.get("graph") and rates.get("reference"):
             speedups[str(tokens)] = rates["graph"] / rates["reference"]
+    model = byte_models["graph"]
+    precision_rates = {
+        str(tokens): {name: r.get("frames_per_s") for r in runs if r["prompt_tokens"] == tokens
+                      for name in [r["engine"]] if name.startswith("graph")}
+        for tokens in prompt_tokens
+    } if len(precisions) > 1 else {}
     return {
         "copy_bandwidth_TBps": bandwidth / 1e12,
         "bytes_model": {
@@ -162,7 +189,69 @@ def bench_semantic(
         "runs": runs,
         "graph_over_reference": speedups,
         "teacher_forced_check": checks,
+        **({"quantized": quantized, "frames_per_s_by_engine": precision_rates} if quantized else {}),
     }
+
+
+def quantized_copy(lm, depth, mode: str, device: torch.device):
+    """(lm, depth, QuantReport): a copy of the bf16 models with their Linear weights in `mode`. The copy is made
+    module by module on the device (deepcopy), then quantized in place, which drops its bf16 weights as it goes."""
+    import copy
+
+    from ..semantic.quant import quantize_model_
+
+    lm_copy, depth_copy = copy.deepcopy(lm), copy.deepcopy(depth)
+    report = quantize_model_(lm_copy, depth_copy, mode, device)
+    torch.cuda.empty_cache()
+    return lm_copy, depth_copy, report
+
+
+def bench_batch(components: dict, batches: list[int], prompt_tokens: int, frames: int, seed: int) -> dict:
+    """Songs at once on one graph engine, B at a time for each B in `batches`: aggregate frames/s (all songs'
+    frames over the wall time from their start to the last one's end) and milliseconds per replay (the wall time
+    over the steps of a song). One thread per song, as the app runs them; graphs are captured first (reserve), so
+    only replays are timed. Each song's prefill is in the wall time (a few ms at 400 tokens)."""
+    from ..semantic.graph import GraphEngine
+
+    device = torch.device("cuda")
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    engine = GraphEngine(lm, depth, device, slots=max(batches))
+    engine.reserve(prompt_tokens, frames)
+    prompts = [random_prompt(prompt_tokens, seed + index, device) for index in range(max(batches))]
+    runs = []
+    for count in batches:
+        made, errors = [0] * count, []
+        gate = threading.Barrier(count + 1)
+
+        def sing(index: int) -> None:
+            try:
+                generator = torch.Generator(device).manual_seed(seed + index)
+                run = engine.frames(prompts[index], frames, SamplingSettings(), generator)
+                gate.wait()
+                made[index] = sum(block.shape[0] for block in run)
+                torch.cuda.current_stream(device).synchronize()
+            except BaseException as error:  # noqa: BLE001 - reported in the JSON
+                errors.append(repr(error))
+
+        threads = [threading.Thread(target=sing, args=(index,)) for index in range(count)]
+        for thread in threads:
+            thread.start()
+        torch.cuda.synchronize()
+        gate.wait()
+        started = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - started
+        runs.append({
+            "songs": count, "frames_per_song": frames, "frames": sum(made), "wall_s": wall,
+            "aggregate_frames_per_s": sum(made) / wall, "per_song_frames_per_s": sum(made) / count / wall,
+            "ms_per_replay": wall / (frames + 1) * 1e3, "errors": errors,
+        })
+    base = runs[0]["aggregate_frames_per_s"] if runs else None
+    for run in runs:
+        run["aggregate_over_first"] = run["aggregate_frames_per_s"] / base if base else None
+    engine.release()
+    return {"prompt_tokens": prompt_tokens, "captures": engine.capture_count, "runs": runs}
 
 
 def graph_variant(name: str) -> dict:
@@ -228,14 +317,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-frames", type=int, default=100,
                         help="frames for the reference engine (it runs ~9 frames/s; its rate is steady)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", default="", help="comma list of song counts (e.g. 1,2,4,8): the graph engine's "
+                        "aggregate frames/s with that many songs at once, at the first prompt length")
     parser.add_argument("--song", type=float, help="also time a whole song of this many seconds (bench/song.py)")
     parser.add_argument("--reference-song", type=float, default=10.0, help="seconds of the reference song to time")
     parser.add_argument("--memory-song", type=float, help="also time a song of this length for peak memory")
+    parser.add_argument("--precision", default="bf16",
+                        help="comma list of bf16, fp8, int8: each graph engine also runs on weights quantized to "
+                        "these (named graph:fp8, ...), in the same call")
     parser.add_argument("--output", help="also write the JSON here")
     parser.add_argument("--tuning", help="kernel tuning table to use (a tuning script's output) instead of the "
                         "packaged one for this GPU")
     args = parser.parse_args(argv)
     engines = [name.strip() for name in args.engine.split(",") if name.strip()]
+    precisions = tuple(p.strip() for p in args.precision.split(",") if p.strip())
+    if any(p not in ("bf16", "fp8", "int8") for p in precisions):
+        parser.error(f"--precision takes bf16, fp8 and int8, got {args.precision!r}")
     for name in engines:
         if name != "reference":
             try:
@@ -260,12 +357,18 @@ def main(argv: list[str] | None = None) -> int:
         "frames": args.frames,
         "prompt_tokens": [int(t) for t in args.prompt_tokens.split(",")],
     }
-    if engines:
+    batches = [int(count) for count in args.batch.split(",") if count.strip()]
+    if engines or batches:
         components = load_for_bench(args.model)
-        report.update(
-            bench_semantic(components, engines, report["prompt_tokens"], args.frames, args.reference_frames, args.seed,
-                           args.tuning)
-        )
+        if engines:
+            report.update(
+                bench_semantic(components, engines, report["prompt_tokens"], args.frames, args.reference_frames,
+                               args.seed, args.tuning, precisions)
+            )
+        if batches:
+            gc.collect()  # the engines above (an engine and its batch refer to each other) and their KV pools
+            torch.cuda.empty_cache()
+            report["batch"] = bench_batch(components, batches, report["prompt_tokens"][0], args.frames, args.seed)
         del components
         torch.cuda.empty_cache()
     if args.song:

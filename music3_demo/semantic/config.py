@@ -19,8 +19,13 @@ class GraphConfig:
     # (`kernels/tail.py`), a small gain at every prompt length. None: on a GPU without PDL; on the CPU interpreter
     # (tests) True runs one launch per product of the same kernel.
     chain: bool | None = None
+    # Songs advanced together by one replay (2 rows each; a product takes at most 16 rows). Graphs are captured per
+    # bucket of 1, 2, 4, 8 songs up to this; `engine.slots` is this number.
+    slots: int = 8
 
     def __post_init__(self) -> None:
+        if not 1 <= self.slots <= 8:
+            raise ValueError("slots must be in 1..8 (two rows per song, at most 16 rows per product)")
         if self.replay_block < 1 or self.in_flight < 0 or self.attention_splits < 1:
             raise ValueError("replay_block and attention_splits must be at least 1, in_flight at least 0")
         if self.frame_ring < (self.in_flight + 2) * self.replay_block:

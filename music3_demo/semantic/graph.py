@@ -1,19 +1,24 @@
-"""CUDA-graph semantic engine: one graph replay per frame, nothing on the host per frame but the replay.
+"""CUDA-graph semantic engine: one graph replay per frame for every song it runs, nothing on the host per frame.
 
-Per frame, on the device (captured once per teacher-forcing mode and capacity): LM audio-slice head -> CFG +
-conditional top-k sampling of the semantic code -> depth decoder with its own KV cache (positions 0 and 1 in one
-pass, then 6 single-position passes, each followed by its CFG/top-k residual sample) -> the frame's hidden written
-into a device ring -> the feedback embedding -> one LM decode step over the live context -> step/position counters.
-Randomness comes from a generator registered with the graphs (torch's graph-safe philox state), seeded from the
-caller's generator at each song.
+Per frame, on the device, for each of the B songs in the batch (rows 2s, 2s + 1 of every product are song s's CFG
+pair; one graph per bucket B in {1, 2, 4, 8}, captured when first needed or by `reserve`): LM audio-slice head ->
+CFG + conditional top-k sampling of the semantic code -> depth decoder with its own KV cache (positions 0 and 1 in
+one pass while 4B rows fit a product, then 6 single-position passes, each followed by its CFG/top-k residual sample)
+-> the frame's hidden written into the song's device ring -> the feedback embedding -> one LM decode step over the
+song's live context in its region of the KV pool -> its step/position counters (stopped at its limits). Every
+per-song value (step, position, region, top-k, CFG scale, forced prefix, end flag, Philox seed) is a device value,
+so a bucket's graph serves any songs. A song's noise is counter-based (its seed, step, draw, code), its rows are its
+own in every kernel, and each product's tile config is the one-song config whatever the bucket: a song's codes are
+the same alone or batched.
 
-The host replays blocks of frames and reads the end flag through pinned memory a few blocks late; frames made after
-the end token are never yielded. Frame hiddens land in a small ring buffer (64 KB a frame in bf16: a whole-song
-buffer would be 0.5 GB for 6 minutes); each yielded block is a copy taken out of it on the engine's stream before
-any later replay is queued, so the ring only has to hold the frames in flight.
+The host (batch.py) replays blocks of frames and reads the end flags through pinned memory a few blocks late; frames
+made after a song's end token are never yielded. Frame hiddens land in a small ring buffer per song (64 KB a frame
+in bf16); each yielded block is a copy taken out of it on the engine's stream before any later replay is queued, so
+the ring only has to hold the frames in flight.
 
-Beside it: weights.py prepares the weights the frame reads, state.py holds the device buffers and the prefill, and
-config.py the knobs (`GraphConfig`).
+Beside it: step.py is the frame a graph holds, weights.py prepares the weights it reads, state.py holds the device
+buffers, the KV pool and the prefill, batch.py the songs' joining and leaving, and config.py the knobs
+(`GraphConfig`).
 """
 
 from __future__ import annotations
@@ -21,39 +26,35 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from .. import contract as c
 from ..devices import check_launch_device, normalize, on_device
-from ..events import check_cancel
 from . import SamplingSettings, check_prefix
-from .run import FrameRun, Occupancy, SongStats
+from .batch import Batch
 from .config import GraphConfig
-from .kernels import (
-    block_tail,
-    cfg_sample,
-    decode_attention,
-    depth_attention,
-    frame_tail,
-    gemv,
-    interpreting,
-    pdl_supported,
-    rmsnorm,
-)
+from .kernels import interpreting, pdl_supported
+from .kernels.frame import NO_END
 from .kernels.tuning import Tuning, tuning_for
-from .state import AUDIO_CODES, EngineState, prefill, round_up
-from .weights import Block, EngineWeights
+from .run import FrameRun
+from .state import AUDIO_CODES, PARKING, EngineState, PositionPool, copy_prompt, prefill, round_up, song_positions
+from .step import FrameStep
+from .weights import EngineWeights
 
-__all__ = ["GraphEngine", "SongStats"]
+__all__ = ["GraphEngine"]
 
 MAX_TOP_K = 1024
+BUCKETS = (1, 2, 4, 8)  # songs per graph; 2 rows each, and a product takes at most 16 rows
+# The KV pool: this share of the device's free memory when it is first needed, at most KV_POOL_CAP_BYTES, and never
+# more than `slots` songs of the longest request. On the CPU (tests) KV_POOL_CPU_POSITIONS unless given.
+KV_POOL_FRACTION = 0.5
+KV_POOL_CAP_BYTES = 24 * 2**30
+KV_POOL_CPU_POSITIONS = 2048
 
 
-class GraphEngine(EngineWeights):
+class GraphEngine(EngineWeights, FrameStep):
     name = "graph"
     separate_flow_rng = True
 
@@ -67,11 +68,14 @@ class GraphEngine(EngineWeights):
         pdl: bool | None = None,
         attention_splits: int | None = None,
         chain: bool | None = None,
+        slots: int | None = None,
+        kv_pool_positions: int | None = None,
         config: GraphConfig | None = None,
         tuning: Tuning | None = None,
     ) -> None:
-        """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits` and `chain`, when
-        given, override its fields."""
+        """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits`, `chain` and `slots`,
+        when given, override its fields. `kv_pool_positions` fixes the KV pool's size (positions per CFG row) instead
+        of sizing it from free memory."""
         device = normalize(device)
         if device.type != "cuda" and not interpreting():
             raise ValueError(
@@ -84,36 +88,33 @@ class GraphEngine(EngineWeights):
         self.depth_decoder = depth_decoder
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.config = config = (config or GraphConfig()).with_overrides(
-            pdl=pdl, attention_splits=attention_splits, chain=chain
+            pdl=pdl, attention_splits=attention_splits, chain=chain, slots=slots
         )
         # The host loop's names for the config's sizes.
         self.REPLAY_BLOCK, self.IN_FLIGHT, self.FRAME_RING = config.replay_block, config.in_flight, config.frame_ring
+        self.slots = config.slots
+        self.buckets = tuple(sorted({min(bucket, self.slots) for bucket in BUCKETS}))
         self.pdl = config.pdl and pdl_supported(device)
         self.attention_splits = config.attention_splits
         self.chain = (device.type == "cuda" and not self.pdl) if config.chain is None else config.chain
+        self.kv_pool_positions = kv_pool_positions
         self.capture_count = 0
-        self._occupancy = Occupancy(1, self.name)
-        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # keyed by `record` (teacher forcing's logits)
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, record: teacher forcing's logits)
         self._state: EngineState | None = None
-        self._lock = threading.Lock()
+        self.pool: PositionPool | None = None
         with on_device(device):  # the stream, graph pool and pinned flags belong to this device's context
             self._load_weights()
             if device.type == "cuda":
                 self._stream = torch.cuda.Stream(device)
-                self._pool = torch.cuda.graph_pool_handle()
-                self._pinned = torch.zeros(self.IN_FLIGHT + 1, dtype=torch.int32, pin_memory=True)
-                self._rng = torch.Generator(device)
-            else:
-                self._rng = torch.Generator("cpu")
-        self._next_slot = 0
+                self._graph_pool = torch.cuda.graph_pool_handle()
+                self._pinned = torch.zeros(self.IN_FLIGHT + 1, self.slots, dtype=torch.int32, pin_memory=True)
+        self._next_flags = 0
+        self._batch = Batch(self)
 
     # ------------------------------------------------------------------ public API
-    @property
-    def slots(self) -> int:
-        return self._occupancy.slots
-
     def can_admit(self, prompt_tokens: int, max_frames: int) -> bool:
-        return self._occupancy.free() > 0
+        """A slot is free and the KV pool has a region for this song now (no waiting song is ahead of it)."""
+        return self._batch.can_admit(prompt_tokens, max_frames)
 
     def frames(
         self,
@@ -127,20 +128,16 @@ class GraphEngine(EngineWeights):
         """`prefix` ([P, 8] codes): the first P steps take these codes in place of the sampled ones (the samplers
         still draw, so the random stream does not depend on P), then decoding goes on freely."""
         prefix = check_prefix(prefix, max_frames, self.audio_vocab)
-        return FrameRun(lambda run: self._song(run, text_ids, max_frames, sampling, generator, cancel, prefix))
+        if text_ids.dim() != 2 or text_ids.shape[0] != 2:
+            raise ValueError(f"text_ids must be the [2, T] CFG pair, got {tuple(text_ids.shape)}")
+        if max_frames < 1:
+            raise ValueError("max_frames must be at least 1")
+        if not 1 <= sampling.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in 1..{MAX_TOP_K}, got {sampling.top_k}")
 
-    @torch.no_grad()
-    def _song(self, run, text_ids, max_frames, sampling, generator, cancel, prefix) -> Iterator[torch.Tensor]:
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
-        seat = self._occupancy.enter()
-        try:
-            with self._exclusive():
-                # Not held across the yields (the caller's code runs there): each launch below enters the device.
-                with on_device(self.device):
-                    advance = self._start(text_ids, max_frames, sampling, seed, forced=prefix, record=False)
-                yield from self._replay(run, advance, max_frames, cancel, seat)
-        finally:
-            self._occupancy.leave(seat)
+        song = torch.no_grad()(self._batch.song)
+        return FrameRun(lambda run: song(run, text_ids, max_frames, sampling, seed, prefix, cancel))
 
     @torch.no_grad()
     def teacher_forced(
@@ -148,264 +145,229 @@ class GraphEngine(EngineWeights):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the frame graph with `codes` ([steps, 8]: code0 < 16384, residuals < 1024) in place of the sampled
         ones. Returns the LM audio logits of every step ([steps, 2, 16385]) and the emitted frames
-        ([steps - 1, 8·hidden]); the reference computation on the same codes must agree within bf16 rounding."""
+        ([steps - 1, 8·hidden]); the reference computation on the same codes must agree within bf16 rounding.
+        The engine must be idle (no song on it)."""
         steps = codes.shape[0]
-        with self._exclusive(), on_device(self.device):
-            advance = self._start(text_ids, steps - 1, SamplingSettings(cfg_scale), 0, forced=codes, record=True)
+        with self._batch.exclusive(), on_device(self.device):
+            check_launch_device(self.device, "The graph engine")
+            need = song_positions(text_ids.shape[1], steps - 1)
+            if self.pool is None or not self.pool.could_hold(need):
+                self.allocate(need)
             state = self._state
-            with self._on_stream():  # allocated on the stream that writes it
-                frames = torch.empty(steps - 1, state.frames.shape[1], device=self.device, dtype=self.dtype)
-                for step in range(steps):
-                    advance()
-                    if step:  # step s wrote frame s-1 into the ring
-                        frames[step - 1].copy_(state.frames[(step - 1) % self.FRAME_RING])
-            self._synchronize()
-            return state.record[:steps].float(), frames
+            if state.record is None or state.record.shape[0] < steps:
+                state.record = None
+                self._graphs.pop((1, True), None)
+                state.record = torch.zeros(round_up(steps, 256), 2, AUDIO_CODES, device=self.device, dtype=self.dtype)
+            start = self.pool.take(need)
+            try:
+                self.begin(0, text_ids.to(self.device), steps, SamplingSettings(cfg_scale), 0, codes, start, None)
+                with self._on_stream():  # allocated on the stream that writes it
+                    frames = torch.empty(steps - 1, state.frames.shape[2], device=self.device, dtype=self.dtype)
+                    for step in range(steps):
+                        self.replay(1, 1, record=True)
+                        if step:  # step s wrote frame s-1 into the ring
+                            frames[step - 1].copy_(state.frames[0, (step - 1) % self.FRAME_RING])
+                    logits = state.record[:steps].float()
+                self._synchronize()
+                return logits, frames
+            finally:
+                self.park(0)
+                self.pool.give(start)
 
     def reserve(self, prompt_tokens: int, max_frames: int) -> None:
-        """Size the caches for songs up to these lengths now, so later songs neither reallocate nor recapture."""
-        with self._exclusive(), on_device(self.device):
-            self._ensure_capacity(prompt_tokens + max_frames + 1, max_frames + 1)
+        """Size the KV pool for songs up to these lengths and capture every bucket's graph now, so later songs
+        neither reallocate nor capture. The engine must be idle."""
+        with self._batch.exclusive(), on_device(self.device):
+            need = song_positions(prompt_tokens, max_frames)
+            if self.pool is None or not self.pool.could_hold(need):
+                self.allocate(need)
+            if self.use_graphs:
+                for bucket in self.buckets:
+                    self._advance(bucket, False)
 
     def release(self) -> None:
-        """Free graphs, caches and buffers (the weights stay with the modules)."""
-        with self._exclusive():
+        """Free graphs, the KV pool and buffers (the weights stay with the modules). The engine must be idle."""
+        with self._batch.exclusive():
             self._graphs.clear()
             self._state = None
+            self.pool = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ------------------------------------------------------------------ song setup
-    def _start(
-        self, text_ids: torch.Tensor, max_frames: int, sampling: SamplingSettings, seed: int,
-        forced: torch.Tensor, record: bool,
-    ) -> Callable[[], None]:
-        if text_ids.dim() != 2 or text_ids.shape[0] != 2:
-            raise ValueError(f"text_ids must be the [2, T] CFG pair, got {tuple(text_ids.shape)}")
-        if max_frames < 1:
-            raise ValueError("max_frames must be at least 1")
-        if not 1 <= sampling.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be in 1..{MAX_TOP_K}, got {sampling.top_k}")
-        # Every capture, prefill and replay of this song launches from here on: on the wrong device's context they
-        # would read this device's memory (an illegal access found only at a later synchronize).
-        check_launch_device(self.device, "The graph engine")
-        text_ids = text_ids.to(self.device)
-        self._ensure_capacity(text_ids.shape[1] + max_frames + 1, max_frames + 1)
-        advance = self._advance(record)  # captures on first use (before seeding)
-        state = self._state
-        if self.device.type == "cuda":
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            text_ids.record_stream(self._stream)
-        with self._on_stream():
-            self._rng.manual_seed(seed)
-            state.scale.fill_(float(sampling.cfg_scale))
-            state.top_k.fill_(sampling.top_k)
-            state.forced[: forced.shape[0]].copy_(forced.to(self.device, torch.int32))
-            state.forced_steps.fill_(forced.shape[0])
-            self._song_marks = (self._mark(),)
-            prefill(self._state, self, text_ids)
-            self._song_marks += (self._mark(),)
-        return advance
+    # ------------------------------------------------------------------ the KV pool (the batch calls these)
+    def kv_bytes_per_position(self) -> int:
+        return len(self.blocks) * 2 * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
-    def _ensure_capacity(self, positions: int, steps: int) -> None:
-        state = self._state
-        if state is not None and state.positions >= positions and state.steps >= steps:
-            return
-        if state is not None:
-            positions, steps = max(positions, state.positions), max(steps, state.steps)
+    def _pool_positions(self, need: int) -> int:
+        longest = song_positions(c.MAX_PROMPT_TOKENS, c.MAX_AUDIO_FRAMES)
+        if self.kv_pool_positions is not None:
+            positions = self.kv_pool_positions
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if self._state is not None:
+                free += self._state.kv.numel() * self._state.kv.element_size()  # (freed before the new one)
+            positions = min(KV_POOL_CAP_BYTES, int(free * KV_POOL_FRACTION)) // self.kv_bytes_per_position()
+            positions = min(positions, self.slots * longest + PARKING)
+        else:
+            positions = KV_POOL_CPU_POSITIONS
+        if self.kv_pool_positions is not None and self.kv_pool_positions >= need + PARKING:
+            return positions  # as given (tests size it to a few songs)
+        return round_up(max(positions, need + PARKING), 256)
+
+    def pool_could_hold(self, need: int) -> bool:
+        return self.kv_pool_positions is None or need + PARKING <= self.kv_pool_positions
+
+    def allocate(self, need: int) -> None:
+        """(Re)allocate the state with a pool holding at least `need` positions (idle engine only: graphs die)."""
+        positions = self._pool_positions(need)
         self._graphs.clear()
         self._state = None  # free the old buffers before allocating larger ones
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self._state = EngineState(self, round_up(positions, 256), round_up(steps, 256))
-
-    def _advance(self, record: bool) -> Callable[[], None]:
-        state = self._state
-        if record and state.record is None:
-            state.record = torch.zeros(state.steps, 2, AUDIO_CODES, device=self.device, dtype=self.dtype)
-        if not self.use_graphs:
-            return lambda: self._step(record)
-        graph = self._graphs.get(record)
-        if graph is None:
-            graph = self._graphs[record] = self._capture(record)
-        return graph.replay
-
-    def _capture(self, record: bool) -> torch.cuda.CUDAGraph:
-        state = self._state
+        steps = c.MAX_AUDIO_FRAMES + 2
         with self._on_stream():
-            # Warm-up outside the graph compiles every kernel; counters at 0 keep its writes in bounds.
-            state.counters.zero_()
-            self._step(record)
-            state.counters.zero_()
-        self._stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        graph.register_generator_state(self._rng)
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            self._step(record)
-        self.capture_count += 1
-        return graph
+            self._state = EngineState(self, self.slots, positions, steps)
+        self.pool = PositionPool(positions)
 
-    # ------------------------------------------------------------------ the frame (what the graph holds)
-    def _step(self, record: bool) -> None:
-        s = self._state
-        step, pos = s.counters[0:1], s.counters[1:2]
+    def reset_slots(self) -> None:
+        """After a failed round: every slot parked, the pool empty."""
+        if self._state is not None:
+            with contextlib.suppress(Exception), self._on_stream():
+                for slot in range(self.slots):
+                    self._state.park(slot)
+            self.pool = PositionPool(self._state.pool_positions)
 
-        def sample(logits: torch.Tensor, slot: int, noise: torch.Tensor, **kw) -> None:
-            cfg_sample(
-                logits, noise, s.scale, s.top_k, s.codes[:, slot], step, step_stride=self.num_codebooks,
-                forced=(s.forced[:, slot], s.forced_steps), **kw,
-            )
+    # ------------------------------------------------------------------ a song's slot (the batch calls these)
+    def bucket_for(self, songs: int) -> int:
+        return next(bucket for bucket in self.buckets if bucket >= songs)
 
-        copy_programs = max(1, min(8, self.hidden // 512))
-        # 1. Semantic code from the LM's current state (the audio slice of lm_head only).
-        self._gemv(s.lm_hidden, self.audio_head, s.logits)
-        if record:
-            s.record.index_copy_(0, step.long(), s.logits.unsqueeze(0))
-        s.noise.exponential_(generator=self._rng)
-        sample(
-            s.logits, 0, s.noise[:AUDIO_CODES], conditional_top_k=True, end=(s.end_at, AUDIO_CODES - 1),
-            copies=((self.semantic_table, s.dx[1::2]),), copy_programs=copy_programs,
-        )
-        # 2. Depth decoder: positions 0 (projected LM state) and 1 (semantic code) in one pass, then one per code.
-        self._gemv(s.lm_hidden, self.projection, s.dx[0::2], residual=self.pos_embed[0:1])
-        for index in range(1, self.num_codebooks):
-            first = index == 1
-            h, h16 = (s.dx, s.dx16) if first else (s.dh, s.dh16)
-            self._depth_pass(h, h16, base=0 if first else index, new=2 if first else 1, qkv_ready=not first)
-            out = s.dstates[:, index - 1]
-            rmsnorm(h[(1 if first else 0) :: 2 if first else 1], self.depth_norm, out, self.depth_eps)
-            self._gemv(out, self.depth_heads_w[index - 1], s.dlogits)
-            noise = s.noise[AUDIO_CODES + (index - 1) * self.audio_vocab :][: self.audio_vocab]
-            last = index == self.num_codebooks - 1
-            sample(
-                s.dlogits, index, noise, conditional_top_k=False,
-                copies=() if last else ((self.residual_tables[index - 1], s.dh),
-                                        (self.residual_qkv_tables[index - 1], s.dqkv[:2])),
-                copy_programs=copy_programs,
-            )
-        # 3. Emit frame step-1 and write the feedback embedding into the LM's residual stream.
-        frame_tail(
-            s.lm_hidden, s.dstates, s.frames, s.codes, step, self.semantic_embed, self.audio_embed, s.lm_h,
-            self.audio_vocab,
-        )
-        # 4. One LM decode step at `pos`, attending over the live context only.
-        scale = self.head_dim**-0.5
-        for index, block in enumerate(self.blocks):
-            k_cache, v_cache = s.kv[index, 0], s.kv[index, 1]
-            if index == 0 or not self.chain:  # layer 0 reads the feedback embedding frame_tail wrote (float32 only)
-                self._gemv(s.lm_h16 if index else s.lm_h, block.qkv, s.qkv, norm_weight=block.ln1, eps=self.eps)
-            decode_attention(s.qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, s.attn,
-                             s.attention, scale, self.eps, pdl=self.pdl)
-            following = self.blocks[index + 1] if index + 1 < len(self.blocks) else None
-            self._block_tail(block, following, s.attn, s.lm_h, s.lm_h16, s.act, s.qkv, self.eps)
-        rmsnorm(s.lm_h, self.final_norm, s.lm_hidden, self.eps)
-        s.counters.add_(1)
+    def begin(self, slot: int, text_ids: torch.Tensor, total: int, sampling: SamplingSettings, seed: int,
+              forced: torch.Tensor, start: int, source: tuple[int, int] | None, ready: object = None) -> None:
+        """Song `slot` starts: its settings, its prefill into its region from `start` (or a copy of the prompt of the
+        song in slot source[0], region from source[1]), its counters. `total` decode steps; it then stands still."""
+        # Every launch of this song runs on this thread's current device: on another device's context they would
+        # read this device's memory (an illegal access found only at a later synchronize).
+        check_launch_device(self.device, "The graph engine")
+        s, length = self._state, text_ids.shape[1]
+        if self.device.type == "cuda":
+            if ready is not None:  # text_ids came from the song's caller's stream (maybe not this thread's)
+                self._stream.wait_event(ready)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            text_ids.record_stream(self._stream)
+        with self._on_stream():
+            s.base[slot].fill_(start)
+            s.seeds[slot].fill_(seed)
+            s.scale[slot].fill_(float(sampling.cfg_scale))
+            s.top_k[slot].fill_(sampling.top_k)
+            s.forced[slot, : forced.shape[0]].copy_(forced.to(self.device, torch.int32))
+            s.forced_steps[slot].fill_(forced.shape[0])
+            s.end_at[slot].fill_(NO_END)
+            if source is None:
+                prefill(s, self, text_ids, slot, start)
+            else:
+                copy_prompt(s, source[0], source[1], slot, start, length)
+            s.lm_hidden[2 * slot : 2 * slot + 2].copy_(s.prompt_hidden[slot])
+            s.counters[slot, 0].fill_(0)
+            s.counters[slot, 1].fill_(length)
+            s.limits[slot, 0].fill_(total)
+            s.limits[slot, 1].fill_(length + total)
 
-    def _depth_pass(self, h: torch.Tensor, h16: torch.Tensor, base: int, new: int, qkv_ready: bool) -> None:
-        """The depth decoder's blocks over `new` positions per CFG row (rows b·new + i of h, rounded copy h16),
-        caching K/V. `qkv_ready`: the sampler already wrote block 0's q|k|v (from a per-code table)."""
-        s = self._state
-        rows = h.shape[0]
-        qkv, out, act = s.dqkv[:rows], s.do[:rows], s.dact[:rows]
-        scale = (self.hidden // self.depth_heads) ** -0.5
-        for index, block in enumerate(self.depth_blocks):
-            # Block 0 of pass 1 reads what the projection and the sampler wrote (float32); unchained, every later
-            # block starts with its q|k|v (chained, the tail before it wrote it).
-            if (index == 0 and not qkv_ready) or (index > 0 and not self.chain):
-                self._gemv(h16 if index else h, block.qkv, qkv, norm_weight=block.ln1, eps=self.depth_eps)
-            depth_attention(qkv, out, s.dcache[index, 0], s.dcache[index, 1], base, new, scale, pdl=self.pdl)
-            following = self.depth_blocks[index + 1] if index + 1 < len(self.depth_blocks) else None
-            self._block_tail(block, following, out, h, h16, act, qkv, self.depth_eps)
+    def ready_mark(self) -> object:
+        """On a song's caller's thread: an event after what its stream has queued (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
-    def _block_tail(
-        self, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor, h16: torch.Tensor,
-        act: torch.Tensor, qkv: torch.Tensor, eps: float,
-    ) -> None:
-        """h += o·attn, the SwiGLU MLP on h, and when chained also the following block's q|k|v (which the
-        unchained loop runs at the top of the next block). Chained, h16 is the tail's scratch for normalised inputs
-        (no later kernel reads a bf16 copy of h: each stack's first q|k|v and its final norm read h)."""
-        if self.chain:
-            next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
-            qkv_rows = following.qkv.shape[0] if following is not None else 16
-            config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows)
-            block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
-                       self._state.tail_scratch, next_qkv=next_qkv, config=config)
-            return
-        self._gemv(attn, block.o, h, residual=h, out_copy=h16)
-        self._gemv(h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True)
-        self._gemv(act, block.down, h, residual=h, out_copy=h16)
+    def park(self, slot: int) -> None:
+        with self._on_stream():
+            self._state.park(slot)
 
-    def _gemv(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, **epilogue) -> None:
-        # Split-K products share one workspace in stream order, which PDL's overlapping kernels would break.
-        workspace = None if self.pdl else self._state.gemv_workspace
-        config = self.tuning.gemv(x.shape[0], *weight.shape, epilogue.get("swiglu", False), x.element_size())
-        gemv(x, weight, out, pdl=self.pdl, workspace=workspace, config=config, **epilogue)
+    def replay(self, bucket: int, count: int, record: bool = False) -> None:
+        advance = self._advance(bucket, record)
+        with self._on_stream():
+            for _ in range(count):
+                advance()
 
-    # ------------------------------------------------------------------ host loop
-    def _replay(
-        self, run: FrameRun, advance: Callable[[], None], max_frames: int, cancel: threading.Event | None, seat
-    ) -> Iterator[torch.Tensor]:
-        total = max_frames + 1  # step 0 only steps past <|audio_start|>
-        launched = emitted = 0
-        pending: deque[tuple[int, object, Callable[[], int]]] = deque()
-        while True:
-            check_cancel(cancel)
-            if launched < total and len(pending) <= self.IN_FLIGHT:
-                count = min(self.REPLAY_BLOCK, total - launched)
-                with self._on_stream():
-                    for _ in range(count):
-                        advance()
-                    launched += count
-                    pending.append((launched, self._mark(), self._end_flag()))
-                continue
-            done, mark, read_end = pending.popleft()
-            end = read_end()
-            # Step s writes frame s-1; a step that sampled the end token ends the song before its frame.
-            ready = max(0, min(max_frames, done - 1 if end >= done else end - 1))
-            if ready > emitted:
-                yield self._take(emitted, ready)
-                emitted = ready
-            if end < done or emitted >= max_frames:
-                start, prefilled = self._song_marks
-                steps = min(done, end + 1)
-                with self._on_stream():
-                    codes = self._state.codes[:steps].clone()
-                self._synchronize()
-                run.finish(codes, SongStats(emitted, steps, self._seconds(start, prefilled),
-                                            self._seconds(prefilled, mark), self.capture_count, seat.peers))
-                return
-
-    def _take(self, start: int, stop: int) -> torch.Tensor:
-        """Frames [start, stop) copied out of the ring on the engine's stream, so replays queued later cannot
-        overwrite them first; the caller's stream waits for the copy (and only for it)."""
-        ring = self._state.frames
+    def take(self, slot: int, start: int, stop: int) -> tuple[torch.Tensor, object]:
+        """Frames [start, stop) of song `slot`, copied out of its ring on the engine's stream, so replays queued later
+        cannot overwrite them first; with the event the caller's stream waits for (`hand_over`)."""
+        ring = self._state.frames[slot]
         with self._on_stream():
             rows = torch.arange(start, stop, device=self.device) % ring.shape[0]
             block = ring.index_select(0, rows)
-        if self.device.type == "cuda":
-            copied = torch.cuda.Event()
-            copied.record(self._stream)
-            torch.cuda.current_stream(self.device).wait_event(copied)
-            block.record_stream(torch.cuda.current_stream(self.device))
-        return block
+        return block, self._copied()
 
-    def _end_flag(self) -> Callable[[], int]:
-        """Snapshot the end flag after the work queued so far; the returned call waits for it."""
-        state = self._state
+    def codes(self, slot: int, steps: int) -> tuple[torch.Tensor, object]:
+        with self._on_stream():
+            codes = self._state.codes[slot, :steps].clone()
+        return codes, self._copied()
+
+    def hand_over(self, tensor: torch.Tensor, copied: object) -> torch.Tensor:
+        """On the caller's thread: its stream waits for the copy (and only for it)."""
+        if copied is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(copied)
+            tensor.record_stream(stream)
+        return tensor
+
+    def _copied(self) -> object:
         if self.device.type != "cuda":
-            value = int(state.end_at.item())
-            return lambda: value
-        slot = self._pinned[self._next_slot : self._next_slot + 1]
-        self._next_slot = (self._next_slot + 1) % self._pinned.shape[0]
-        slot.copy_(state.end_at, non_blocking=True)
+            return None
+        copied = torch.cuda.Event()
+        copied.record(self._stream)
+        return copied
+
+    def end_flags(self, bucket: int) -> Callable[[], list[int]]:
+        """Snapshot the songs' end flags after the work queued so far; the returned call waits for it."""
+        flags = self._state.end_at[:bucket]
+        if self.device.type != "cuda":
+            values = flags.tolist()
+            return lambda: values
+        row = self._pinned[self._next_flags, :bucket]
+        self._next_flags = (self._next_flags + 1) % self._pinned.shape[0]
+        with self._on_stream():
+            row.copy_(flags, non_blocking=True)
         event = torch.cuda.Event(blocking=True)
         event.record(self._stream)
 
-        def wait() -> int:
+        def wait() -> list[int]:
             event.synchronize()
-            return int(slot[0])
+            return row.tolist()
 
         return wait
+
+    # ------------------------------------------------------------------ graphs
+    def _advance(self, bucket: int, record: bool) -> Callable[[], None]:
+        if record and self._state.record is None:
+            self._state.record = torch.zeros(256, 2, AUDIO_CODES, device=self.device, dtype=self.dtype)
+        if not self.use_graphs:
+            return lambda: self._step(bucket, record)
+        graph = self._graphs.get((bucket, record))
+        if graph is None:
+            graph = self._graphs[(bucket, record)] = self._capture(bucket, record)
+        return graph.replay
+
+    def _capture(self, bucket: int, record: bool) -> torch.cuda.CUDAGraph:
+        """Warm-up (compiles every kernel, sizes the shared split-K workspace) on a small throw-away state, so songs
+        already running are untouched, then capture on the real one."""
+        state = self._state
+        workspace = state.gemv_workspace.partials
+        with self._on_stream():
+            scratch = EngineState(self, bucket, 256, 16, shared=state)
+            if record:
+                scratch.record = torch.zeros(16, 2, AUDIO_CODES, device=self.device, dtype=self.dtype)
+            self._step(bucket, record, scratch)
+        self._stream.synchronize()
+        del scratch
+        if state.gemv_workspace.partials is not workspace:  # it grew: graphs captured before read the old one
+            self._graphs.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._stream, capture_error_mode="thread_local"):
+            self._step(bucket, record)
+        self.capture_count += 1
+        return graph
 
     # ------------------------------------------------------------------ plumbing
     def _on_stream(self) -> contextlib.AbstractContextManager:
@@ -421,7 +383,7 @@ class GraphEngine(EngineWeights):
         if self.device.type == "cuda":
             self._stream.synchronize()
 
-    def _mark(self) -> object:
+    def mark(self) -> object:
         """A point on the engine's timeline (a CUDA event, or the host clock off CUDA)."""
         if self.device.type != "cuda":
             return time.perf_counter()
@@ -430,17 +392,7 @@ class GraphEngine(EngineWeights):
         return event
 
     @staticmethod
-    def _seconds(start: object, end: object) -> float:
+    def seconds(start: object, end: object) -> float:
         if isinstance(start, float):
             return end - start
         return start.elapsed_time(end) / 1e3
-
-    @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        # One song at a time per engine (the holder serialises users); a second caller gets an error, not a hang.
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("This GraphEngine is already generating; engines serve one song at a time.")
-        try:
-            yield
-        finally:
-            self._lock.release()

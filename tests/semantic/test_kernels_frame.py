@@ -25,6 +25,30 @@ def test_rmsnorm_rows_with_strides(dtype):
     assert not out[:, 0].any() and not out[:, 2].any()
 
 
+def race(logits: torch.Tensor, draws: list[int], scale: float, top_k: int, conditional: bool) -> torch.Tensor:
+    """One sampler program per listed code j whose Exp(1) noise is ~0 at j (a huge race bonus): it returns j exactly
+    when j is a candidate, else the best candidate. Each interpreted program is slow, so the tests race the codes at
+    the kept set's boundary (the lowest kept and highest dropped by the reference's ranking), the best code and the
+    block's last lane, rather than every code."""
+    vocab = logits.shape[-1]
+    noise = torch.ones(len(draws), vocab)
+    noise[torch.arange(len(draws)), torch.tensor(draws)] = 1e-30
+    codes = torch.full((len(draws),), -1, dtype=torch.int32)
+    cfg_sample(logits.expand(len(draws), 2, vocab), noise, torch.tensor([scale]),
+               torch.tensor([top_k], dtype=torch.int32), codes, torch.zeros(1, dtype=torch.int32),
+               conditional_top_k=conditional)
+    return codes.long()
+
+
+def boundary(ranked: torch.Tensor, kept: torch.Tensor, each_side: int = 6) -> list[int]:
+    """The `each_side` lowest-ranked kept codes, the highest-ranked dropped ones, the best code and the last lane."""
+    order = torch.argsort(ranked, descending=True, stable=True)
+    kept_order = [int(i) for i in order if kept[i]]
+    dropped_order = [int(i) for i in order if not kept[i]]
+    chosen = kept_order[-each_side:] + dropped_order[:each_side] + [int(order[0]), ranked.shape[0] - 1]
+    return sorted(set(chosen))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the 16-round search on 16-bit keys
 @pytest.mark.parametrize("top_k", [7, 5])  # 7: the conditional top-k holds 9 tied codes; 5: exactly 5 (no 2nd search)
 @pytest.mark.parametrize("vocab", [64, 50])  # 50: lanes past the vocabulary in the kernel's block are masked
@@ -44,17 +68,11 @@ def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it(vo
             ranked = guide(exact[0], exact[1], scale)
         kept = ranked >= torch.topk(ranked, top_k).values[-1]  # reference_sample_top_k's `values < threshold`
         guided = guide(exact[0], exact[1], scale)
-        # Draw j gets a near-zero Exp(1) value at j (a huge race bonus): j wins exactly when it is a candidate.
-        noise = torch.ones(vocab, vocab)
-        noise.fill_diagonal_(1e-30)
-        codes = torch.full((vocab,), -1, dtype=torch.int32)
-        step = torch.zeros(1, dtype=torch.int32)
-        top_k_t = torch.tensor([top_k], dtype=torch.int32)
-        cfg_sample(logits.expand(vocab, 2, vocab), noise, torch.tensor([scale]), top_k_t, codes, step,
-                   conditional_top_k=conditional)
+        draws = boundary(ranked, kept)
+        codes = race(logits, draws, scale, top_k, conditional)
         best_kept = int(torch.where(kept, guided, float("-inf")).argmax())
-        expected = torch.where(kept, torch.arange(vocab), torch.full((vocab,), best_kept))
-        assert torch.equal(codes.long(), expected)
+        drawn = torch.tensor(draws)
+        assert torch.equal(codes, torch.where(kept[drawn], drawn, torch.full_like(drawn, best_kept)))
 
 
 @pytest.mark.parametrize("top_k", [3, 45])  # 47 codes over the top-k: the bisection; 5: dropped one by one
@@ -64,14 +82,12 @@ def test_cfg_sample_when_every_conditional_logit_ties(top_k):
     logits = logits.to(torch.bfloat16)  # the conditional top-k keeps all 50; the guided logits all differ
     guided = guide(logits[0].float(), logits[1].float(), scale)
     kept = guided >= torch.topk(guided, top_k).values[-1]
-    noise = torch.ones(vocab, vocab)
-    noise.fill_diagonal_(1e-30)  # draw j wins at j whenever j is a candidate
-    codes = torch.full((vocab,), -1, dtype=torch.int32)
-    cfg_sample(logits.expand(vocab, 2, vocab), noise, torch.tensor([scale]), torch.tensor([top_k], dtype=torch.int32),
-               codes, torch.zeros(1, dtype=torch.int32), conditional_top_k=True)
+    draws = boundary(guided, kept)
+    codes = race(logits, draws, scale, top_k, conditional=True)
     best = int(guided.argmax())
     assert int(kept.sum()) == top_k
-    assert torch.equal(codes.long(), torch.where(kept, torch.arange(vocab), torch.full((vocab,), best)))
+    drawn = torch.tensor(draws)
+    assert torch.equal(codes, torch.where(kept[drawn], drawn, torch.full_like(drawn, best)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,14 +111,10 @@ def test_cfg_sample_treats_minus_zero_as_zero_at_the_conditional_threshold(dtype
 def test_cfg_sample_with_top_k_beyond_the_vocabulary_keeps_every_code(conditional, dtype):
     vocab = 50
     logits = rand(2, vocab, seed=15).to(dtype)
-    noise = torch.ones(vocab, vocab)
-    noise.fill_diagonal_(1e-30)  # draw j wins at j whenever j is a candidate
-    codes = torch.full((vocab,), -1, dtype=torch.int32)
-    top_k = torch.tensor([vocab + 10], dtype=torch.int32)
-    step = torch.zeros(1, dtype=torch.int32)
-    cfg_sample(logits.expand(vocab, 2, vocab), noise, torch.tensor([1.5]), top_k, codes, step,
-               conditional_top_k=conditional)
-    assert torch.equal(codes.long(), torch.arange(vocab))
+    ranked = guide(logits[0].float(), logits[1].float(), 1.5)
+    draws = boundary(ranked, torch.ones(vocab, dtype=torch.bool), each_side=10)  # the ten lowest-ranked codes
+    codes = race(logits, draws, 1.5, vocab + 10, conditional)
+    assert codes.tolist() == draws
 
 
 def test_cfg_sample_forced_codes_end_flag_and_row_copy():

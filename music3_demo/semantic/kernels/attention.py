@@ -54,11 +54,11 @@ class AttentionScratch:
 
 @triton.jit
 def _decode_attn_kernel(
-    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr,
+    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, stride_pos, base_ptr,
     part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
     stride_qkv, stride_cb, stride_ch, stride_cs, stride_out, scale, eps,
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr, POOLED: tl.constexpr,
 ):
     """Program (row·kv-head, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context;
     the last of the SPLITS programs to finish combines them. The heads come raw from the q|k|v GEMV: each program
@@ -70,7 +70,7 @@ def _decode_attn_kernel(
     split = tl.program_id(1)
     b = bh // KVH
     h = bh % KVH
-    pos = tl.load(pos_ptr)
+    pos = tl.load(pos_ptr + (b // 2) * stride_pos)  # rows come in CFG pairs, one song (and position) per pair
     length = pos + 1
     per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
     start = split * per_split
@@ -83,8 +83,12 @@ def _decode_attn_kernel(
     sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
     heads = qkv_ptr + b * stride_qkv
     q = _norm_rope(heads, h * GROUP + g, g < GROUP, d, q_norm_ptr, cos, sin, eps, D, dtype)
-    k_base = k_ptr + b * stride_cb + h * stride_ch
-    v_base = v_ptr + b * stride_cb + h * stride_ch
+    if POOLED:  # the pair's region of a pool of positions: row 2s + c at [c, :, base[s]:]
+        region = (b % 2) * stride_cb + h * stride_ch + tl.load(base_ptr + b // 2).to(tl.int64) * stride_cs
+    else:
+        region = b * stride_cb + h * stride_ch
+    k_base = k_ptr + region
+    v_base = v_ptr + region
     if (start <= pos) & (pos < end):
         one = tl.zeros([1], tl.int32)
         k_new = _norm_rope(heads, one + GROUP * KVH + h, one == 0, d, k_norm_ptr, cos, sin, eps, D, dtype)
@@ -140,22 +144,26 @@ def _decode_attn_kernel(
 def decode_attention(
     qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, scratch: AttentionScratch,
-    scale: float, eps: float, block: int = 64, pdl: bool = False,
+    scale: float, eps: float, block: int = 64, pdl: bool = False, base: torch.Tensor | None = None,
 ) -> None:
     """One launch: q and k of the raw q|k|v GEMV output get the per-head RMSNorm and rotary at `pos`, k and v are
     written into the caches at `pos`, and out[b] = softmax(q k[: pos + 1]ᵀ) v.
 
-    qkv [B, (H + 2 KVH) D]; caches [B, KVH, S, D] (unit stride along D); cos/sin [S, D]; pos int32 [1]."""
-    batch, kv_heads, _, head_dim = k_cache.shape
+    qkv [B, (H + 2 KVH) D]; caches [B, KVH, S, D] (unit stride along D); cos/sin [S, D]; pos int32 [1].
+    Several songs at once: rows 2s and 2s + 1 are song s's CFG pair, pos [S] (a strided view) its position, and with
+    `base` (int32 [S]) the caches are a pool [2, KVH, P, D] where song s's context starts at position base[s]."""
+    batch = qkv.shape[0]
+    _, kv_heads, _, head_dim = k_cache.shape
     heads = out.shape[1] // head_dim
     group = heads // kv_heads
     splits = scratch.o.shape[1]
     _decode_attn_kernel[(batch * kv_heads, splits)](
-        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, scratch.o, scratch.m, scratch.l, scratch.counters, out,
+        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, pos.stride(0) if pos.numel() > 1 else 0,
+        pos if base is None else base, scratch.o, scratch.m, scratch.l, scratch.counters, out,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), scale, eps,
         KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         GROUP_POW2=triton.next_power_of_2(group), D=head_dim,
-        BLOCK=block, SPLITS=splits, PDL=pdl, num_warps=4, **pdl_launch(pdl),
+        BLOCK=block, SPLITS=splits, PDL=pdl, POOLED=base is not None, num_warps=4, **pdl_launch(pdl),
     )
 
 

@@ -91,23 +91,26 @@ def _row_slice(c, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, PARTS: tl.constexpr
 
 @triton.jit
 def _cfg_sample_kernel(
-    logits_ptr, stride_lr, stride_lc, noise_ptr, stride_nr, scale_ptr, top_k_ptr, V,
-    codes_ptr, stride_cr, step_ptr, stride_cs, forced_ptr, forced_steps_ptr, end_ptr, end_index,
-    table_rows, table_ptr, stride_t, copy_ptr, stride_copy, table2_ptr, stride_t2, copy2_ptr, stride_copy2,
+    logits_ptr, stride_lr, stride_lc, noise_ptr, stride_nr, scale_ptr, stride_scale, top_k_ptr, stride_top_k, V,
+    codes_ptr, stride_cr, step_ptr, stride_step, stride_cs, forced_ptr, stride_fr, forced_steps_ptr, stride_fs,
+    end_ptr, stride_end, end_index, seeds_ptr, draw,
+    table_rows, table_ptr, stride_t, copy_ptr, stride_copy, stride_cp, table2_ptr, stride_t2, copy2_ptr, stride_copy2,
+    stride_cp2,
     BLOCK_V: tl.constexpr, COND_TOPK: tl.constexpr, FORCED: tl.constexpr, HAS_END: tl.constexpr,
     COPIES: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, PARTS: tl.constexpr, CHUNK2: tl.constexpr,
-    CHUNKS2: tl.constexpr, PARTS2: tl.constexpr, SHIFT: tl.constexpr,
+    CHUNKS2: tl.constexpr, PARTS2: tl.constexpr, SHIFT: tl.constexpr, PHILOX: tl.constexpr,
 ):
     """Program (sample r, copy slice c). Every copy slice repeats the (cheap) selection so no program waits for
-    another; they all reach the same code."""
+    another; they all reach the same code. Each per-draw value (scale, top_k, step, forced steps, end flag, seed)
+    is read at r times its stride (stride 0: one value shared by every draw)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
-    step = tl.load(step_ptr)
+    step = tl.load(step_ptr + r * stride_step)
     offs = tl.arange(0, BLOCK_V)
     valid = offs < V
     base = logits_ptr + r * stride_lr
-    scale = tl.load(scale_ptr)
-    top_k = tl.load(top_k_ptr)
+    scale = tl.load(scale_ptr + r * stride_scale)
+    top_k = tl.load(top_k_ptr + r * stride_top_k)
     cond = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
     keep = valid
     if COND_TOPK:
@@ -123,16 +126,25 @@ def _cfg_sample_kernel(
     else:
         threshold = _kth_largest(key, keep, top_k, 32)
     keep = keep & (key >= threshold)
-    noise = tl.load(noise_ptr + r * stride_nr + offs, mask=valid, other=1.0)
+    if PHILOX:
+        # Exp(1) noise as a pure function of (the draw's seed, step, which draw of the step, code): a song's draws
+        # depend on nothing else (not on the songs sharing its batch, nor on its slot).
+        counter = offs * 0
+        bits, _, _, _ = tl.philox(tl.load(seeds_ptr + r), offs, counter + step, counter + draw, counter)
+        noise = -tl.log(tl.uint_to_uniform_float(bits))
+    else:
+        noise = tl.load(noise_ptr + r * stride_nr + offs, mask=valid, other=1.0)
     score = tl.where(keep, guided - tl.log(noise), float("-inf"))
     code = tl.argmax(score, axis=0).to(tl.int32)
+    codes = codes_ptr + r * stride_cr + step * stride_cs
     if FORCED:  # steps below forced_steps take the given code (the draw above is made either way)
-        code = tl.where(step < tl.load(forced_steps_ptr), tl.load(forced_ptr + step * stride_cs), code)
-    tl.store(codes_ptr + r * stride_cr + step * stride_cs, code)
+        forced = tl.load(forced_ptr + r * stride_fr + step * stride_cs)
+        code = tl.where(step < tl.load(forced_steps_ptr + r * stride_fs), forced, code)
+    tl.store(codes, code)
     if HAS_END:
-        tl.atomic_min(end_ptr, tl.where(code == end_index, step, 2147483647))
-    # What the next position needs of this code, precomputed per code (for both CFG rows): its input row, and for
-    # the depth decoder also block 0's q|k|v of it.
+        tl.atomic_min(end_ptr + r * stride_end, tl.where(code == end_index, step, 2147483647))
+    # What the next position needs of this code, precomputed per code (for both CFG rows of draw r): its input row,
+    # and for the depth decoder also block 0's q|k|v of it.
     row = tl.minimum(code, table_rows - 1).to(tl.int64)
     # Both rows' loads go out before any store (a store could alias a later load, so it would wait for it).
     if COPIES >= 1:
@@ -142,11 +154,13 @@ def _cfg_sample_kernel(
         cols2, real2 = _row_slice(c, CHUNK2, CHUNKS2, PARTS2)
         vals2 = tl.load(table2_ptr + row * stride_t2 + cols2, mask=real2)
     if COPIES >= 1:
-        tl.store(copy_ptr + cols, vals, mask=real)
-        tl.store(copy_ptr + stride_copy + cols, vals, mask=real)
+        dest = copy_ptr + r * stride_cp
+        tl.store(dest + cols, vals, mask=real)
+        tl.store(dest + stride_copy + cols, vals, mask=real)
     if COPIES >= 2:
-        tl.store(copy2_ptr + cols2, vals2, mask=real2)
-        tl.store(copy2_ptr + stride_copy2 + cols2, vals2, mask=real2)
+        dest2 = copy2_ptr + r * stride_cp2
+        tl.store(dest2 + cols2, vals2, mask=real2)
+        tl.store(dest2 + stride_copy2 + cols2, vals2, mask=real2)
 
 
 def sample_warps(vocab: int) -> int:
@@ -156,7 +170,7 @@ def sample_warps(vocab: int) -> int:
 
 def cfg_sample(
     logits: torch.Tensor,
-    noise: torch.Tensor,
+    noise: torch.Tensor | None,
     scale: torch.Tensor,
     top_k: torch.Tensor,
     codes: torch.Tensor,
@@ -168,69 +182,104 @@ def cfg_sample(
     end: tuple[torch.Tensor, int] | None = None,
     copies: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (),
     copy_programs: int = 8,
+    seeds: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """Sample one code per CFG pair of logits ([2, V], or [R, 2, V] for R independent draws).
 
     guided = u + (c - u)·scale (scale: float32 [1] on device). The candidates are the top_k (int32 [1] on device, so
     one captured graph serves every top-k) of the guided logits,
     among the top_k of the conditional row with `conditional_top_k` (the LM's semantic code). noise: Exp(1) draws,
-    [V] or [R, V]. The code goes to codes[r + step·step_stride] (step: int32 [1] on device); `forced` (same layout)
+    [V] or [R, V]; or None with `seeds` = (int64 [R] on device, draw index): the noise of draw r is then a function
+    of (seeds[r], its step, the draw index, the code) alone (counter-based Philox).
+    The code goes to codes[r + step·step_stride] (step: int32 [1] on device); `forced` (same layout)
     overrides it (teacher forcing), at every step or, given as (codes, steps int32 [1] on device), at steps below
     `steps` (a forced prefix); `end` = (flag int32 [1], index) records the first step that sampled `index`;
     each of up to two `copies` (table [rows, W], dest [2, W]; tables with the same rows, codes past them read the
     last) writes table[code] to both dest rows, split over `copy_programs` programs.
+
+    Several songs at once (the batched engine): with codes [R, steps] (2-D), draw r reads its own step[r], scale[r],
+    top_k[r], forced [R, steps] codes and steps[r], end flag[r] (each a strided [R] view; a [1] tensor is shared)
+    and writes codes[r, step[r]]; a copy's dest [2R, W] takes draw r's row in rows 2r and 2r + 1.
     """
     batched = logits.dim() == 3
     pairs = logits if batched else logits.unsqueeze(0)
     draws = pairs.shape[0]
     vocab = pairs.shape[2]
-    noise2 = noise if noise.dim() == 2 else noise.unsqueeze(0)
-    if pairs.stride(2) != 1 or noise2.stride(1) != 1 or noise2.shape[1] < vocab:
-        raise ValueError("cfg_sample needs unit-stride logits and at least V noise values per draw")
+    if noise is None:
+        if seeds is None or seeds[0].shape[0] < draws:
+            raise ValueError("cfg_sample needs noise, or a seed per draw")
+        noise2 = pairs  # never read
+    else:
+        noise2 = noise if noise.dim() == 2 else noise.unsqueeze(0)
+        if noise2.stride(1) != 1 or noise2.shape[1] < vocab:
+            raise ValueError("cfg_sample needs at least V unit-stride noise values per draw")
+    if pairs.stride(2) != 1:
+        raise ValueError("cfg_sample needs unit-stride logits")
     if len(copies) > 2 or len({table.shape[0] for table, _ in copies}) > 1:
         raise ValueError("cfg_sample copies from at most two tables with the same rows")
     programs = copy_programs if copies else 1
     chunking = []
     for table, dest in copies:
         width = table.shape[1]
-        if dest.shape != (2, width) or table.stride(1) != 1 or dest.stride(1) != 1 or width % programs:
-            raise ValueError(f"a copy needs dest [2, {width}] and rows that split over {programs} programs")
+        if (dest.shape not in ((2, width), (2 * draws, width)) or table.stride(1) != 1 or dest.stride(1) != 1
+                or width % programs):
+            raise ValueError(f"a copy needs dest [2, {width}] (or two rows per draw) and rows that split over "
+                             f"{programs} programs")
         chunk = math.gcd(width // programs, 1024)  # a power of two: tl.arange's
-        chunking.append((table, table.stride(0), dest, dest.stride(0), chunk, width // programs // chunk))
+        per_draw = 2 * dest.stride(0) if dest.shape[0] > 2 else 0
+        chunking.append((table, table.stride(0), dest, dest.stride(0), per_draw, chunk, width // programs // chunk))
     while len(chunking) < 2:
-        chunking.append((codes, 0, codes, 0, 1, 1))
-    (table, stride_t, dest, stride_d, chunk, chunks), (table2, stride_t2, dest2, stride_d2, chunk2, chunks2) = chunking
+        chunking.append((codes, 0, codes, 0, 0, 1, 1))
+    (table, stride_t, dest, stride_d, per_draw, chunk, chunks), (table2, stride_t2, dest2, stride_d2, per_draw2,
+                                                                  chunk2, chunks2) = chunking
+
+    def per(t: torch.Tensor) -> int:  # a value per draw, or one shared
+        return t.stride(0) if t.numel() > 1 else 0
+
+    if codes.dim() == 2:  # [R, steps]: one history per draw
+        stride_cr, stride_cs = codes.stride(0), codes.stride(1)
+    else:
+        stride_cr, stride_cs = 1, step_stride
     end_flag, end_index = end if end is not None else (codes, -1)
     if forced is not None and not isinstance(forced, tuple):
         forced = (forced, torch.full((1,), 2**31 - 1, dtype=torch.int32, device=forced.device))
-    forced_codes, forced_steps = forced if forced is not None else (codes, codes)
+    forced_codes, forced_steps = forced if forced is not None else (codes, step)
+    seed_values, draw = seeds if seeds is not None else (step, 0)
     _cfg_sample_kernel[(draws, programs)](
-        pairs, pairs.stride(0), pairs.stride(1), noise2, noise2.stride(0) if draws > 1 else 0, scale, top_k, vocab,
-        codes, 1, step, step_stride, forced_codes, forced_steps, end_flag, end_index,
-        copies[0][0].shape[0] if copies else 1, table, stride_t, dest, stride_d, table2, stride_t2, dest2, stride_d2,
+        pairs, pairs.stride(0), pairs.stride(1), noise2, noise2.stride(0) if draws > 1 else 0, scale, per(scale),
+        top_k, per(top_k), vocab, codes, stride_cr, step, per(step), stride_cs,
+        forced_codes, forced_codes.stride(0) if forced_codes.dim() == 2 else 0, forced_steps, per(forced_steps),
+        end_flag, per(end_flag) if end is not None else 0, end_index, seed_values, draw,
+        copies[0][0].shape[0] if copies else 1, table, stride_t, dest, stride_d, per_draw, table2, stride_t2, dest2,
+        stride_d2, per_draw2,
         BLOCK_V=triton.next_power_of_2(vocab), COND_TOPK=conditional_top_k, FORCED=forced is not None,
         HAS_END=end is not None, COPIES=len(copies), CHUNK=chunk, CHUNKS=chunks, PARTS=triton.next_power_of_2(chunks),
         CHUNK2=chunk2, CHUNKS2=chunks2, PARTS2=triton.next_power_of_2(chunks2),
-        SHIFT=16 if pairs.dtype == torch.bfloat16 else 0,
+        SHIFT=16 if pairs.dtype == torch.bfloat16 else 0, PHILOX=noise is None,
         num_warps=sample_warps(vocab),
     )
 
 
 @triton.jit
 def _frame_tail_kernel(
-    lm_hidden_ptr, depth_ptr, frames_ptr, stride_frame, ring, codes_ptr, step_ptr,
+    lm_hidden_ptr, depth_ptr, frames_ptr, stride_frame, stride_fs, ring, codes_ptr, stride_cr, step_ptr, stride_step,
     embed_ptr, stride_embed, audio_ptr, stride_audio, feedback_ptr, stride_fb,
     code_rows, audio_vocab, scale,
     H: tl.constexpr, NCB: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Columns [pid·BLOCK, +BLOCK) of: the emitted frame step-1 = [lm_hidden[cond], depth hiddens[cond] 1..7] into
-    ring row (step-1) % ring (not on step 0, which only steps past <|audio_start|>), and the next LM input, the
-    feedback embedding (semantic_embed(code0) + Σ audio_emb(c_i + (i-1)·vocab)) · scale for both CFG rows."""
+    """Columns [pid·BLOCK, +BLOCK) of song r's (program_id 1; CFG rows 2r, 2r + 1): the emitted frame step-1 =
+    [lm_hidden[cond], depth hiddens[cond] 1..7] into ring row (step-1) % ring (not on step 0, which only steps past
+    <|audio_start|>), and the next LM input, the feedback embedding (semantic_embed(code0) +
+    Σ audio_emb(c_i + (i-1)·vocab)) · scale for both CFG rows."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    step = tl.load(step_ptr)
-    codes = codes_ptr + step * NCB
+    r = tl.program_id(1)
+    step = tl.load(step_ptr + r * stride_step)
+    codes = codes_ptr + r * stride_cr + step * NCB
     emit = (cols * 0 + step) >= 1
-    row = frames_ptr + ((tl.maximum(step, 1) - 1) % ring).to(tl.int64) * stride_frame
+    row = frames_ptr + r * stride_fs + ((tl.maximum(step, 1) - 1) % ring).to(tl.int64) * stride_frame
+    lm_hidden_ptr += 2 * r * H
+    depth_ptr += 2 * r * (NCB - 1) * H
+    feedback_ptr += 2 * r * stride_fb
     dtype = embed_ptr.dtype.element_ty  # the model's precision, as the reference rounds the feedback
     tl.store(row + cols, tl.load(lm_hidden_ptr + cols), mask=emit)
     extra = tl.zeros([BLOCK], tl.float32)
@@ -252,12 +301,20 @@ def frame_tail(
 ) -> None:
     """lm_hidden [2, H] (row 0 emitted), depth_hidden [2, NCB-1, H] contiguous (row 0 emitted), frames [R, NCB·H]
     (a ring: frame f lands in row f % R), codes int32 [steps, NCB], semantic_embed [16384, H] (the LM's embedding
-    rows of the semantic codes), audio_embed [(NCB-1)·vocab, H], feedback [2, H]."""
+    rows of the semantic codes), audio_embed [(NCB-1)·vocab, H], feedback [2, H].
+
+    Several songs at once: lm_hidden [2S, H] and depth_hidden [2S, NCB-1, H] (contiguous), frames [S, ring, NCB·H],
+    codes [S, steps, NCB], step [S] (strided) and feedback [2S, H]: song s's rows are 2s and 2s + 1."""
     hidden = lm_hidden.shape[1]
-    ncb = codes.shape[1]
+    ncb = codes.shape[-1]
+    songs = lm_hidden.shape[0] // 2
+    if not lm_hidden.is_contiguous() or not depth_hidden.is_contiguous() or codes.stride(-2) != ncb:
+        raise ValueError("frame_tail needs contiguous hiddens and codes rows")
     block = min(block, hidden)
-    _frame_tail_kernel[(hidden // block,)](
-        lm_hidden, depth_hidden, frames, frames.stride(0), frames.shape[0], codes, step,
+    ring = frames.shape[-2]
+    _frame_tail_kernel[(hidden // block, songs)](
+        lm_hidden, depth_hidden, frames, frames.stride(-2), frames.stride(0) if frames.dim() == 3 else 0, ring,
+        codes, codes.stride(0) if codes.dim() == 3 else 0, step, step.stride(0) if step.numel() > 1 else 0,
         semantic_embed, semantic_embed.stride(0), audio_embed, audio_embed.stride(0), feedback, feedback.stride(0),
         semantic_embed.shape[0], audio_vocab, ncb**-0.5,
         H=hidden, NCB=ncb, BLOCK=block, num_warps=4,

@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
 from .launch import interpreting, pdl_enter, pdl_launch
+from .qweight import QWeight, Weight, kernel_args
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,29 @@ def prefetch_rows_l2(row_ptrs, nbytes: tl.constexpr):
 
 
 @triton.jit
+def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr):
+    """acc += W_tile · x_tileᵀ. QUANT 0: a model-dtype weight, as before. 1-byte weights (`qweight.py`) are converted
+    to DOT in registers; per-group (QUANT 2) scales are applied per K tile here (the tile lies in one group),
+    per-channel ones (QUANT 1) later, by `channel_scale`."""
+    if QUANT == 0:
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+    elif QUANT == 1:
+        acc = tl.dot(w.to(DOT), tl.trans(x.to(DOT)), acc)
+    else:
+        scale = tl.load(s_ptr + offs_n.to(tl.int64) * (K // GROUP) + k0 // GROUP, mask=n_mask, other=0.0)
+        acc += tl.dot(w.to(DOT), tl.trans(x.to(DOT))) * scale[:, None]
+    return acc
+
+
+@triton.jit
+def channel_scale(acc, s_ptr, offs_n, n_mask, QUANT: tl.constexpr):
+    """Per-channel 1-byte weights: one multiply per output row once its k-loop is done."""
+    if QUANT == 1:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+    return acc
+
+
+@triton.jit
 def gemv_epilogue(
     acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm, eps, K,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr,
@@ -114,11 +138,11 @@ def gemv_epilogue(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, w_desc, out_ptr, res_ptr, copy_ptr, g_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, w_desc, s_ptr, out_ptr, res_ptr, copy_ptr, g_ptr, part_ptr, count_ptr,
     N, K, stride_xm, stride_om, stride_rm, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     pid = tl.program_id(0)
@@ -147,8 +171,9 @@ def _gemv_kernel(
             xf = x.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
             x = xf * tl.load(g_ptr + offs_k + k0).to(tl.float32)[None, :]
-        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, split * k_len + k0, K, QUANT, GROUP, DOT)
     if SPLIT_K == 1:
+        acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT)
         gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm,
                        eps, K, NORM, RESIDUAL, SWIGLU, COPY)
     else:
@@ -170,6 +195,7 @@ def _gemv_kernel(
                 total += tl.load(base + part * BLOCK_N * BLOCK_M + tile, mask=m_mask[None, :], other=0.0,
                                  cache_modifier=".cg")
                 total_sq += tl.load(squares + part * BLOCK_M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg")
+            total = channel_scale(total, s_ptr, offs_n, n_mask, QUANT)
             gemv_epilogue(total, total_sq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om,
                            stride_rm, eps, K, NORM, RESIDUAL, SWIGLU, COPY)
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (or graph replay)
@@ -184,6 +210,13 @@ def tma_supported(device: torch.device) -> bool:
     if device.type != "cuda":
         return interpreting()
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def fit_group(cfg: GemvConfig, weight: Weight) -> GemvConfig:
+    """A per-group 1-byte weight needs K tiles that lie within one scale group."""
+    if isinstance(weight, QWeight) and weight.group and weight.group % cfg.block_k:
+        return replace(cfg, block_k=math.gcd(cfg.block_k, weight.group))
+    return cfg
 
 
 def default_config(m: int, n: int, k: int, swiglu: bool = False) -> GemvConfig:
@@ -201,7 +234,7 @@ def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def gemv(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Weight,
     out: torch.Tensor,
     *,
     norm_weight: torch.Tensor | None = None,
@@ -215,7 +248,8 @@ def gemv(
 ) -> torch.Tensor:
     """out[m] = epilogue(W · prologue(x[m])) for each of the M <= 16 rows of x ([M, K], unit stride along K).
 
-    `weight` is [N, K]; `out` is [M, N] with any row stride; `residual` is [M, N] or [1, N] expanded to M rows
+    `weight` is [N, K], a model-dtype tensor or a 1-byte `QWeight`; `out` is [M, N] with any row stride; `residual`
+    is [M, N] or [1, N] expanded to M rows
     (stride 0), and may be `out` itself. A split-K config needs a `workspace` (without one it runs unsplit).
     With `swiglu`, `weight` is a row-interleaved gate|up (`interleave_rows`) and `out` is [M, N/2].
     `out_copy` (out's shape and strides, another dtype) receives out rounded to its dtype: the graph engine keeps a
@@ -230,7 +264,7 @@ def gemv(
         raise ValueError(
             f"gemv shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}"
         )
-    cfg = config or default_config(m, n, k, swiglu)
+    cfg = fit_group(config or default_config(m, n, k, swiglu), weight)
     if cfg.tma and not tma_supported(weight.device):
         cfg = replace(cfg, tma=False)
     if swiglu:  # whole gate/up pairs per tile: the row block must divide N
@@ -252,14 +286,16 @@ def gemv(
         partials, counters = workspace.partials, workspace.counters
     else:
         partials, counters = x, x  # never read
-    w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if cfg.tma else weight
+    data, scales, quant, group, dot = kernel_args(weight)
+    w_desc = TensorDescriptor.from_tensor(data, [cfg.block_n, cfg.block_k]) if cfg.tma else data
     _gemv_kernel[(blocks, split)](
-        x, weight, w_desc, out, res, out if out_copy is None else out_copy, x if norm_weight is None else norm_weight,
+        x, data, w_desc, scales, out, res, out if out_copy is None else out_copy,
+        x if norm_weight is None else norm_weight,
         partials, counters,
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl,
-        TMA=cfg.tma,
+        TMA=cfg.tma, QUANT=quant, GROUP=group, DOT=dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out

@@ -32,7 +32,10 @@ import triton
 import triton.language as tl
 
 from .launch import interpreting
-from .linear import GemvConfig, TensorDescriptor, gemv_epilogue, prefetch_rows_l2, tma_supported
+from .linear import (
+    GemvConfig, TensorDescriptor, channel_scale, dot_tile, fit_group, gemv_epilogue, prefetch_rows_l2, tma_supported,
+)
+from .qweight import Weight, kernel_args
 
 class TailScratch:
     """The grid barrier's arrival count and each program's partial sums of squares (one row per program, 16 columns
@@ -120,10 +123,11 @@ def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH
 
 @triton.jit
 def _product(
-    x_ptr, stride_x, w_ptr, w_desc, out_ptr, stride_o, next_ptr, gain_ptr, part_ptr, eps,
+    x_ptr, stride_x, w_ptr, w_desc, s_ptr, out_ptr, stride_o, next_ptr, gain_ptr, part_ptr, eps,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
     NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr,
+    QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
 ):
     """This program's row blocks of out = epilogue(W · x). FRESH: x and out were written earlier in this launch
     (by other programs), so they are read through L2 only (`.cg`; L1 is not coherent).
@@ -132,7 +136,8 @@ def _product(
     the per-program partial sums of squares in part_ptr (a scale of each output row, applied in the epilogue): the
     k-loop is a plain product, with no per-tile reduction (which made 16-32-row tiles 2-3x slower, run #12).
     RESIDUAL: out (float32) += y; with NEXT, also next = bf16(bf16(out) ⊙ gain) for the next NORM product and this
-    program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s.
+    program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s, and so is the
+    handling of 1-byte weights (QUANT, GROUP, DOT: `linear.dot_tile`; per-channel scales at each row block's end).
     """
     BLOCK_M: tl.constexpr = 16
     K_TILES: tl.constexpr = K // BLOCK_K
@@ -165,8 +170,9 @@ def _product(
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
         else:
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT, GROUP, DOT)
         if t % K_TILES == K_TILES - 1:
+            acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT)
             if RESIDUAL:
                 mask = n_mask[:, None] & m_mask[None, :]
                 out_ptrs = out_ptr + offs_m[None, :] * stride_o + offs_n[:, None]
@@ -193,7 +199,8 @@ def _product(
 @triton.jit
 def _block_tail_kernel(
     attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr,
-    wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, ln2_ptr, ln1_ptr, part_ptr, bar_ptr,
+    wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, so_ptr, sgu_ptr, sd_ptr, sq_ptr,
+    ln2_ptr, ln1_ptr, part_ptr, bar_ptr,
     s_attn, s_h, s_act, s_qkv, eps,
     M: tl.constexpr, D: tl.constexpr, A: tl.constexpr, G: tl.constexpr, Q: tl.constexpr,
     RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr, HAS_NEXT: tl.constexpr,
@@ -203,27 +210,30 @@ def _block_tail_kernel(
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, ST_GU: tl.constexpr, TMA_GU: tl.constexpr,
     BN_D: tl.constexpr, BK_D: tl.constexpr, ST_D: tl.constexpr, TMA_D: tl.constexpr,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, ST_Q: tl.constexpr, TMA_Q: tl.constexpr,
+    QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
 ):
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
-    input of the next NORM product, bf16(bf16(h) ⊙ gain)."""
+    input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/GROUP/DOT: the weights' format (one for all four
+    products: `qweight.kernel_args`), the s*_ptr their scales."""
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
-        _product(attn_ptr, s_attn, wo_ptr, wo_desc, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps,
-                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False)
+        _product(attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps,
+                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, QUANT, GROUP, DOT)
     if SYNC:
         _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
-        _product(xn_ptr, s_h, wgu_ptr, wgu_desc, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps,
-                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC)
+        _product(xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps,
+                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC, QUANT, GROUP, DOT)
     if SYNC:
         _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
-        _product(act_ptr, s_act, wd_ptr, wd_desc, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps,
-                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC)
+        _product(act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps,
+                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC, QUANT, GROUP,
+                 DOT)
     if SYNC and HAS_NEXT:
         _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
-        _product(xn_ptr, s_h, wq_ptr, wq_desc, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps,
-                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC)
+        _product(xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps,
+                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, QUANT, GROUP, DOT)
 
 
 def _descriptor(weight: torch.Tensor, cfg: GemvConfig):
@@ -235,14 +245,14 @@ def block_tail(
     h: torch.Tensor,
     xn: torch.Tensor,
     act: torch.Tensor,
-    o: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    o: Weight,
+    gate_up: Weight,
+    down: Weight,
     ln2: torch.Tensor,
     eps: float,
     scratch: TailScratch,
     *,
-    next_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    next_qkv: tuple[Weight, torch.Tensor, torch.Tensor] | None = None,
     config: TailConfig | None = None,
     fused: bool | None = None,
 ) -> None:
@@ -253,7 +263,8 @@ def block_tail(
     h is the float32 residual stream [M, D]; `xn` (bf16, h's shape and strides) is scratch that carries each NORM
     product's input from the product before it (bf16(h) ⊙ gain; no bf16 copy of h itself is left behind).
     `gate_up` is row-interleaved (`linear.interleave_rows`). `fused` (default: on a GPU) runs everything in one
-    launch with grid barriers; otherwise one launch per product."""
+    launch with grid barriers; otherwise one launch per product. The weights are all model-dtype tensors or all
+    1-byte `QWeight`s of one format."""
     m, d = h.shape
     g, a = gate_up.shape[0], attn.shape[1]
     q = next_qkv[0].shape[0] if next_qkv is not None else 16
@@ -272,13 +283,18 @@ def block_tail(
     if not tma_supported(device):
         cfg = TailConfig(*(GemvConfig(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in
                            (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)), num_warps=cfg.num_warps, prefetch=cfg.prefetch)
+    wq, ln1, qkv_out = next_qkv if next_qkv is not None else (o, ln2, act)
+    cfg = TailConfig(*(fit_group(c, w) for c, w in ((cfg.o, o), (cfg.gate_up, gate_up), (cfg.down, down),
+                                                    (cfg.qkv, wq))), num_warps=cfg.num_warps, prefetch=cfg.prefetch)
+    packed = [kernel_args(w) for w in (o, gate_up, down, wq)]
+    if len({p[2:] for p in packed}) > 1:
+        raise ValueError("block_tail needs its four weights in one format")
     for c, k in ((cfg.o, a), (cfg.gate_up, d), (cfg.down, g // 2), (cfg.qkv, d)):
         if k % c.block_k:
             raise ValueError(f"K={k} must be a multiple of block_k={c.block_k}")
     if g % cfg.gate_up.block_n:
         raise ValueError(f"gate|up rows ({g}) must be a multiple of its row block ({cfg.gate_up.block_n})")
     fused = (device.type == "cuda" and not interpreting()) if fused is None else fused
-    wq, ln1, qkv_out = next_qkv if next_qkv is not None else (o, ln2, act)
     common = dict(
         eps=eps, M=m, D=d, A=a, G=g, Q=q, HAS_NEXT=next_qkv is not None, SYNC=fused,
         PARTS=scratch.partials.shape[0],
@@ -287,9 +303,11 @@ def block_tail(
            for name, w in (("GU", gate_up), ("D", down), ("Q", wq))},
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
+        QUANT=packed[0][2], GROUP=packed[0][3], DOT=packed[0][4],
     )
-    args = (attn, h, xn, act, qkv_out, o, _descriptor(o, cfg.o), gate_up, _descriptor(gate_up, cfg.gate_up),
-            down, _descriptor(down, cfg.down), wq, _descriptor(wq, cfg.qkv), ln2, ln1, scratch.partials,
+    (wo, so, *_), (wgu, sgu, *_), (wd, sd, *_), (wqd, sq, *_) = packed
+    args = (attn, h, xn, act, qkv_out, wo, _descriptor(wo, cfg.o), wgu, _descriptor(wgu, cfg.gate_up),
+            wd, _descriptor(wd, cfg.down), wqd, _descriptor(wqd, cfg.qkv), so, sgu, sd, sq, ln2, ln1, scratch.partials,
             scratch.count, attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
     runs = [(True, True, True, next_qkv is not None)] if fused else [
         tuple(i == j for j in range(4)) for i in range(4 if next_qkv is not None else 3)

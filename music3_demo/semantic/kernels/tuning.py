@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -95,18 +96,36 @@ def props_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def shared_bytes(cfg: GemvConfig, x_bytes: int = 2) -> int:
+def shared_bytes(cfg: GemvConfig, x_bytes: int = 2, w_bytes: int = 2) -> int:
     """Shared memory of a GEMV or tail product's pipeline, an upper bound of what Triton allocates (the compile test
-    checks it on every architecture): num_stages buffers of the bf16 weight tile and the 16-row activation tile
-    (elements of `x_bytes`), and 8 KB for barriers and the layout conversions of the tail's epilogue, which run
-    inside its k-loop (Hopper and Blackwell keep all num_stages buffers; Ampere and sm_120 one fewer)."""
-    return cfg.num_stages * (cfg.block_n * 2 + 16 * x_bytes) * cfg.block_k + 8 * KB
+    checks it on every architecture): num_stages buffers of the weight tile (elements of `w_bytes`) and the 16-row
+    activation tile (elements of `x_bytes`), and 8 KB for barriers and the layout conversions of the tail's
+    epilogue, which run inside its k-loop (Hopper and Blackwell keep all num_stages buffers; Ampere and sm_120 one
+    fewer). A 1-byte weight tile is converted to the model dtype in registers; one converted (2-byte) tile is
+    counted too, in case the compiler stages it through shared memory for the MMA."""
+    converted = cfg.block_n * cfg.block_k * 2 if w_bytes == 1 else 0
+    return cfg.num_stages * (cfg.block_n * w_bytes + 16 * x_bytes) * cfg.block_k + converted + 8 * KB
 
 
-def fit_shared(cfg: GemvConfig, limit: int, x_bytes: int = 2) -> GemvConfig:
+def one_byte_config(cfg: GemvConfig, k: int, group: int) -> GemvConfig:
+    """The heuristic for a 1-byte weight, from the model-dtype config of the same product: the same bytes in flight
+    per program. Per-channel scales: K tiles twice as long (where K allows), the same stages; per-group scales: K
+    tiles within one group (<= 128 columns), stages doubled (up to 8) instead. `fit_shared` then bounds it.
+    What to sweep on a GPU (scripts/tune_gemv.py / tune_tail.py with 1-byte weights, keys ending in "w1"): block_k
+    256/512 x stages 3-6 per-channel, stages 6-10 at block_k 128 per-group, block_n 32-128, TMA on/off; the
+    conversion to bf16 in registers may shift the best point to more warps (8) on int8."""
+    if group:
+        block_k = math.gcd(cfg.block_k, group)
+        return replace(cfg, block_k=block_k, num_stages=min(8, cfg.num_stages * 2 * cfg.block_k // block_k))
+    if k % (cfg.block_k * 2 * max(cfg.split_k, 1)) == 0 and cfg.block_k < 512:
+        return replace(cfg, block_k=cfg.block_k * 2)
+    return cfg
+
+
+def fit_shared(cfg: GemvConfig, limit: int, x_bytes: int = 2, w_bytes: int = 2) -> GemvConfig:
     """`cfg` with as much of its pipeline kept as fits in `limit` bytes: fewer stages down to 3, then shorter K
     tiles down to 64, then narrower row blocks (a power of two stays a divisor of what it divided), then 2 stages."""
-    while shared_bytes(cfg, x_bytes) > limit:
+    while shared_bytes(cfg, x_bytes, w_bytes) > limit:
         if cfg.num_stages > 3:
             cfg = replace(cfg, num_stages=cfg.num_stages - 1)
         elif cfg.block_k > 64:
@@ -133,31 +152,50 @@ class Tuning:
     tail_table: dict[tuple, TailConfig] = field(default_factory=dict)
     source: str = "heuristic"  # the table file the entries came from
 
-    def valid(self, cfg: GemvConfig, x_bytes: int = 2) -> bool:
-        """Whether a tuned config can run on this device (entries of another GPU's table may not)."""
+    def valid(self, cfg: GemvConfig, x_bytes: int = 2, w_bytes: int = 2, group: int = 0) -> bool:
+        """Whether a tuned config can run on this device (entries of another GPU's table may not) and weight format
+        (per-group scales need K tiles within a group)."""
         target = self.target
         return target is not None and (target.tma or not cfg.tma) and (
-            shared_bytes(cfg, x_bytes) <= target.shared_per_block)
+            shared_bytes(cfg, x_bytes, w_bytes) <= target.shared_per_block) and not (group and group % cfg.block_k)
 
-    def gemv(self, m: int, n: int, k: int, swiglu: bool = False, x_bytes: int = 2) -> GemvConfig:
-        """The config of `gemv` for x [m, k] (elements of `x_bytes`) and a weight [n, k]."""
-        tuned = (swiglu and self.gemv_table.get((m, n, k, "swiglu"))) or self.gemv_table.get((m, n, k))
-        if tuned is not None and self.valid(tuned, x_bytes):
+    def gemv(self, m: int, n: int, k: int, swiglu: bool = False, x_bytes: int = 2, w_bytes: int = 2,
+             group: int = 0) -> GemvConfig:
+        """The config of `gemv` for x [m, k] (elements of `x_bytes`) and a weight [n, k] (elements of `w_bytes`;
+        1-byte weights with scales per `group` columns or, 0, per channel). 1-byte entries of a table end their
+        key with "w1"; without one, `one_byte_config` of the model-dtype entry or heuristic."""
+        suffix = ("w1",) if w_bytes == 1 else ()
+        tuned = ((swiglu and self.gemv_table.get((m, n, k, "swiglu", *suffix)))
+                 or self.gemv_table.get((m, n, k, *suffix)))
+        if tuned is not None and self.valid(tuned, x_bytes, w_bytes, group):
             return tuned
-        cfg = linear.default_config(m, n, k, swiglu)
-        return cfg if self.target is None else fit_shared(cfg, self.target.shared_per_block, x_bytes)
+        if w_bytes == 1:
+            base = self.gemv(m, n, k, swiglu, x_bytes)
+            cfg = one_byte_config(base, k, group)
+        else:
+            cfg = linear.default_config(m, n, k, swiglu)
+        return cfg if self.target is None else fit_shared(cfg, self.target.shared_per_block, x_bytes, w_bytes)
 
-    def tail(self, hidden: int, attn: int, gate_up: int, qkv: int) -> TailConfig:
+    def tail(self, hidden: int, attn: int, gate_up: int, qkv: int, w_bytes: int = 2, group: int = 0) -> TailConfig:
         """The config of `block_tail` (`qkv`: the next block's q|k|v rows, 16 without one). Its products run one
-        after another, so each alone must fit; their inputs are bf16."""
-        tuned = self.tail_table.get((hidden, attn, gate_up, qkv))
-        if tuned is not None and all(self.valid(c) for c in _tail_products(tuned)):
+        after another, so each alone must fit; their inputs are bf16. 1-byte weights as in `gemv`."""
+        suffix = ("w1",) if w_bytes == 1 else ()
+        tuned = self.tail_table.get((hidden, attn, gate_up, qkv, *suffix))
+        if tuned is not None and all(self.valid(c, 2, w_bytes, group) for c in _tail_products(tuned)):
             return tuned
-        if self.target is None:
+        if w_bytes == 1:
+            base = self.tail(hidden, attn, gate_up, qkv)
+            ks = (attn, hidden, gate_up // 2, hidden)
+            cfg = TailConfig(*(one_byte_config(c, k, group) for c, k in zip(_tail_products(base), ks)),
+                             num_warps=base.num_warps, prefetch=base.prefetch)
+        elif self.target is None:
             return tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cpu"))
-        cfg = tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cuda"))
+        else:
+            cfg = tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cuda"))
+        if self.target is None:
+            return cfg
         limit = self.target.shared_per_block
-        return TailConfig(*(fit_shared(c, limit) for c in _tail_products(cfg)), num_warps=cfg.num_warps,
+        return TailConfig(*(fit_shared(c, limit, 2, w_bytes) for c in _tail_products(cfg)), num_warps=cfg.num_warps,
                           prefetch=cfg.prefetch)
 
     @property

@@ -1,0 +1,124 @@
+"""How much a weight format changes the model (issue 15, "Quality 2"), apart from any kernel: the float32 reference
+computation with the dequantized weights against the float32 reference with the original weights, teacher-forced on
+the same random codes, on random weights with injected outlier input channels (a few columns of every quantized
+Linear scaled x30, as real checkpoints have: 4 per 4,096 columns, the same density on a smaller model).
+
+Figures per scheme, over every forced step's LM audio logits (the CFG pair):
+- `logits_rel_error`: ||logits_q - logits|| / ||logits|| per step (mean and max);
+- `top50_overlap`: |S_q ∩ S| / |S| of the sampling candidates S (the conditional row's top-50, as the sampler keeps
+  them), mean and min;
+- `kl`: KL(p || p_q) of the guided sampling distribution (CFG 1.5 over S, the reference's candidates; p_q is the
+  quantized model's guided softmax over the same S), mean and max, in nats;
+- `depth_rel_error`: the same relative error for the 7 depth hiddens of each frame.
+`scripts/quant_quality.py` runs it (CPU mid-size, or the full size on a GPU); tests/semantic/test_quant_quality.py
+pins the chosen schemes' figures.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .. import contract as c
+from ..random_models import ModelSizes
+from ..semantic.quant import QuantizedLinear, Scheme, quantize_model_
+from ..semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
+
+# A CPU-sized model (tens of seconds for 200 frames) whose products still have K >= 512 (several 128-column groups):
+# the LM and depth decoder at 1/8 of the real width; the flow stage's parts at the tiny model's sizes (unused here).
+MID = ModelSizes(
+    hidden=512, lm_layers=4, lm_heads=8, lm_kv_heads=2, lm_head_dim=64, lm_intermediate=1536, depth_layers=2,
+    depth_heads=8, depth_intermediate=768, dit_channels=8, dit_condition_dim=16, dit_layers=2, dit_heads=2,
+    dit_head_dim=8, dit_ff=32, dit_rotary_dim=4, dit_fourier_dim=16, vocoder_input_dim=16, vocoder_hidden_dim=16,
+)
+SCHEMES = (Scheme("fp8", 0), Scheme("fp8", 128), Scheme("int8", 0), Scheme("int8", 128))
+OUTLIER_COLUMNS, OUTLIER_GAIN = 4, 30.0  # per 4,096 input columns (at least one per Linear)
+
+
+@torch.no_grad()
+def inject_outliers(language_model, depth_decoder, columns: int = OUTLIER_COLUMNS, gain: float = OUTLIER_GAIN,
+                    seed: int = 0) -> int:
+    """Scale random input columns of every Linear that `quantize_model_` would quantize (and of lm_head's audio rows)
+    by `gain`: `columns` per 4,096 (at least one), so a narrower model keeps the full size's density (4 columns of a
+    512-wide product would hit most of its 128-column groups, which the full model's 4,096 columns do not). Returns
+    the number of weights changed."""
+    from ..semantic.quant import _linear_targets, audio_head_rows
+
+    generator = torch.Generator().manual_seed(seed)
+    weights = [linear.weight for _, _, linear in _linear_targets(language_model, depth_decoder)]
+    head = language_model.lm_head.weight
+    for weight in weights + [head]:
+        k = weight.shape[1]
+        cols = torch.randperm(k, generator=generator)[: max(1, round(columns * k / 4096))].to(weight.device)
+        rows = audio_head_rows(head.device)[:, None] if weight is head else slice(None)  # head: its audio rows only
+        weight[rows, cols] *= gain
+    return len(weights) + 1
+
+
+def sampling_figures(logits: torch.Tensor, logits_q: torch.Tensor, top_k: int = c.AR_CFG_TOP_K,
+                     cfg_scale: float = c.AR_CFG_SCALE) -> dict[str, torch.Tensor]:
+    """Per step: top-k overlap of the conditional candidates, KL of the guided distribution over the reference's
+    candidates. logits: [steps, 2, V] float32."""
+    cond, uncond = logits[:, 0], logits[:, 1]
+    cond_q, uncond_q = logits_q[:, 0], logits_q[:, 1]
+    kept = torch.zeros_like(cond, dtype=torch.bool).scatter_(1, cond.topk(top_k, dim=1).indices, True)
+    kept_q = torch.zeros_like(cond, dtype=torch.bool).scatter_(1, cond_q.topk(top_k, dim=1).indices, True)
+    overlap = (kept & kept_q).sum(1).float() / top_k
+    guided = (uncond + (cond - uncond) * cfg_scale).masked_fill(~kept, -float("inf"))
+    guided_q = (uncond_q + (cond_q - uncond_q) * cfg_scale).masked_fill(~kept, -float("inf"))
+    logp, logq = guided.log_softmax(1), guided_q.log_softmax(1)
+    kl = (logp.exp() * (logp - logq)).masked_fill(~kept, 0.0).sum(1)
+    return {"overlap": overlap, "kl": kl}
+
+
+def summarize(reference: tuple[torch.Tensor, torch.Tensor], quantized: tuple[torch.Tensor, torch.Tensor],
+              hidden: int) -> dict[str, float]:
+    logits, frames = reference
+    logits_q, frames_q = quantized
+    rel = relative_error(logits_q, logits)
+    depth = relative_error(frames_q[:, hidden:], frames[:, hidden:])
+    figures = sampling_figures(logits, logits_q)
+    return {
+        "logits_rel_error_mean": rel.mean().item(), "logits_rel_error_max": rel.max().item(),
+        "top50_overlap_mean": figures["overlap"].mean().item(), "top50_overlap_min": figures["overlap"].min().item(),
+        "kl_mean": figures["kl"].mean().item(), "kl_max": figures["kl"].max().item(),
+        "depth_rel_error_mean": depth.mean().item(), "depth_rel_error_max": depth.max().item(),
+    }
+
+
+@torch.no_grad()
+def densify_(model: torch.nn.Module) -> None:
+    """Replace every QuantizedLinear by a plain Linear holding its dequantized weight in the model's float dtype:
+    the same products (QuantizedLinear dequantizes to the input's dtype on each call), without dequantizing again
+    at every call of a 200-frame run."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QuantizedLinear):
+                dense = child.qweight(torch.float32).dequantize()
+                linear = torch.nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+                linear.weight = torch.nn.Parameter(dense, requires_grad=False)
+                parent._modules[name] = linear
+
+
+def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: int = 64, seed: int = 0,
+                    schemes: tuple[Scheme, ...] = SCHEMES) -> dict:
+    """Figures of each scheme for float32 models (outliers already injected), teacher-forced on `frames` frames of
+    random codes after a random prompt: {scheme name: figures, ..., "bytes_per_weight": {...}}."""
+    device = language_model.lm_head.weight.device
+    generator = torch.Generator().manual_seed(seed)
+    text_ids = torch.randint(0, 250, (2, prompt_tokens), generator=generator).to(device)
+    codes = random_codes(frames + 1, generator)
+    reference = reference_teacher_forced(language_model, depth_decoder, text_ids, codes)
+    hidden = language_model.config.hidden_size
+    results: dict = {}
+    for scheme in schemes:
+        lm_q, depth_q = copy.deepcopy(language_model), copy.deepcopy(depth_decoder)
+        report = quantize_model_(lm_q, depth_q, scheme.fmt, device, scheme)
+        densify_(lm_q)
+        densify_(depth_q)
+        figures = summarize(reference, reference_teacher_forced(lm_q, depth_q, text_ids, codes), hidden)
+        figures["bytes_per_weight"] = report.bytes_after / report.weights
+        results[report.scheme] = figures
+        del lm_q, depth_q
+    return results

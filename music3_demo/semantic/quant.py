@@ -1,0 +1,261 @@
+"""Weight-only quantization of the language model and the RVQ depth decoder: fp8 (e4m3) or int8 values with float32
+scales per output channel or per output channel and 128-column group, made at load from the bf16 checkpoint.
+
+Each quantized `nn.Linear` is replaced in place by a `QuantizedLinear` that holds the 1-byte weight and its scales and
+dequantizes on forward (to the activation dtype) before F.linear. So the HF model itself, with its modules swapped,
+is the reference on exactly the weights the kernels read: the reference engine, the teacher-forcing oracle and the
+load-time self-check (`semantic/setup.py`) all compare the graph engine with the same weights, and bf16 (no swap)
+stays the exact reference of the checkpoint. The graph engine (`weights.py`) fuses the modules' 1-byte weights and
+scales by rows as it fuses bf16 ones; it learns the precision from the modules it is given (`precision_of`).
+
+What is left as it is, and why:
+- token embeddings (LM and depth decoder's audio/position tables): looked up a row at a time, never a product, so
+  they cost memory but no per-frame bandwidth worth a format change; the feedback embedding sums them in bf16;
+- norms: vectors of the hidden size;
+- lm_head's text rows: no audio frame reads them (the logits the sampler sees are the 16,384 audio rows and the end
+  row, which are quantized: `QuantizedAudioHead`), and the graph engine drops the full head after its self-check.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import contract as c
+from .kernels.qweight import QWeight
+
+SUPPORTED = ("bf16", "fp8", "int8")
+FP8_MAX, INT8_MAX = 448.0, 127.0
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A weight format: `fmt` "fp8" or "int8", `group` 0 for one scale per output channel, else one per output
+    channel and `group` input columns (the model-wide group is the largest divisor of every K up to this)."""
+
+    fmt: str
+    group: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.fmt}/{'channel' if not self.group else f'g{self.group}'}"
+
+
+# The scheme of each mode: the one with the smallest effect on the model for its bytes (scripts/quant_quality.py,
+# docs/PERFORMANCE.md "Weight formats"; tests/semantic/test_quant_quality.py pins its figures). fp8 is a float format:
+# a few x30 input columns raise a row's scale but the other weights keep their 3 mantissa bits, so one scale per
+# channel loses almost nothing; int8's uniform steps would grow with that scale, so int8 scales per 128 columns.
+DEFAULT_SCHEMES = {"fp8": Scheme("fp8", 0), "int8": Scheme("int8", 128)}
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """fp8 weights need a GPU with fp8 conversions (compute capability 8.9: Ada, Hopper, Blackwell). On the CPU,
+    torch and Triton's interpreter convert fp8 in software (tests)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def supported_modes(device: torch.device | str) -> tuple[str, ...]:
+    """The modes this device can run: int8 everywhere, fp8 where `fp8_supported`."""
+    return tuple(m for m in SUPPORTED if m != "fp8" or fp8_supported(device))
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor, fmt: str, group: int = 0) -> QWeight:
+    """A [N, K] weight as a QWeight standing in for weight.dtype: scale = max|w| / (448 or 127) per row or group;
+    fp8 rounds to nearest (saturating), int8 to the nearest integer in [-127, 127]."""
+    if fmt not in ("fp8", "int8"):
+        raise ValueError(f"unknown weight format {fmt!r}")
+    n, k = weight.shape
+    blocks = weight.float().view(n, k // (group or k), group or k)
+    qmax = FP8_MAX if fmt == "fp8" else INT8_MAX
+    scale = (blocks.abs().amax(-1) / qmax).clamp_min(torch.finfo(torch.float32).tiny)
+    scaled = (blocks / scale[..., None]).clamp(-qmax, qmax)
+    del blocks
+    data = scaled.to(torch.float8_e4m3fn) if fmt == "fp8" else scaled.round_().to(torch.int8)
+    return QWeight(data.view(n, k).contiguous(), (scale if group else scale[:, 0]).contiguous(), group, weight.dtype)
+
+
+class QuantizedLinear(nn.Module):
+    """A bias-free nn.Linear's replacement holding a 1-byte weight and its float32 scales; forward dequantizes to the
+    input's dtype and calls F.linear. fp8 values are kept as their bytes (uint8) so a dtype cast of the model
+    (`.float()`, `.to(bf16)`) cannot convert them; the scales are cast back to float32 where they are read."""
+
+    def __init__(self, weight: QWeight) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.fmt = "fp8" if weight.data.dtype == torch.float8_e4m3fn else "int8"
+        self.group = weight.group
+        self.register_buffer("qdata", weight.data.view(torch.uint8) if self.fmt == "fp8" else weight.data)
+        self.register_buffer("scale", weight.scale)
+
+    def qweight(self, dtype: torch.dtype) -> QWeight:
+        """The kernels' view of this weight (same storage), standing in for a `dtype` weight."""
+        return _as_qweight(self.fmt, self.qdata, self.scale, self.group, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.qweight(x.dtype).dequantize())
+
+    def extra_repr(self) -> str:
+        scales = "per channel" if not self.group else f"per {self.group} columns"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}, scales {scales}"
+
+
+def audio_head_rows(device: torch.device | str | None = None) -> torch.Tensor:
+    """lm_head rows the sampler reads, in the engine's order: the 16,384 audio codes, then the end token."""
+    return torch.cat((torch.arange(c.AUDIO_CODE_OFFSET, c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE),
+                      torch.tensor([c.AUDIO_END_TOKEN_ID]))).to(device)
+
+
+class QuantizedAudioHead(nn.Module):
+    """lm_head with its audio rows (the 16,384 codes and the end token) quantized: the full-vocabulary logits of the
+    original head, with those rows' logits replaced by the quantized product's. The text rows stay (see the module
+    docstring); the graph engine reads `audio` and drops the whole head after its self-check."""
+
+    def __init__(self, head: nn.Linear, audio: QuantizedLinear) -> None:
+        super().__init__()
+        self.head, self.audio = head, audio
+        self.register_buffer("rows", audio_head_rows(audio.scale.device), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)
+        logits[..., self.rows] = self.audio(x).to(logits.dtype)
+        return logits
+
+
+@dataclass
+class QuantReport:
+    """What `quantize_model_` did: the mode and scheme, how many Linear modules were swapped (and their weights'
+    element count), their weight bytes before and after (1-byte values + float32 scales), and the time it took."""
+
+    mode: str
+    scheme: str = "bf16"
+    modules: int = 0
+    weights: int = 0  # elements of the swapped weights
+    bytes_before: int = 0
+    bytes_after: int = 0
+    seconds: float = 0.0
+    group: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def precision_of(language_model, depth_decoder=None) -> str:
+    """"bf16" (or the model's float dtype), "fp8" or "int8": what the modules hold."""
+    for model in (language_model, depth_decoder):
+        for module in ([] if model is None else model.modules()):
+            if isinstance(module, QuantizedLinear):
+                return module.fmt
+    dtype = language_model.model.embed_tokens.weight.dtype
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+def _linear_targets(language_model, depth_decoder) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, name, module) of every Linear to quantize: the LM's decoder layers and all of the depth decoder's
+    (projection, attention, MLP, audio heads)."""
+    targets = []
+    for root in (language_model.model.layers, depth_decoder):
+        for parent in root.modules():
+            for name, child in parent.named_children():
+                if isinstance(child, nn.Linear):
+                    if child.bias is not None:
+                        raise ValueError("quantized Linear modules take no bias (this checkpoint has none)")
+                    targets.append((parent, name, child))
+    return targets
+
+
+def model_group(targets: list[tuple[nn.Module, str, nn.Linear]], group: int) -> int:
+    """One group size for the whole model (the chained-tail kernel reads one format): the largest divisor of every
+    Linear's K and of the hidden size (the audio head's K) up to `group`. 128 for the released checkpoint."""
+    for _, _, linear in targets:
+        group = math.gcd(group, linear.in_features)
+    return group
+
+
+@torch.no_grad()
+def quantize_model_(
+    language_model, depth_decoder, mode: str, device: torch.device | str, scheme: Scheme | None = None
+) -> QuantReport:
+    """Swap the LM's and depth decoder's Linear modules for `QuantizedLinear` ones in `mode` ("bf16" changes nothing)
+    and leave both models on `device`. Layer by layer: each weight is quantized on `device` and the module's own
+    weight is dropped before the next, so the models may come in on the CPU or already on `device`, and two full
+    copies never sit on the GPU. `scheme` overrides the mode's default (`DEFAULT_SCHEMES`)."""
+    device = torch.device(device)
+    if mode not in SUPPORTED:
+        raise ValueError(f"Unknown precision {mode!r}: choose one of {', '.join(SUPPORTED)}.")
+    report = QuantReport(mode)
+    start = time.perf_counter()
+    if mode != "bf16":
+        if mode == "fp8" and not fp8_supported(device):
+            raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer ({device} is older): "
+                             "use int8.")
+        scheme = scheme or DEFAULT_SCHEMES[mode]
+        if scheme.fmt != mode:
+            raise ValueError(f"scheme {scheme.name} is not a {mode} scheme")
+        targets = _linear_targets(language_model, depth_decoder)
+        group = model_group(targets, scheme.group) if scheme.group else 0
+        if group != scheme.group:
+            report.notes.append(f"scale groups of {group} columns (every K here divides by {group}, not by "
+                                f"{scheme.group})")
+        report.scheme, report.group = Scheme(mode, group).name, group
+        for parent, name, linear in targets:
+            parent._modules[name] = _swap(linear, mode, group, device, report)
+        head = language_model.lm_head
+        rows = audio_head_rows(head.weight.device)
+        audio = nn.Linear(head.in_features, rows.numel(), bias=False, device="meta")
+        audio.weight = nn.Parameter(head.weight.detach()[rows], requires_grad=False)  # a copy of 16,385 rows
+        language_model.lm_head = QuantizedAudioHead(head, _swap(audio, mode, group, device, report))
+    language_model.to(device)
+    depth_decoder.to(device)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _swap(linear: nn.Linear, fmt: str, group: int, device: torch.device, report: QuantReport) -> QuantizedLinear:
+    weight = linear.weight.detach()
+    report.modules += 1
+    report.weights += weight.numel()
+    report.bytes_before += weight.numel() * weight.element_size()
+    quantized = QuantizedLinear(quantize_weight(weight.to(device), fmt, group))
+    linear.weight = None  # the bf16 weight goes as soon as its quantized form exists
+    del weight
+    report.bytes_after += quantized.qdata.numel() + quantized.scale.numel() * 4
+    return quantized
+
+
+@torch.no_grad()
+def fuse_quantized(modules: list[QuantizedLinear], dtype: torch.dtype, interleave: bool = False) -> QWeight:
+    """The graph engine's fused weight of several QuantizedLinear modules (q|k|v by rows; gate|up interleaved row by
+    row with `interleave`), scales following their rows. As `fused_weights.fuse_rows` does for bf16, the modules are
+    pointed at views of the fused storage, so it is the only copy."""
+    if interleave:
+        gate, up = modules
+        data = torch.stack((gate.qdata, up.qdata), dim=1).flatten(0, 1)
+        scale = torch.stack((gate.scale, up.scale), dim=1).flatten(0, 1)
+        gate.qdata, up.qdata, gate.scale, up.scale = data[0::2], data[1::2], scale[0::2], scale[1::2]
+    else:
+        data = torch.cat([m.qdata for m in modules])
+        scale = torch.cat([m.scale for m in modules])
+        start = 0
+        for module in modules:
+            rows = module.out_features
+            module.qdata, module.scale = data[start : start + rows], scale[start : start + rows]
+            start += rows
+    return _as_qweight(modules[0].fmt, data, scale, modules[0].group, dtype)
+
+
+def _as_qweight(fmt: str, data: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> QWeight:
+    return QWeight(data.view(torch.float8_e4m3fn) if fmt == "fp8" else data, scale.float(), group, dtype)

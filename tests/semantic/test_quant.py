@@ -1,0 +1,197 @@
+"""1-byte weights (`semantic/quant.py`, `kernels/qweight.py`) under Triton's interpreter: the GEMV and chained-tail
+kernels against float32 products on the same dequantized weights, the modules swapped by `quantize_model_` (the
+reference computes with exactly the dequantized weights), the graph engine teacher-forced against that reference on
+the tiny model, and the tuning heuristic's 1-byte configs."""
+
+from __future__ import annotations
+
+from kernel_cases import rand  # first: checks Triton's interpreter is on
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, TailScratch, block_tail, gemv
+from music3_demo.semantic.kernels.qweight import QWeight
+from music3_demo.semantic.quant import (
+    QuantizedAudioHead, QuantizedLinear, Scheme, audio_head_rows, fp8_supported, quantize_model_, quantize_weight,
+)
+from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
+
+SCHEMES = [Scheme("fp8", 0), Scheme("fp8", 32), Scheme("int8", 0), Scheme("int8", 32)]
+IDS = [s.name for s in SCHEMES]
+
+
+def _outlier_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    w = rand(n, k, seed=seed, scale=k**-0.5)
+    w[:, torch.randperm(k, generator=torch.Generator().manual_seed(seed))[:3]] *= 30
+    return w
+
+
+def _err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return relative_error(actual.reshape(1, -1), expected.reshape(1, -1)).item()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
+def test_gemv_on_one_byte_weights_is_as_close_to_float32_as_on_fp16_weights(scheme):
+    """Every epilogue the engine uses (plain, RMSNorm, residual, SwiGLU) and split-K, fp16 activations: the error
+    against the float32 product on the dequantized weights stays within 2x the fp16-weight kernel's own error."""
+    rows, k, n = 2, 256, 80
+    x = rand(rows, k, dtype=torch.float16, seed=1)
+    g = rand(k, dtype=torch.float16, seed=3, scale=0.1) + 1
+    res = rand(rows, n, dtype=torch.float16, seed=4)
+    w = _outlier_weight(n, k, 2).half()
+    q = quantize_weight(w, scheme.fmt, scheme.group)
+    workspace = GemvWorkspace("cpu")
+
+    def exact(dense: torch.Tensor, **kw) -> torch.Tensor:
+        inp = x.float()
+        if "norm_weight" in kw:
+            inp = (inp * torch.rsqrt(inp.pow(2).mean(-1, keepdim=True) + 1e-6)).half().float() * g.float()
+        y = inp @ dense.float().T
+        if "residual" in kw:
+            y = y + res.float()
+        if kw.get("swiglu"):
+            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
+            y = F.silu(gate) * up
+        return y
+
+    for kw, cfg in (({}, GemvConfig(16, 64)), ({"norm_weight": g}, GemvConfig(16, 32, split_k=2)),
+                    ({"residual": res}, GemvConfig(32, 32, split_k=2)), ({"swiglu": True}, GemvConfig(16, 64))):
+        cols = n // 2 if kw.get("swiglu") else n
+        ours = gemv(x, q, torch.empty(rows, cols, dtype=torch.float16), config=cfg, workspace=workspace, **kw)
+        fp16 = gemv(x, w, torch.empty(rows, cols, dtype=torch.float16), config=cfg, workspace=workspace, **kw)
+        error, bar = _err(ours, exact(q.dequantize(torch.float32), **kw)), _err(fp16, exact(w, **kw))
+        assert error <= 2 * bar + 1e-6, (kw, cfg, error, bar)
+    assert not workspace.counters.any()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_one_byte_gemv_with_unit_scales_equals_the_fp16_gemv_on_the_same_values_bit_for_bit(fmt):
+    """The same values as a 1-byte weight with scale 1 and as an fp16 weight: the 1-byte path's loads, masks (N not
+    a multiple of the row block), conversion and per-channel epilogue change no bit."""
+    rows, k, n = 2, 128, 40
+    values = (rand(n, k, seed=5) * 20).round().clamp(-100, 100)
+    data = values.to(torch.int8) if fmt == "int8" else values.to(torch.float8_e4m3fn)
+    q = QWeight(data, torch.ones(n), 0, torch.float16)
+    x = rand(rows, k, dtype=torch.float16, seed=6)
+    cfg = GemvConfig(16, 64)
+    ours = gemv(x, q, torch.empty(rows, n, dtype=torch.float16), config=cfg)
+    plain = gemv(x, data.to(torch.float16), torch.empty(rows, n, dtype=torch.float16), config=cfg)
+    assert torch.equal(ours, plain)
+
+
+@pytest.mark.parametrize("scheme", [Scheme("fp8", 0), Scheme("int8", 16)], ids=["fp8/channel", "int8/g16"])
+def test_block_tail_on_one_byte_weights_runs_the_products_as_the_gemvs_do(scheme):
+    """The chained tail's products (one launch each under the interpreter) with 1-byte weights against the same
+    products through `gemv`; a tail mixing formats is refused."""
+    d, a, i, q = 64, 48, 96, 80
+    shapes = [(d, a), (2 * i, d), (d, i), (q, d)]
+    dense = [_outlier_weight(*shape, seed=seed).half() for seed, shape in enumerate(shapes)]
+    weights = [quantize_weight(w, scheme.fmt, scheme.group) for w in dense]
+    ln1, ln2 = (rand(d, dtype=torch.float16, seed=seed, scale=0.1) + 1 for seed in (5, 6))
+    attn, start = rand(2, a, dtype=torch.float16, seed=7), rand(2, d, seed=8)
+    outputs = []
+    for chained in (False, True):
+        h, h16 = start.clone(), start.half()
+        act, qkv = torch.zeros(2, i, dtype=torch.float16), torch.zeros(2, q, dtype=torch.float16)
+        if chained:
+            block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, TailScratch("cpu", 3),
+                       next_qkv=(weights[3], ln1, qkv))
+        else:
+            gemv(attn, weights[0], h, residual=h, out_copy=h16)
+            gemv(h16, weights[1], act, norm_weight=ln2, swiglu=True)
+            gemv(act, weights[2], h, residual=h, out_copy=h16)
+            gemv(h16, weights[3], qkv, norm_weight=ln1)
+        outputs.append((h, act, qkv))
+    for chained, separate in zip(outputs[1], outputs[0]):
+        assert _err(chained, separate) < 2e-3
+    with pytest.raises(ValueError, match="one format"):
+        block_tail(attn, start.clone(), start.half(), act, weights[0], dense[1], *weights[2:3], ln2, 1e-6,
+                   TailScratch("cpu", 3))
+
+
+def test_quantize_model_swaps_the_linear_modules_and_the_reference_reads_the_dequantized_weights():
+    from music3_demo import random_models
+
+    components = random_models.build_components(random_models.TINY, seed=0)
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    embed = lm.model.embed_tokens.weight.clone()
+    head = lm.lm_head.weight.clone()
+    q_proj = lm.model.layers[0].self_attn.q_proj
+    report = quantize_model_(lm, depth, "int8", "cpu", Scheme("int8", 128))
+    assert q_proj.weight is None  # the original weight is dropped once quantized
+    swapped = [m for m in list(lm.modules()) + list(depth.modules()) if isinstance(m, QuantizedLinear)]
+    plain = [m for m in list(lm.model.modules()) + list(depth.modules()) if isinstance(m, torch.nn.Linear)]
+    assert len(swapped) == report.modules == 2 * 7 + 2 * 7 + 1 + 7 + 1 and not plain
+    assert report.group == 16 and report.scheme == "int8/g16" and report.notes  # tiny's K: 32, 48, 64
+    assert report.bytes_after == report.weights * (1 + 4 / 16)  # float32 weights -> 1 byte + a scale per 16
+    assert torch.equal(lm.model.embed_tokens.weight, embed)  # embeddings and text rows as they were
+    assert isinstance(lm.lm_head, QuantizedAudioHead)
+    x = rand(3, lm.config.hidden_size, seed=9)
+    logits = lm.lm_head(x)
+    rows = audio_head_rows()
+    audio = lm.lm_head.audio.qweight(torch.float32).dequantize()
+    assert torch.allclose(logits[:, rows], x @ audio.T, rtol=1e-5, atol=1e-5)
+    assert 0 < _err(logits[:, rows], x @ head[rows].T) < 0.05  # quantized: close, not equal
+    text = torch.ones(head.shape[0], dtype=torch.bool)
+    text[rows] = False
+    assert torch.allclose(logits[:, text], x @ head[text].T, rtol=1e-5, atol=1e-5)
+    layer = lm.model.layers[0].mlp.down_proj
+    y = rand(2, layer.in_features, seed=10)
+    assert torch.equal(layer(y), F.linear(y, layer.qweight(torch.float32).dequantize()))
+
+
+def test_fp8_needs_capability_8_9_and_bad_modes_get_one_sentence(monkeypatch):
+    from music3_demo import random_models
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not fp8_supported(torch.device("cuda", 0)) and fp8_supported("cpu")
+    components = random_models.build_components(random_models.TINY, seed=0)
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    with pytest.raises(ValueError, match=r"fp8 weights need a GPU of compute capability 8.9 .* use int8\."):
+        quantize_model_(lm, depth, "fp8", torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="Unknown precision 'int4'"):
+        quantize_model_(lm, depth, "int4", "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert fp8_supported(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("scheme,chain", [(Scheme("int8", 16), False), (Scheme("fp8", 0), True)],
+                         ids=["int8-g16-gemv", "fp8-channel-tail"])
+def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weights(scheme, chain):
+    """Teacher forcing on the tiny model (float32 activations, interpreter): the engine built from the swapped
+    modules (fused q|k|v and gate|up rows with their scales, the audio head, depth heads and tables) computes what
+    the HF modules compute on the dequantized weights."""
+    from music3_demo import random_models
+    from music3_demo.semantic.graph import GraphEngine
+
+    components = random_models.build_components(random_models.TINY, seed=0)
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    quantize_model_(lm, depth, scheme.fmt, "cpu", scheme)
+    engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=chain)
+    assert engine.precision == scheme.fmt and isinstance(engine.blocks[0].qkv, QWeight)
+    generator = torch.Generator().manual_seed(20)
+    text_ids = torch.randint(0, 250, (2, 10), generator=generator)
+    codes = random_codes(2, generator)
+    logits, frames = engine.teacher_forced(text_ids, codes)
+    ref_logits, ref_frames = reference_teacher_forced(lm, depth, text_ids, codes)
+    assert relative_error(logits, ref_logits).max() < 1e-5
+    assert relative_error(frames, ref_frames).max() < 1e-5
+
+
+def test_tuning_gives_one_byte_weights_the_same_bytes_in_flight_within_shared_memory():
+    from music3_demo.semantic.kernels.tuning import Target, shared_bytes, tuning_for_target
+
+    for target in (Target("NVIDIA H200", 90, 132), Target("NVIDIA GeForce RTX 4090", 89, 128),
+                   Target("NVIDIA A100-SXM4-80GB", 80, 108)):
+        tuning = tuning_for_target(target)
+        for m, n, k, swiglu in ((2, 6144, 4096, False), (2, 24576, 4096, True), (2, 4096, 12288, False)):
+            bf16 = tuning.gemv(m, n, k, swiglu)
+            channel = tuning.gemv(m, n, k, swiglu, 2, 1, 0)
+            group = tuning.gemv(m, n, k, swiglu, 2, 1, 128)
+            assert 128 % group.block_k == 0 and channel.block_k >= bf16.block_k
+            for cfg in (channel, group):
+                assert shared_bytes(cfg, 2, 1) <= target.shared_per_block
+        tail = tuning.tail(4096, 4096, 24576, 6144, 1, 128)
+        assert all(128 % c.block_k == 0 for c in (tail.o, tail.gate_up, tail.down, tail.qkv))
