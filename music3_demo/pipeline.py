@@ -63,7 +63,11 @@ class Music3Pipeline:
         self.engine_name = self.engine_record.name
         self.overlap = self.engine.separate_flow_rng if overlap is None else overlap
         self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
-        self.velocity_graphs = flow_stage.prepare(components, device, fast=self.separate_flow_rng)
+        # Every song's DiT and vocoder calls go through the one executor (several songs may share this pipeline);
+        # it holds the captured DiT graphs on CUDA.
+        self.flow_executor = flow_stage.prepare(components, device, fast=self.separate_flow_rng)
+        self.velocity_graphs = self.flow_executor.graphs
+        self.flow_calibration: dict | None = None  # the executor's measured merged calls (`warm` on CUDA)
 
     @classmethod
     def from_pretrained(
@@ -91,14 +95,9 @@ class Music3Pipeline:
     @property
     def slots(self) -> int:
         """Songs this pipeline makes at once, each `generate()` on its own thread: the semantic engine's batch slots
-        (1 for an engine without them), while the flow stage can take that many songs side by side. A captured DiT
-        graph (`velocity_graphs`, one per pipeline) has static buffers that serve one song at a time unless it says
-        it is `concurrent`."""
-        engine_slots = max(1, int(getattr(self.engine, "slots", 1)))
-        flow = getattr(self, "velocity_graphs", None)
-        if flow is not None and not getattr(flow, "concurrent", False):
-            return 1
-        return engine_slots
+        (1 for an engine without them). The flow stage takes them all: its shared state (the captured DiT graphs, the
+        rotary tables, the vocoder's weight-norm hooks) is used only by the pipeline's one `flow_executor`."""
+        return max(1, int(getattr(self.engine, "slots", 1)))
 
     @property
     def tokenizer(self):
@@ -115,6 +114,7 @@ class Music3Pipeline:
         release = getattr(self.engine, "release", None)
         if release is not None:
             release()
+        self.flow_executor.close()
         if self.velocity_graphs is not None:
             self.velocity_graphs.release()
         self.components.clear()
@@ -124,12 +124,16 @@ class Music3Pipeline:
     def warm(self) -> Song:
         """Pay the one-off costs (kernel selection, semantic and flow graph capture, allocator growth) with a
         throw-away song, so the first real song does not. On CUDA the song is long enough for one full flow chunk,
-        whose guided DiT step is then captured here rather than inside a user's song."""
+        whose guided DiT step is then captured here rather than inside a user's song; then the flow executor
+        measures its merged DiT and vocoder calls and merges songs' calls only where that is faster."""
         seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
         reserve = getattr(self.engine, "reserve", None)
         if reserve is not None:  # the graph engine: its KV pool and every batch size's graph, before any user
             reserve(512, 256)  # (the pool is sized from free memory; this is only its least size)
-        return self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0, instrumental=True))
+        song = self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0, instrumental=True))
+        if self.velocity_graphs is not None:
+            self.flow_calibration = self.flow_executor.calibrate(flow_stage.full_chunk_latents(self.components))
+        return song
 
     def generate_variations(
         self,
@@ -240,7 +244,7 @@ class Music3Pipeline:
         expected_chunks = len(c.chunk_starts(max_frames))
         flow_settings = FlowSettings(request.num_steps, request.guidance_scale, batched_cfg=self.separate_flow_rng)
         flow = FlowStream(
-            self.components, flow_settings, flow_generator, self.device, cancel=cancel, graphs=self.velocity_graphs
+            self.components, flow_settings, flow_generator, self.device, cancel=cancel, executor=self.flow_executor
         )
         prefix = None
         if continue_from is not None:
@@ -309,6 +313,7 @@ class Music3Pipeline:
 
         timings["flow_s"] = flow.timings.denoise_s
         timings["vocoder_s"] = flow.timings.vocoder_s
+        timings["flow_shared_calls"] = flow.timings.shared_calls  # DiT calls merged with other songs' (0 alone)
         timings["total_s"] = time.perf_counter() - started
         audio = np.concatenate(pieces, axis=-1)
         timings["realtime_factor"] = (audio.shape[-1] / c.SAMPLE_RATE) / timings["total_s"]

@@ -1,9 +1,12 @@
-"""CUDA-graph replay of one guided DiT velocity evaluation (batch-2 CFG) for a fixed chunk length.
+"""CUDA-graph replay of the guided DiT velocity (batch-2 CFG per song) for a fixed chunk length and song count.
 
 A flow step is ~36 layers of launches over 2 x 690 tokens: eager PyTorch leaves the GPU idle between kernels (DESIGN:
 eager 23-33 ms, graphed 17 ms per step). Full chunks always have the same length (689 latents), so one graph per
-process serves every full chunk of every song; other lengths (a song's shorter last chunk) run eagerly rather than
-capturing a graph that would be used once.
+bucket (1, 2 or 4 songs in one call: `executor.py` merges songs' calls) serves every full chunk of every song; other
+lengths (a song's shorter last chunk) run eagerly rather than capturing a graph that would be used once.
+
+The graphs' input and output buffers are static and shared: only one thread may fill and replay them, on one stream
+(the pipeline's `FlowExecutor`; tests and benches that drive one FlowStream directly are the only other users).
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from .guidance import guided_velocity
 
 
 class _Captured:
-    def __init__(self, transformer, channels: int, length: int, condition_dim: int, dtype, device) -> None:
-        self.latents = torch.zeros(1, channels, length, dtype=dtype, device=device)
-        self.timestep = torch.zeros(1, dtype=dtype, device=device)
-        self.condition = torch.zeros(1, length, condition_dim, dtype=dtype, device=device)
-        self.scale = torch.ones((), dtype=torch.float32, device=device)
+    def __init__(self, transformer, rows: int, channels: int, length: int, condition_dim: int, dtype, device):
+        self.rows = rows
+        self.latents = torch.zeros(rows, channels, length, dtype=dtype, device=device)
+        self.timestep = torch.zeros(rows, dtype=dtype, device=device)
+        self.condition = torch.zeros(rows, length, condition_dim, dtype=dtype, device=device)
+        self.scale = torch.ones(rows, dtype=torch.float32, device=device)
         self.transformer = transformer
         self.graph = torch.cuda.CUDAGraph()
         check_launch_device(device, "The flow stage's velocity graph")
@@ -37,40 +41,55 @@ class _Captured:
             self.velocity = self._forward()
 
     def _forward(self) -> torch.Tensor:
-        return guided_velocity(self.transformer, self.latents, self.timestep, self.condition, self.scale, batched=True)
+        # One song: its scale as a 0-d tensor, as before buckets existed; several: one 0-d element per row, so each
+        # row's guidance arithmetic is the one-song graph's.
+        scale = self.scale[0] if self.rows == 1 else self.scale
+        return guided_velocity(self.transformer, self.latents, self.timestep, self.condition, scale, batched=True)
+
+    def load(self, row: int, latents, timestep, condition, scale: float) -> None:
+        """Fill row `row`'s inputs (one song's [1, ...] tensors) on the current stream."""
+        self.latents[row : row + 1].copy_(latents)
+        self.timestep[row : row + 1].copy_(timestep)
+        self.condition[row : row + 1].copy_(condition)
+        self.scale[row].fill_(scale)
+
+    def replay(self) -> torch.Tensor:
+        """Run the graph; returns the static output (copy what you keep before the next replay)."""
+        self.graph.replay()
+        return self.velocity
 
     def __call__(self, latents, timestep, condition, scale: float) -> torch.Tensor:
-        self.latents.copy_(latents)
-        self.timestep.copy_(timestep)
-        self.condition.copy_(condition)
-        self.scale.fill_(scale)
-        self.graph.replay()
-        return self.velocity.clone()
+        self.load(0, latents, timestep, condition, scale)
+        return self.replay()[:1].clone()
 
 
 class VelocityGraphs:
-    """Captured guided-velocity graphs keyed by chunk length; owned by the pipeline, reused across songs."""
+    """Captured guided-velocity graphs keyed by (chunk length, songs per call); owned by the pipeline (through its
+    executor), reused across songs."""
 
     def __init__(self, transformer, lengths: tuple[int, ...]) -> None:
         self.transformer = transformer
         self.lengths = lengths
-        self._graphs: dict[int, _Captured] = {}
+        self._graphs: dict[tuple[int, int], _Captured] = {}
         self._lock = threading.Lock()
         self.captures = 0
 
     def supports(self, latents: torch.Tensor) -> bool:
         return latents.is_cuda and latents.shape[-1] in self.lengths
 
-    def get(self, latents: torch.Tensor, condition: torch.Tensor) -> _Captured:
-        length = latents.shape[-1]
+    def get(self, latents: torch.Tensor, condition: torch.Tensor, rows: int = 1) -> _Captured:
+        """The graph for `rows` songs of `latents`' length (captured on first use); `latents`/`condition` give the
+        shapes past the row dimension, dtype and device."""
+        key = (latents.shape[-1], rows)
         with self._lock:
-            if length not in self._graphs:
+            if key not in self._graphs:
                 with on_device(latents.device):
-                    self._graphs[length] = _Captured(
-                        self.transformer, latents.shape[1], length, condition.shape[-1], latents.dtype, latents.device
+                    self._graphs[key] = _Captured(
+                        self.transformer, rows, latents.shape[1], latents.shape[-1], condition.shape[-1],
+                        latents.dtype, latents.device,
                     )
                 self.captures += 1
-            return self._graphs[length]
+            return self._graphs[key]
 
     def velocity(self, latents, timestep, condition, scale: float) -> torch.Tensor:
         return self.get(latents, condition)(latents, timestep, condition, scale)

@@ -24,6 +24,7 @@ from .. import contract as c
 from ..continuation import FlowResume
 from ..events import check_cancel
 from .dit_graph import VelocityGraphs
+from .executor import FlowExecutor
 from .guidance import guided_velocity
 
 
@@ -48,6 +49,7 @@ class FlowTimings:
     vocoder_s: float = 0.0
     chunks: int = 0
     chunk_seconds: list[float] = field(default_factory=list)
+    shared_calls: int = 0  # guided DiT calls that ran merged with other songs' (FlowExecutor)
 
 
 StepCallback = Callable[[int, int, int], None]  # (chunk_index, step_done, num_steps)
@@ -71,15 +73,32 @@ def _cfg_enabled(guidance_scale: float) -> bool:
 
 
 class ChunkDenoiser:
-    """Flow-matches one chunk's latents with Euler steps and classifier-free guidance (zeros as unconditional)."""
+    """Flow-matches one chunk's latents with Euler steps and classifier-free guidance (zeros as unconditional).
 
-    def __init__(self, transformer, scheduler, settings: FlowSettings, graphs: VelocityGraphs | None = None) -> None:
+    With an `executor` (the pipeline's), every DiT call goes through it: guided batch-2 calls may merge with other
+    songs', anything else runs there alone; the executor owns the captured graphs. Without one (a lone stream in a
+    test or bench), calls run here, through `graphs` where they apply."""
+
+    def __init__(self, transformer, scheduler, settings: FlowSettings, graphs: VelocityGraphs | None = None,
+                 executor: FlowExecutor | None = None) -> None:
         self.transformer = transformer
         self.scheduler = copy.deepcopy(scheduler)  # set_timesteps/step keep state: one copy per stream
         self.settings = settings
         self.graphs = graphs
+        self.executor = executor
+        self.shared_calls = 0
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
+        if self.executor is None:
+            return self._velocity_here(latents, timestep, condition)
+        if _cfg_enabled(self.settings.guidance_scale) and self.settings.batched_cfg:
+            pending = self.executor.submit_velocity(latents, timestep, condition, self.settings.guidance_scale)
+            velocity = pending.result()
+            self.shared_calls += pending.partners > 0
+            return velocity
+        return self.executor.call(self._velocity_here, latents, timestep, condition)
+
+    def _velocity_here(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
         run = self.transformer
         if not _cfg_enabled(self.settings.guidance_scale):
             return run(hidden_states=latents, timestep=timestep, encoder_hidden_states=condition, return_dict=False)[0]
@@ -127,11 +146,15 @@ class FlowStream:
         on_step: StepCallback | None = None,
         cancel: threading.Event | None = None,
         graphs: VelocityGraphs | None = None,
+        executor: FlowExecutor | None = None,
     ) -> None:
+        """`executor`: the pipeline's (songs sharing a pipeline must all use it: it owns the shared modules' calls);
+        `graphs`: captured DiT steps for a stream used alone, without an executor."""
         self.condition_encoder = components["condition_encoder"]
         self.transformer = components["transformer"]
         self.vocoder = components["vocoder"]
-        self.denoiser = ChunkDenoiser(self.transformer, components["scheduler"], settings, graphs)
+        self.executor = executor
+        self.denoiser = ChunkDenoiser(self.transformer, components["scheduler"], settings, graphs, executor)
         self.settings = settings
         self.generator = generator
         self.device = device
@@ -219,8 +242,9 @@ class FlowStream:
             latents = self._denoise_chunk(chunk_index, start, length)
             self._sync()
             denoised = time.perf_counter()
-            waveform = self.vocoder(latents.to(self.vocoder.dtype))[0].float().clamp(-1.0, 1.0).cpu().numpy()
+            waveform = self._vocode(latents.to(self.vocoder.dtype))[0].float().clamp(-1.0, 1.0).cpu().numpy()
         finished = time.perf_counter()
+        self.timings.shared_calls = self.denoiser.shared_calls
         self.timings.denoise_s += denoised - began
         self.timings.vocoder_s += finished - denoised
         self.timings.chunk_seconds.append(finished - began)
@@ -260,6 +284,9 @@ class FlowStream:
         self._previous_latent = latents[..., overlap_start:overlap_end]
         self._previous_condition = condition[:, overlap_start:overlap_end]
         return latents
+
+    def _vocode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.vocoder(latents) if self.executor is None else self.executor.vocode(latents)
 
     def _release_tail(self) -> list[Piece]:
         tail, self._held_tail = self._held_tail, None

@@ -1,0 +1,357 @@
+"""FlowExecutor: the one owner of a pipeline's DiT and vocoder calls; guided DiT calls of different songs that are
+queued at the same moment run as one call.
+
+Why one owner. Songs run on their own threads and CUDA streams (`worker.py`), but the modules they call hold shared
+state: the captured DiT graphs' static input and output buffers (`dit_graph.py`), the DiT's cached rotary tables
+(computed on whichever stream asked first) and the vocoder's weight-norm hooks (`torch.nn.utils.weight_norm`
+recomputes `weight` and assigns it to the module at every call, so a song on another stream can read a weight still
+being written, or already freed). Two songs at once would read each other's inputs. Here every such call runs on the
+executor's thread, in order, on its one stream (high priority, like the flow workers'); songs hand their inputs over
+with an event and get results back with one.
+
+Merging. A guided DiT call (one song's CFG pair) is a request; when the executor takes the next request, it also takes
+the other songs' requests already queued with the same shape and runs them as one DiT call of 2n rows (each song its
+own latents, timestep, condition and guidance scale; the model has no attention mask, so only equal lengths merge),
+then splits the result. Nothing waits for a partner: the executor takes what is queued when it is free. It keeps at
+most `IN_FLIGHT` calls queued on the GPU, so requests accumulate while the GPU is busy instead of being launched one
+by one far ahead of it (the host enqueues a step in well under a millisecond, the GPU takes ~14 ms), while a lone song
+still always has its next call queued behind the running one. Full chunks replay a captured graph per bucket (1, 2
+or 4 songs; 3 ready songs fill a bucket of 4 whose spare row computes on stale inputs and is ignored); other lengths
+and the CPU run eagerly with exactly the rows queued. Vocoder calls of equal length merge the same way.
+
+Which merges run: a `MergePlan` per kind of call (graphed DiT, eager DiT, vocoder) from seconds per call per bucket:
+a ready group takes the bucket with the least time per song served. `calibrate()` (the pipeline's warm-up on CUDA)
+measures the graphed buckets and the vocoder's and keeps a bucket only where it beats as many lone calls by
+`MERGE_GAIN`; before that, and for eager DiT calls (not measured), nothing merges. `set_mode("always" | "off" |
+"auto")` overrides (tests, the timing script).
+
+Results. A merged call's row for a song equals its lone call up to the products' rounding: the row count can change
+the matrix kernels' choice and tiling, so in bf16 a song's velocity may differ from its lone call by bf16 roundings
+(the GPU test bounds a call at 1e-2 relative, the bound that graph vs eager already uses, and the song's audio at
+`AUDIO_TOLERANCE` there); in float32 on the CPU the rows agree to ~1e-6. With nothing merged a song's numbers are
+exactly its lone numbers, whoever else runs. The executor draws no random numbers: each song's noise comes from its
+own generator in its own FlowStream, so a song's random stream never depends on its partners.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..devices import on_device
+from .dit_graph import VelocityGraphs
+from .guidance import guided_velocity
+
+BUCKETS = (1, 2, 4)  # songs per graphed DiT call
+MERGE_GAIN = 0.97  # a bucket of b songs is used only if one call costs < 97% of b lone calls (measured)
+IN_FLIGHT = 2  # calls queued on the GPU at once: the running one and the next
+IDLE_EXIT_S = 10.0  # an idle executor's thread ends (a later call starts another): no thread outlives its use
+MODES = ("auto", "always", "off")
+
+
+class MergePlan:
+    """Which buckets a kind of call may merge into, from seconds per call (bucket 1 always present)."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        if 1 not in seconds:
+            raise ValueError("a merge plan needs the lone call's time")
+        self.seconds = dict(sorted(seconds.items()))
+
+    @classmethod
+    def lone(cls) -> "MergePlan":
+        return cls({1: 1.0})
+
+    @classmethod
+    def always(cls) -> "MergePlan":
+        return cls({bucket: 1.0 for bucket in BUCKETS})
+
+    @classmethod
+    def measured(cls, seconds: dict[int, float]) -> "MergePlan":
+        """Keep bucket b only where one b-song call beats b lone calls by MERGE_GAIN."""
+        lone = seconds[1]
+        return cls({b: s for b, s in seconds.items() if b == 1 or s < b * lone * MERGE_GAIN})
+
+    def choose(self, ready: int) -> int:
+        """The bucket for `ready` queued calls that can merge: least seconds per song served, the smaller on ties."""
+        return min(self.seconds, key=lambda bucket: (self.seconds[bucket] / min(bucket, ready), bucket))
+
+    @property
+    def buckets(self) -> list[int]:
+        return list(self.seconds)
+
+
+class Pending:
+    """One submitted call. `result()` returns its output ordered after the call on the submitting thread's stream
+    (CUDA), or raises what the call raised. `partners`: how many other songs' calls ran in the same call."""
+
+    def __init__(self, kind: str, key: tuple | None, payload: tuple, device: torch.device) -> None:
+        self.kind, self.key, self.payload = kind, key, payload
+        self.consumer = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.ready = None
+        if self.consumer is not None:
+            self.ready = torch.cuda.Event()
+            self.ready.record(self.consumer)
+        self.submitted = time.perf_counter()
+        self.started: float | None = None
+        self.partners = 0
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._finished: torch.cuda.Event | None = None
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done.wait(timeout):
+            raise TimeoutError("The flow executor did not answer in time.")
+        if self._error is not None:
+            raise self._error
+        if self._finished is not None:
+            self.consumer.wait_event(self._finished)
+        return self._value
+
+    def _finish(self, value: Any, finished: torch.cuda.Event | None) -> None:
+        self._value, self._finished = value, finished
+        self.payload = ()  # the inputs' memory may be reused once the call is queued (record_stream keeps it safe)
+        self._done.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self.payload = ()
+        self._done.set()
+
+
+class FlowExecutor:
+    THREAD_NAME = "music3-flow-executor"
+
+    def __init__(self, transformer, vocoder, device: torch.device, graphs: VelocityGraphs | None = None,
+                 mode: str = "auto") -> None:
+        self.transformer = transformer
+        self.vocoder = vocoder
+        self.device = device
+        self.graphs = graphs
+        # High priority like the flow workers' streams: a chunk's calls go before the semantic stage's frames.
+        self._stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self._queue: list[Pending] = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._in_flight: collections.deque = collections.deque()
+        self.stats: collections.Counter = collections.Counter()  # calls, and "<kind>_x<n>": calls of n songs
+        self.calibration: dict | None = None
+        self.set_mode(mode)
+
+    # -- policy -------------------------------------------------------------------------------------------------
+    def set_mode(self, mode: str) -> None:
+        """`auto`: merge where `calibrate()` measured it faster (nothing before); `always`: every bucket (tests,
+        timing); `off`: never (each call exactly its lone numbers)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.mode = mode
+        if mode == "always":
+            self.plans = {kind: MergePlan.always() for kind in ("graph", "eager", "vocode")}
+        elif mode == "auto" and self.calibration is not None:
+            self.plans = {"graph": MergePlan.measured(self.calibration["dit_call_s"]), "eager": MergePlan.lone(),
+                          "vocode": MergePlan.measured(self.calibration["vocoder_call_s"])}
+        else:
+            self.plans = {kind: MergePlan.lone() for kind in ("graph", "eager", "vocode")}
+
+    # -- what songs call (from their own threads) ---------------------------------------------------------------
+    def submit_velocity(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor,
+                        scale: float) -> Pending:
+        """One song's guided DiT call (batch-2 CFG): `latents` [1, C, L], `timestep` [1], `condition` [1, L, D]."""
+        graphed = self.graphs is not None and self.graphs.supports(latents)
+        key = ("velocity", "graph" if graphed else "eager", tuple(latents.shape[1:]), tuple(condition.shape[1:]),
+               latents.dtype)
+        return self._submit(Pending("velocity", key, (latents, timestep, condition, float(scale)), self.device))
+
+    def submit_vocode(self, latents: torch.Tensor) -> Pending:
+        """One chunk's vocoder call: `latents` [1, C, L] in the vocoder's dtype -> waveform [1, 2, samples]."""
+        return self._submit(Pending("vocode", ("vocode", "vocode", tuple(latents.shape[1:]), latents.dtype),
+                                    (latents,), self.device))
+
+    def submit_call(self, fn: Callable, *args) -> Pending:
+        """Any other call on the shared modules (diffusers' two-pass guidance, unguided steps): run alone, in
+        order with the rest."""
+        return self._submit(Pending("call", None, (fn, *args), self.device))
+
+    def velocity(self, latents, timestep, condition, scale: float) -> torch.Tensor:
+        return self.submit_velocity(latents, timestep, condition, scale).result()
+
+    def vocode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.submit_vocode(latents).result()
+
+    def call(self, fn: Callable, *args) -> Any:
+        return self.submit_call(fn, *args).result()
+
+    def queued(self) -> int:
+        """Calls waiting to run (not counting the one running)."""
+        with self._cv:
+            return len(self._queue)
+
+    def calibrate(self, length: int, repeats: int = 5) -> dict:
+        """CUDA: time the graphed guided call for 1, 2 and 4 songs of `length` latents and the vocoder for 1, 2 and
+        4 chunks (captures the graphs), then, in `auto` mode, merge only into buckets that beat as many lone calls
+        by MERGE_GAIN. Runs on the executor's thread, between songs' calls. Returns the seconds per call and the
+        buckets kept."""
+        if self.graphs is None:
+            raise RuntimeError("calibrate() measures captured graphs: CUDA with the fast flow path only")
+        self.calibration = self.call(self._measure, length, repeats)
+        self.set_mode(self.mode)
+        return self.calibration | {"dit_buckets": self.plans["graph"].buckets,
+                                   "vocoder_buckets": self.plans["vocode"].buckets}
+
+    def close(self) -> None:
+        """Fail what is queued, stop the thread (after the running call) and wait for the stream to be idle."""
+        with self._cv:
+            self._closed = True
+            queued, self._queue = self._queue, []
+            thread = self._thread
+            self._cv.notify_all()
+        for pending in queued:
+            pending._fail(RuntimeError("The flow stage was shut down (the pipeline was released)."))
+        if thread is not None:
+            thread.join()
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    # -- the executor's thread ----------------------------------------------------------------------------------
+    def _submit(self, pending: Pending) -> Pending:
+        if self._stream is not None:  # the caller's allocator must not reuse the inputs before this stream reads them
+            for value in pending.payload:
+                if isinstance(value, torch.Tensor):
+                    value.record_stream(self._stream)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("The flow stage was shut down (the pipeline was released).")
+            self._queue.append(pending)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return pending
+
+    def _run(self) -> None:
+        context = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with on_device(self.device), context, torch.no_grad():
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: self._queue or self._closed, timeout=IDLE_EXIT_S)
+                    if not self._queue:
+                        self._thread = None  # idle or closed; a later submit starts a new thread
+                        return
+                # Wait for the GPU to get through all but the last call launched: songs' requests gather meanwhile.
+                while len(self._in_flight) >= IN_FLIGHT:
+                    self._in_flight.popleft().synchronize()
+                with self._cv:
+                    group, bucket = self._take()
+                if group:
+                    self._execute(group, bucket)
+
+    def _take(self) -> tuple[list[Pending], int]:
+        """The oldest queued call and, if it can merge, the other queued calls of its shape (oldest first), as many
+        as its plan's best bucket serves. Called with the lock held."""
+        if not self._queue:  # close() emptied it while the thread waited for the GPU
+            return [], 0
+        first = self._queue[0]
+        if first.key is None:
+            return [self._queue.pop(0)], 1
+        same = [pending for pending in self._queue if pending.key == first.key]
+        bucket = self.plans[first.key[1]].choose(len(same))
+        group = same[:bucket]
+        for pending in group:
+            self._queue.remove(pending)
+        return group, bucket
+
+    def _execute(self, group: list[Pending], bucket: int) -> None:
+        started = time.perf_counter()
+        for pending in group:
+            pending.started, pending.partners = started, len(group) - 1
+        try:
+            if self._stream is not None:
+                for pending in group:
+                    self._stream.wait_event(pending.ready)
+            kind = group[0].kind
+            if kind == "velocity":
+                outputs = self._velocity(group, bucket)
+            elif kind == "vocode":
+                outputs = self._vocode(group)
+            else:
+                fn, *args = group[0].payload
+                outputs = [fn(*args)]
+            finished = None
+            if self._stream is not None:
+                for pending, output in zip(group, outputs):
+                    _record_stream(output, pending.consumer)
+                finished = torch.cuda.Event(blocking=True)  # the throttle's wait sleeps rather than spins a core
+                finished.record(self._stream)
+                self._in_flight.append(finished)
+        except BaseException as error:  # noqa: BLE001 - raised again on each song's own thread
+            for pending in group:
+                pending._fail(error)
+            return
+        self.stats["calls"] += 1
+        self.stats[f"{kind}_x{len(group)}"] += 1
+        for pending, output in zip(group, outputs):
+            pending._finish(output, finished)
+
+    def _velocity(self, group: list[Pending], bucket: int) -> list[torch.Tensor]:
+        latents, timestep, condition, scale = group[0].payload
+        if group[0].key[1] == "graph":
+            graph = self.graphs.get(latents, condition, rows=bucket)
+            for row, pending in enumerate(group):
+                graph.load(row, *pending.payload)
+            out = graph.replay()
+            return [out[row : row + 1].clone() for row in range(len(group))]
+        if len(group) == 1:
+            return [guided_velocity(self.transformer, latents, timestep, condition, scale, batched=True)]
+        columns = list(zip(*(pending.payload for pending in group)))
+        out = guided_velocity(self.transformer, torch.cat(columns[0]), torch.cat(columns[1]), torch.cat(columns[2]),
+                              list(columns[3]), batched=True)
+        return list(out.split(1))
+
+    def _vocode(self, group: list[Pending]) -> list[torch.Tensor]:
+        latents = torch.cat([pending.payload[0] for pending in group]) if len(group) > 1 else group[0].payload[0]
+        return list(self.vocoder(latents).split(1))
+
+    def _measure(self, length: int, repeats: int) -> dict:
+        config = self.transformer.config
+        generator = torch.Generator(self.device).manual_seed(0)
+
+        def randn(*shape, dtype):
+            return torch.randn(*shape, generator=generator, device=self.device, dtype=dtype)
+
+        dit, vocoder = {}, {}
+        for bucket in BUCKETS:
+            latents = randn(bucket, config.in_channels, length, dtype=self.transformer.dtype)
+            condition = randn(bucket, length, config.condition_dim, dtype=self.transformer.dtype)
+            graph = self.graphs.get(latents[:1], condition[:1], rows=bucket)
+            for row in range(bucket):
+                graph.load(row, latents[row : row + 1], latents.new_full((1,), 0.5), condition[row : row + 1], 1.7)
+            dit[bucket] = _seconds_per_call(graph.replay, repeats)
+            chunk = randn(bucket, self.vocoder.config.latent_channels, length, dtype=self.vocoder.dtype)
+            vocoder[bucket] = _seconds_per_call(lambda: self.vocoder(chunk), repeats)
+        return {"dit_call_s": dit, "vocoder_call_s": vocoder}
+
+
+def _seconds_per_call(fn: Callable[[], Any], repeats: int) -> float:
+    """GPU time of `fn` on the current stream: one call to warm up, then the mean of `repeats`."""
+    fn()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1000 / repeats
+
+
+def _record_stream(value: Any, stream: torch.cuda.Stream) -> None:
+    if isinstance(value, torch.Tensor) and value.is_cuda:
+        value.record_stream(stream)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _record_stream(item, stream)

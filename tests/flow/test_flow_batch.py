@@ -1,0 +1,209 @@
+"""Songs sharing one pipeline's flow stage (issue 16): the pipeline's FlowExecutor runs every song's DiT and vocoder
+calls; merged calls equal per-song calls; concurrent songs equal the same songs made alone; a lone song never waits
+for a partner.
+
+On the CPU the shared modules hold nothing that two songs could corrupt (no captured graphs; the vocoder's
+weight-norm hooks and the DiT's rotary cache recompute equal values), so the concurrency test passes on the code
+before the executor too: the hazard is on CUDA (static graph buffers, tensors crossing streams), shown by
+tests/flow/test_flow_batch_gpu.py. Here the same test pins the contract with and without merging.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from music3_demo import random_models
+from music3_demo.bench.flow_batch import hold_until_queued
+from music3_demo.flow.executor import FlowExecutor, MergePlan
+from music3_demo.flow.guidance import guided_velocity
+from music3_demo.flow.stream import FlowSettings, FlowStream
+from music3_demo.pipeline import Music3Pipeline
+from music3_demo.request import GenerationRequest
+
+STEPS = 2
+# Two short songs (one 100-frame chunk each: equal lengths, so their calls can merge) with their own prompts, seeds
+# and guidance scales; kept short because the tiny model's eager semantic stage dominates the test's time.
+SONGS = {
+    "a": GenerationRequest("ambient", "[verse]\nhello", duration=4.0, num_steps=STEPS, guidance_scale=1.7, seed=21),
+    "b": GenerationRequest("rock", "[verse]\nyeah", duration=4.0, num_steps=STEPS, guidance_scale=2.5, seed=5),
+}
+# float32 on the CPU: a merged call's rows may take other matrix-kernel blockings than a lone call's, so one call
+# agrees to ~1e-6; through a song's steps and the vocoder (the tiny random model amplifies) the audio to ~1e-5 in
+# relative L2 (a few samples differ by up to ~4e-4); the bound keeps a 30x margin.
+CLOSE = dict(rtol=1e-4, atol=1e-5)
+AUDIO_CLOSE = 1e-3  # a mixed-up row or scale is off by O(1)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_folder):
+    # overlap=True: the app's configuration (the holder's), with batched CFG and a flow generator per song.
+    return Music3Pipeline.from_pretrained(str(tiny_folder), device="cpu", engine="reference", overlap=True)
+
+
+@pytest.fixture(scope="module")
+def alone(pipeline):
+    return {name: pipeline.generate(request).audio for name, request in SONGS.items()}
+
+
+def _together(pipeline) -> dict:
+    songs, errors = {}, []
+
+    def make(name):
+        try:
+            songs[name] = pipeline.generate(SONGS[name])
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=make, args=(name,)) for name in SONGS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    return songs
+
+
+def test_concurrent_songs_equal_the_same_songs_made_alone(pipeline, alone):
+    assert pipeline.flow_executor.mode == "auto" and pipeline.flow_executor.plans["eager"].buckets == [1]
+    songs = _together(pipeline)
+    for name, song in songs.items():
+        assert np.array_equal(song.audio, alone[name]), name  # nothing merged: exactly the lone numbers
+        assert song.timings["flow_shared_calls"] == 0
+
+
+def test_concurrent_songs_with_merged_calls_match_alone(pipeline, alone):
+    executor = pipeline.flow_executor
+    executor.set_mode("always")
+    before = executor.stats["velocity_x2"]
+    try:
+        # Hold the executor until both songs' first DiT calls are queued, so they merge whatever the timing.
+        executor.submit_call(hold_until_queued, executor, 2)
+        songs = _together(pipeline)
+    finally:
+        executor.set_mode("auto")
+    assert executor.stats["velocity_x2"] > before
+    for name, song in songs.items():
+        assert song.timings["flow_shared_calls"] >= 1, name
+        assert song.audio.shape == alone[name].shape
+        error = np.linalg.norm(song.audio - alone[name]) / np.linalg.norm(alone[name])
+        print(f"song {name}: merged vs alone, relative L2 {error:.2e}")
+        assert error < AUDIO_CLOSE, name
+
+
+@pytest.fixture(scope="module")
+def components():
+    return random_models.build_components(random_models.TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def modules(components):
+    return components["transformer"], components["vocoder"]
+
+
+def _call(transformer, length: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    latents = torch.randn(1, transformer.config.in_channels, length, generator=generator)
+    condition = torch.randn(1, length, transformer.config.condition_dim, generator=generator)
+    timestep = torch.rand(1, generator=generator)
+    return latents, timestep, condition, 1.0 + seed / 4
+
+
+def test_merged_calls_equal_per_song_calls(modules):
+    transformer, vocoder = modules
+    executor = FlowExecutor(transformer, vocoder, torch.device("cpu"), mode="always")
+    gate = threading.Event()
+    executor.submit_call(gate.wait)  # everything below is queued before the executor takes any of it
+    calls = [_call(transformer, 37, seed) for seed in range(3)] + [_call(transformer, 20, 3)]
+    chunks = [torch.randn(1, vocoder.config.latent_channels, 11, generator=torch.Generator().manual_seed(s))
+              for s in range(2)]
+    pending = [executor.submit_velocity(*call) for call in calls] + [executor.submit_vocode(c) for c in chunks]
+    gate.set()
+    results = [p.result(timeout=60) for p in pending]
+    executor.close()
+    # The three 37-latent calls ran as one DiT call (each its own timestep, condition and scale), the 20-latent one
+    # alone (the model has no mask: only equal lengths merge), the two vocoder chunks as one call.
+    assert executor.stats["velocity_x3"] == 1 and executor.stats["velocity_x1"] == 1
+    assert executor.stats["vocode_x2"] == 1
+    assert [p.partners for p in pending] == [2, 2, 2, 0, 1, 1]
+    with torch.no_grad():
+        for call, got in zip(calls, results[:4]):
+            expected = guided_velocity(transformer, *call, batched=True)
+            assert got.shape == expected.shape
+            torch.testing.assert_close(got, expected, **CLOSE)
+        for chunk, got in zip(chunks, results[4:]):
+            torch.testing.assert_close(got, vocoder(chunk), **CLOSE)
+
+
+def test_a_lone_song_never_waits_for_a_partner(components):
+    """With every merge allowed, a song alone still runs at once: each call is taken as soon as the executor is
+    free, never held for a partner that may come (a song's chunk here, its partner never arriving)."""
+    executor = FlowExecutor(components["transformer"], components["vocoder"], torch.device("cpu"), mode="always")
+    waits = []
+    for seed in range(4):
+        pending = executor.submit_velocity(*_call(components["transformer"], 37, seed))
+        pending.result(timeout=30)  # a policy that held calls for a partner would hang here
+        waits.append(pending.started - pending.submitted)
+    assert max(waits) < 1.0, waits  # the thread's wake-up only, even on a loaded machine
+
+    hidden = components["language_model"].config.hidden_size
+    frames = torch.randn(210, 8 * hidden, generator=torch.Generator().manual_seed(1))
+    flow = FlowStream(components, FlowSettings(STEPS, batched_cfg=True), torch.Generator().manual_seed(1),
+                      torch.device("cpu"), executor=executor)
+    done = threading.Thread(target=lambda: flow.push(frames) + flow.finish())
+    done.start()
+    done.join(timeout=120)
+    assert not done.is_alive()
+    assert set(executor.stats) == {"calls", "velocity_x1", "vocode_x1"}
+    executor.close()
+
+
+def test_a_failing_call_reaches_its_song_and_the_executor_keeps_serving(modules):
+    transformer, vocoder = modules
+    executor = FlowExecutor(transformer, vocoder, torch.device("cpu"))
+
+    def broken():
+        raise ValueError("a bad call")
+
+    with pytest.raises(ValueError, match="a bad call"):
+        executor.call(broken)
+    call = _call(transformer, 16, 0)
+    with torch.no_grad():
+        assert torch.equal(executor.velocity(*call), guided_velocity(transformer, *call, batched=True))
+    executor.close()
+    with pytest.raises(RuntimeError, match="shut down"):
+        executor.velocity(*call)
+
+
+def test_merge_plan_keeps_only_buckets_measured_faster():
+    # 2 songs in one call beat two calls; 4 do not beat four by the margin: never merge four.
+    plan = MergePlan.measured({1: 1.0, 2: 1.6, 4: 3.95})
+    assert plan.buckets == [1, 2]
+    assert [plan.choose(ready) for ready in (1, 2, 3, 4)] == [1, 2, 2, 2]
+    # Only 4 pays: a pair runs as two lone calls rather than half-filling a bucket of 4; 3 fill one.
+    plan = MergePlan.measured({1: 1.0, 2: 1.99, 4: 2.8})
+    assert plan.buckets == [1, 4]
+    assert [plan.choose(ready) for ready in (1, 2, 3, 4)] == [1, 1, 4, 4]
+    assert MergePlan.lone().choose(4) == 1 and MergePlan.always().choose(3) == 4
+    with pytest.raises(ValueError):
+        FlowExecutor(None, None, torch.device("cpu"), mode="sometimes")
+
+
+def test_flow_batch_timing_script_runs_on_the_tiny_model(tmp_path):
+    """The GPU timing script (`python -m music3_demo.bench.flow_batch`), on the CPU: a broken script would cost a
+    device call. Unmerged concurrent songs equal the same songs alone; merged ones agree closely."""
+    import json
+
+    from music3_demo.bench import flow_batch
+
+    output = tmp_path / "flow_batch.json"
+    assert flow_batch.main(["--device", "cpu", "--tiny", "--steps", "1", "--songs", "2", "--repeats", "1",
+                            "--output", str(output)]) == 0
+    result = json.loads(output.read_text())["songs_2"]
+    assert set(result["wall_s"]) == {"sequential", "concurrent_unmerged", "batched"}
+    assert result["audio_equal_unmerged_vs_alone"] == [True, True]
+    assert max(result["audio_rel_l2_batched_vs_alone"]) < AUDIO_CLOSE
+    assert result["batched_calls"].get("velocity_x2", 0) >= 1
