@@ -172,7 +172,9 @@ def build_run_view(live_enabled: bool) -> RunView:
 def _variation_card(number: int) -> VariationCard:
     with gr.Group(visible=False, elem_id=f"variation-{number}", elem_classes="m3-variation") as box:
         title = gr.Markdown(elem_classes="m3-variation-title")
+        # The browser's own player, as the first song's (a compact row each, exact lengths).
         audio = gr.Audio(label=f"Variation {number}", type="filepath", interactive=False, buttons=[], visible=False,
+                         waveform_options=gr.WaveformOptions(show_recording_waveform=False),
                          elem_id=f"variation-{number}-audio")
         with gr.Row(visible=False) as downloads:
             wav = gr.DownloadButton("⬇ WAV", size="sm", elem_classes="m3-variation-download")
