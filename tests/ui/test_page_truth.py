@@ -199,7 +199,7 @@ def test_variations_each_get_their_own_player_and_history_row(browser, app):
         for player in ("#result-audio", "#variation-2-audio", "#variation-3-audio"):
             page.wait_for_function("(s) => { const a = document.querySelector(s + ' audio');"
                                    " return a && Math.abs(a.duration - 2.0) < 0.05; }", arg=player)
-        seeds = [page.locator(f"#variation-{n} .m3-variation-title").inner_text() for n in (2, 3)]
+        seeds = [page.locator(f"#variation-{n} .m3-variation-title").first.inner_text() for n in (2, 3)]
         first = int(page.locator("#seed input").input_value())
         assert f"seed {first + 1}" in seeds[0].replace("`", "") and f"seed {first + 2}" in seeds[1].replace("`", "")
         page.wait_for_function("() => document.querySelectorAll('.m3-reuse').length === 3")
