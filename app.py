@@ -35,14 +35,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="LM / depth-decoder weights: bf16 (exact), fp8 (sm_89+), int8; auto = bf16 where the "
                              "longest song fits each GPU, else fp8 or int8 (default: auto)")
     parser.add_argument("--devices", default=None,
-                        help="comma-separated devices, one generation at a time on each (default: every CUDA GPU, "
-                             "else the CPU)")
+                        help="comma-separated devices, each running as many songs at once as its engine has batch "
+                             "slots (default: every CUDA GPU, else the CPU)")
     parser.add_argument("--host", default=None, help="address to listen on (default: Gradio's, 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default: Gradio's, 7860 or the next free)")
     parser.add_argument("--share", action="store_true", help="also open a temporary public gradio.live link")
-    parser.add_argument("--max-queue", type=int, default=32, help="requests that may wait; more are refused (32)")
+    parser.add_argument("--max-queue", type=int, default=32,
+                        help="songs that may wait for a device; more are refused (32)")
     parser.add_argument("--concurrency", type=int, default=None,
-                        help="generations running at once (default: one per device)")
+                        help="songs running at once over all devices, at most (default: every device's slots)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--preload", dest="preload", action="store_true", default=True,
                       help="load the model at start-up, in the background (default)")
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     space = zero_gpu()
     # ZeroGPU runs CUDA work only inside spaces.GPU calls, in worker processes (ui/gpu.py): the weights are placed
     # at start-up, the engines are built by each worker's first song, and there is no warm-up song here.
-    holder = ModelHolder(args.model, devices, args.engine, warmup=not space, precision=args.precision, lazy=space)
+    holder = ModelHolder(args.model, devices, args.engine, warmup=not space, precision=args.precision, lazy=space,
+                         max_running=args.concurrency)
     if space:
         register_holder(holder)  # before ZeroGPU forks its first worker, which must find it (ui/runner.py)
     if args.preload or space:
@@ -102,18 +104,26 @@ def main(argv: list[str] | None = None) -> None:
     # already in its cache is not copied), so the cleaner's TTL is the files' whole life, and nothing of ours
     # lands in the temp folder every Gradio app on the host shares. Set before any Blocks reads it.
     os.environ["GRADIO_TEMP_DIR"] = str(store.root.resolve())
-    concurrency = args.concurrency or len(devices)
+    # Songs wait in the holder's line (first come, first served, place and estimated start shown; the songs that fit
+    # run together), not in Gradio's queue, which would hide both: Gradio runs every admitted song's handler at once.
+    # On ZeroGPU a handler holds a GPU for its whole call, so Gradio's queue keeps one song per device there.
+    concurrency = (args.concurrency or len(devices)) if space else None
     ctx = AppContext(holder, store, JobRegistry(), live_audio=shutil.which("ffmpeg") is not None,
                      max_queue=args.max_queue)
     if not ctx.live_audio:
         logging.warning("ffmpeg not found: live playback is off; songs appear when finished (install ffmpeg).")
     demo = build_ui(ctx, concurrency)
     # Songs are bounded by --max-queue on arrival (ui/admission.py); Gradio's bound only guards against floods.
-    demo.queue(max_size=args.max_queue + GRADIO_QUEUE_HEADROOM, default_concurrency_limit=concurrency)
+    demo.queue(max_size=args.max_queue + GRADIO_QUEUE_HEADROOM,
+               default_concurrency_limit=args.concurrency or len(devices))
     try:
         # max_file_size=0: the app takes no uploads, so none may fill the disk.
+        # Every admitted song's handler runs at once, each holding a worker thread for up to a tick at a time while
+        # it waits or streams; the status calls share that pool, so it has room for all of them (Gradio's 40 + the
+        # songs that may wait + a generous bound on those running).
         demo.launch(server_name=args.host, server_port=args.port, share=args.share,
-                    allowed_paths=[str(store.root)], show_error=True, max_file_size=0, **launch_options())
+                    allowed_paths=[str(store.root)], show_error=True, max_file_size=0,
+                    max_threads=40 + args.max_queue + 16 * len(devices), **launch_options())
     finally:
         store.stop_cleaner()
         holder.release()

@@ -18,7 +18,7 @@ from .checkpoint import CheckpointError, default_model
 from .continuation import SongState, check_continuation, extension_request
 from .events import AudioPiece, Event, Progress
 from .precision import PRECISIONS
-from .request import GenerationRequest, InvalidRequest, validate
+from .request import MAX_VARIATIONS, GenerationRequest, InvalidRequest, check_variations, validate
 from .semantic import ENGINE_NAMES
 from .versions import untested_warnings
 
@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--lm-cfg", type=float, help=f"semantic-stage CFG scale (default {c.AR_CFG_SCALE})")
     gen.add_argument("--top-k", type=int, help=f"semantic-stage top-k (default {c.AR_SAMPLING_TOP_K})")
     gen.add_argument("--seed", type=int, default=None, help="0 to 2^32-1; random when omitted")
+    gen.add_argument("--variations", type=int, default=1, metavar="N",
+                     help=f"make N songs of this request (1-{MAX_VARIATIONS}, default 1) with seeds seed .. seed+N-1, "
+                     "together: written as OUT-v1 .. OUT-vN (e.g. song-v1.wav)")
     gen.add_argument("--engine", choices=ENGINE_NAMES, default="auto", help="auto = graph on CUDA, else reference")
     gen.add_argument("--precision", choices=PRECISIONS, default="auto",
                      help="LM / depth-decoder weights: bf16 (exact), fp8 (sm_89+), int8; auto = bf16 where the "
@@ -101,10 +104,6 @@ def _device(name: str | None):
     return device
 
 
-def _writer(args: argparse.Namespace) -> AudioFileWriter:
-    return _writing(args.out, AudioFileWriter, args.out, c.SAMPLE_RATE, subtype=args.subtype)
-
-
 def _writing(out: Path, operation, *args, **kwargs):
     """Run one file operation on the output; its failure becomes the sentence of _write_error."""
     try:
@@ -160,13 +159,25 @@ def _request(args: argparse.Namespace) -> tuple[GenerationRequest, SongState | N
     return request, state
 
 
+def variation_paths(out: Path, count: int) -> list[Path]:
+    """Where N variations go: `--out` itself for one song, else song-v1.wav .. song-vN.wav beside it."""
+    return [out] if count == 1 else [out.with_name(f"{out.stem}-v{index}{out.suffix}") for index in
+                                     range(1, count + 1)]
+
+
 def generate(args: argparse.Namespace) -> int:
     request, state = _request(args)
     validate(request)  # the cheap checks before a long model load
+    count = check_variations(args.variations)
+    if count > 1 and (state is not None or args.state is not None):
+        raise InvalidRequest("--variations makes new songs: it cannot be combined with --continue-from or --state.")
     output_format(args.out, args.subtype)
     device = _device(args.device)
-    writer = _writer(args)  # opened first, so an unwritable --out is refused before a long model load
+    outs = variation_paths(args.out, count)
+    writers = []
     try:
+        for out in outs:  # opened first, so an unwritable --out is refused before a long model load
+            writers.append(_writing(out, AudioFileWriter, out, c.SAMPLE_RATE, subtype=args.subtype))
         from .pipeline import Music3Pipeline  # heavy imports only once the request is sane
 
         pipeline = Music3Pipeline.from_pretrained(args.model or default_model(), device=device,
@@ -179,23 +190,30 @@ def generate(args: argparse.Namespace) -> int:
             print(f"note: {pipeline.engine_record.fallback_reason}", file=sys.stderr)
         show = _progress_printer(args.quiet)
 
-        def on_event(event: Event) -> None:
-            show(event)
+        def on_event(index: int, event: Event) -> None:
+            if index == 0:
+                show(event)
             if isinstance(event, AudioPiece):
-                _writing(args.out, writer.write, event.samples)
+                _writing(outs[index], writers[index].write, event.samples)
 
-        song = pipeline.generate(request, on_event=on_event, continue_from=state)
-        _writing(args.out, writer.close)
+        if count == 1:
+            songs = [pipeline.generate(request, on_event=lambda event: on_event(0, event), continue_from=state)]
+        else:
+            songs = pipeline.generate_variations(request, count, on_event=on_event)
+        for out, writer in zip(outs, writers):
+            _writing(out, writer.close)
     except BaseException:
-        writer.discard()  # nothing half-made is left at --out: a failed or interrupted song leaves no file
+        for writer in writers:
+            writer.discard()  # nothing half-made is left at --out: a failed or interrupted song leaves no file
         raise
     if args.state is not None:
-        song.state.save(args.state)
-    stages = " ".join(f"{key}={value:.2f}" for key, value in song.timings.items())
-    print(f"{args.out}")
-    memory = f" device_peak_gb={song.memory['device_peak_gb']}" if song.memory else ""
-    print(f"duration={song.duration:.2f}s frames={song.frames} seed={song.seed} engine={song.engine} "
-          f"precision={song.precision} {stages}{memory}")
+        songs[0].state.save(args.state)
+    for out, song in zip(outs, songs):
+        stages = " ".join(f"{key}={value:.2f}" for key, value in song.timings.items())
+        print(f"{out}")
+        memory = f" device_peak_gb={song.memory['device_peak_gb']}" if song.memory else ""
+        print(f"duration={song.duration:.2f}s frames={song.frames} seed={song.seed} engine={song.engine} "
+              f"precision={song.precision} {stages}{memory}")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from typing import Callable
@@ -32,7 +33,7 @@ from . import flow as flow_stage
 from .flow.stream import FlowSettings, FlowStream, Piece
 from .flow.worker import FlowWorker, progress_from_step
 from .prompt import count_prompt_tokens, tokenize
-from .request import GenerationRequest, InvalidRequest, validate
+from .request import GenerationRequest, InvalidRequest, check_variations, validate, variation_requests
 from .semantic import SamplingSettings, make_engine, resolve_engine_name
 
 __all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest", "SongState"]
@@ -138,6 +139,13 @@ class Music3Pipeline:
                    precision=choice, lazy=lazy)
 
     @property
+    def slots(self) -> int:
+        """Songs this pipeline makes at once, each `generate()` on its own thread: the semantic engine's batch slots
+        (1 for an engine without them). The flow stage takes them all: its shared state (the captured DiT graphs, the
+        rotary tables, the vocoder's weight-norm hooks) is used only by the pipeline's one `flow_executor`."""
+        return max(1, int(getattr(self.engine, "slots", 1)))
+
+    @property
     def tokenizer(self):
         return self.components["tokenizer"]
 
@@ -173,6 +181,54 @@ class Music3Pipeline:
         if self.velocity_graphs is not None:
             self.flow_calibration = self.flow_executor.calibrate(flow_stage.full_chunk_latents(self.components))
         return song
+
+    def generate_variations(
+        self,
+        request: GenerationRequest,
+        count: int,
+        on_event: Callable[[int, Event], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> list[Song]:
+        """`count` (1-4) songs of one request with seeds seed, seed + 1, ... (a random first seed when it has none),
+        made together: up to `slots` at once, each `generate()` on its own thread, so they share the engine's prefill
+        and batch. Returns them in seed order. `on_event(index, event)` hears every song's events, on the caller's
+        thread. The first error (a `Cancelled` when `cancel` is set) stops the others and is raised."""
+        requests = variation_requests(self.validate(request), check_variations(count))
+        stop = threading.Event()  # set by a failure or by `cancel`: every variation stops
+        room = threading.Semaphore(self.slots)
+        events: queue.Queue = queue.Queue()
+        songs: list[Song | None] = [None] * len(requests)
+        errors: list[BaseException] = []
+
+        def make(index: int) -> None:
+            try:
+                with room:
+                    songs[index] = self.generate(requests[index], lambda event: events.put((index, event)), stop)
+            except BaseException as error:  # noqa: BLE001 - raised again on the caller's thread
+                errors.append(error)
+                stop.set()
+            finally:
+                events.put((index, None))
+
+        threads = [threading.Thread(target=make, args=(index,), name=f"music3-variation-{index}", daemon=True)
+                   for index in range(len(requests))]
+        for thread in threads:
+            thread.start()
+        running = len(threads)
+        while running:
+            if cancel is not None and cancel.is_set():
+                stop.set()
+            try:
+                index, event = events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if event is None:
+                running -= 1
+            elif on_event is not None:
+                on_event(index, event)
+        if errors:
+            raise next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
+        return songs
 
     def _generators(self, seed: int) -> tuple[torch.Generator, torch.Generator]:
         if not self.separate_flow_rng:
@@ -333,6 +389,7 @@ class Music3Pipeline:
             precision=self.precision.mode,
             precision_reason=self.precision.reason,
             memory=memory.as_dict(),
+            peers=blocks.stats.peers if blocks.stats is not None else None,
         )
         emit(Finished(song))
         return song

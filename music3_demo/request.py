@@ -161,3 +161,21 @@ def check_markers(description: str, lyrics: str, extra: tuple[str, ...] = ()) ->
             f"The {where} {marker!r}, which the model would read as a control token of its prompt, not as text: "
             "remove it.", field)
 
+
+
+# "Make N variations": N songs of one request, seeds seed .. seed + N - 1, made together (they share the prompt's
+# prefill and the batch) and each delivered as its own song.
+MAX_VARIATIONS = 4
+
+
+def check_variations(value: object) -> int:
+    """The number of variations as an int 1..MAX_VARIATIONS, or InvalidRequest naming the `variations` field."""
+    _check_range("Variations", value, 1, MAX_VARIATIONS, integer=True, field="variations")
+    return int(value)
+
+
+def variation_requests(request: GenerationRequest, count: int) -> list[GenerationRequest]:
+    """`count` copies of a request with seeds seed, seed + 1, ... (wrapping past the largest seed); a request with
+    no seed gets a random one first, so the variations' seeds still follow each other."""
+    request = request.with_seed()
+    return [replace(request, seed=(request.seed + index) % (c.MAX_SEED + 1)) for index in range(count)]

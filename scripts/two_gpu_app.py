@@ -16,44 +16,13 @@ import argparse
 import itertools
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _status(url: str) -> dict | None:
-    from gradio_client import Client
-
-    try:
-        return Client(url, verbose=False).predict(api_name="/status")
-    except Exception:  # noqa: BLE001 - not up yet
-        return None
-
-
-def _wait_ready(url: str, server: subprocess.Popen, devices: int, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"app.py exited with {server.returncode} while loading")
-        status = _status(url)
-        if status is not None and status["state"] == "failed":
-            raise SystemExit(f"the model failed to load: {status['error']}")
-        if status is not None and status["loads"] >= devices and status["state"] == "ready":
-            return status
-        time.sleep(2.0)
-    raise SystemExit(f"the app was not ready on {devices} devices within {timeout:.0f} s")
+from app_process import running_app
 
 
 def _request(url: str, index: int, duration: float, steps: int) -> dict:
@@ -81,28 +50,14 @@ def main() -> int:
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     args = parser.parse_args()
     devices = args.devices.split(",")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/"
     log_path = Path(os.environ.get("OUT") or tempfile.gettempdir()) / "two_gpu_app.log"
     started = time.monotonic()
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "app.py", "--model", "random-full", "--devices", args.devices, "--port", str(port),
-             "--max-queue", str(args.requests * 2)],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-    try:
-        status = _wait_ready(url, server, len(devices), args.ready_timeout)
+    app_args = ["--model", "random-full", "--devices", args.devices, "--max-queue", str(args.requests * 2)]
+    with running_app(app_args, len(devices), log_path, args.ready_timeout) as (url, server, status):
         ready_s = time.monotonic() - started
         with ThreadPoolExecutor(args.requests) as pool:
             results = list(pool.map(lambda i: _request(url, i, args.duration, args.steps), range(args.requests)))
         alive = server.poll() is None
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
     done = [r for r in results if "error" not in r]
     overlap = max((min(a["end"], b["end"]) - max(a["start"], b["start"])
                    for a, b in itertools.combinations(done, 2) if a["device"] != b["device"]), default=0.0)

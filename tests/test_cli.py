@@ -81,3 +81,18 @@ def test_bad_input_exits_nonzero_with_the_sentence(tmp_path):
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+def test_variations_write_one_file_each_with_consecutive_seeds(tmp_path, tiny_folder):
+    out = tmp_path / "song.wav"
+    result = run_cli("generate", "--model", "tiny", "--prompt", "lofi hip hop", "--instrumental", "--duration", "1",
+                     "--steps", "1", "--seed", "7", "--variations", "2", "--out", str(out), "--quiet")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0::2] == [str(tmp_path / "song-v1.wav"), str(tmp_path / "song-v2.wav")]
+    assert "seed=7" in lines[1] and "seed=8" in lines[3]
+    assert not out.exists() and all(sf.info(str(tmp_path / f"song-v{i}.wav")).channels == 2 for i in (1, 2))
+    refused = run_cli("generate", "--model", "tiny", "--prompt", "lofi", "--instrumental", "--variations", "5",
+                      "--out", str(tmp_path / "no.wav"))
+    assert refused.returncode == 2 and "Variations must be between 1 and 4, got 5." in refused.stderr
+    assert not list(tmp_path.glob("no*"))

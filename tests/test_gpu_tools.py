@@ -69,3 +69,24 @@ def test_bench_engine_names_map_to_graph_engine_options():
         graph_variant("graph-fast")
     with pytest.raises(SystemExit):  # refused before anything touches a GPU
         main(["--engine", "reference,graph-x"])
+
+
+def test_multi_user_summary_and_targets():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))  # multi_user imports its sibling app_process
+    multi = _script("multi_user")
+
+    def song(first_audio: float, shared: int) -> dict:
+        return {"duration_s": 60.0, "first_audio_s": first_audio, "shared_gpu_with": shared, "invalid": None}
+
+    alone = multi.phase_summary([{"wall_s": 15.0, "songs": [song(1.9, 0)]}])
+    four = multi.phase_summary([{"wall_s": 30.0 + i, "songs": [song(2.5, 3)]} for i in range(4)] +
+                               [{"wall_s": 5.0, "error": "boom"}])
+    assert alone["song_s_per_s"] == 4.0 and four["max_wall_s"] == 33.0 and four["max_shared_gpu_with"] == 3
+    assert four["failed"] == [{"wall_s": 5.0, "error": "boom"}] and four["song_s_per_s"] == round(240 / 33, 3)
+    memory = [("soak", t, [1000 + (200 if t >= 6 else 0), 500]) for t in range(8)]
+    result = multi.targets({"phases": {"alone": alone, "four": four}, "memory_mib": memory})
+    assert result["four_over_alone"] == {"value": 2.2, "target": 2.2, "met": True}
+    assert result["eight_over_alone"]["value"] is None and result["first_audio_s"]["value"] == 2.5
+    assert result["soak_memory_growth_mib"] == {"value": 200, "target": 1024, "met": True}

@@ -143,3 +143,16 @@ def test_cancel_stops_within_one_denoise_step(tiny_pipeline):
     song = tiny_pipeline.generate(GenerationRequest("pop", "hi", duration=1.0, num_steps=1, seed=1))
     assert song.frames == 25
 
+
+
+def test_variations_are_the_songs_their_seeds_make_alone(tiny_pipeline):
+    request = GenerationRequest("calm piano", duration=1.0, num_steps=1, seed=7, instrumental=True)
+    heard: list[tuple[int, object]] = []
+    caller = threading.current_thread()
+    songs = tiny_pipeline.generate_variations(request, 2, on_event=lambda index, event: heard.append(
+        (index, event, threading.current_thread() is caller)))
+    assert [song.seed for song in songs] == [7, 8]
+    assert all(on_caller for _, _, on_caller in heard)  # every song's events on the caller's thread
+    assert sorted(index for index, event, _ in heard if isinstance(event, Finished)) == [0, 1]
+    alone = tiny_pipeline.generate(dataclasses.replace(request, seed=8))
+    assert np.array_equal(songs[1].audio, alone.audio)

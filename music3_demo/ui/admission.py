@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from ..request import InvalidRequest
-from .core import AppContext, checked, make_request
+from ..request import InvalidRequest, check_variations
+from .core import AppContext, whole, checked, make_request
 from .store import DiskFull
 
 log = logging.getLogger("music3_demo.app")
@@ -29,49 +29,61 @@ RANDOM_SEED = -1  # the API's default seed: a client that names no seed gets a r
 GRADIO_QUEUE_HEADROOM = 64
 
 
-def waiting_songs(blocks: gr.Blocks) -> int:
-    """Songs queued and not yet started (the page's and the API's together: they share one concurrency group)."""
+def waiting_songs(ctx: AppContext, blocks: gr.Blocks) -> int:
+    """Songs not yet started: those in the holder's line for a device, plus any still in Gradio's queue of the
+    generation events (the page's and the API's together: they share one concurrency group)."""
     queue = getattr(blocks, "_queue", None)
     groups = getattr(queue, "event_queue_per_concurrency_id", {}) or {}
     group = groups.get(GPU_GROUP)
-    return len(group.queue) if group is not None else 0
+    return ctx.holder.scheduler.waiting() + (len(group.queue) if group is not None else 0)
 
 
-def refusal_message(ctx: AppContext, blocks: gr.Blocks, values: tuple) -> tuple[str | None, str] | None:
-    """(field or None, sentence) when this request must be refused now, else None."""
+def refusal_message(ctx: AppContext, blocks: gr.Blocks, values: tuple, variations: object = 1
+                    ) -> tuple[str | None, str] | None:
+    """(field or None, sentence) when this request (of `variations` songs) must be refused now, else None."""
     description, lyrics, duration, guidance, steps, seed, lm_cfg, top_k, instrumental = values[: len(FIELDS)]
     seed = None if seed == RANDOM_SEED else seed
     try:
         checked(ctx.holder, make_request(description, lyrics, duration, guidance, steps, seed, lm_cfg, top_k,
                                          instrumental))
+        variations = check_variations(whole(variations))
     except InvalidRequest as error:
         return error.field or "lyrics", str(error)  # no field: the prompt's length, which the lyrics mostly make
-    if ctx.max_queue is not None and waiting_songs(blocks) >= ctx.max_queue:
+    waiting = waiting_songs(ctx, blocks)
+    if ctx.max_queue is not None and waiting + variations > ctx.max_queue:
         message = (f"The server is busy: its queue of songs is full ({ctx.max_queue} waiting). Please try again in "
                    "a few minutes.")
+        if waiting < ctx.max_queue:  # room for fewer variations
+            message = (f"The server is busy: its queue of songs has room for {ctx.max_queue - waiting} more, not "
+                       f"{variations} variations. Ask for fewer, or try again in a few minutes.")
         log.info("refused a request: %s", message)
         return None, message
     try:
-        ctx.store.check_room(float(duration))
+        ctx.store.check_room(float(duration) * variations)
     except DiskFull as error:
         log.warning("refused a request: %s", error)
         return None, str(error)
     return None
 
 
-def admission_validator(ctx: AppContext, blocks: gr.Blocks | None = None) -> Callable[..., list]:
-    """A Gradio `validator` for an event whose inputs start with the request fields in FIELDS order (extra inputs,
-    such as the page's history, are passed through). A refusal about one field is shown on that field; one about
-    the server (queue, disk) on the first field, the description."""
+def admission_validator(ctx: AppContext, blocks: gr.Blocks | None = None, extra: tuple[str, ...] = ()
+                        ) -> Callable[..., list]:
+    """A Gradio `validator` for an event whose inputs start with the request fields in FIELDS order, then `extra`
+    (("variations",) for the API's generate; other inputs, such as the page's history, are passed through). A
+    refusal about one field is shown on that field; one about the server (queue, disk) on the first field, the
+    description."""
     blocks = blocks or gr.context.Context.root_block
+    names = FIELDS + extra
 
     def validate_on_arrival(*values) -> list:
-        refused = refusal_message(ctx, blocks, values)
+        # The API's `variations` follows the request fields; the other generation events have none (one song).
+        variations = values[len(FIELDS)] if len(values) > len(FIELDS) and names[len(FIELDS)] == "variations" else 1
+        refused = refusal_message(ctx, blocks, values, variations)
         if refused is None:
             return [gr.validate(True, "")] * len(values)
         # Gradio wants one verdict per input: a refusal about the server (queue, disk) is shown on the first.
         field = refused[0] or FIELDS[0]
         return [gr.validate(name != field, refused[1] if name == field else "")
-                for name, _ in zip(FIELDS + ("",) * len(values), values)]
+                for name, _ in zip(names + ("",) * len(values), values)]
 
     return validate_on_arrival

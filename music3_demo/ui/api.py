@@ -14,10 +14,10 @@ from contextlib import closing
 import gradio as gr
 
 from .. import contract as c
-from ..events import AudioPiece
-from ..events import Cancelled
+from ..events import AudioPiece, Cancelled
 from .admission import GPU_GROUP, RANDOM_SEED, admission_validator, waiting_songs
-from .core import AppContext, Outcome, check, make_request, refusal, run
+from ..request import MAX_VARIATIONS, InvalidRequest, check_variations, variation_requests
+from .core import AppContext, Failed, Outcome, check, make_request, refusal, run, run_songs, whole
 
 __all__ = ["GPU_GROUP", "add_api"]
 
@@ -46,6 +46,24 @@ def api_results(items: Iterator) -> Iterator[tuple]:
         raise refusal(STOPPED_MESSAGE, "Stopped") from None
 
 
+def variation_results(items: Iterator) -> Iterator[tuple]:
+    """An endpoint's yields for `core.run_songs`' items: (the WAV, the report) of each variation as it finishes (a
+    client's `job.outputs()` lists them all; `predict` returns the last), skips in between. A variation that ended
+    without a song is named in the reports that follow (`failed_variations`)."""
+    failed: list[dict] = []
+    try:
+        with closing(items):
+            for index, item in items:
+                if isinstance(item, Outcome):
+                    yield item.saved.wav, item.report | {"failed_variations": list(failed)}
+                elif isinstance(item, Failed):
+                    failed.append({"variation": index + 1, "error": item.message})
+                else:
+                    yield gr.skip(), gr.skip()
+    except Cancelled:
+        raise refusal(STOPPED_MESSAGE, "Stopped") from None
+
+
 def add_api(ctx: AppContext, concurrency: int) -> None:
     blocks = gr.context.Context.root_block
 
@@ -59,22 +77,33 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
         lm_cfg_scale: float,
         top_k: int,
         instrumental: bool,
+        variations: int,
         request: gr.Request,
         progress: gr.Progress = gr.Progress(),
     ) -> Iterator[tuple]:
-        """Make one song; returns (the WAV file, a report dict with seed, engine, frames and stage timings). A bad
-        request is refused when it arrives, with one sentence naming the parameter to change."""
+        """Make one song; returns (the WAV file, a report dict with seed, engine, frames and stage timings). With
+        `variations` N > 1, N songs with seeds seed .. seed + N - 1 are made together and each is returned as it
+        finishes (`job.outputs()` holds them all). A bad request is refused when it arrives, with one sentence naming
+        the parameter to change."""
         seed = None if seed == RANDOM_SEED else seed
         song_request = check(ctx.holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
                                                       lm_cfg_scale, top_k, instrumental))
-        yield from api_results(run(ctx, song_request, request.session_hash, progress))
+        try:
+            count = check_variations(whole(variations))
+        except InvalidRequest as error:
+            raise refusal(str(error)) from None
+        if count == 1:
+            yield from api_results(run(ctx, song_request, request.session_hash, progress))
+        else:
+            yield from variation_results(run_songs(ctx, variation_requests(song_request, count),
+                                                   request.session_hash, progress))
 
     def status(request: gr.Request) -> dict:
         """The server's state for anyone (model loading / ready / failed with why, devices and the busy ones, songs
         waiting and the queue's limit) and the caller's own recent jobs (state, times, error); never other
         people's. Answered outside the song queue, so it answers while the queue is full."""
         return ctx.holder.status().as_dict() | {
-            "queue": {"waiting": waiting_songs(blocks), "limit": ctx.max_queue},
+            "queue": {"waiting": waiting_songs(ctx, blocks), "limit": ctx.max_queue},
             "jobs": ctx.registry.recent(request.session_hash),
         }
 
@@ -110,6 +139,11 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
             _documented(gr.Checkbox(label="instrumental", value=False), "boolean",
                         "true for a song without vocals (the lyrics are then ignored); default false. Only true "
                         "or false is accepted."),
+            _documented(gr.Number(label="variations", value=1), "integer",
+                        f"How many songs to make of this request, a whole number 1 to {MAX_VARIATIONS} (default 1): "
+                        "seeds seed, seed + 1, ..., made together (sharing the GPU) and each returned as its own "
+                        "song as it finishes (`job.outputs()`; `predict` returns the last). Each takes a place in "
+                        "the queue."),
         ]
         audio = gr.Audio(label="audio", type="filepath")
         report = gr.JSON(label="report")
@@ -117,5 +151,6 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
         generate_trigger = gr.Button("generate")
         status_trigger = gr.Button("status")
     generate_trigger.click(generate, inputs, [audio, report], api_name="generate", concurrency_id=GPU_GROUP,
-                           concurrency_limit=concurrency, validator=admission_validator(ctx, blocks))
+                           concurrency_limit=concurrency,
+                           validator=admission_validator(ctx, blocks, extra=("variations",)))
     status_trigger.click(status, None, status_json, api_name="status", queue=False)

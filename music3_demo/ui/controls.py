@@ -10,6 +10,7 @@ import gradio as gr
 
 from .. import contract as c
 from ..prompt import build_prompt, lint_lyrics
+from ..request import MAX_VARIATIONS
 from .assets import DESCRIPTION_HELP, LYRICS_HELP, SECTION_TAGS
 from .holder import ModelHolder
 
@@ -69,6 +70,7 @@ class Controls:
     seed: gr.Number
     random_seed: gr.Checkbox
     dice: gr.Button
+    variations: gr.Radio
     lm_cfg_scale: gr.Slider
     top_k: gr.Slider
     tag_buttons: list[gr.Button]
@@ -114,6 +116,9 @@ def build_controls() -> Controls:
             random_seed = gr.Checkbox(label="New random seed each time", value=DEFAULTS["random_seed"],
                                       elem_id="random-seed")
             dice = gr.Button("🎲 Random seed now", size="sm", elem_id="dice")
+    variations = gr.Radio(list(range(1, MAX_VARIATIONS + 1)), value=1, label="Variations",
+                          info="Songs to make from this request at once, seeds seed, seed + 1, …: each gets its own "
+                               "player", elem_id="variations")
     with gr.Accordion("Advanced", open=False, elem_id="advanced"):
         with gr.Row():
             lm_cfg_scale = gr.Slider(*c.LM_CFG_RANGE, value=DEFAULTS["lm_cfg_scale"], step=0.1, label="LM CFG scale",
@@ -122,7 +127,7 @@ def build_controls() -> Controls:
                               info="Codes the language model samples from", elem_id="top-k")
     reset = gr.Button("↺ Reset settings to defaults", size="sm", variant="secondary", elem_id="reset")
     return Controls(description, lyrics, instrumental, duration, guidance_scale, num_steps, seed, random_seed, dice,
-                    lm_cfg_scale, top_k, tag_buttons, token_counter, reset)
+                    variations, lm_cfg_scale, top_k, tag_buttons, token_counter, reset)
 
 
 def new_seed() -> int:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import re
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from ..request import GenerationRequest, InvalidRequest, validate
 from .holder import ModelHolder
 from .progress import ProgressFn, StageTracker
 from .report import song_report
-from .runner import Job, JobRegistry, Phase
+from .gpu import spaces_available
+from .runner import Job, JobRegistry, Phase, Waiting
 from .store import DiskFull, SavedSong, SongStore
 
 log = logging.getLogger("music3_demo.app")
@@ -67,16 +70,16 @@ def make_request(
         description=description if description is not None else "",
         lyrics=lyrics if lyrics is not None else "",
         duration=duration,
-        num_steps=_whole(num_steps),
+        num_steps=whole(num_steps),
         guidance_scale=guidance_scale,
         lm_cfg_scale=lm_cfg_scale,
-        top_k=_whole(top_k),
-        seed=None if seed is None or seed == "" else _whole(seed),
+        top_k=whole(top_k),
+        seed=None if seed is None or seed == "" else whole(seed),
         instrumental=False if instrumental is None else instrumental,  # validate() refuses anything not boolean
     )
 
 
-def _whole(value: object) -> object:
+def whole(value: object) -> object:
     # 30.0 from a slider is the whole number 30; 2.5 stays 2.5 so validate() names the problem.
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
@@ -118,6 +121,17 @@ def wav_bytes(samples: np.ndarray, sample_rate: int) -> bytes:
     return buffer.getvalue()
 
 
+@dataclass(frozen=True)
+class Failed:
+    """One of several variations ended without a song (the others go on); `message` is its one sentence."""
+
+    message: str
+
+
+_groups = itertools.count(1)
+_END = object()
+
+
 def run(
     ctx: AppContext, request: GenerationRequest, session: str | None, progress: ProgressFn,
     tracker: StageTracker | None = None,
@@ -125,63 +139,127 @@ def run(
 ) -> Iterator[AudioPiece | Outcome | None]:
     """Run one song (or extend `continue_from`'s): yields audio pieces, the Outcome once it is saved, and `None` on
     ticks (see runner.py). `tracker`: the caller's, to draw its own progress from (the page); else a new one
-    reporting to `progress`."""
+    reporting to `progress`. A song that ends without a song raises its refusal (a gr.Error) or `Cancelled`."""
+    with closing(run_songs(ctx, [request], session, progress, [tracker] if tracker else None, continue_from)) as items:
+        for _, item in items:
+            yield item
+
+
+def run_songs(
+    ctx: AppContext, requests: list[GenerationRequest], session: str | None, progress: ProgressFn,
+    trackers: list[StageTracker] | None = None,
+    continue_from: SongState | None = None,
+) -> Iterator[tuple[int, AudioPiece | Outcome | Failed | None]]:
+    """Run songs side by side: one request, or a request's variations (`variation_requests`), which take their
+    places in line together so they start together where there is room (sharing the prefill and the batch). Yields
+    (index, item): audio pieces, each song's Outcome once it is saved, `None` on ticks. With several songs, one that
+    ends without a song yields `Failed` and the others go on; the run raises only when none made a song (the first
+    one's refusal, or `Cancelled`). `progress` follows the first song still running."""
+    count = len(requests)
     try:
-        ctx.store.check_room(request.duration)
+        ctx.store.check_room(sum(request.duration for request in requests))
     except DiskFull as error:
         log.warning("refused a request: %s", error)
         raise refusal(str(error), DISK_FULL_TITLE) from None
-    job = Job(ctx.holder, request, ctx.registry, session, continue_from)
-    ctx.registry.start(session, job)
-    added = continue_from.seconds if continue_from is not None else 0.0
-    tracker = tracker or StageTracker(request.duration + added, request.num_steps)
-    tracker.report(progress, force=True)
-    events = job.events(ctx.tick)
-    song: Song | None = None
+    added = continue_from.frames if continue_from is not None else 0
+    group = next(_groups) if count > 1 else None
+    tickets = [ctx.holder.ticket(request, request.max_frames + added, group) for request in requests]
+    if not spaces_available():
+        # In line now, together: nobody else's song lands between them. (On ZeroGPU each song runs in its own GPU
+        # process, where only its own place exists: it takes it there.)
+        ctx.holder.enqueue(tickets)
+    jobs = [Job(ctx.holder, request, ctx.registry, session, continue_from, ticket,
+                variation=index + 1 if count > 1 else None) for index, (request, ticket) in enumerate(zip(requests,
+                                                                                                          tickets))]
+    for job in jobs:
+        ctx.registry.start(session, job)
+    seconds = continue_from.seconds if continue_from is not None else 0.0
+    trackers = trackers or [StageTracker(request.duration + seconds, request.num_steps) for request in requests]
+    trackers[0].report(progress, force=True)
+    # Each stream hands control back within tick / count when idle, so a round over all of them takes one tick.
+    streams = {index: job.events(ctx.tick / count) for index, job in enumerate(jobs)}
+    songs: dict[int, Song] = {}
+    errors: list[BaseException] = []
+    delivered = 0
     last_yield = time.monotonic()
-    ended = "stopped before it finished (a Stop press, a cancel or a closed connection)"
     try:
-        for event in events:
-            if isinstance(event, (Phase, Progress)):
-                tracker.update(event)
-            elif isinstance(event, Finished):
-                song = event.song  # saved once the worker has ended and stamped the job's times
-            if isinstance(event, AudioPiece) or time.monotonic() - last_yield >= ctx.tick:
-                # Yield only for audio or once a tick: every page update blanks Gradio's progress bar until the
-                # next progress message, so yielding per frame would make it flicker. Re-send progress at once.
-                yield event if isinstance(event, AudioPiece) else None
-                last_yield = time.monotonic()
-                tracker.report(progress, force=True)
-            else:
-                tracker.report(progress)
-        if song is None:
-            raise RuntimeError("the pipeline ended without a song")
-        outcome = finish(ctx, request, job, song)
-        ended = "delivered"  # before the yield: a consumer may close this generator once it has the outcome
-        yield outcome
-    except InvalidRequest as error:  # e.g. the model ended the song before its first frame
-        ended = f"refused: {error}"
-        raise refusal(str(error)) from None
-    except CheckpointError as error:
-        ended = "failed: the model could not be loaded"
-        raise refusal(str(error), LOAD_TITLE) from None
-    except DiskFull as error:
-        job.record.state, job.record.error = "failed", str(error)
-        ended = f"failed: {error}"
-        raise refusal(str(error), DISK_FULL_TITLE) from None
-    except Cancelled:
-        raise
-    except Exception as error:
-        log.exception("job %s failed", job.record.id)
-        ended = "failed (traceback above)"
-        message = f"Generation failed: {public_text(error)}"
-        job.record.state, job.record.error = "failed", message
-        raise gr.Error(message, title="Something went wrong", print_exception=False) from None  # logged above
+        while streams:
+            for index in list(streams):
+                job, tracker = jobs[index], trackers[index]
+                try:
+                    event = next(streams[index], _END)
+                    if event is _END:
+                        del streams[index]
+                        if index not in songs:
+                            raise RuntimeError("the pipeline ended without a song")
+                        event = finish(ctx, requests[index], job, songs[index])
+                        job.ended = "delivered"  # before the yield: a consumer may close us once it has the outcome
+                        delivered += 1
+                except BaseException as error:  # noqa: BLE001 - sorted by _failure: raised, or reported as Failed
+                    streams.pop(index, None)
+                    failure = _failure(job, error)
+                    errors.append(failure)
+                    if count == 1 or isinstance(failure, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                        raise failure from None
+                    if isinstance(failure, gr.Error):
+                        yield index, Failed(failure.message)
+                    continue
+                if isinstance(event, Outcome):
+                    yield index, event
+                    continue
+                if isinstance(event, (Phase, Waiting, Progress)):
+                    tracker.update(event)
+                elif isinstance(event, Finished):
+                    songs[index] = event.song  # saved once the worker has ended and stamped the job's times
+                if isinstance(event, AudioPiece) or time.monotonic() - last_yield >= ctx.tick:
+                    # Yield only for audio or once a tick: every page update blanks Gradio's progress bar until the
+                    # next progress message, so yielding per frame would make it flicker. Re-send progress at once.
+                    yield index, event if isinstance(event, AudioPiece) else None
+                    last_yield = time.monotonic()
+                    _lead(trackers, streams, index).report(progress, force=True)
+                else:
+                    _lead(trackers, streams, index).report(progress)
+        if not delivered and errors:
+            raise errors[0] from None
     finally:
-        events.close()  # a closed handler must stop the worker now, not when the generator is collected
-        ctx.registry.finish(session, job)
-        if ended != "delivered":  # one line per job that did not end in a song
-            log.info("job %s %s", job.record.id, ended)
+        for index, job in enumerate(jobs):
+            stream = streams.get(index)
+            if stream is not None:
+                stream.close()  # a closed handler must stop the worker now, not when the generator is collected
+            ctx.holder.scheduler.withdraw(job.ticket)  # a song that never started gives its place in line back
+            ctx.registry.finish(session, job)
+            if job.ended != "delivered":  # one line per job that did not end in a song
+                log.info("job %s %s", job.record.id, job.ended)
+
+
+def _lead(trackers: list[StageTracker], streams: dict, index: int) -> StageTracker:
+    """The tracker the API's progress follows: the first song still running (else the one that just moved)."""
+    return trackers[min(streams)] if streams else trackers[index]
+
+
+def _failure(job: Job, error: BaseException) -> BaseException:
+    """What a song that ended without a song raises: its refusal (a gr.Error with its sentence as `message`), or
+    `Cancelled` / an interrupt as they are; sets the job's `ended` log text and record."""
+    if isinstance(error, (Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return error
+    if isinstance(error, gr.Error):
+        job.ended = f"failed: {error.message}"
+        return error
+    if isinstance(error, InvalidRequest):  # e.g. the model ended the song before its first frame
+        job.ended = f"refused: {error}"
+        return refusal(str(error))
+    if isinstance(error, CheckpointError):
+        job.ended = "failed: the model could not be loaded"
+        return refusal(str(error), LOAD_TITLE)
+    if isinstance(error, DiskFull):
+        job.record.state, job.record.error = "failed", str(error)
+        job.ended = f"failed: {error}"
+        return refusal(str(error), DISK_FULL_TITLE)
+    log.exception("job %s failed", job.record.id, exc_info=error)
+    job.ended = "failed (traceback above)"
+    message = f"Generation failed: {public_text(error)}"
+    job.record.state, job.record.error = "failed", message
+    return gr.Error(message, title="Something went wrong", print_exception=False)  # logged above
 
 
 def finish(ctx: AppContext, request: GenerationRequest, job: Job, song: Song) -> Outcome:

@@ -1,9 +1,11 @@
-"""Process-wide cache of loaded pipelines: one load per device, one running generation per device, visible status.
+"""Process-wide cache of loaded pipelines: one load per device, the songs sharing each device, visible status.
 
-Every request borrows a pipeline through `ModelHolder.acquire()`, which picks a free device, loads the model there the
-first time (concurrent first requests wait for that one load) and holds the device's lock for the whole generation.
-A failed load is remembered with its message (the page shows it) and retried by the next request, so a fixed network
-or a finished licence click-through needs no restart.
+Every request borrows a pipeline through `ModelHolder.acquire()`, which waits for the request's turn in the line
+(scheduler.py: first come, first served; as many songs at once on a device as its pipeline has slots, and only while
+the engine's memory holds them), loads the model there the first time (concurrent first requests wait for that one
+load) and keeps the song's place on the device for the whole generation. A failed load is remembered with its
+message (the page shows it) and retried by the next request, so a fixed network or a finished licence click-through
+needs no restart.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ import torch
 
 from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
 from ..devices import on_device
-from ..events import Cancelled
 from ..memory import device_memory
 from ..semantic import EngineUnavailable
 from .gpu import WorkerClock
+from .scheduler import Scheduler, Ticket
 from .speed import Speed
 
 if TYPE_CHECKING:  # the pipeline (diffusers, transformers) is imported on first load, not when the page is built
@@ -49,6 +51,9 @@ class HolderStatus:
     phase: str  # what the current load is doing, or what happened last
     devices: tuple[str, ...]
     busy: tuple[str, ...]  # devices running a generation now
+    slots: dict[str, int]  # songs each device may run at once (1 until it is loaded)
+    running: dict[str, int]  # songs each device runs now
+    waiting: int  # songs in line for a device
     engine: str | None
     engine_note: str | None  # why the fast engine is not used (it failed its self-check or could not start)
     engine_check_s: float | None  # the fast engine's self-check at load, when one ran
@@ -61,32 +66,44 @@ class HolderStatus:
     loads: int
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__, devices=list(self.devices), busy=list(self.busy))
+        return dict(self.__dict__, devices=list(self.devices), busy=list(self.busy), slots=dict(self.slots),
+                    running=dict(self.running))
 
 
 class _Slot:
-    """One device: its pipeline (once loaded), a lock for loading and a lock held while generating."""
+    """One device: its pipeline (once loaded) and a lock for loading it."""
 
     def __init__(self, device: str) -> None:
         self.device = device
         self.pipeline = None
         self.load_lock = threading.Lock()
-        self.busy = False
+
+    @property
+    def songs_at_once(self) -> int:
+        return max(1, getattr(self.pipeline, "slots", 1)) if self.pipeline is not None else 1
 
 
 @dataclass
 class Lease:
     pipeline: Music3Pipeline
     device: str
+    ticket: Ticket
+    holder: ModelHolder
+
+    def joined(self) -> None:
+        """The song's first frames came: the engine holds its memory (the device's room check counts it)."""
+        if not self.ticket.joined:
+            self.holder.scheduler.joined(self.ticket)
 
 
 class ModelHolder:
     def __init__(
         self, model: str, devices: list[str] | None = None, engine: str = "auto", warmup: bool = True,
-        precision: str = "auto", lazy: bool = False,
+        precision: str = "auto", lazy: bool = False, max_running: int | None = None,
     ) -> None:
         """`precision`: see precision.py. `lazy`: pipelines build their engines at their first song, in the process
-        that runs it (Space mode: ui/gpu.py); the holder then learns the engine from the songs."""
+        that runs it (Space mode: ui/gpu.py); the holder then learns the engine from the songs. `max_running`: songs
+        at once over all devices (None: as many as the devices' slots)."""
         self.model = model
         self.engine = engine
         self.warmup = warmup
@@ -96,7 +113,9 @@ class ModelHolder:
         self._song_engine: dict[str, tuple[str, str | None]] = {}  # device -> (engine, note) of its last song
         self.devices = devices or default_devices()
         self._slots = [_Slot(device) for device in self.devices]
-        self._free = threading.Condition()  # guards every slot's `busy` flag
+        self._by_device = {slot.device: slot for slot in self._slots}
+        self.scheduler = Scheduler(self.devices, lambda d: self._by_device[d].songs_at_once, self._admits,
+                                   limit=max_running, loaded=lambda d: self._by_device[d].pipeline is not None)
         self._source: ModelSource | None = None
         self._source_lock = threading.Lock()
         self._tokenizer = None
@@ -119,8 +138,7 @@ class ModelHolder:
             state = "failed"
         else:
             state = "idle"
-        with self._free:
-            busy = tuple(slot.device for slot in self._slots if slot.busy)
+        running = self.scheduler.running()
         first = loaded[0] if loaded else None
         seen = next(iter(self._song_engine.values()), (None, None))
         memory = {slot.device: figures.as_dict() for slot in self._slots
@@ -130,7 +148,10 @@ class ModelHolder:
             state=state,
             phase=self._phase,
             devices=tuple(self.devices),
-            busy=busy,
+            busy=tuple(device for device, songs in running.items() if songs),
+            slots={slot.device: slot.songs_at_once for slot in self._slots},
+            running=running,
+            waiting=self.scheduler.waiting(),
             # A lazy pipeline (Space mode) has no engine in this process: its songs say which one ran.
             engine=(first.engine_name or seen[0]) if first else None,
             # A note from any device (each checks its own engine); the check time of the first that ran one.
@@ -233,6 +254,7 @@ class ModelHolder:
                 self._loading.pop(slot.device, None)
             slot.pipeline = pipeline
             self.loads += 1
+            self.scheduler.refresh()  # its slots are known now: songs waiting for room may join
             self._set_phase(f"ready on {', '.join(self.devices)} (loaded in {elapsed:.1f} s)", on_phase)
             return pipeline
 
@@ -262,35 +284,60 @@ class ModelHolder:
         times = [speed.seconds_for(frames, steps) for speed in self.speeds.values()]
         return max(times) if times else None
 
+    def expected_s(self, ticket: Ticket) -> float | None:
+        return self.estimate_s(ticket.frames, ticket.steps)
+
     # ---- use ----------------------------------------------------------------------------------------------------
+    def ticket(self, request=None, max_frames: int | None = None, group: int | None = None) -> Ticket:
+        """A place for `request` (a GenerationRequest; None: a bare one for tools and tests), not yet in line."""
+        if request is None:
+            return Ticket(group=group)
+        text = (request.description, request.effective_lyrics)
+        return Ticket(frames=max_frames if max_frames is not None else request.max_frames,
+                      steps=request.num_steps, prompt_tokens=self.count_tokens(*text), text=text, group=group)
+
+    def enqueue(self, tickets: list[Ticket]) -> list[Ticket]:
+        """Take places in the line now, together (variations of one request): their order is their submission's."""
+        return self.scheduler.enqueue(tickets)
+
+    def start_in(self, ticket: Ticket) -> float | None:
+        """Seconds until `ticket` should start (one not in line: as if it joined the line now); None: unknown."""
+        return self.scheduler.start_in(ticket, self.expected_s)
+
+    def _admits(self, device: str, tickets: list[Ticket]) -> bool:
+        """Whether the device's engine has memory for these songs on top of those it already holds (always, before
+        it is loaded or for an engine without a pool)."""
+        pipeline = self._by_device[device].pipeline
+        can_admit = getattr(getattr(pipeline, "engine", None), "can_admit", None)
+        if can_admit is None:
+            return True
+        for ticket in tickets:
+            if ticket.prompt_tokens is None and ticket.text is not None:  # made before the tokenizer was there
+                ticket.prompt_tokens = pipeline.count_tokens(*ticket.text)
+        return bool(can_admit(sum(t.prompt_tokens or 0 for t in tickets), sum(t.frames for t in tickets)))
+
     @contextmanager
     def acquire(
-        self, on_phase: PhaseCallback | None = None, cancel: threading.Event | None = None
+        self, on_phase: PhaseCallback | None = None, cancel: threading.Event | None = None,
+        ticket: Ticket | None = None, on_wait: Callable[[int, float | None], None] | None = None,
     ) -> Iterator[Lease]:
-        """Borrow a free device's pipeline (loading it if needed) for one generation."""
-        slot = self._take_slot(on_phase, cancel)
-        try:
-            yield Lease(self._ensure_loaded(slot, on_phase), slot.device)
-        finally:
-            with self._free:
-                slot.busy = False
-                self._free.notify_all()
+        """Wait for `ticket`'s turn (a bare one when None), then lend its device's pipeline (loading it if needed)
+        for one generation. `on_wait(position, start_in_s)` hears the place in line while it waits."""
+        ticket = ticket or Ticket()
+        announced = []
 
-    def _take_slot(self, on_phase: PhaseCallback | None, cancel: threading.Event | None) -> _Slot:
-        announced = False
-        with self._free:
-            while True:
-                # Prefer a device that already holds the model, so a free but unloaded GPU does not cost a load.
-                free = sorted((s for s in self._slots if not s.busy), key=lambda s: s.pipeline is None)
-                if free:
-                    free[0].busy = True
-                    return free[0]
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled()
-                if not announced and on_phase is not None:
-                    on_phase("waiting for a free device")
-                    announced = True
-                self._free.wait(timeout=0.1)
+        def told(position: int, start_in_s: float | None) -> None:
+            if on_phase is not None and not announced:
+                on_phase("waiting for a free device")
+                announced.append(True)
+            if on_wait is not None:
+                on_wait(position, start_in_s)
+
+        try:
+            device = self.scheduler.wait(ticket, cancel, told, self.expected_s)
+            yield Lease(self._ensure_loaded(self._by_device[device], on_phase), device, ticket, self)
+        finally:
+            self.scheduler.leave(ticket)
 
     def release(self) -> None:
         """Free every loaded pipeline (shutdown); later requests load again."""

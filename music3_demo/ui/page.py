@@ -19,9 +19,8 @@ from functools import partial
 
 import gradio as gr
 
-from .. import contract as c
 from ..events import AudioPiece, Cancelled
-from ..request import GenerationRequest
+from ..request import GenerationRequest, check_variations, variation_requests
 from . import assets
 from .admission import refusal_message
 from .api import GPU_GROUP, add_api
@@ -37,7 +36,7 @@ from .controls import (
     token_counter_markdown,
 )
 from .continue_view import add_continue_api, build_continue_panel, wire_continue_panel
-from .core import AppContext, Outcome, check, make_request, run
+from .core import AppContext, Failed, Outcome, check, make_request, run_songs, whole
 from .history import STORAGE_KEY, add_entry, browser_secret, render_history
 from .progress import StageTracker, _seconds
 from .run_view import STOPPED_TEXT, build_run_view
@@ -53,7 +52,9 @@ def refusal_html(sentence: str) -> str:
     return f'<div class="m3-refusal" role="alert">⚠️ {html.escape(sentence)}</div>'
 
 
-def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
+def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
+    """`concurrency`: Gradio's limit on songs handled at once (None: every admitted song's handler runs and waits in
+    the holder's line, which shows its place; ZeroGPU sets one per device)."""
     holder = ctx.holder
     # No delete_cache: the song store is the app's Gradio cache and its cleaner owns every file's lifetime.
     with gr.Blocks(title="MiniMax Music 3") as demo:
@@ -127,7 +128,7 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
         # ---- generate / stop --------------------------------------------------------------------------------
         def prepare(description: str, lyrics: str, duration: float, guidance_scale: float, num_steps: float,
                     seed: float | None, lm_cfg_scale: float, top_k: float, instrumental: bool,
-                    random_seed: bool) -> tuple:
+                    random_seed: bool, variations: int) -> tuple:
             """Instant check before queueing: a bad input gets its sentence at once, not after other people's songs."""
             if random_seed:
                 seed = new_seed()
@@ -137,62 +138,86 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
             except gr.Error as error:
                 return (gr.skip(),) * 5 + (refusal_html(error.message), gr.skip(), "")
             busy = refusal_message(ctx, demo, (description, lyrics, duration, guidance_scale, num_steps, request.seed,
-                                               lm_cfg_scale, top_k, instrumental))
+                                               lm_cfg_scale, top_k, instrumental), variations)
             if busy is not None:  # the queue of songs or the disk is full: the same sentence the API gets
                 return (gr.skip(),) * 5 + (refusal_html(busy[1]), gr.skip(), "")
-            waiting = waiting_text(request)
+            count = check_variations(whole(variations))
             return (request.seed, gr.update(interactive=False, value="Generating…"), gr.update(visible=True),
-                    waiting, gr.update(visible=True, value=""), "",
-                    {"at": time.time(), "request": request.as_dict()}, secrets.token_hex(8))
+                    waiting_text(request, count), gr.update(visible=True, value=""), "",
+                    {"at": time.time(), "request": request.as_dict(), "variations": count}, secrets.token_hex(8))
 
-        def waiting_text(request: GenerationRequest) -> str:
-            """What the user is told before the song starts: the songs ahead and how long theirs will take, from
-            the speeds the holder measured (Gradio's own queue line shows the place in line as it moves)."""
-            ahead = ctx.registry.unfinished()
+        def waiting_text(request: GenerationRequest, count: int) -> str:
+            """What the user is told before the song starts: the songs ahead in line and when theirs should start,
+            from the speeds the holder measured (the progress line then follows its place as it moves)."""
+            ahead = holder.scheduler.waiting()
+            start = holder.start_in(holder.ticket(request))
             own = holder.estimate_s(request.max_frames, request.num_steps)
-            if not ahead:
-                text = "⏳ Starting your song"
+            songs = "your song" if count == 1 else f"your {count} variations"
+            if not ahead and start == 0:
+                text = f"⏳ Starting {songs}"
             else:
-                text = f"⏳ Waiting for your turn: {len(ahead)} song{'s' if len(ahead) > 1 else ''} ahead of yours"
-                left = [holder.estimate_s(c.max_frames_for(job["duration"]), request.num_steps) for job in ahead]
-                if None not in left:
-                    now = time.time()
-                    wait = sum(max(estimate - (now - job["started_at"] if job["started_at"] else 0), 0)
-                               for estimate, job in zip(left, ahead))
-                    text += f", about {_seconds(wait)}"
-            return text + (f"; yours should take about {_seconds(own)} once it starts." if own is not None else ".")
+                text = "⏳ Waiting for your turn" + (f": {ahead} song{'s' if ahead > 1 else ''} ahead" if ahead else "")
+                text += f", starting in about {_seconds(start)}" if start is not None else ""
+            return text + (f"; each should take about {_seconds(own)} once it starts." if own is not None else ".")
 
         def generate(ticket_value: dict | None, entries: list[dict], request: gr.Request):
             if not ticket_value:
                 return
             song_request = check(holder, GenerationRequest(**ticket_value["request"]))
-            yield from play(song_request, ticket_value["at"], entries, request.session_hash)
+            requests = variation_requests(song_request, ticket_value.get("variations", 1))
+            yield from play(requests, ticket_value["at"], entries, request.session_hash)
 
-        def play(song_request: GenerationRequest, clicked_at: float, entries: list[dict], session: str | None,
-                 continue_from=None):
-            """Page updates for one run (a new song, or `continue_from`'s extension): the stream with the page's own
-            progress, then the result with the song added to the history; a stop says so."""
+        def play(song_requests: GenerationRequest | list[GenerationRequest], clicked_at: float, entries: list[dict],
+                 session: str | None, continue_from=None):
+            """Page updates for one run (a new song, its variations, or `continue_from`'s extension): the first
+            song streams with the page's own progress, then shows as the result; each further variation gets its own
+            card, with its own player once it is finished; every song joins the history as it finishes; a stop says
+            so."""
+            requests = song_requests if isinstance(song_requests, list) else [song_requests]
             added = continue_from.seconds if continue_from is not None else 0.0
-            tracker = StageTracker(song_request.duration + added, song_request.num_steps,
-                                   speed=next(iter(holder.speeds.values()), None))
-            yield view.start() | {view.progress: tracker.page_html(time.time() - clicked_at)}
+            speed = next(iter(holder.speeds.values()), None)
+            trackers = [StageTracker(r.duration + added, r.num_steps, speed=speed) for r in requests]
+            running = set(range(len(requests)))
+
+            def progress_updates() -> dict:
+                """The progress block follows the first song still running; each other running one, its card."""
+                lead = trackers[min(running)] if running else trackers[0]
+                updates = {view.progress: lead.page_html(time.time() - clicked_at)}
+                for index in running - {0}:
+                    updates |= view.cards[index - 1].line(index + 1, requests[index].seed,
+                                                          trackers[index].description(semantic_eta=False))
+                return updates
+
+            yield view.start() | progress_updates() | {card.box: gr.update(visible=True)
+                                                       for card in view.cards[: len(requests) - 1]}
             try:
-                with closing(run(ctx, song_request, session, _no_progress, tracker, continue_from)) as items:
-                    for item in items:
+                with closing(run_songs(ctx, requests, session, _no_progress, trackers, continue_from)) as items:
+                    for index, item in items:
                         if ctx.registry.stopped(session):
                             # Ends the handler now (closing the run sets the cancel flag again): the worker may
                             # still be loading the model and notices only after that, but the page is free.
                             yield {view.status: STOPPED_TEXT, view.progress: ""}
                             return
-                        elif isinstance(item, Outcome):
+                        if isinstance(item, (Outcome, Failed)):
+                            running.discard(index)
+                        if isinstance(item, Outcome):
                             entries = add_entry(entries, item, ctx.history_limit)
-                            yield from view.finished(item, also={history: entries})
+                            if index == 0:
+                                yield from view.finished(item, also={history: entries})
+                            else:
+                                yield view.cards[index - 1].finished(index + 1, item) | {history: entries}
+                        elif isinstance(item, Failed) and index == 0:
+                            yield {view.status: f"⚠️ Variation 1 (seed `{requests[0].seed}`): {item.message}"}
+                        elif isinstance(item, Failed):
+                            yield view.cards[index - 1].failed(index + 1, requests[index].seed, item.message)
                         else:
-                            progress = {view.progress: tracker.page_html(time.time() - clicked_at)}
-                            pieces = list(view.piece(item)) if isinstance(item, AudioPiece) else []
+                            pieces = list(view.piece(item)) if isinstance(item, AudioPiece) and index == 0 else []
                             for update in pieces[:-1]:
                                 yield update
-                            yield (pieces[-1] if pieces else {}) | progress
+                            yield (pieces[-1] if pieces else {}) | progress_updates()
+                if len(requests) > 1:
+                    yield {view.progress: "", view.status: f"✅ {len(requests)} variations made: each has its own "
+                                                           "player here and a row in **Your songs** below."}
             except Cancelled:
                 yield {view.status: STOPPED_TEXT, view.progress: ""}
 
@@ -206,7 +231,7 @@ def build_ui(ctx: AppContext, concurrency: int = 1) -> gr.Blocks:
             return gr.update(interactive=True, value=GENERATE_LABEL), gr.update(visible=False)
 
         generate_button.click(
-            prepare, [*controls.request_inputs(), controls.random_seed],
+            prepare, [*controls.request_inputs(), controls.random_seed, controls.variations],
             [controls.seed, generate_button, stop_button, view.status, view.queue, refusal, ticket, run_id],
             queue=False, show_progress="hidden", api_visibility="private",
         ).then(None, run_id, None, js=click_if_set("start-run"), api_visibility="private")

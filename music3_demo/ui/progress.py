@@ -14,7 +14,7 @@ from .. import contract as c
 from ..events import Progress
 from .speed import Speed, flowed_frames
 from .holder import LOAD_PHASES
-from .runner import Phase
+from .runner import Phase, Waiting
 
 # gr.Progress signature: (progress, desc=None, total=None, unit="steps")
 ProgressFn = Callable[..., None]
@@ -38,17 +38,22 @@ class StageTracker:
         self.steps = max(1, steps)
         self.min_interval = min_interval
         self.phase: str | None = "queued for a device"
+        self.waiting: Waiting | None = None  # the latest place in line, while the song waits for a device
         self.semantic: Progress | None = None
         self.flow: Progress | None = None
         self.vocoder = False
         self._last_sent = 0.0
         self._phase_started = time.monotonic()
 
-    def update(self, event: Phase | Progress) -> None:
-        if isinstance(event, Phase):
-            self.phase, self._phase_started = event.text, time.monotonic()
+    def update(self, event: Phase | Waiting | Progress) -> None:
+        if isinstance(event, Waiting):
+            if not self.waiting:  # the time waited counts from the first place in line, not from each update
+                self._phase_started = time.monotonic()
+            self.phase, self.waiting = event.text, event
+        elif isinstance(event, Phase):
+            self.phase, self._phase_started, self.waiting = event.text, time.monotonic(), None
         elif event.stage == "prompt":
-            self.phase = "preparing the prompt"
+            self.phase, self.waiting = "preparing the prompt", None
         elif event.stage == "semantic":
             self.phase, self.semantic = None, event
         elif event.stage == "flow":
@@ -116,7 +121,10 @@ class StageTracker:
         """Seconds until the whole song is done: the semantic stage's own ETA plus the flow left (measured speed)."""
         s = self.semantic
         if s is None:
-            return self.speed.seconds_for(self.frames_total, self.steps) if self.speed is not None else None
+            if self.speed is None:
+                return None
+            wait = self.waiting.start_in_s if self.waiting is not None else 0.0
+            return None if wait is None else wait + self.speed.seconds_for(self.frames_total, self.steps)
         semantic_left = s.eta if s.eta is not None and s.done < s.total else 0.0
         if self.speed is None:
             return semantic_left if s.done < s.total else None

@@ -26,6 +26,10 @@ def song_report(song: Song, request: GenerationRequest, record: JobRecord, model
         "semantic_frames_per_s": round(song.frames / semantic_s, 2) if semantic_s > 0 else None,
         "realtime_factor": round(song.timings.get("realtime_factor", 0.0), 3),
         "waited_for_device_s": round(record.started_at - record.submitted_at, 3) if record.started_at else None,
+        # The most other songs that ran on its device at the same time (0: it had the GPU to itself).
+        "shared_gpu_with": record.shared_gpu_with,
+        "peers": song.peers,  # the most other songs that shared its decode (the engine's count)
+        "variation": record.variation,  # 1..N for one of N variations of a request, else None
         "started_at": record.started_at,
         "ended_at": record.ended_at,
         "settings": request.as_dict() | {"seed": song.seed},
@@ -57,6 +61,9 @@ def report_markdown(report: dict) -> str:
         + (f" · semantic {rate:.1f} frames/s" if rate else "")
         + (f" · first audio after {first:.2f} s" if first is not None else ""),
     ]
+    if report.get("shared_gpu_with"):
+        others = report["shared_gpu_with"]
+        lines[-1] += f" · shared the GPU with {others} other song{'s' if others > 1 else ''}"
     if report.get("engine_note"):
         lines.append(f"⚠️ {report['engine_note']}")
     if report.get("notice"):

@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import contract as c
 from ..events import AudioPiece
+from ..request import MAX_VARIATIONS
 from .core import Outcome, wav_bytes
 from .history import escape_markdown
 from .report import report_markdown
@@ -35,6 +36,42 @@ STREAM_PAD_GAP_S = 0.15
 
 
 @dataclass
+class VariationCard:
+    """One more variation of the request (the first plays in the run's own player): a line saying how it goes, then
+    its own player and downloads once it is finished."""
+
+    box: gr.Group
+    title: gr.Markdown
+    audio: gr.Audio
+    downloads: gr.Row
+    wav_button: gr.DownloadButton
+    flac_button: gr.DownloadButton
+    mp3_button: gr.DownloadButton
+
+    def outputs(self) -> list:
+        return [self.box, self.title, self.audio, self.downloads, self.wav_button, self.flac_button, self.mp3_button]
+
+    def hidden(self) -> dict:
+        return {self.box: gr.update(visible=False), self.audio: gr.update(visible=False),
+                self.downloads: gr.update(visible=False)}
+
+    def line(self, number: int, seed: int, text: str) -> dict:
+        """While it is made: how it goes (its place in line, its stage)."""
+        return {self.title: f"**Variation {number}** · seed `{seed}` · ⏳ {escape_markdown(text)}"}
+
+    def finished(self, number: int, outcome: Outcome) -> dict:
+        report, saved = outcome.report, outcome.saved
+        return {self.title: (f"**Variation {number}** · seed `{report['seed']}` · ✅ {report['duration_s']:.1f} s, "
+                             f"made in {report['timings'].get('total_s', 0):.1f} s"),
+                self.audio: gr.update(value=saved.wav, visible=True), self.downloads: gr.update(visible=True),
+                self.wav_button: saved.wav,
+                self.flac_button: saved.flac, self.mp3_button: saved.mp3}
+
+    def failed(self, number: int, seed: int, message: str) -> dict:
+        return {self.title: f"**Variation {number}** · seed `{seed}` · ⚠️ {escape_markdown(message)}"}
+
+
+@dataclass
 class RunView:
     status: gr.Markdown
     progress: gr.HTML  # our own progress block, updated by the handler (total elapsed, ETA)
@@ -49,17 +86,20 @@ class RunView:
     flac_button: gr.DownloadButton
     mp3_button: gr.DownloadButton
     report: gr.Markdown
+    cards: list[VariationCard]  # variations 2..MAX_VARIATIONS
 
     def outputs(self) -> list:
         return [self.status, self.progress, self.queue, self.live, self.live_box, self.result, self.final_audio,
-                self.waveform, self.wav_button, self.flac_button, self.mp3_button, self.report]
+                self.waveform, self.wav_button, self.flac_button, self.mp3_button, self.report,
+                *(component for card in self.cards for component in card.outputs())]
 
     def start(self) -> dict:
         """A new run: the last result is hidden (it lives on in the history) and so is the old stream's player."""
         # The live player is not touched here: a value (even None) opens an empty stream, which the player then
         # polls for segments until the first piece (or forever, when the song is stopped before one).
         return {self.status: "", self.queue: gr.update(visible=False), self.result: gr.update(visible=False),
-                self.live_box: gr.update(visible="hidden")}
+                self.live_box: gr.update(visible="hidden")} | {key: value for card in self.cards
+                                                               for key, value in card.hidden().items()}
 
     def show_song(self, wav: str, flac: str, mp3: str, waveform: str | None, report: str = "") -> dict:
         """The one player shows this song (the one just made, or one picked from the history)."""
@@ -124,5 +164,20 @@ def build_run_view(live_enabled: bool) -> RunView:
             flac_button = gr.DownloadButton("⬇ Download FLAC", elem_id="download-flac", size="md")
             mp3_button = gr.DownloadButton("⬇ Download MP3", elem_id="download-mp3", size="md")
         report = gr.Markdown(elem_id="report")
+    cards = [_variation_card(number) for number in range(2, MAX_VARIATIONS + 1)]
     return RunView(status, progress, queue, live, live_box, live_enabled, result, final_audio, waveform, wav_button,
-                   flac_button, mp3_button, report)
+                   flac_button, mp3_button, report, cards)
+
+
+def _variation_card(number: int) -> VariationCard:
+    with gr.Group(visible=False, elem_id=f"variation-{number}", elem_classes="m3-variation") as box:
+        title = gr.Markdown(elem_classes="m3-variation-title")
+        # The browser's own player, as the first song's (a compact row each, exact lengths).
+        audio = gr.Audio(label=f"Variation {number}", type="filepath", interactive=False, buttons=[], visible=False,
+                         waveform_options=gr.WaveformOptions(show_recording_waveform=False),
+                         elem_id=f"variation-{number}-audio")
+        with gr.Row(visible=False) as downloads:
+            wav = gr.DownloadButton("⬇ WAV", size="sm", elem_classes="m3-variation-download")
+            flac = gr.DownloadButton("⬇ FLAC", size="sm", elem_classes="m3-variation-download")
+            mp3 = gr.DownloadButton("⬇ MP3", size="sm", elem_classes="m3-variation-download")
+    return VariationCard(box, title, audio, downloads, wav, flac, mp3)

@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..continuation import SongState
-from ..events import Cancelled, Event, Finished
+from ..events import Cancelled, Event, Finished, Progress
 from ..handoff import END, Handoff
 from ..request import GenerationRequest
 from .gpu import estimate_gpu_seconds, on_gpu, zero_gpu
 from .holder import ModelHolder
+from .scheduler import Ticket
 
 _ids = itertools.count(1)
 
@@ -31,6 +32,22 @@ class Phase:
     """Model loading / waiting for a device: text for the progress bar."""
 
     text: str
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """The song waits in line for a device: its place (1 = next) and when it should start (None: not known yet)."""
+
+    position: int
+    start_in_s: float | None
+
+    @property
+    def text(self) -> str:
+        place = "next in line" if self.position == 1 else f"number {self.position} in line"
+        if self.start_in_s is None:
+            return f"waiting for your turn: {place}"
+        start = f"{self.start_in_s:.0f} s" if self.start_in_s < 90 else f"{self.start_in_s / 60:.1f} min"
+        return f"waiting for your turn: {place}, starts in about {start}"
 
 
 @dataclass
@@ -45,6 +62,10 @@ class JobRecord:
     ended_at: float | None = None  # ...to here
     device: str | None = None
     error: str | None = None
+    position: int | None = None  # place in line while it waits for a device (1 = next)
+    starts_in_s: float | None = None  # when it should start, as estimated at `position`'s last update
+    shared_gpu_with: int | None = None  # the most other songs that ran on its device at the same time
+    variation: int | None = None  # 1..N for one of N variations of a request
     session: str | None = None  # whose job it is: a client sees only its own (never shown)
     gpu_s: int | None = None  # Space mode: the GPU time promised to ZeroGPU for it
 
@@ -54,26 +75,40 @@ class JobRecord:
 
 def generation_events(
     holder: ModelHolder, request: GenerationRequest, cancel: threading.Event, record: JobRecord, tick: float = 0.2,
-    continue_from: SongState | None = None,
-) -> Iterator[Event | Phase | None]:
-    """Run one generation in a worker thread and yield its events in order (`None` on idle ticks).
+    continue_from: SongState | None = None, ticket: Ticket | None = None,
+) -> Iterator[Event | Phase | Waiting | None]:
+    """Run one generation in a worker thread and yield its events in order (`None` on idle ticks; `Waiting` while
+    `ticket` waits in line).
 
     A generator so that it can run under `spaces.GPU` on ZeroGPU, which streams a generator's yields back from the
     GPU process; raises what the pipeline raised. Closing it sets `cancel`.
     """
 
     def work(put) -> None:
+        def waiting(position: int, start_in_s: float | None) -> None:
+            record.position, record.starts_in_s = position, start_in_s
+            put(Waiting(position, start_in_s))
+
         try:
-            with holder.acquire(on_phase=lambda text: put(Phase(text)), cancel=cancel) as lease:
+            with holder.acquire(on_phase=lambda text: put(Phase(text)), cancel=cancel, ticket=ticket,
+                                on_wait=waiting) as lease:
                 record.state, record.device = "running", lease.device
+                record.position = record.starts_in_s = None
                 record.started_at = time.time()
+
+                def on_event(event: Event) -> None:
+                    if isinstance(event, Progress) and event.stage == "semantic":
+                        lease.joined()  # its first frames came: the engine holds its memory
+                    put(event)
+
                 try:
-                    song = lease.pipeline.generate(request, on_event=put, cancel=cancel,
+                    song = lease.pipeline.generate(request, on_event=on_event, cancel=cancel,
                                                    continue_from=continue_from)
                     holder.record_song(lease.device, lease.pipeline, song, request.num_steps)  # for later ETAs
                 finally:
-                    # Stamped before the device is handed on, so two jobs' [started, ended] never overlap.
+                    # Stamped before the place is handed on, so a device's songs never outnumber its slots.
                     record.ended_at = time.time()
+                    record.shared_gpu_with = lease.ticket.peers
             record.state = "finished"
         except BaseException as error:  # the hand-off raises it again in the consumer's thread
             record.state = "cancelled" if cancel.is_set() else "failed"
@@ -203,20 +238,27 @@ class Job:
     """One request's generation, its cancel flag and its record."""
 
     def __init__(self, holder: ModelHolder, request: GenerationRequest, registry: JobRegistry | None = None,
-                 session: str | None = None, continue_from: SongState | None = None) -> None:
+                 session: str | None = None, continue_from: SongState | None = None,
+                 ticket: Ticket | None = None, variation: int | None = None) -> None:
+        """`ticket`: its place, when the caller put it in line already (variations, together); else it takes one
+        when its events start."""
         self.holder = holder
         self.request = request
         self.continue_from = continue_from  # the song this job extends (continuation.py), if any
+        frames = request.max_frames + (continue_from.frames if continue_from is not None else 0)
+        self.ticket = ticket or holder.ticket(request, frames)
         self.cancel = threading.Event()
         self.stop_requested = False
-        self.record = JobRecord(next(_ids), request.duration, session=session)
+        self.ended = "stopped before it finished (a Stop press, a cancel or a closed connection)"  # for the log
+        self.record = JobRecord(next(_ids), request.duration, session=session, variation=variation)
         if registry is not None:
             registry.remember(self.record)
 
-    def events(self, tick: float = 0.2) -> Iterator[Event | Phase | None]:
-        if zero_gpu():
+    def events(self, tick: float = 0.2) -> Iterator[Event | Phase | Waiting | None]:
+        if zero_gpu():  # Gradio's queue does the waiting there (one song per GPU worker)
             return relay_space_events(self, _gpu_space_events, tick)
-        return generation_events(self.holder, self.request, self.cancel, self.record, tick, self.continue_from)
+        return generation_events(self.holder, self.request, self.cancel, self.record, tick, self.continue_from,
+                                 self.ticket)
 
     def stop(self) -> None:
         # Told apart from `cancel`, which the event stream also sets when it ends normally (to stop a worker whose
@@ -229,7 +271,7 @@ class JobRegistry:
     """The running job of each browser session (for Stop) and the recent job records (for the status endpoint)."""
 
     def __init__(self, keep: int = 64) -> None:
-        self._active: dict[str, Job] = {}
+        self._active: dict[str, list[Job]] = {}  # a session's running jobs (N for N variations)
         self._recent: deque[JobRecord] = deque(maxlen=keep)
         self._lock = threading.Lock()
 
@@ -240,31 +282,29 @@ class JobRegistry:
     def start(self, session: str | None, job: Job) -> None:
         if session:
             with self._lock:
-                self._active[session] = job
+                self._active.setdefault(session, []).append(job)
 
     def finish(self, session: str | None, job: Job) -> None:
         with self._lock:
-            if session and self._active.get(session) is job:
+            jobs = self._active.get(session, []) if session else []
+            if job in jobs:
+                jobs.remove(job)
+            if session in self._active and not jobs:
                 del self._active[session]
 
     def stop(self, session: str | None) -> bool:
-        """Set the cancel flag of the session's running job; False when it has none."""
+        """Set the cancel flags of the session's running jobs (only theirs); False when it has none."""
         with self._lock:
-            job = self._active.get(session) if session else None
-        if job is not None:
+            jobs = list(self._active.get(session, [])) if session else []
+        for job in jobs:
             job.stop()
-        return job is not None
+        return bool(jobs)
 
     def stopped(self, session: str | None) -> bool:
-        """Whether the session's running job has been told to stop (its handler then shows "Stopped")."""
+        """Whether the session's running jobs have been told to stop (its handler then shows "Stopped")."""
         with self._lock:
-            job = self._active.get(session) if session else None
-        return job is not None and job.stop_requested
-
-    def unfinished(self) -> list[dict]:
-        """Every session's queued or running jobs, for the server's own estimates (never shown per job)."""
-        with self._lock:
-            return [record.as_dict() for record in self._recent if record.state in ("queued", "running")]
+            jobs = list(self._active.get(session, [])) if session else []
+        return any(job.stop_requested for job in jobs)
 
     def recent(self, session: str | None) -> list[dict]:
         """The recent jobs of one session (a browser tab or an API client); none for an unknown caller."""

@@ -42,7 +42,7 @@ class AppServer:
 
 @contextmanager
 def running_app(
-    tmp_dir: Path, *extra: str, ready_timeout: float = 180.0, wait_for: tuple[str, ...] = ("ready",),
+    tmp_dir: Path, *extra: str, ready_timeout: float = 600.0, wait_for: tuple[str, ...] = ("ready",),
     env: dict[str, str] | None = None,
 ) -> Iterator[AppServer]:
     """Start the app, wait until the page answers and the model state is one of `wait_for`, yield it, stop it."""

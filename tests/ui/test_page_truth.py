@@ -185,6 +185,30 @@ def test_ctrl_enter_streams_then_one_player_and_history_survives_a_reload(contex
     page.close()
 
 
+def test_variations_each_get_their_own_player_and_history_row(browser, app):
+    page = open_page(browser, app, DESKTOP)  # a fresh profile: its history starts empty
+    try:
+        fill_form(page, "warm lo-fi beat", "[verse]\nhello again")
+        set_number(page, "duration", 2)
+        set_number(page, "steps", 1)
+        page.locator("#variations").get_by_text("3", exact=True).click()
+        page.locator("#generate").click()
+        page.wait_for_selector("#variation-3", state="visible", timeout=60_000)  # a card per further variation
+        wait_text(page, "#variation-3", "Variation 3")
+        wait_text(page, "#run-status", "3 variations made", timeout=900_000)
+        for player in ("#result-audio", "#variation-2-audio", "#variation-3-audio"):
+            page.wait_for_function("(s) => { const a = document.querySelector(s + ' audio');"
+                                   " return a && Math.abs(a.duration - 2.0) < 0.05; }", arg=player)
+        seeds = [page.locator(f"#variation-{n} .m3-variation-title").first.inner_text() for n in (2, 3)]
+        first = int(page.locator("#seed input").input_value())
+        assert f"seed {first + 1}" in seeds[0].replace("`", "") and f"seed {first + 2}" in seeds[1].replace("`", "")
+        page.wait_for_function("() => document.querySelectorAll('.m3-reuse').length === 3")
+        assert error_badges(page) == 0
+        page.screenshot(path=str(ARTIFACTS / "truth-variations-1440.png"), full_page=True)
+    finally:
+        page.close()
+
+
 def test_the_app_pipeline_streams_on_the_cpu():
     """The app's pipelines run the flow stage beside the semantic one, on the CPU too: a 12-s song's first audio
     comes while frames are still being made, and the pieces make the whole song."""

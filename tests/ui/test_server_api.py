@@ -32,7 +32,8 @@ def server(tmp_path_factory):
     # Where Gradio would cache files by default: the app must leave it empty (its store is its cache).
     shared_cache = tmp / "shared-gradio-cache"
     shared_cache.mkdir()
-    with running_app(tmp, "--max-queue", str(MAX_QUEUE), "--ttl-hours", str(TTL_S / 3600),
+    # One song at a time (--concurrency 1): the queue fills with MAX_QUEUE + 1 songs, whatever the engine's slots.
+    with running_app(tmp, "--max-queue", str(MAX_QUEUE), "--ttl-hours", str(TTL_S / 3600), "--concurrency", "1",
                      env={"GRADIO_TEMP_DIR": str(shared_cache)}, ready_timeout=600) as app:
         app.shared_cache = shared_cache
         app.downloads = tmp / "downloads"

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's ch
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    # Lazy loading, so the first song also shows the model-loading progress.
-    with running_app(tmp_path_factory.mktemp("ui"), "--lazy-load", wait_for=("idle",)) as server:
+    # Lazy loading, so the first song also shows the model-loading progress; one song at a time (the tiny engine
+    # has 4 slots), so a second user waits in line.
+    with running_app(tmp_path_factory.mktemp("ui"), "--lazy-load", "--concurrency", "1", wait_for=("idle",)) as server:
         yield server
 
 
@@ -212,8 +213,9 @@ def test_a_waiting_user_sees_the_queue_position(page, app):
             time.sleep(0.1)
         set_number(page, "duration", 3)
         page.locator("#generate").click()
-        # The songs ahead (the other user's, running) and, beside it, Gradio's place in the queue.
-        wait_text(page, "#run-status", "1 song ahead of yours", timeout=30_000)
+        # Told at once that it waits (the other user's song holds the one place), then its place in line.
+        wait_text(page, "#run-status", "Waiting for your turn", timeout=30_000)
+        wait_text(page, "#run-progress", "next in line", timeout=30_000)
         shot(page, "07-queued")
         page.locator("#stop").click()  # leaving the queue before the turn comes
         wait_text(page, "#run-status", "Stopped")

@@ -113,6 +113,16 @@ def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
+def activation_tile(x, DOT: tl.constexpr):
+    """The activation tile as DOT values. For the fp16 routes, bf16 activations beyond fp16's range (65504) saturate
+    instead of becoming inf: one huge SwiGLU product must not turn a whole output row into NaN."""
+    if DOT == tl.float16:
+        xf = x.to(tl.float32)
+        return tl.minimum(tl.maximum(xf, -65504.0), 65504.0).to(tl.float16)
+    return x.to(DOT)
+
+
+@triton.jit
 def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
              CONV: tl.constexpr = 0, WSCALE: tl.constexpr = 1.0):
     """acc += W_tile · x_tileᵀ. QUANT 0: a model-dtype weight, as before. 1-byte weights (`qweight.py`) are converted
@@ -121,12 +131,12 @@ def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP
     if QUANT == 0:
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     elif QUANT == 1:
-        acc = tl.dot(convert_tile(w, CONV, DOT), tl.trans(x.to(DOT)), acc)
+        acc = tl.dot(convert_tile(w, CONV, DOT), tl.trans(activation_tile(x, DOT)), acc)
     else:
         scale = tl.load(s_ptr + offs_n.to(tl.int64) * (K // GROUP) + k0 // GROUP, mask=n_mask, other=0.0)
         if WSCALE != 1.0:
             scale = scale * WSCALE
-        acc += tl.dot(convert_tile(w, CONV, DOT), tl.trans(x.to(DOT))) * scale[:, None]
+        acc += tl.dot(convert_tile(w, CONV, DOT), tl.trans(activation_tile(x, DOT))) * scale[:, None]
     return acc
 
 

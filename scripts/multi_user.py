@@ -1,0 +1,271 @@
+"""Many users on the app's API at once (issue 16), one device call: `python app.py --model random-full` driven by
+concurrent gradio_client clients.
+
+Phases (each after the last, on one loaded server): `alone` (one user, a SECONDS song), `four` and `eight` (that many
+users asking at the same moment), `join` (three users, a fourth joining JOIN_AFTER s later, mid-song), `variations`
+(one request, `variations=4`); `--soak S` adds S seconds of 8 clients asking for songs of random durations (5-120 s)
+with random cancels (songs still running when the soak ends are cancelled then). Throughout, a watcher samples the
+`status` endpoint's latency and the devices' memory (nvidia-smi). For every song: the client's wall time (submit to
+result), the server's start/end, the report's first audio after the song started, how many songs shared its GPU,
+and whether the WAV is valid (44.1 kHz stereo, finite, not silent, as long as the report says). Prints one JSON
+object (also $OUT/multi_user.json) with each phase's figures and the issue's targets (4 users within 2.2x one song's
+wall time, 8 within 4x, first audio <= 3 s, 4 variations within 2.2x, status <= 200 ms during the soak, no memory
+growth after its first quarter). Exits 1 when a song failed or was invalid (the targets are reported, not
+enforced). The server's log: $OUT/multi_user_app.log.
+
+Usage (repo root): python scripts/multi_user.py [--devices cuda:0,cuda:1] [--seconds 60] [--steps 30] [--model M]
+    [--phases alone,four,eight,join,variations] [--soak 420] [--ready-timeout 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from app_process import running_app
+
+PHASES = ("alone", "four", "eight", "join", "variations")
+REQUEST = {"description": "dreamy synth-pop, 110 BPM, female vocals, warm pads",
+           "lyrics": "[verse]\nlights across the water\nwe keep the summer near\n\n[chorus]\nla la la, we are here"}
+TARGETS = {"four_over_alone": 2.2, "eight_over_alone": 4.0, "first_audio_s": 3.0, "variations_over_alone": 2.2,
+           "soak_status_s": 0.2}
+
+
+class Watcher:
+    """Samples the status endpoint's latency and the devices' memory on a thread, tagged with the current phase."""
+
+    def __init__(self, url: str, every_s: float = 0.5) -> None:
+        self.url, self.every_s, self.phase = url, every_s, "idle"
+        self.status: list[tuple[str, float, float]] = []  # (phase, time, seconds the call took)
+        self.memory: list[tuple[str, float, list[int]]] = []  # (phase, time, MiB used per GPU)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Watcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        from gradio_client import Client
+
+        client = Client(self.url, verbose=False)
+        last_memory = 0.0
+        while not self._stop.wait(self.every_s):
+            began = time.monotonic()
+            try:
+                client.predict(api_name="/status")
+                self.status.append((self.phase, time.time(), time.monotonic() - began))
+            except Exception:  # noqa: BLE001 - a failed status call counts as a very slow one
+                self.status.append((self.phase, time.time(), float("inf")))
+            if time.monotonic() - last_memory >= 2.0:
+                last_memory = time.monotonic()
+                used = gpu_memory_mib()
+                if used is not None:
+                    self.memory.append((self.phase, time.time(), used))
+
+    def latency(self, phase: str) -> dict | None:
+        took = sorted(s for p, _, s in self.status if p == phase)
+        if not took:
+            return None
+        return {"samples": len(took), "median_s": round(statistics.median(took), 4),
+                "p99_s": round(took[min(len(took) - 1, int(0.99 * len(took)))], 4), "max_s": round(took[-1], 4)}
+
+
+def gpu_memory_mib() -> list[int] | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [int(line) for line in out.split() if line.strip().isdigit()]
+
+
+def valid_wav(path: str, seconds: float) -> str | None:
+    """None when the file is a real song of `seconds`; else what is wrong with it."""
+    import numpy as np
+    import soundfile as sf
+
+    audio, rate = sf.read(path, dtype="float32")
+    if rate != 44100 or audio.ndim != 2 or audio.shape[1] != 2:
+        return f"{rate} Hz, shape {audio.shape}"
+    if not np.isfinite(audio).all() or float(np.abs(audio).max()) == 0.0:
+        return "not finite or silent"
+    if abs(audio.shape[0] / rate - seconds) > 0.05:
+        return f"{audio.shape[0] / rate:.2f} s long, the report says {seconds:.2f} s"
+    return None
+
+
+def ask(url: str, name: str, seconds: float, steps: int, seed: int, variations: int = 1,
+        cancel_after: float | None = None, delay: float = 0.0, deadline: float | None = None) -> dict:
+    """One user: waits `delay`, asks for a song (or variations); cancels it after `cancel_after` s, or when the
+    clock (time.monotonic) passes `deadline` (the soak's end), if it is not done by then."""
+    from gradio_client import Client
+
+    time.sleep(delay)
+    client = Client(url, verbose=False)
+    submitted = time.time()
+    job = client.submit(**REQUEST, duration=seconds, num_steps=steps, seed=seed, variations=variations,
+                        api_name="/generate")
+    result = {"user": name, "seconds": seconds, "variations": variations, "submitted": submitted}
+    stop_at = min(time.monotonic() + (cancel_after if cancel_after is not None else float("inf")),
+                  deadline if deadline is not None else float("inf"))
+    while not job.done():
+        if time.monotonic() >= stop_at:
+            job.cancel()
+            return result | {"cancelled": True, "wall_s": round(time.time() - submitted, 3)}
+        time.sleep(0.05)
+    try:
+        job.result()
+    except Exception as error:  # noqa: BLE001 - reported in the JSON
+        return result | {"error": str(error), "wall_s": round(time.time() - submitted, 3)}
+    result["wall_s"] = round(time.time() - submitted, 3)
+    songs = []
+    for wav, report in (output for output in job.outputs() if isinstance(output[0], str)):
+        songs.append({"seed": report["seed"], "device": report["device"], "frames": report["frames"],
+                      "duration_s": report["duration_s"], "started_at": report["started_at"],
+                      "ended_at": report["ended_at"], "waited_s": report["waited_for_device_s"],
+                      "first_audio_s": report["timings"].get("first_audio_s"),
+                      "total_s": report["timings"].get("total_s"), "shared_gpu_with": report["shared_gpu_with"],
+                      "engine": report["engine"], "invalid": valid_wav(wav, report["duration_s"])})
+    return result | {"songs": songs}
+
+
+def crowd(url: str, users: list[dict]) -> list[dict]:
+    with ThreadPoolExecutor(len(users)) as pool:
+        return list(pool.map(lambda kwargs: ask(url, **kwargs), users))
+
+
+def phase_summary(results: list[dict]) -> dict:
+    songs = [song for result in results for song in result.get("songs", [])]
+    walls = [result["wall_s"] for result in results if "songs" in result]
+    first_audio = [song["first_audio_s"] for song in songs if song["first_audio_s"] is not None]
+    audio_s = sum(song["duration_s"] for song in songs)
+    return {"users": len(results), "songs": len(songs), "max_wall_s": max(walls, default=None),
+            "song_s_per_s": round(audio_s / max(walls), 3) if walls else None,
+            "max_first_audio_s": max(first_audio, default=None),
+            "max_shared_gpu_with": max((song["shared_gpu_with"] or 0 for song in songs), default=None),
+            "failed": [r for r in results if "error" in r], "invalid": [s for s in songs if s["invalid"]]}
+
+
+def soak(url: str, seconds: float, steps: int, rng: random.Random) -> list[dict]:
+    """8 clients, each asking for songs of random durations one after another, some cancelled, until time is up."""
+    ends = time.monotonic() + seconds
+
+    def client_loop(index: int) -> list[dict]:
+        done = []
+        while time.monotonic() < ends:
+            duration = rng.uniform(5, 120)
+            cancel = rng.uniform(2, 30) if rng.random() < 0.25 else None
+            done.append(ask(url, f"soak{index}", round(duration, 1), steps, rng.randrange(2**32),
+                            cancel_after=cancel, deadline=ends))
+        return done
+
+    with ThreadPoolExecutor(8) as pool:
+        return [result for results in pool.map(client_loop, range(8)) for result in results]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="random-full", help="the app's --model (random-full; tiny on a CPU)")
+    parser.add_argument("--devices", default=None, help="the app's --devices (default: every GPU)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="song length of the timed phases (60)")
+    parser.add_argument("--steps", type=int, default=30, help="denoising steps (30, the default)")
+    parser.add_argument("--phases", default=",".join(PHASES), help=f"which of {','.join(PHASES)} to run (all)")
+    parser.add_argument("--join-after", type=float, default=10.0, help="when the `join` phase's fourth user asks")
+    parser.add_argument("--soak", type=float, default=0.0, help="seconds of the soak phase (0: none)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--max-queue", type=int, default=64)
+    args = parser.parse_args()
+    phases = [phase for phase in args.phases.split(",") if phase]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        parser.error(f"unknown phases {sorted(unknown)}: choose from {', '.join(PHASES)}")
+    out = Path(os.environ.get("OUT") or tempfile.gettempdir())
+    out.mkdir(parents=True, exist_ok=True)
+    app_args = ["--model", args.model, "--max-queue", str(args.max_queue)]
+    if args.devices:
+        app_args += ["--devices", args.devices]
+    devices = len(args.devices.split(",")) if args.devices else max(1, len(gpu_memory_mib() or [0]))
+    rng = random.Random(16)
+    started = time.monotonic()
+    summary: dict = {"seconds": args.seconds, "steps": args.steps, "devices": args.devices, "phases": {}}
+    with running_app(app_args, devices, out / "multi_user_app.log", args.ready_timeout) as (url, server, ready):
+        summary |= {"ready_s": round(time.monotonic() - started, 1), "engine": ready["engine"],
+                    "engine_note": ready.get("engine_note"), "slots": ready.get("slots")}
+        song = {"seconds": args.seconds, "steps": args.steps}
+        plans = {
+            "alone": [song | {"name": "u0", "seed": 1}],
+            "four": [song | {"name": f"u{i}", "seed": 10 + i} for i in range(4)],
+            "eight": [song | {"name": f"u{i}", "seed": 20 + i} for i in range(8)],
+            "join": [song | {"name": f"u{i}", "seed": 30 + i, "delay": args.join_after if i == 3 else 0.0}
+                     for i in range(4)],
+            "variations": [song | {"name": "v", "seed": 40, "variations": 4}],
+        }
+        with Watcher(url) as watcher:
+            for phase in phases:
+                watcher.phase = phase
+                results = crowd(url, plans[phase])
+                summary["phases"][phase] = phase_summary(results) | {"status": watcher.latency(phase),
+                                                                     "results": results}
+                print(f"{phase}: {json.dumps({k: v for k, v in summary['phases'][phase].items() if k != 'results'})}",
+                      file=sys.stderr, flush=True)
+            if args.soak > 0:
+                watcher.phase = "soak"
+                results = soak(url, args.soak, args.steps, rng)
+                delivered = [r for r in results if not r.get("cancelled")]
+                summary["phases"]["soak"] = phase_summary(delivered) | {
+                    "requests": len(results), "cancelled": sum(1 for r in results if r.get("cancelled")),
+                    "status": watcher.latency("soak"), "results": results}
+            watcher.phase = "idle"
+        summary["memory_mib"] = [(phase, round(t - started, 1), used) for phase, t, used in watcher.memory]
+        summary["server_alive"] = server.poll() is None
+    summary["targets"] = targets(summary)
+    text = json.dumps(summary, indent=1)
+    (out / "multi_user.json").write_text(text)
+    print(json.dumps({key: value for key, value in summary.items() if key not in ("phases", "memory_mib")} |
+                     {"phases": {name: {k: v for k, v in phase.items() if k != "results"}
+                                 for name, phase in summary["phases"].items()}}, indent=1))
+    bad = any(phase["failed"] or phase["invalid"] for phase in summary["phases"].values())
+    return 1 if bad or not summary["server_alive"] else 0
+
+
+def targets(summary: dict) -> dict:
+    """The issue's targets against what was measured (None where the phase did not run)."""
+    phases = summary["phases"]
+    alone = phases.get("alone", {}).get("max_wall_s")
+
+    def ratio(name: str) -> float | None:
+        wall = phases.get(name, {}).get("max_wall_s")
+        return round(wall / alone, 3) if wall and alone else None
+
+    first_audio = [phase["max_first_audio_s"] for phase in phases.values() if phase.get("max_first_audio_s")]
+    values = {"four_over_alone": ratio("four"), "eight_over_alone": ratio("eight"),
+              "first_audio_s": max(first_audio, default=None), "variations_over_alone": ratio("variations"),
+              "soak_status_s": (phases.get("soak", {}).get("status") or {}).get("max_s")}
+    report = {name: {"value": value, "target": TARGETS[name], "met": None if value is None else value <= TARGETS[name]}
+              for name, value in values.items()}
+    soak_memory = [used for phase, _, used in summary["memory_mib"] if phase == "soak"]
+    if len(soak_memory) > 4:
+        # Per GPU: the most it grew above its use at the end of the soak's first quarter (its first minutes).
+        settled = len(soak_memory) // 4
+        growth = max(max(series[settled:]) - series[settled] for series in zip(*soak_memory))
+        report["soak_memory_growth_mib"] = {"value": growth, "target": 1024, "met": growth <= 1024}
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main())
