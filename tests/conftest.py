@@ -17,6 +17,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # triton (diffusers does at import time); GPU runs (`-m gpu`) compile them for the device.
     if not _gpu_run(config):
         os.environ["TRITON_INTERPRET"] = "1"
+        # The CPU tests run tiny models whose every op is too small to share between threads: one thread each (the
+        # app servers they start inherit it) instead of torch's pool per process fighting over the machine's cores.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
