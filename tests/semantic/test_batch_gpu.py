@@ -33,7 +33,9 @@ def engine():
     components = random_models.build_components(random_models.FULL, seed=0, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():  # songs run to max_frames (a random end row would end them at random frames)
         components["language_model"].lm_head.weight[c.AUDIO_END_TOKEN_ID].zero_()
-    graph = GraphEngine(components["language_model"], components["rvq_depth_decoder"], DEVICE)
+    # 8 slots although engines default to 4: a batch of 8 made song 2's codes differ from alone on the H200
+    # (2026-11-30, docs/PERFORMANCE.md "Many songs at once"); this test is what must pass before the default grows.
+    graph = GraphEngine(components["language_model"], components["rvq_depth_decoder"], DEVICE, slots=8)
     graph.reserve(1200, FRAMES)
     yield graph
     graph.release()
