@@ -234,6 +234,9 @@ def test_queue_is_bounded(tmp_path):
         with pytest.raises(ValidationError, match=r"The server is busy: its queue of songs is full \(1 waiting\)"):
             refused.result(timeout=60)
         # The one that fitted waits its turn, and its progress says where it stands...
-        assert "waiting for your turn: next in line" in waiting.status().progress_data[0].desc
+        deadline = time.monotonic() + 30  # its progress arrives on its own stream: wait for it, do not read it once
+        while not ((data := waiting.status().progress_data) and "waiting for your turn: next in line" in data[0].desc):
+            assert time.monotonic() < deadline, f"the waiting song was not told its place: {data}"
+            time.sleep(0.1)
         running.cancel()
         assert abs(sf.info(waiting.result(timeout=120)[0]).frames / c.SAMPLE_RATE - 1.0) <= FRAME_S  # ...and runs

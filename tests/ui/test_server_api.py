@@ -90,11 +90,13 @@ def test_a_full_queue_still_answers_status_and_refuses_bad_requests_at_once(serv
             started = time.monotonic()
             with pytest.raises(ValidationError, match=re.escape(message)):
                 client(server).predict(**(QUICK | bad), api_name="/generate")
-            assert time.monotonic() - started < 1.0, f"{bad} waited behind the queue"
+            # behind the queue it would wait for six long songs; 5 s leaves room for a new client's handshake on a
+            # loaded machine
+            assert time.monotonic() - started < 5.0, f"{bad} waited behind the queue"
         assert status(server)[0]["queue"]["waiting"] == MAX_QUEUE  # no refused request took a place
 
         # 10 MB of lyrics: refused before anything tokenizes them, memory flat.
-        body = json.dumps({"data": [QUICK["description"], "la " * 3_500_000, 10.0, 1.7, 30, 1, 1.5, 50, False]})
+        body = json.dumps({"data": [QUICK["description"], "la " * 3_500_000, 10.0, 1.7, 30, 1, 1.5, 50, False, 1]})
         before = rss_mb(server.process.pid)
         started = time.monotonic()
         response = httpx.post(f"{server.url}gradio_api/call/generate", content=body, timeout=60,
