@@ -34,24 +34,44 @@ def _packaged_tables():
     return tables
 
 
+def _one_byte_suffixes() -> set[tuple]:
+    """The key suffixes tune_onebyte.py writes: ("w1", kind, group) per weight format it sweeps."""
+    return {("w1", kind, group) for kind, group in _script("tune_onebyte").FORMATS.values()}
+
+
+def _split_key(key: tuple, base_len: int) -> tuple[tuple, tuple]:
+    return key[:base_len], key[base_len:]
+
+
 def test_every_tuned_gemv_config_comes_from_a_swept_product():
     tune = _script("tune_gemv")
     swept = {(rows, n, k, "swiglu") if epilogue == "swiglu" else (rows, n, k) for rows, n, k, epilogue in tune.SHAPES}
+    suffixes = {()} | _one_byte_suffixes()
     for gemv_table, _ in _packaged_tables():
-        assert set(gemv_table) <= swept
+        for key in gemv_table:
+            base_len = 4 if len(key) > 3 and key[3] == "swiglu" else 3
+            base, suffix = _split_key(key, base_len)
+            assert base in swept and suffix in suffixes, key
 
 
 def test_every_tuned_tail_config_comes_from_a_swept_shape_and_splits_its_rows():
+    from music3_demo.semantic.kernels.tuning import shared_bytes
+
     tune = _script("tune_tail")
-    swept = {family[:4]: family for family in tune.FAMILIES.values()}
-    tail_tables = [table for _, table in _packaged_tables()]
-    assert all(set(table) <= set(swept) for table in tail_tables)
-    for (hidden, attn, gate_up, qkv), cfg in (item for table in tail_tables for item in table.items()):
+    swept = {family[:4] for family in tune.FAMILIES.values()}
+    suffixes = {()} | _one_byte_suffixes()
+    sm90_limit = 227 * 1024
+    for key, cfg in (item for _, table in _packaged_tables() for item in table.items()):
+        (hidden, attn, gate_up, qkv), suffix = _split_key(key, 4)
+        assert (hidden, attn, gate_up, qkv) in swept and suffix in suffixes, key
         products = ((cfg.o, hidden, attn), (cfg.gate_up, gate_up, hidden), (cfg.down, hidden, gate_up // 2),
                     (cfg.qkv, qkv, hidden))
         for product, rows, k in products:
             assert rows % product.block_n == 0 and k % product.block_k == 0 and product.split_k == 1
-        assert tune.fits(cfg)
+            if suffix:  # a 1-byte tile; per-group scales need K tiles inside one group
+                assert shared_bytes(product, 2, 1) <= sm90_limit
+                assert not suffix[2] or suffix[2] % product.block_k == 0
+        assert suffix or tune.fits(cfg)
 
 
 def test_bench_engine_names_map_to_graph_engine_options():
