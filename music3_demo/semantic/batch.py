@@ -12,8 +12,9 @@ a condition until their queue has something or the drive lock is free.
 
 A song leaves when its end token is seen, at max_frames, or when its caller stops (cancel, close, an exception):
 its slot is parked (recomputes step 0 in its own rows at the pool's parking place) and its region goes back to the
-pool. Nothing about a song's numbers depends on the others: its rows are its own in every kernel, its noise is a
-function of its own seed and step, and the kernel configs do not depend on the batch size.
+pool. Nothing about a song's numbers depends on the others: its prompt is prefilled in the same chunks whoever
+joins with it, its rows are its own in every kernel, its noise is a function of its own seed and step, and the
+kernel configs do not depend on the batch size.
 """
 
 from __future__ import annotations
@@ -203,12 +204,18 @@ class Batch:
                     other.peers = max(other.peers, len(self.active) - 1)
 
     def _fill(self) -> None:
-        """Prefill up to `prefill_chunk` prompt tokens of the admitted songs, oldest first (a long prompt takes
-        several rounds, so the songs already running wait about one block at a time)."""
-        budget = self.engine.config.prefill_chunk
+        """Prefill at most `prefill_chunk` prompt tokens of the admitted songs per round, oldest first (a long prompt
+        takes several rounds, so the songs already running wait about one block at a time). A song's prompt is
+        always cut at the same places, multiples of `prefill_chunk` from its start, whoever joins with it: another
+        cut changes its K/V in the last bits (another split of the same attention and products), and its codes with
+        them. A chunk that does not fit in what is left of the round waits whole for a later round."""
+        chunk = self.engine.config.prefill_chunk
+        budget = chunk
         for song in [s for s in self.active.values() if not s.live]:
             length = song.prompt.shape[1]
-            end = min(length, song.filled + budget)
+            end = min(length, song.filled + chunk)
+            if end - song.filled > budget:
+                continue  # (the round's first song always fits: the oldest one is never passed over)
             self.engine.fill(song.slot, song.text_ids, song.start, song.filled, end)
             budget -= end - song.filled
             song.filled = end

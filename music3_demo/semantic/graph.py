@@ -162,7 +162,9 @@ class GraphEngine(EngineWeights, FrameStep):
             try:
                 text_ids = text_ids.to(self.device)
                 self.begin(0, text_ids, steps, SamplingSettings(cfg_scale), 0, codes, start)
-                self.fill(0, text_ids, start, 0, text_ids.shape[1])
+                chunk = self.config.prefill_chunk  # cut where a song's prompt is cut (batch.py): the same K/V
+                for begin in range(0, text_ids.shape[1], chunk):
+                    self.fill(0, text_ids, start, begin, min(text_ids.shape[1], begin + chunk))
                 self.go(0, start, text_ids.shape[1], steps)
                 with self._on_stream():  # allocated on the stream that writes it
                     frames = torch.empty(steps - 1, state.frames.shape[2], device=self.device, dtype=self.dtype)
