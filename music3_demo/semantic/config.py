@@ -20,12 +20,11 @@ class GraphConfig:
     # (tests) True runs one launch per product of the same kernel.
     chain: bool | None = None
     # Songs advanced together by one replay (2 rows each; a product takes at most 16 rows). Graphs are captured per
-    # bucket of 1, 2, 4, 8 songs up to this; `engine.slots` is this number. 4 by default: on the H200 a batch of 8
-    # made one song's codes differ from the song alone late in the song (a batch of 4, with a song joining mid-song,
-    # was bit-identical), so 8 serves no songs until that is found (docs/PERFORMANCE.md, "Many songs at once").
-    slots: int = 4
+    # bucket of 1, 2, 4, 8 songs up to this; `engine.slots` is this number.
+    slots: int = 8
     # Prompt tokens prefilled per round while other songs run: a long prompt joins in chunks, so the songs already
-    # running wait about one block at a time, not for the whole prefill.
+    # running wait about one block at a time, not for the whole prefill. A prompt is always cut at multiples of this
+    # from its start (its K/V bits depend on the cuts), whichever songs share its rounds.
     prefill_chunk: int = 512
 
     def __post_init__(self) -> None:
