@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import shutil
 import sys
 import time
@@ -219,6 +220,9 @@ def generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # The CLI prints the engine's fallback sentence itself, as a note; without a handler Python's last-resort handler
+    # would print the engine logger's warning of it a second time.
+    logging.getLogger("music3_demo.engine").addHandler(logging.NullHandler())
     for line in untested_warnings():
         print(f"warning: {line}", file=sys.stderr)
     try:

@@ -178,11 +178,16 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
             speed = next(iter(holder.speeds.values()), None)
             trackers = [StageTracker(r.duration + added, r.num_steps, speed=speed) for r in requests]
             running = set(range(len(requests)))
+            status_shown = [None]  # the status line this run last set (None: still the click's sentence)
 
             def progress_updates() -> dict:
-                """The progress block follows the first song still running; each other running one, its card."""
+                """The progress block follows the first song still running; each other running one, its card. The
+                status line says while the first song waits for a device (its place, its expected start)."""
                 lead = trackers[min(running)] if running else trackers[0]
                 updates = {view.progress: lead.page_html(time.time() - clicked_at)}
+                status = trackers[0].status_text() if 0 in running else None
+                if status is not None and status != status_shown[0]:
+                    updates[view.status] = status_shown[0] = status
                 for index in running - {0}:
                     updates |= view.cards[index - 1].line(index + 1, requests[index].seed,
                                                           trackers[index].description(semantic_eta=False))

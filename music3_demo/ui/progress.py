@@ -39,6 +39,7 @@ class StageTracker:
         self.min_interval = min_interval
         self.phase: str | None = "queued for a device"
         self.waiting: Waiting | None = None  # the latest place in line, while the song waits for a device
+        self.heard = False  # whether the song's job has told anything yet (a place in line, a phase, progress)
         self.semantic: Progress | None = None
         self.flow: Progress | None = None
         self.vocoder = False
@@ -46,6 +47,7 @@ class StageTracker:
         self._phase_started = time.monotonic()
 
     def update(self, event: Phase | Waiting | Progress) -> None:
+        self.heard = True
         if isinstance(event, Waiting):
             if not self.waiting:  # the time waited counts from the first place in line, not from each update
                 self._phase_started = time.monotonic()
@@ -82,6 +84,14 @@ class StageTracker:
         if self.vocoder:
             parts.append("Vocoder")
         return " │ ".join(parts) or "Starting"
+
+    def status_text(self) -> str | None:
+        """The page's status line for this song: its place in line and expected start while it waits for a device,
+        "" once it has one, None before its job has told anything (the sentence shown at the click stands)."""
+        if self.waiting is not None:
+            text = self.waiting.text
+            return f"⏳ {text[0].upper()}{text[1:]}."
+        return "" if self.heard else None
 
     def _load_step(self) -> int | None:
         """1-3 while the model loads (fetch, weights, warm-up): Gradio shows a description only with a fraction."""

@@ -23,7 +23,6 @@ from .history import escape_markdown
 from .report import report_markdown
 
 IDLE_TEXT = "Press **Generate**: the song starts playing here while it is being made."
-WAITING_TEXT = "⏳ Waiting for your turn: the song starts as soon as the model is free."
 STOPPED_TEXT = "⏹ Stopped."
 # ~1 s stream segments: the player re-reads the playlist about once per longest segment, so a 4 s piece sent whole
 # would leave it waiting for seconds between pieces.
@@ -94,10 +93,11 @@ class RunView:
                 *(component for card in self.cards for component in card.outputs())]
 
     def start(self) -> dict:
-        """A new run: the last result is hidden (it lives on in the history) and so is the old stream's player."""
+        """A new run: the last result is hidden (it lives on in the history) and so is the old stream's player. The
+        status line keeps what the click said until the song's place in line is known (the run then updates it)."""
         # The live player is not touched here: a value (even None) opens an empty stream, which the player then
         # polls for segments until the first piece (or forever, when the song is stopped before one).
-        return {self.status: "", self.queue: gr.update(visible=False), self.result: gr.update(visible=False),
+        return {self.queue: gr.update(visible=False), self.result: gr.update(visible=False),
                 self.live_box: gr.update(visible="hidden")} | {key: value for card in self.cards
                                                                for key, value in card.hidden().items()}
 

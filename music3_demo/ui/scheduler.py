@@ -181,9 +181,10 @@ class Scheduler:
     def _start_in(self, ticket: Ticket, expected_s: ExpectedFn) -> float | None:
         """Seconds until the ticket should start (a ticket not in line: as if it joined the line's end now): the
         songs ahead take the earliest free places in turn, each for its expected time; the running songs free theirs
-        after what is left of theirs."""
+        after what is left of theirs. The places are the devices' slots, no more than `limit` in all."""
         now = time.monotonic()
         free_at: list[float] = []
+        room = 0
         for device in self.devices:
             running = self._running[device]
             for song in running:
@@ -191,7 +192,10 @@ class Scheduler:
                 if expected is None:
                     return None
                 free_at.append(max(expected - (now - song.started), 0.0))
-            free_at.extend([0.0] * max(self._capacity(device) - len(running), 0))
+            room += max(self._capacity(device) - len(running), 0)
+        if self.limit is not None:  # a device's empty slot is no place while the limit is reached (_device_for)
+            room = min(room, max(self.limit - len(free_at), 0))
+        free_at.extend([0.0] * room)
         if not free_at:
             return None
         heapq.heapify(free_at)

@@ -222,6 +222,22 @@ def test_progress_line_follows_overlapping_stages():
     assert sent[-1][0][0] == (45, 120) and sent[-1][1]["unit"] == "steps"
 
 
+def test_status_line_says_while_the_song_waits_for_a_device():
+    """What the click said stands until the line tells; then the place and start; cleared once the song has a device."""
+    from music3_demo.ui.progress import StageTracker
+    from music3_demo.ui.runner import Phase, Waiting
+
+    tracker = StageTracker(duration_s=3.0, steps=8)
+    assert tracker.status_text() is None
+    tracker.update(Phase("waiting for a free device"))
+    tracker.update(Waiting(2, 150.0))
+    assert tracker.status_text() == "⏳ Waiting for your turn: number 2 in line, starts in about 2.5 min."
+    tracker.update(Waiting(1, None))
+    assert tracker.status_text() == "⏳ Waiting for your turn: next in line."
+    tracker.update(Phase("loading tiny onto cpu"))
+    assert tracker.status_text() == ""
+
+
 def test_queue_is_bounded(tmp_path):
     with running_app(tmp_path, "--max-queue", "1", "--concurrency", "1") as server:
         clients = [Client(server.url, verbose=False) for _ in range(3)]

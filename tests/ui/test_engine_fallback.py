@@ -158,6 +158,7 @@ def test_cli_says_why_it_falls_back_and_exits_2_when_graph_was_asked_for(tmp_pat
     auto = _cli("--out", str(tmp_path / "a.wav"), fault="compile")
     assert auto.returncode == 0, auto.stderr
     assert f"note: The fast graph engine could not start on cpu ({NO_SHARED_MEMORY}" in auto.stderr
+    assert auto.stderr.count("could not start on cpu") == 1, auto.stderr  # said once, not also by the log
     assert "engine=reference" in auto.stdout and "engine_check_s=" in auto.stdout
     assert (tmp_path / "a.wav").stat().st_size > 0
 

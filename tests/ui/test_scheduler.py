@@ -1,7 +1,7 @@
 """Many users on one device, in-process through the real holder on the tiny model (its reference engine has 4 slots):
 songs join while there is room, wait in one first-come line otherwise (never an engine error), leave one by one, a
 cancelled waiting song gives its place away, a full engine pool holds the line, variations start together, and a
-waiting song hears its place and an estimated start."""
+waiting song hears its place and an estimated start (within the limit of songs at once too)."""
 
 from __future__ import annotations
 
@@ -181,6 +181,24 @@ def test_a_waiting_song_hears_when_it_should_start(holder, monkeypatch):
     assert waiting[4].heard[0][0] == 5 and waiting[4].heard[0][1] == pytest.approx(start + 10.0, abs=0.5)
     for user in users + waiting:
         user.done()
+
+
+def test_under_a_limit_of_songs_at_once_a_waiting_song_starts_when_the_running_one_ends(holder, monkeypatch):
+    # `--concurrency 1`: one song at a time although the engine has 4 slots, so the 3 empty slots are no place.
+    frames = holder.ticket(REQUEST).frames
+    monkeypatch.setitem(holder.speeds, "cpu", Speed(frames / 10.0, 0.0, 0.0, overlapped=False))
+    monkeypatch.setattr(holder.scheduler, "limit", 1)
+    first = User(holder, "first").start()
+    wait_until(lambda: running(holder) == 1, "the first song did not start")
+    time.sleep(1.0)  # about 9 s of it left
+    assert 7.0 < holder.start_in(holder.ticket(REQUEST)) < 9.5  # what the page tells at the click
+    second = line_up(holder, ["second"])[0]
+    wait_until(lambda: second.heard, "the waiting song heard nothing")
+    place, start = second.heard[0]
+    assert place == 1 and 7.0 < start < 9.5 and second.started_at is None
+    first.done()
+    wait_until(lambda: second.started_at is not None, "the waiting song did not start when the first ended")
+    second.done()
 
 
 def test_a_song_whose_caller_went_away_gives_back_its_place_in_line_but_not_on_the_device(holder):
