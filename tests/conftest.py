@@ -20,6 +20,53 @@ def pytest_configure(config: pytest.Config) -> None:
         # The CPU tests run tiny models whose every op is too small to share between threads: one thread each (the
         # app servers they start inherit it) instead of torch's pool per process fighting over the machine's cores.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        _patch_triton_language_once_per_launch()
+
+
+def _patch_triton_language_once_per_launch() -> None:
+    """Triton 3.9's interpreter patches `triton.language` for interpretation (an `inspect.getmembers` walk over its
+    modules) at each kernel launch, which restores it afterwards, and again at every call of a `@triton.jit` helper
+    inside the kernel, which changes nothing then: the launch has patched the same modules. Those repeated walks are
+    about a quarter of an interpreted engine step. Here a helper's call skips the walk when the running launch (on
+    this thread) has patched every language module the helper sees; anything else goes through Triton's own code.
+    Only for the pinned Triton, whose interpreter this was read from."""
+    import inspect
+    import threading
+
+    import triton
+
+    if triton.__version__ != "3.9.0":
+        return
+    from triton.runtime import interpreter
+
+    patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    state = threading.local()
+
+    def languages(fn) -> set:
+        return {v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (triton.language,
+                                                                                    triton.language.core)}
+
+    def patched_once(fn):
+        if getattr(state, "launching", False):  # the launch's own patching (restored when it returns)
+            state.launching, state.patched = False, languages(fn)
+            return patch_lang(fn)
+        patched = getattr(state, "patched", None)
+        if patched is not None and languages(fn) <= patched:
+            return interpreter._LangPatchScope()
+        scope = patch_lang(fn)  # (a helper's patching is never restored by Triton: it holds for this launch)
+        if patched is not None:
+            patched |= languages(fn)  # triton.language's own helpers (tl.sum, ...) see triton.language.core
+        return scope
+
+    def launch_once(self, *args, **kwargs):
+        outer = getattr(state, "patched", None)
+        state.launching = True
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            state.launching, state.patched = False, outer
+
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = patched_once, launch_once
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -43,3 +90,17 @@ def tiny_pipeline(tiny_folder):
     from music3_demo.pipeline import Music3Pipeline
 
     return Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference")
+
+
+@pytest.fixture(scope="module")
+def one_block_models():
+    """The tiny model's LM and depth decoder (float32, CPU) cut to one block each: every engine kernel still runs,
+    at about half the interpreter's time per step of the tiny model's two blocks (tests of the engine's host-side
+    logic; the chained tails between blocks are tested on `tiny_models`)."""
+    import dataclasses
+
+    from music3_demo import random_models
+
+    sizes = dataclasses.replace(random_models.TINY, lm_layers=1, depth_layers=1)
+    components = random_models.build_components(sizes, seed=0)
+    return components["language_model"], components["rvq_depth_decoder"]

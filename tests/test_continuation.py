@@ -113,18 +113,16 @@ def test_cfg_sample_forces_only_the_steps_below_the_device_count():
     assert codes.tolist() == [9, 9, 5, 5]
 
 
-def test_graph_engine_forced_prefix_reproduces_the_song_then_decodes_on():
+def test_graph_engine_forced_prefix_reproduces_the_song_then_decodes_on(one_block_models):
     """The graph engine's prefix (the captured frame reads "forced for the first P steps" from a device value):
     a song's own codes as the prefix give its frames again, and the frames after it equal teacher forcing on the
     continued song's codes."""
-    from music3_demo import random_models
     from music3_demo.semantic import SamplingSettings
     from music3_demo.semantic.config import GraphConfig
     from music3_demo.semantic.graph import GraphEngine
 
-    components = random_models.build_components(random_models.TINY, seed=0)
     ring = GraphConfig(replay_block=2, in_flight=0, frame_ring=4, attention_splits=2)
-    engine = GraphEngine(components["language_model"], components["rvq_depth_decoder"], "cpu", config=ring)
+    engine = GraphEngine(*one_block_models, "cpu", config=ring)
     text_ids = torch.randint(0, 250, (2, 6), generator=torch.Generator().manual_seed(21))
     run = engine.frames(text_ids, 3, SamplingSettings(), torch.Generator().manual_seed(22))
     song = torch.cat(list(run))

@@ -68,9 +68,9 @@ def parity_pipeline(parity_folder):
     return Music3Pipeline.from_pretrained(str(parity_folder), device="cpu", engine="reference")
 
 
-@pytest.mark.parametrize("seed", [0, 1234])
-def test_reference_engine_reproduces_diffusers_waveform(parity_folder, parity_pipeline, seed):
-    duration, steps = 13.0, 4  # 325 frames -> 3 flow chunks
+def test_reference_engine_reproduces_diffusers_waveform(parity_folder, parity_pipeline):
+    # one seed (the ending-song test below is a second): each costs a song through both pipelines
+    seed, duration, steps = 1234, 13.0, 4  # 325 frames -> 3 flow chunks
     request = GenerationRequest(DESCRIPTION, LYRICS, duration=duration, num_steps=steps, seed=seed)
     events = []
     song = parity_pipeline.generate(request, on_event=events.append)

@@ -44,16 +44,8 @@ def _same(run, blocks: list, alone) -> None:
 
 
 @pytest.fixture(scope="module")
-def models():
-    """The tiny model cut to one LM block and one depth block: every kernel still runs, at half the interpreter's
-    time per step."""
-    import dataclasses
-
-    from music3_demo import random_models
-
-    sizes = dataclasses.replace(random_models.TINY, lm_layers=1, depth_layers=1)
-    components = random_models.build_components(sizes, seed=0)
-    return components["language_model"], components["rvq_depth_decoder"]
+def models(one_block_models):
+    return one_block_models
 
 
 def test_a_prompt_prefilled_in_chunks_is_the_prompt_prefilled_at_once(models):
