@@ -18,6 +18,20 @@ def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT)
 
 
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    """The CLI's `main` in this process, its output captured: the same code as `python -m music3_demo` without a
+    new interpreter importing torch again (test_generate_wav_and_report and the first bad input run it for real)."""
+    import contextlib
+    import io
+
+    from music3_demo.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["music3_demo", *args], code, out.getvalue(), err.getvalue())
+
+
 def test_generate_wav_and_report(tmp_path, tiny_folder):
     out = tmp_path / "song.wav"
     result = run_cli("generate", "--model", "tiny", "--prompt", "lofi hip hop, 80 BPM", "--lyrics",
@@ -38,18 +52,18 @@ def test_flac_float_and_lyrics_file(tmp_path, tiny_folder):
     lyrics = tmp_path / "lyrics.txt"
     lyrics.write_text("[chorus]\n你好 世界\n", encoding="utf-8")
     flac = tmp_path / "song.flac"
-    result = run_cli("generate", "--model", "tiny", "--prompt", "c-pop", "--lyrics-file", str(lyrics),
+    result = run_main("generate", "--model", "tiny", "--prompt", "c-pop", "--lyrics-file", str(lyrics),
                      "--duration", "1", "--steps", "1", "--seed", "1", "--out", str(flac), "--quiet")
     assert result.returncode == 0, result.stderr
     assert sf.info(str(flac)).format == "FLAC"
     wav = tmp_path / "float.wav"
-    result = run_cli("generate", "--model", "tiny", "--prompt", "ambient", "--instrumental", "--duration", "1",
+    result = run_main("generate", "--model", "tiny", "--prompt", "ambient", "--instrumental", "--duration", "1",
                      "--steps", "1", "--seed", "1", "--out", str(wav), "--subtype", "FLOAT", "--quiet")
     assert result.returncode == 0, result.stderr
     data, rate = sf.read(str(wav), dtype="float32")
     assert sf.info(str(wav)).subtype == "FLOAT" and data.shape[1] == 2 and abs(data).max() > 0
     mp3 = tmp_path / "song.mp3"  # written progressively too, as pieces arrive
-    result = run_cli("generate", "--model", "tiny", "--prompt", "ambient", "--instrumental", "--duration", "1",
+    result = run_main("generate", "--model", "tiny", "--prompt", "ambient", "--instrumental", "--duration", "1",
                      "--steps", "1", "--seed", "1", "--out", str(mp3), "--quiet")
     assert result.returncode == 0, result.stderr
     info = sf.info(str(mp3))
@@ -57,7 +71,7 @@ def test_flac_float_and_lyrics_file(tmp_path, tiny_folder):
     assert abs(info.duration - len(data) / rate) < 0.06  # the encoder's frame padding at most
 
 
-def test_bad_input_exits_nonzero_with_the_sentence(tmp_path, capsys):
+def test_bad_input_exits_nonzero_with_the_sentence(tmp_path):
     cases = [
         (["--prompt", "pop", "--lyrics", "hi", "--duration", "500"], "Duration (seconds) must be between 1 and 360"),
         (["--prompt", "", "--lyrics", "hi"], "description is empty"),
@@ -75,33 +89,24 @@ def test_bad_input_exits_nonzero_with_the_sentence(tmp_path, capsys):
         (["--prompt", "pop", "--lyrics", "hi", "--engine", "graph", "--device", "cpu", "--model", "tiny"],
          "graph engine needs a CUDA GPU"),
     ]
-    # The first case through `python -m` (the exit status a shell sees); the others through the same `main` in this
-    # process (a new interpreter per case would only re-import torch).
-    from music3_demo.cli import main
-
     for index, (args, message) in enumerate(cases):
         argv = ["generate", *args] + ([] if "--out" in args else ["--out", str(tmp_path / "o.wav")])
-        if index == 0:
-            result = run_cli(*argv)
-            returncode, stderr = result.returncode, result.stderr
-        else:
-            returncode = main(argv)
-            stderr = capsys.readouterr().err
-        assert returncode == 2, (args, stderr)
-        assert message in stderr, (args, stderr)
-        assert "Traceback" not in stderr
+        result = run_cli(*argv) if index == 0 else run_main(*argv)  # the first as a shell sees it
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
 
 
 def test_variations_write_one_file_each_with_consecutive_seeds(tmp_path, tiny_folder):
     out = tmp_path / "song.wav"
-    result = run_cli("generate", "--model", "tiny", "--prompt", "lofi hip hop", "--instrumental", "--duration", "1",
+    result = run_main("generate", "--model", "tiny", "--prompt", "lofi hip hop", "--instrumental", "--duration", "1",
                      "--steps", "1", "--seed", "7", "--variations", "2", "--out", str(out), "--quiet")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0::2] == [str(tmp_path / "song-v1.wav"), str(tmp_path / "song-v2.wav")]
     assert "seed=7" in lines[1] and "seed=8" in lines[3]
     assert not out.exists() and all(sf.info(str(tmp_path / f"song-v{i}.wav")).channels == 2 for i in (1, 2))
-    refused = run_cli("generate", "--model", "tiny", "--prompt", "lofi", "--instrumental", "--variations", "5",
+    refused = run_main("generate", "--model", "tiny", "--prompt", "lofi", "--instrumental", "--variations", "5",
                       "--out", str(tmp_path / "no.wav"))
     assert refused.returncode == 2 and "Variations must be between 1 and 4, got 5." in refused.stderr
     assert not list(tmp_path.glob("no*"))

@@ -169,7 +169,7 @@ def test_ctrl_enter_streams_then_one_player_and_history_survives_a_reload(contex
                             ".map(a => a.closest('[id]') && a.closest('[id]').id)")
     assert players == ["result-audio"], players
     page.wait_for_function("() => { const a = document.querySelector('#result-audio audio');"
-                           " return a && Math.abs(a.duration - 9.0) < 0.05; }")
+                           " return a && Math.abs(a.duration - 9.0) < 0.05; }", timeout=90_000)  # (a loaded CI box)
     assert page.locator("#waveform img").is_visible()
     assert all(page.locator(f"#download-{kind}").is_visible() for kind in ("wav", "flac", "mp3"))
     page.wait_for_timeout(500)
@@ -181,7 +181,7 @@ def test_ctrl_enter_streams_then_one_player_and_history_survives_a_reload(contex
     assert "bright synth-pop" in page.locator("#history").inner_text()
     page.locator(".m3-play").click()  # the history's song plays in the page's one player
     page.wait_for_function("() => { const a = document.querySelector('#result-audio audio');"
-                           " return a && Math.abs(a.duration - 9.0) < 0.05; }")
+                           " return a && Math.abs(a.duration - 9.0) < 0.05; }", timeout=90_000)  # (a loaded CI box)
     page.close()
 
 
