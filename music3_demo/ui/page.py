@@ -76,7 +76,9 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
                 history = gr.BrowserState([], storage_key=STORAGE_KEY, secret=browser_secret(ctx.store.root))
                 with gr.Accordion("Your songs", open=True, elem_id="history"):
 
-                    @gr.render(inputs=[history])
+                    # Only on change: the browser's stored value arrives as a change on every page load, so the
+                    # default load trigger would render the list twice and a click between the two could be lost.
+                    @gr.render(inputs=[history], triggers=[history.change])
                     def _history(entries: list[dict]) -> None:
                         render_history(entries, ctx.store.root, controls.settable(), settings_values,
                                        view.song_outputs(), view.play_entry)
