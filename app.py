@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "longest song fits each GPU, else fp8 or int8 (default: auto)")
     parser.add_argument("--devices", default=None,
                         help="comma-separated devices, each running as many songs at once as its engine has batch "
-                             "slots (default: every CUDA GPU, else the CPU)")
+                             "slots (default: every CUDA GPU, else the CPU); cuda:0+cuda:1 is one device whose "
+                             "frames are made on cuda:0 and audio on cuda:1 (a stage split)")
     parser.add_argument("--host", default=None, help="address to listen on (default: Gradio's, 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default: Gradio's, 7860 or the next free)")
     parser.add_argument("--share", action="store_true", help="also open a temporary public gradio.live link")
@@ -68,24 +69,27 @@ def main(argv: list[str] | None = None) -> None:
     for line in untested_warnings():
         logging.warning(line)
 
-    import torch
-
     from music3_demo.ui.holder import ModelHolder, default_devices
     from music3_demo.semantic import resolve_engine_name
     from music3_demo.ui import AppContext, build_ui, launch_options
     from music3_demo.ui.admission import GRADIO_QUEUE_HEADROOM
     from music3_demo.precision import choose_precision
     from music3_demo.memory import free_and_capability
+    from music3_demo.devices import split_devices
     from music3_demo.ui.gpu import zero_gpu
     from music3_demo.ui.runner import JobRegistry, register_holder
     from music3_demo.ui.store import SongStore
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else default_devices()
     try:
+        named = [str(part) for device in devices for part in split_devices(device) if part is not None]
+        if len(named) != len(set(named)):
+            raise ValueError(f"--devices names a GPU twice ({', '.join(devices)}): each device runs its own model.")
         for device in devices:
-            resolve_engine_name(args.engine, torch.device(device))
+            semantic = split_devices(device)[0]  # "cuda:0+cuda:1": a stage split, the engine on cuda:0
+            resolve_engine_name(args.engine, semantic)
             if args.precision == "fp8":  # refused before a long load when a GPU has no fp8
-                choose_precision("fp8", *free_and_capability(device), None)
+                choose_precision("fp8", *free_and_capability(semantic), None)
     except (ValueError, RuntimeError) as error:
         sys.exit(f"app.py: {error}")
     space = zero_gpu()

@@ -173,6 +173,8 @@ def _class_for(folder: Path, name: str, index: dict):
 # What a quantized load keeps in host memory until the quantizer puts it on the device layer by layer, so that the
 # bf16 weights and their quantized copies never sit on the GPU together.
 QUANTIZED_COMPONENTS = ("language_model", "rvq_depth_decoder")
+# What runs in the flow stage: on a GPU of its own in a stage split (`Music3Pipeline.flow_device`).
+FLOW_COMPONENTS = ("condition_encoder", "transformer", "vocoder")
 
 
 def load_components(

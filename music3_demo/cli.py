@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--precision", choices=PRECISIONS, default="auto",
                      help="LM / depth-decoder weights: bf16 (exact), fp8 (sm_89+), int8; auto = bf16 where the "
                      "longest song fits the GPU, else fp8 or int8")
-    gen.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available)")
+    gen.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available); "
+                     "cuda:0+cuda:1 makes the frames on cuda:0 and the audio on cuda:1 (a stage split)")
     gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     gen.add_argument("--out", type=Path, default=Path("song.wav"), help="output .wav, .flac or .mp3 (320 kb/s)")
     gen.add_argument("--subtype", default=None,
@@ -84,11 +85,21 @@ def _argument_text(flag: str, text: str) -> str:
 
 
 def _device(name: str | None):
-    """The --device as a torch.device, or one sentence on why it cannot be used here."""
+    """The --device as a torch.device (or "cuda:A+cuda:B", a stage split, checked part by part), or one sentence on
+    why it cannot be used here."""
     import torch
 
     if name is None:
         return None
+    if "+" in name:
+        from .devices import split_devices
+
+        parts = [_device(part.strip()) for part in name.split("+", 1)]
+        try:
+            split_devices(*parts)
+        except ValueError as error:
+            raise InvalidRequest(f"--device {name}: {error}") from None
+        return name
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):

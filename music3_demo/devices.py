@@ -31,6 +31,22 @@ def normalize(device: str | torch.device) -> torch.device:
     return device
 
 
+def split_devices(device: str | torch.device | None, flow_device: str | torch.device | None = None
+                  ) -> tuple[torch.device | None, torch.device | None]:
+    """(semantic device, flow-stage device or None) from a device written alone or as "cuda:0+cuda:1": a stage
+    split, the flow stage on a GPU of its own. Raises ValueError unless the two are different GPUs."""
+    if isinstance(device, str) and "+" in device:
+        if flow_device is not None:
+            raise ValueError(f"{device!r} names the flow stage's device already; give flow_device only with one device")
+        device, _, flow_device = (part.strip() for part in device.partition("+"))
+    device = normalize(device) if device is not None else None
+    flow_device = normalize(flow_device) if flow_device is not None else None
+    if flow_device is not None and (device is None or device == flow_device
+                                    or "cuda" != device.type or "cuda" != flow_device.type):
+        raise ValueError(f"A stage split needs two different GPUs, got {device} and {flow_device}.")
+    return device, flow_device
+
+
 @contextlib.contextmanager
 def on_device(device: torch.device | str) -> Iterator[None]:
     """Make `device` the current CUDA device for the block (off CUDA only `entered_device` changes)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
 import queue
 import threading
@@ -13,21 +13,12 @@ import numpy as np
 import torch
 
 from . import contract as c
-from .checkpoint import (
-    QUANTIZED_COMPONENTS,
-    CheckpointError,
-    ModelSource,
-    build_random_full,
-    default_device,
-    default_dtype,
-    load_components,
-    model_figures,
-    resolve,
-)
+from .checkpoint import CheckpointError, ModelSource, default_device, default_dtype, resolve
 from .continuation import SongState, check_continuation
-from .devices import normalize, on_device
-from .memory import PeakSampler, free_and_capability, release_cached
-from .precision import Footprint, PrecisionChoice, check_precision, choose_precision
+from .devices import normalize, on_device, split_devices
+from .loading import load_model, precision_for
+from .memory import PeakSampler, release_cached
+from .precision import PrecisionChoice, check_precision
 from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
 from . import flow as flow_stage
 from .flow.stream import FlowSettings, FlowStream, Piece
@@ -38,7 +29,6 @@ from .semantic import SamplingSettings, make_engine, resolve_engine_name
 
 __all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest", "SongState"]
 
-log = logging.getLogger("music3_demo.pipeline")
 
 # The flow stage's generator on the fast engines is seeded apart from the semantic one, so overlap cannot change
 # results run to run.
@@ -56,16 +46,20 @@ class Music3Pipeline:
         allow_interpreter: bool | None = None,
         precision: PrecisionChoice | None = None,
         lazy: bool = False,
+        flow_device: torch.device | str | None = None,
     ) -> None:
         """`overlap`: run the flow stage while semantic frames are still being made (default: when the engine draws
         from its own generator). With the reference engine it switches to separate per-stage generators, so results
         then differ from diffusers' single-generator draws (still deterministic for a seed). `allow_interpreter`:
         tests only, see `semantic.graph_on_cpu_allowed`. `precision`: what `components` were loaded as and why
         (from_pretrained's choice; unquantized weights when not given). `lazy`: build the engine (self-check, graph
-        capture) and the flow stage's fast path at the first song, in the process that runs it (Space mode)."""
+        capture) and the flow stage's fast path at the first song, in the process that runs it (Space mode).
+        `flow_device`: where the flow stage (condition encoder, DiT, vocoder; `components` already there) runs, when
+        not on `device`: a stage split over two GPUs, so one song's frames and its audio are made side by side."""
         self.components = components
         self.source = source
         self.device = normalize(device)
+        self.flow_device = normalize(flow_device) if flow_device is not None else self.device
         self.precision = precision or PrecisionChoice("bf16", "bf16", "The weights as they were given.")
         self.requested_engine = engine
         self._overlap = overlap
@@ -104,10 +98,13 @@ class Music3Pipeline:
             self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
             # Every song's DiT and vocoder calls go through the one executor (several songs may share this
             # pipeline); it holds the captured DiT graphs on CUDA, and its thread belongs to this process too.
-            self.flow_executor = flow_stage.prepare(self.components, self.device, fast=self.separate_flow_rng)
+            with on_device(self.flow_device):  # its graphs are captured on the flow stage's own GPU
+                self.flow_executor = flow_stage.prepare(self.components, self.flow_device,
+                                                        fast=self.separate_flow_rng)
             self.velocity_graphs = self.flow_executor.graphs
             # What the self-check and the trim (full lm_head dropped, embeddings to the host) left in the cache.
-            release_cached(self.device)
+            for device in {self.device, self.flow_device}:
+                release_cached(device)
             self.stages_pid = os.getpid()
             self.setup_s = time.perf_counter() - started
             return True
@@ -125,18 +122,26 @@ class Music3Pipeline:
         allow_interpreter: bool | None = None,
         precision: str = "auto",
         lazy: bool = False,
+        flow_device: str | torch.device | None = None,
     ) -> "Music3Pipeline":
-        """`precision`: auto | bf16 | fp8 | int8 (see precision.py); `lazy`: see __init__."""
-        device = normalize(device) if device is not None else normalize(default_device())
+        """`precision`: auto | bf16 | fp8 | int8 (see precision.py); `lazy`, `flow_device`: see __init__ (a
+        `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1)."""
+        device, flow_device = split_devices(device, flow_device)
+        device = device if device is not None else normalize(default_device())
         resolve_engine_name(engine, device, allow_interpreter)  # fail before a long load
         check_precision(precision)
         dtype = dtype or default_dtype(device)
         source = resolve(model, revision=revision, token=token)
         with on_device(device):
             choice = precision_for(precision, device, source)
-            components = load_model(source, device, dtype, choice)
+            components = load_model(source, device, dtype, choice, flow_device=flow_device)
         return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
-                   precision=choice, lazy=lazy)
+                   precision=choice, lazy=lazy, flow_device=flow_device)
+
+    @property
+    def split(self) -> bool:
+        """Whether the flow stage runs on a GPU of its own (a stage split)."""
+        return self.flow_device != self.device
 
     @property
     def slots(self) -> int:
@@ -236,14 +241,14 @@ class Music3Pipeline:
             shared = torch.Generator("cpu").manual_seed(seed)
             return shared, shared
         semantic = torch.Generator(self.device).manual_seed(seed)
-        flow = torch.Generator(self.device).manual_seed((seed + FLOW_SEED_OFFSET) % 2**64)
+        flow = torch.Generator(self.flow_device).manual_seed((seed + FLOW_SEED_OFFSET) % 2**64)
         return semantic, flow
 
     def _resumed_flow_generator(self, state: SongState, seed: int) -> torch.Generator:
         """The flow generator as it was before the song's last chunk, so the continuation decodes as the whole song
         would have. A state from another kind of device (a GPU song continued on a CPU) cannot be restored there:
         the re-rendered chunks then take fresh noise (the audio before them is kept either way)."""
-        kind = self.device if self.separate_flow_rng else torch.device("cpu")
+        kind = self.flow_device if self.separate_flow_rng else torch.device("cpu")
         restored = state.flow.generator(kind)
         if restored is not None:
             return restored
@@ -263,8 +268,9 @@ class Music3Pipeline:
         # Callers run on any thread (the app's runners start with device 0 current).
         with on_device(self.device):
             built = self.ensure_stages()  # a lazy pipeline's first song (in this process) builds the engine
-            with PeakSampler(self.device) as memory:
-                return self._generate(request, on_event, cancel, continue_from, memory,
+            flow_memory = PeakSampler(self.flow_device) if self.split else contextlib.nullcontext()
+            with PeakSampler(self.device) as memory, flow_memory as flow_memory:
+                return self._generate(request, on_event, cancel, continue_from, memory, flow_memory,
                                       self.setup_s if built else None)
 
     @torch.no_grad()
@@ -275,6 +281,7 @@ class Music3Pipeline:
         cancel: threading.Event | None,
         continue_from: SongState | None,
         memory: PeakSampler,
+        flow_memory: PeakSampler | None,
         setup_s: float | None,
     ) -> Song:
         emit = on_event or (lambda event: None)
@@ -296,13 +303,14 @@ class Music3Pipeline:
         expected_chunks = len(c.chunk_starts(max_frames))
         flow_settings = FlowSettings(request.num_steps, request.guidance_scale, batched_cfg=self.separate_flow_rng)
         flow = FlowStream(
-            self.components, flow_settings, flow_generator, self.device, cancel=cancel, executor=self.flow_executor
+            self.components, flow_settings, flow_generator, self.flow_device, cancel=cancel,
+            executor=self.flow_executor,
         )
         prefix = None
         if continue_from is not None:
             flow.resume(continue_from.flow)
             prefix = torch.from_numpy(continue_from.codes).long()
-        worker = FlowWorker(flow, self.device)
+        worker = FlowWorker(flow, self.flow_device)
         pieces: list[np.ndarray] = []
 
         def deliver(piece: Piece) -> None:
@@ -337,8 +345,9 @@ class Music3Pipeline:
                 if self.overlap:
                     worker.submit(block)
                     # Time to first audio matters more than the last half second of the song: while chunk 0 is
-                    # denoised the semantic stage waits (stops enqueueing frames) instead of sharing the GPU with it.
-                    first_chunk = not pieces and frames >= c.CHUNK_FRAMES
+                    # denoised the semantic stage waits (stops enqueueing frames) instead of sharing the GPU with it
+                    # (with a GPU of its own, the flow stage shares nothing).
+                    first_chunk = not pieces and frames >= c.CHUNK_FRAMES and not self.split
                     waited = time.perf_counter()
                     publish(wait=False, until_audio=first_chunk)
                     if first_chunk:
@@ -374,6 +383,10 @@ class Music3Pipeline:
         if setup_s is not None:
             timings["setup_s"] = setup_s  # this song built the engine first (a lazy pipeline in a new process)
         memory.stop()
+        figures = memory.as_dict()
+        if flow_memory is not None:
+            flow_memory.stop()
+            figures = {**(figures or {}), "flow_device": str(self.flow_device), "flow": flow_memory.as_dict()}
         resume = flow.resume_point
         state = SongState(request, codes, resume, audio[:, : resume.boundary])
         song = Song(
@@ -388,7 +401,7 @@ class Music3Pipeline:
             state=state,
             precision=self.precision.mode,
             precision_reason=self.precision.reason,
-            memory=memory.as_dict(),
+            memory=figures,
             peers=blocks.stats.peers if blocks.stats is not None else None,
         )
         emit(Finished(song))
@@ -397,35 +410,3 @@ class Music3Pipeline:
 
 def sampling_for(request: GenerationRequest) -> SamplingSettings:
     return SamplingSettings(request.lm_cfg_scale, request.top_k)
-
-
-def precision_for(requested: str, device: torch.device, source: ModelSource) -> PrecisionChoice:
-    """The precision for this device and model (precision.choose_precision on the device's free memory and
-    capability), logged in one line with its reason."""
-    free, capability = free_and_capability(device)
-    figures = model_figures(source) if free is not None and requested == "auto" else None
-    choice = choose_precision(requested, free, capability, Footprint(figures) if figures is not None else None)
-    log.info("precision %s on %s (asked: %s): %s", choice.mode, device, requested, choice.reason)
-    return choice
-
-
-def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, choice: PrecisionChoice,
-               sizes=None) -> dict:
-    """The components on `device`, the LM and depth decoder in `choice.mode`. A quantized load reads (or builds)
-    those two in host memory and quantizes them onto the device layer by layer, so their bf16 weights and the
-    quantized copies never sit on the GPU together; the DiT and vocoder load as always. `sizes`: a built-in model's
-    (random-full only; the bench mutes its end token)."""
-    host = QUANTIZED_COMPONENTS if choice.quantized else ()
-    if source.folder is None:
-        components = build_random_full(device, dtype, host=host, sizes=sizes)
-    else:
-        components = load_components(source.folder, device, dtype, host=host)
-    if choice.quantized:
-        from .semantic.quant import quantize_model_
-
-        # Layer by layer onto the device; what stays bf16 (embeddings, norms, lm_head's text rows) follows.
-        report = quantize_model_(components["language_model"], components["rvq_depth_decoder"], choice.mode, device)
-        log.info("quantized the language model and depth decoder to %s on %s: %s", choice.mode, device,
-                 report.as_dict())
-    release_cached(device)  # what loading left in the allocator's cache (conversions, host round trips)
-    return components

@@ -88,6 +88,8 @@ def test_bad_input_exits_nonzero_with_the_sentence(tmp_path):
         (["--prompt", "pop", "--lyrics", "hi", "--model", str(tmp_path / "missing")], "does not exist"),
         (["--prompt", "pop", "--lyrics", "hi", "--engine", "graph", "--device", "cpu", "--model", "tiny"],
          "graph engine needs a CUDA GPU"),
+        (["--prompt", "pop", "--lyrics", "hi", "--device", "cpu+cpu"], "A stage split needs two different GPUs"),
+        (["--prompt", "pop", "--lyrics", "hi", "--device", "cuda:0+cuda:1"], "PyTorch sees no CUDA GPU"),
     ]
     for index, (args, message) in enumerate(cases):
         argv = ["generate", *args] + ([] if "--out" in args else ["--out", str(tmp_path / "o.wav")])

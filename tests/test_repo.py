@@ -38,6 +38,7 @@ LAYERS = [
     {"__init__", "contract", "events", "request", "prompt", "audio", "fused_weights", "random_models", "checkpoint",
      "handoff", "versions", "devices", "continuation", "precision", "memory"},
     {"semantic", "flow"},
+    {"loading"},
     {"pipeline"},
     {"bench", "ui"},
     {"cli", "app"},

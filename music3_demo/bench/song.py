@@ -18,7 +18,8 @@ from ..checkpoint import ModelSource
 from ..events import AudioPiece, Event, Progress
 from ..flow.stream import FlowSettings, FlowStream, full_chunk_latents
 from ..memory import PeakSampler
-from ..pipeline import Music3Pipeline, load_model
+from ..loading import load_model
+from ..pipeline import Music3Pipeline
 from ..precision import PrecisionChoice
 from ..request import GenerationRequest
 
@@ -28,18 +29,21 @@ SONG_LYRICS = "[verse]\n" + "\n".join(f"line {i} of a long verse about the city 
 )
 
 
-def full_size_pipeline(engine: str, device: torch.device, precision: str = "bf16") -> Music3Pipeline:
+def full_size_pipeline(engine: str, device: torch.device, precision: str = "bf16",
+                       flow_device: torch.device | None = None) -> Music3Pipeline:
     """random-full with the end token muted, so every benchmarked song runs to its full length; loaded in
-    `precision` through the pipeline's own loading path (a quantized mode: built, moved to the host, quantized)."""
+    `precision` through the pipeline's own loading path (a quantized mode: built, moved to the host, quantized);
+    with `flow_device`, the flow stage runs there (a stage split)."""
     sizes = dataclasses.replace(random_models.FULL, end_token_gain=0.0)
     source = ModelSource("random-full", None, "random-full")
     choice = PrecisionChoice(precision, precision, f"{precision} as asked (bench).")
-    components = load_model(source, device, torch.bfloat16, choice, sizes=sizes)
-    return Music3Pipeline(components, source, device, engine, precision=choice)
+    components = load_model(source, device, torch.bfloat16, choice, sizes=sizes, flow_device=flow_device)
+    return Music3Pipeline(components, source, device, engine, precision=choice, flow_device=flow_device)
 
 
-def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_STEPS) -> dict:
-    """One song, timed from the generate() call; the model is loaded and warm."""
+def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_STEPS, keep: list | None = None
+              ) -> dict:
+    """One song, timed from the generate() call; the model is loaded and warm. The song is appended to `keep`."""
     device = pipeline.device
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -58,6 +62,8 @@ def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_S
         song = pipeline.generate(request, on_event=on_event)
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - started
+    if keep is not None:
+        keep.append(song)
     busy = {k: song.timings[k] for k in ("semantic_s", "flow_s", "vocoder_s")}
     serial = sum(busy.values())
     longest = max(busy.values())

@@ -47,9 +47,12 @@ class FlowWorker:
         self._results = Handoff(self._run, self.THREAD_NAME)
 
     def submit(self, frames: torch.Tensor) -> None:
-        """Queue frames made on the caller's current stream; the worker's stream waits for them."""
+        """Queue frames made on the caller's current stream; the worker's stream waits for them. Frames made on
+        another GPU (a stage split) are copied over first, ordered after the stream that made them."""
         ready = None
         if self._stream is not None:
+            if frames.device != self.device:
+                frames = frames.to(self.device, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
             frames.record_stream(self._stream)  # the allocator must not reuse it while the worker reads it

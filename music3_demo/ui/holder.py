@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
-from ..devices import on_device
+from ..devices import on_device, split_devices
 from ..memory import device_memory
 from ..semantic import EngineUnavailable
 from .gpu import WorkerClock
@@ -141,8 +141,8 @@ class ModelHolder:
         running = self.scheduler.running()
         first = loaded[0] if loaded else None
         seen = next(iter(self._song_engine.values()), (None, None))
-        memory = {slot.device: figures.as_dict() for slot in self._slots
-                  if slot.pipeline is not None and not self.lazy and (figures := device_memory(slot.device))}
+        memory = {slot.device: figures.as_dict() for slot in self._slots if slot.pipeline is not None
+                  and not self.lazy and (figures := device_memory(split_devices(slot.device)[0]))}
         return HolderStatus(
             model=self.model,
             state=state,
@@ -231,7 +231,8 @@ class ModelHolder:
                 source = self._resolve(on_phase)
                 self._set_phase(f"{LOAD_PHASES[1]} {self.model} onto {slot.device}", on_phase)
                 target = str(source.folder) if source.folder is not None else source.name
-                with on_device(slot.device):  # this thread (preload, a request's runner) may have another current
+                # this thread (preload, a request's runner) may have another current (a split: its engine's GPU)
+                with on_device(split_devices(slot.device)[0]):
                     # overlap: the flow stage on its own thread (and stream) while frames are made, so songs stream
                     # on the CPU too. With the reference engine that means per-stage generators: the app's songs are
                     # deterministic per seed but not diffusers' waveform (the CLI and Python API keep that contract).

@@ -62,3 +62,40 @@ def test_same_song_on_two_gpus_at_once_is_the_song_made_alone_on_cuda0():
         assert song.frames == alone.frames and song.engine == "graph", device
         assert np.array_equal(song.audio, alone.audio), f"the song made on {device} differs from the one alone"
     holder.release()
+
+
+@TWO_GPUS
+def test_a_stage_split_song_is_the_song_made_on_one_gpu():
+    """`--devices cuda:0+cuda:1` through the holder: the engine and its graphs on cuda:0, the flow stage (condition
+    encoder, DiT graphs, vocoder) on cuda:1; the seeded song is the one a single GPU makes, and the report says where
+    the flow stage's memory went. (scripts/stage_split.py times the two.)"""
+    from music3_demo.pipeline import Music3Pipeline
+    from music3_demo.ui.holder import ModelHolder
+
+    request = GenerationRequest("dreamy synth-pop", "[verse]\nhello", duration=12.0, num_steps=8, seed=1234)
+    one = Music3Pipeline.from_pretrained("random-full", device="cuda:0")
+    one.warm()
+    alone = one.generate(request)
+    one.release()
+    del one
+    torch.cuda.empty_cache()
+
+    holder = ModelHolder("random-full", ["cuda:0+cuda:1"], engine="auto", warmup=True)
+    holder.preload(background=False)
+    status = holder.status()
+    assert status.state == "ready" and status.engine == "graph" and status.engine_note is None, status
+    with holder.acquire() as lease:
+        assert lease.device == "cuda:0+cuda:1"
+        pipeline = lease.pipeline
+        song = pipeline.generate(request)
+    places = {name: next(pipeline.components[name].parameters()).device.index
+              for name in ("language_model", "rvq_depth_decoder", "condition_encoder", "transformer", "vocoder")}
+    assert places == {"language_model": 0, "rvq_depth_decoder": 0, "condition_encoder": 1, "transformer": 1,
+                      "vocoder": 1}, places
+    assert pipeline.split and pipeline.velocity_graphs is not None
+    print("\nstage split " + json.dumps({"alone_s": round(alone.timings["total_s"], 3),
+                                         "split_s": round(song.timings["total_s"], 3), "memory": song.memory}))
+    assert song.memory["flow_device"] == "cuda:1" and song.memory["flow"]["device_peak_gb"] > 0
+    assert np.array_equal(song.state.codes, alone.state.codes)
+    assert np.array_equal(song.audio, alone.audio), np.abs(song.audio - alone.audio).max()
+    holder.release()

@@ -1,0 +1,59 @@
+"""What a pipeline loads, and where: the precision for the device (and why), then the components placed on it (the
+LM and depth decoder quantized onto the GPU layer by layer in a 1-byte mode; in a stage split, the flow stage's
+parts on their own GPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .checkpoint import (
+    FLOW_COMPONENTS,
+    QUANTIZED_COMPONENTS,
+    ModelSource,
+    build_random_full,
+    load_components,
+    model_figures,
+)
+from .memory import free_and_capability, release_cached
+from .precision import Footprint, PrecisionChoice, choose_precision
+
+log = logging.getLogger("music3_demo.loading")
+
+
+def precision_for(requested: str, device: torch.device, source: ModelSource) -> PrecisionChoice:
+    """The precision for this device and model (precision.choose_precision on the device's free memory and
+    capability), logged in one line with its reason."""
+    free, capability = free_and_capability(device)
+    figures = model_figures(source) if free is not None and requested == "auto" else None
+    choice = choose_precision(requested, free, capability, Footprint(figures) if figures is not None else None)
+    log.info("precision %s on %s (asked: %s): %s", choice.mode, device, requested, choice.reason)
+    return choice
+
+
+def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, choice: PrecisionChoice,
+               sizes=None, flow_device: torch.device | None = None) -> dict:
+    """The components on `device`, the LM and depth decoder in `choice.mode`. A quantized load reads (or builds)
+    those two in host memory and quantizes them onto the device layer by layer, so their bf16 weights and the
+    quantized copies never sit on the GPU together; the DiT and vocoder load as always. `sizes`: a built-in model's
+    (random-full only; the bench mutes its end token)."""
+    host = QUANTIZED_COMPONENTS if choice.quantized else ()
+    if flow_device is not None:  # a stage split: the flow stage's parts go to their GPU through host memory
+        host += FLOW_COMPONENTS
+    if source.folder is None:
+        components = build_random_full(device, dtype, host=host, sizes=sizes)
+    else:
+        components = load_components(source.folder, device, dtype, host=host)
+    if flow_device is not None:
+        for name in FLOW_COMPONENTS:
+            components[name] = components[name].to(flow_device)
+    if choice.quantized:
+        from .semantic.quant import quantize_model_
+
+        # Layer by layer onto the device; what stays bf16 (embeddings, norms, lm_head's text rows) follows.
+        report = quantize_model_(components["language_model"], components["rvq_depth_decoder"], choice.mode, device)
+        log.info("quantized the language model and depth decoder to %s on %s: %s", choice.mode, device,
+                 report.as_dict())
+    release_cached(device)  # what loading left in the allocator's cache (conversions, host round trips)
+    return components

@@ -1,0 +1,43 @@
+"""Device names: one device, or "cuda:A+cuda:B" (a stage split: frames on A, the flow stage on B)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from music3_demo.devices import split_devices
+
+
+def test_one_device_has_no_flow_device():
+    assert split_devices("cpu") == (torch.device("cpu"), None)
+    assert split_devices(None) == (None, None)
+    assert split_devices(torch.device("cpu")) == (torch.device("cpu"), None)
+
+
+def test_a_stage_split_names_two_gpus():
+    assert split_devices("cuda:0+cuda:1") == (torch.device("cuda", 0), torch.device("cuda", 1))
+    assert split_devices("cuda:1 + cuda:0") == (torch.device("cuda", 1), torch.device("cuda", 0))
+    assert split_devices("cuda:0", "cuda:1") == (torch.device("cuda", 0), torch.device("cuda", 1))
+
+
+@pytest.mark.parametrize("name", ["cpu+cpu", "cuda:0+cuda:0", "cpu+cuda:1", "cuda:1+cpu"])
+def test_a_split_that_is_not_two_gpus_is_refused_in_a_sentence(name):
+    with pytest.raises(ValueError, match="A stage split needs two different GPUs"):
+        split_devices(name)
+
+
+def test_the_flow_device_is_named_once():
+    with pytest.raises(ValueError, match="names the flow stage's device already"):
+        split_devices("cuda:0+cuda:1", "cuda:1")
+
+
+@pytest.mark.parametrize(("devices", "said"), [
+    ("cpu+cpu", "A stage split needs two different GPUs"),
+    ("cuda:0+cuda:1,cuda:1", "--devices names a GPU twice"),
+])
+def test_the_app_refuses_such_devices_before_loading(devices, said):
+    import app
+
+    with pytest.raises(SystemExit) as refused:
+        app.main(["--devices", devices])
+    assert said in str(refused.value)
