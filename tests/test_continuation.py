@@ -4,15 +4,14 @@ prefix under Triton's interpreter, the saved state, and the CLI round trip."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from cli_runs import run_main
 
 from music3_demo import contract as c
 from music3_demo.continuation import FlowResume, SongState, check_continuation, extension_request
@@ -137,9 +136,8 @@ def test_graph_engine_forced_prefix_reproduces_the_song_then_decodes_on(one_bloc
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "music3_demo", "generate", "--model", "tiny", "--quiet", *args],
-                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    """`generate` on the tiny model through the CLI's main, in this process (tests/test_cli.py runs real ones)."""
+    return run_main("generate", "--model", "tiny", "--quiet", *args)
 
 
 def test_cli_generate_then_continue_from(tmp_path, tiny_folder):
