@@ -32,6 +32,17 @@ def precision_for(requested: str, device: torch.device, source: ModelSource) -> 
     return choice
 
 
+def as_loaded(choice: PrecisionChoice, dtype: torch.dtype) -> PrecisionChoice:
+    """The choice named as the weights really are: unquantized weights in another dtype than bf16 (float32 on a CPU)
+    carry that dtype's name, so the banner, the song report and the CLI do not say bf16 there."""
+    if choice.quantized or dtype == torch.bfloat16:
+        return choice
+    name = str(dtype).removeprefix("torch.")
+    reason = choice.reason if choice.requested == "auto" else (
+        f"{choice.requested} was asked; on this device the unquantized weights run in {name}.")
+    return PrecisionChoice(name, choice.requested, reason)
+
+
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, choice: PrecisionChoice,
                sizes=None, flow_device: torch.device | None = None) -> dict:
     """The components on `device`, the LM and depth decoder in `choice.mode`. A quantized load reads (or builds)

@@ -16,7 +16,7 @@ from . import contract as c
 from .checkpoint import CheckpointError, ModelSource, default_device, default_dtype, resolve
 from .continuation import SongState, check_continuation
 from .devices import normalize, on_device, split_devices
-from .loading import load_model, precision_for
+from .loading import as_loaded, load_model, precision_for
 from .memory import PeakSampler, release_cached
 from .precision import PrecisionChoice, check_precision
 from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
@@ -135,6 +135,7 @@ class Music3Pipeline:
         with on_device(device):
             choice = precision_for(precision, device, source)
             components = load_model(source, device, dtype, choice, flow_device=flow_device)
+        choice = as_loaded(choice, dtype)
         return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
                    precision=choice, lazy=lazy, flow_device=flow_device)
 

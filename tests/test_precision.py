@@ -118,6 +118,24 @@ def test_a_quantized_load_of_the_tiny_model_runs_songs_and_every_surface_names_i
     holder.release()
 
 
+def test_unquantized_weights_on_a_cpu_are_named_float32_on_every_surface(tiny_folder):
+    """A CPU runs unquantized weights in float32: the banner, the song and the CLI's note must not say bf16."""
+    from music3_demo.pipeline import Music3Pipeline
+    from music3_demo.ui.assets import banner_html
+    from music3_demo.ui.holder import ModelHolder
+
+    holder = ModelHolder("tiny", ["cpu"], "reference", warmup=False)
+    holder.preload(background=False)
+    status = holder.status()
+    assert (status.precision, status.precision_reason) == ("float32", "No GPU: the weights stay unquantized (float32 "
+                                                                      "on a CPU).")
+    assert "<code>float32</code> weights" in banner_html(status) and "bf16" not in banner_html(status)
+    holder.release()
+    asked = Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference", precision="bf16").precision
+    assert (asked.mode, asked.requested) == ("float32", "bf16")
+    assert asked.reason == "bf16 was asked; on this device the unquantized weights run in float32."
+
+
 def test_an_unknown_precision_is_refused_before_loading():
     from music3_demo import cli
     from music3_demo.pipeline import Music3Pipeline
