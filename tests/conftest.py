@@ -69,17 +69,6 @@ def _patch_triton_language_once_per_launch() -> None:
     interpreter._patch_lang, interpreter.GridExecutor.__call__ = patched_once, launch_once
 
 
-# The longest test files, started first: CI runs the suite on two workers that take whole files
-# (`-n 2 --dist loadfile`, in collection order), and one of these left to the end would run alone.
-SLOW_FIRST = ("test_arch_compile.py", "test_batch.py", "test_graph_engine.py", "test_page_truth.py", "test_app.py",
-              "test_continuation.py", "test_engine_fallback.py", "test_server_api.py", "test_cli.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: index for index, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
-
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     # GPU tests live beside the CPU tests of their module, in files named test_*_gpu.py (tests/test_repo.py checks
     # that). A GPU run (`pytest -m gpu tests`) imports only those: the CPU files need Triton's interpreter, and the
