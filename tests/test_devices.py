@@ -41,3 +41,18 @@ def test_the_app_refuses_such_devices_before_loading(devices, said):
     with pytest.raises(SystemExit) as refused:
         app.main(["--devices", devices])
     assert said in str(refused.value)
+
+
+def test_a_split_songs_report_names_both_cards(tiny_pipeline):
+    """A stage split's song report: its device as written, the engine GPU's peak and the flow stage's."""
+    from dataclasses import replace
+
+    from music3_demo.request import GenerationRequest
+    from music3_demo.ui.report import report_markdown, song_report
+    from music3_demo.ui.runner import JobRecord
+
+    request = GenerationRequest("x", "[verse]\nla", duration=1.0, num_steps=1, seed=2)
+    song = replace(tiny_pipeline.generate(request),
+                   memory={"device_peak_gb": 20.5, "flow_device": "cuda:1", "flow": {"device_peak_gb": 6.25}})
+    text = report_markdown(song_report(song, request, JobRecord(1, 1.0, device="cuda:0+cuda:1"), "tiny"))
+    assert "weights on `cuda:0+cuda:1` · peak 20.5 GB on the card, 6.2 GB on the flow stage's" in text, text

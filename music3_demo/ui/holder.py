@@ -59,7 +59,7 @@ class HolderStatus:
     engine_check_s: float | None  # the fast engine's self-check at load, when one ran
     precision: str | None  # the LM / depth-decoder weights: bf16 | fp8 | int8
     precision_reason: str | None  # why (auto's sentence, or "as asked")
-    memory: dict | None  # device -> the card's memory now (memory.DeviceMemory), for loaded CUDA devices
+    memory: dict | None  # GPU -> the card's memory now (memory.DeviceMemory), for loaded CUDA devices (both of a split)
     error: str | None
     notice: str | None  # set when the loaded model is a built-in random one
     loading_for_s: float | None
@@ -141,8 +141,8 @@ class ModelHolder:
         running = self.scheduler.running()
         first = loaded[0] if loaded else None
         seen = next(iter(self._song_engine.values()), (None, None))
-        memory = {slot.device: figures.as_dict() for slot in self._slots if slot.pipeline is not None
-                  and not self.lazy and (figures := device_memory(split_devices(slot.device)[0]))}
+        memory = {str(gpu): figures.as_dict() for slot in self._slots if slot.pipeline is not None and not self.lazy
+                  for gpu in split_devices(slot.device) if gpu is not None and (figures := device_memory(gpu))}
         return HolderStatus(
             model=self.model,
             state=state,
