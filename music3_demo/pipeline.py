@@ -171,7 +171,8 @@ class Music3Pipeline:
             if self.velocity_graphs is not None:
                 self.velocity_graphs.release()
         self.components.clear()
-        release_cached(self.device)
+        for device in {self.device, self.flow_device}:
+            release_cached(device)
 
     def warm(self) -> Song:
         """Pay the one-off costs (kernel selection, semantic and flow graph capture, allocator growth) with a
