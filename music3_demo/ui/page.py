@@ -112,6 +112,10 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
                           api_visibility="private")
         demo.load(refresh_banner, None, [banner, banner_timer], queue=False, show_progress="hidden",
                   api_visibility="private")
+        # Gradio 6.31 draws a Column built with visible="hidden" as shown until an update hides it: without this the
+        # page opens with an empty live player. (Hidden, not removed: the stream's player must stay in the page.)
+        demo.load(lambda: gr.update(visible="hidden"), None, view.live_box, queue=False, show_progress="hidden",
+                  api_visibility="private")
 
         # ---- controls ---------------------------------------------------------------------------------------
         count_inputs = [controls.description, controls.lyrics, controls.instrumental]

@@ -153,6 +153,7 @@ def test_stop_is_not_an_error(context, app):
 
 def test_ctrl_enter_streams_then_one_player_and_history_survives_a_reload(context, app):
     page = open_page(context, app)
+    page.wait_for_selector("#live-box", state="hidden", timeout=5_000)  # no empty live player before a song
     fill_form(page, "bright synth-pop", "[verse]\nhello there")
     set_number(page, "duration", 9)  # two flow chunks: the first is heard before the song is finished
     set_number(page, "steps", 1)
