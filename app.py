@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> None:
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else default_devices()
     try:
-        named = [str(part) for device in devices for part in split_devices(device) if part is not None]
+        stages = [split_devices(device) for device in devices]  # "cuda:0+cuda:1": the engine on cuda:0
+        named = [str(part) for parts in stages for part in parts if part is not None]
         if len(named) != len(set(named)):
             raise ValueError(f"--devices names a GPU twice ({', '.join(devices)}): each device runs its own model.")
-        for device in devices:
-            semantic = split_devices(device)[0]  # "cuda:0+cuda:1": a stage split, the engine on cuda:0
+        for semantic, _ in stages:
             resolve_engine_name(args.engine, semantic)
             if args.precision == "fp8":  # refused before a long load when a GPU has no fp8
                 choose_precision("fp8", *free_and_capability(semantic), None)

@@ -270,8 +270,8 @@ class Music3Pipeline:
         # Callers run on any thread (the app's runners start with device 0 current).
         with on_device(self.device):
             built = self.ensure_stages()  # a lazy pipeline's first song (in this process) builds the engine
-            flow_memory = PeakSampler(self.flow_device) if self.split else contextlib.nullcontext()
-            with PeakSampler(self.device) as memory, flow_memory as flow_memory:
+            flow_sampler = PeakSampler(self.flow_device) if self.split else contextlib.nullcontext()
+            with PeakSampler(self.device) as memory, flow_sampler as flow_memory:
                 return self._generate(request, on_event, cancel, continue_from, memory, flow_memory,
                                       self.setup_s if built else None)
 
