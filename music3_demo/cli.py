@@ -17,6 +17,7 @@ from . import contract as c
 from .audio import AudioFileWriter, output_format
 from .checkpoint import CheckpointError, default_model
 from .continuation import SongState, check_continuation, extension_request
+from .errors import OutOfMemory, is_out_of_memory, public_message
 from .events import AudioPiece, Event, Progress
 from .precision import PRECISIONS
 from .request import MAX_VARIATIONS, GenerationRequest, InvalidRequest, check_variations, validate
@@ -223,6 +224,7 @@ def generate(args: argparse.Namespace) -> int:
     for out, song in zip(outs, songs):
         stages = " ".join(f"{key}={value:.2f}" for key, value in song.timings.items())
         print(f"{out}")
+        # This process's own peak on the GPU (memory.py), not the card's use with other programs on it.
         memory = f" device_peak_gb={song.memory['device_peak_gb']}" if song.memory else ""
         print(f"duration={song.duration:.2f}s frames={song.frames} seed={song.seed} engine={song.engine} "
               f"precision={song.precision} {stages}{memory}")
@@ -234,12 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     # The CLI prints the engine's fallback sentence itself, as a note; without a handler Python's last-resort handler
     # would print the engine logger's warning of it a second time.
     logging.getLogger("music3_demo.engine").addHandler(logging.NullHandler())
+    logging.getLogger("music3_demo.memory").addHandler(logging.NullHandler())  # (its sentence is the error line)
     for line in untested_warnings():
         print(f"warning: {line}", file=sys.stderr)
     try:
         return generate(args)
-    except (InvalidRequest, CheckpointError, ValueError) as error:
+    except (InvalidRequest, CheckpointError, ValueError, OutOfMemory) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        print(f"error: {public_message(error)}", file=sys.stderr)  # one raised where no sentence was made for it
         return 2
     except KeyboardInterrupt:
         print("cancelled", file=sys.stderr)

@@ -35,7 +35,8 @@ _OOM_PATTERNS = re.compile(
 # What marks a message as the GPU stack's own (never shown to a user as it is).
 _CUDA_PATTERNS = re.compile(
     r"\bCUDA\b|\bcuda[A-Z]\w*|\bCUBLAS_|\bCUDNN_|\bcuBLAS\b|\bNCCL\b|device-side assert|illegal memory access"
-    r"|CUDA_LAUNCH_BLOCKING|TORCH_USE_CUDA_DSA|Triton Error|PYTORCH_CUDA_ALLOC_CONF|\bGPU \d+ has a total capacity",
+    r"|CUDA_LAUNCH_BLOCKING|TORCH_USE_CUDA_DSA|Triton Error|PYTORCH_CUDA_ALLOC_CONF|\bGPU \d+ has a total capacity"
+    r"|Tried to allocate|DefaultCPUAllocator|alloc_cpu\.cpp",
 )
 
 
@@ -77,7 +78,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def is_cuda_message(text: str) -> bool:
     """Whether a message is the GPU stack's own (torch's CUDA errors, cuBLAS, Triton's launcher, the driver)."""
-    return bool(_CUDA_PATTERNS.search(text)) or bool(_OOM_PATTERNS.search(text))
+    return bool(_CUDA_PATTERNS.search(text))
 
 
 def public_message(error: BaseException) -> str:
@@ -98,9 +99,15 @@ def gib(value: int | float) -> str:
     return f"{value / GIB:.1f} GiB"
 
 
-def _advice(alternatives: list[tuple[str, int]], free_bytes: int | None, shorter: bool) -> str:
+def _memory(device: str) -> tuple[str, str]:
+    """What ran out on `device` and whose programs to close ('GPU memory', 'that use the GPU'; on a CPU the host's)."""
+    return ("GPU memory", "other programs that use the GPU") if device.startswith("cuda") else ("memory",
+                                                                                                "other programs")
+
+
+def _advice(device: str, alternatives: list[tuple[str, int]], free_bytes: int | None, shorter: bool) -> str:
     """'close other programs that use the GPU, start with --precision X (about N GiB) or ...'"""
-    steps = ["close other programs that use the GPU"]
+    steps = [f"close {_memory(device)[1]}"]
     fitting = [(flag, need) for flag, need in alternatives if free_bytes is None or need <= free_bytes]
     for flag, need in (fitting or alternatives)[:2]:
         steps.append(f"start with {flag} (about {gib(need)})")
@@ -118,8 +125,8 @@ def load_sentence(device: str, mode: str, free_bytes: int | None, need_bytes: in
     longest song)."""
     free = f"{gib(free_bytes)} was free" if free_bytes is not None else "the free memory is unknown"
     need = f" and {mode} needs about {gib(need_bytes)}" if need_bytes is not None else ""
-    return (f"Not enough GPU memory on {device} for {stage} in {mode}: {free}{need}; "
-            f"{_advice(list(alternatives), free_bytes, shorter)}.")
+    return (f"Not enough {_memory(device)[0]} on {device} for {stage} in {mode}: {free}{need}; "
+            f"{_advice(device, list(alternatives), free_bytes, shorter)}.")
 
 
 def song_sentence(device: str, mode: str, free_bytes: int | None, process_bytes: int | None) -> str:
@@ -127,8 +134,9 @@ def song_sentence(device: str, mode: str, free_bytes: int | None, process_bytes:
     process holds, and what to do."""
     held = f", this app holds {gib(process_bytes)}" if process_bytes is not None else ""
     free = f"{gib(free_bytes)} is free" if free_bytes is not None else "the free memory is unknown"
-    return (f"This song ran out of GPU memory on {device} ({free}{held}, weights in {mode}): try a shorter song or "
-            "fewer songs at once, or close other programs that use the GPU.")
+    what, whose = _memory(device)
+    return (f"This song ran out of {what} on {device} ({free}{held}, weights in {mode}): try a shorter song or "
+            f"fewer songs at once, or close {whose}.")
 
 
 def host_sentence(what: str, need_bytes: int, available_bytes: int, on_cpu: bool) -> str:
@@ -157,7 +165,7 @@ class OnOutOfMemory:
             return False
         if isinstance(error, OutOfMemory) and not (self.during == "load" and getattr(error, "during", "") == "song"):
             return False
-        log.warning("out of memory (%s): %s", self.during, " ".join(str(error).split())[:400], exc_info=error)
+        log.info("out of memory (%s): %s", self.during, " ".join(str(error).split())[:400], exc_info=error)
         traceback.clear_frames(tb)
         error.__traceback__ = None
         self.release()

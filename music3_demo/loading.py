@@ -16,8 +16,9 @@ from .checkpoint import (
     load_components,
     model_figures,
 )
+from .errors import DeviceOutOfMemory, load_sentence
 from .memory import free_and_capability, release_cached
-from .precision import Footprint, PrecisionChoice, choose_precision
+from .precision import QUANTIZED, Footprint, PrecisionChoice, choose_precision, fp8_capable
 
 log = logging.getLogger("music3_demo.loading")
 
@@ -30,6 +31,24 @@ def precision_for(requested: str, device: torch.device, source: ModelSource) -> 
     choice = choose_precision(requested, free, capability, Footprint(figures) if figures is not None else None)
     log.info("precision %s on %s (asked: %s): %s", choice.mode, device, requested, choice.reason)
     return choice
+
+
+def load_out_of_memory(device: torch.device, source: ModelSource, choice: PrecisionChoice, free_bytes: int | None,
+                       stage: str = "loading the model") -> DeviceOutOfMemory:
+    """The sentence for an out-of-memory while getting ready on `device`: what was free before the load, what the
+    mode needs (precision.Footprint's estimate for the longest song) and the modes that need less."""
+    figures = model_figures(source) if torch.device(device).type == "cuda" else None
+    footprint = Footprint(figures) if figures is not None else None
+    modes = ("bf16",) + QUANTIZED
+    need = footprint.need(choice.mode) if footprint is not None and choice.mode in modes else None
+    alternatives = []
+    if need is not None:
+        capability = free_and_capability(device)[1]
+        alternatives = [(f"--precision {mode}", footprint.need(mode)) for mode in QUANTIZED
+                        if footprint.need(mode) < need and (mode != "fp8" or fp8_capable(capability))]
+    sentence = load_sentence(str(device), choice.mode, free_bytes, need, alternatives, stage, shorter=True)
+    return DeviceOutOfMemory(sentence, "load", free_bytes=free_bytes, need_bytes=need, mode=choice.mode,
+                             stage=stage)
 
 
 def as_loaded(choice: PrecisionChoice, dtype: torch.dtype) -> PrecisionChoice:

@@ -16,8 +16,9 @@ from . import contract as c
 from .checkpoint import CheckpointError, ModelSource, default_device, default_dtype, resolve
 from .continuation import SongState, check_continuation
 from .devices import normalize, on_device, split_devices
-from .loading import as_loaded, load_model, precision_for
-from .memory import PeakSampler, release_cached
+from .errors import OnOutOfMemory
+from .loading import as_loaded, load_model, load_out_of_memory, precision_for
+from .memory import PeakSampler, free_and_capability, release_cached, song_out_of_memory
 from .precision import PrecisionChoice, check_precision
 from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
 from . import flow as flow_stage
@@ -71,6 +72,7 @@ class Music3Pipeline:
         self.overlap = self.separate_flow_rng = bool(overlap)  # what the stages will do, until they are built
         self.stages_pid: int | None = None  # the process whose CUDA context holds the engine's graphs and buffers
         self.setup_s: float | None = None  # what building the stages took (self-check and captures included)
+        self.free_at_load: int | None = None  # the device's free bytes before from_pretrained loaded (sentences)
         self._stages_lock = threading.Lock()
         if not lazy:
             self.ensure_stages()
@@ -103,8 +105,7 @@ class Music3Pipeline:
                                                         fast=self.separate_flow_rng)
             self.velocity_graphs = self.flow_executor.graphs
             # What the self-check and the trim (full lm_head dropped, embeddings to the host) left in the cache.
-            for device in {self.device, self.flow_device}:
-                release_cached(device)
+            self.release_caches()
             self.stages_pid = os.getpid()
             self.setup_s = time.perf_counter() - started
             return True
@@ -134,10 +135,15 @@ class Music3Pipeline:
         source = resolve(model, revision=revision, token=token)
         with on_device(device):
             choice = precision_for(precision, device, source)
-            components = load_model(source, device, dtype, choice, flow_device=flow_device)
-        choice = as_loaded(choice, dtype)
-        return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
-                   precision=choice, lazy=lazy, flow_device=flow_device)
+            free = free_and_capability(device)[0]
+            # An out-of-memory while loading, self-checking or capturing leaves as one sentence (errors.py).
+            failed = lambda: load_out_of_memory(device, source, as_loaded(choice, dtype), free)  # noqa: E731
+            with OnOutOfMemory("load", failed, lambda: release_cached(device)):
+                components = load_model(source, device, dtype, choice, flow_device=flow_device)
+                pipeline = cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
+                               precision=as_loaded(choice, dtype), lazy=lazy, flow_device=flow_device)
+        pipeline.free_at_load = free
+        return pipeline
 
     @property
     def split(self) -> bool:
@@ -171,6 +177,10 @@ class Music3Pipeline:
             if self.velocity_graphs is not None:
                 self.velocity_graphs.release()
         self.components.clear()
+        self.release_caches()
+
+    def release_caches(self) -> None:
+        """Give the allocator's unused blocks back on this pipeline's GPUs (both of a stage split)."""
         for device in {self.device, self.flow_device}:
             release_cached(device)
 
@@ -178,7 +188,14 @@ class Music3Pipeline:
         """Pay the one-off costs (kernel selection, semantic and flow graph capture, allocator growth) with a
         throw-away song, so the first real song does not. On CUDA the song is long enough for one full flow chunk,
         whose guided DiT step is then captured here rather than inside a user's song; then the flow executor
-        measures its merged DiT and vocoder calls and merges songs' calls only where that is faster."""
+        measures its merged DiT and vocoder calls and merges songs' calls only where that is faster. An
+        out-of-memory here is a load failure's sentence (the warm-up is part of getting ready)."""
+        failed = lambda: load_out_of_memory(self.device, self.source, self.precision, self.free_at_load,  # noqa: E731
+                                            "warming up")
+        with OnOutOfMemory("load", failed, self.release_caches):
+            return self._warm()
+
+    def _warm(self) -> Song:
         self.ensure_stages()
         seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
         reserve = getattr(self.engine, "reserve", None)
@@ -267,8 +284,10 @@ class Music3Pipeline:
         that song by `request.duration` seconds (`continuation.extension_request` builds such a request): its codes
         are the forced prefix, the flow stage restarts at its last chunk, and its audio before that chunk comes back
         unchanged as the first piece."""
-        # Callers run on any thread (the app's runners start with device 0 current).
-        with on_device(self.device):
+        # Callers run on any thread (the app's runners start with device 0 current). An out-of-memory ends this
+        # song with a sentence; its engine slot, flow worker and the allocator's cache are freed on the way out.
+        failed = lambda: song_out_of_memory(self.device, self.precision.mode)  # noqa: E731
+        with on_device(self.device), OnOutOfMemory("song", failed, self.release_caches):
             built = self.ensure_stages()  # a lazy pipeline's first song (in this process) builds the engine
             flow_sampler = PeakSampler(self.flow_device) if self.split else contextlib.nullcontext()
             with PeakSampler(self.device) as memory, flow_sampler as flow_memory:

@@ -20,6 +20,7 @@ import torch
 
 from .. import contract as c
 from ..devices import normalize, on_device
+from ..errors import is_out_of_memory
 from . import SamplingSettings, SemanticEngine, resolve_engine_name
 
 log = logging.getLogger("music3_demo.engine")
@@ -108,6 +109,10 @@ def _try_graph(lm, depth, device: torch.device, check_steps: int):
         finally:
             check_s = time.perf_counter() - started
     except Exception as error:  # noqa: BLE001 - any failure to build or run the fast engine means: do not use it
+        if is_out_of_memory(error):  # not the engine's fault: the reference would not fit either (errors.py)
+            if graph is not None:
+                graph.release()
+            raise
         log.info("the graph engine could not start on %s", device, exc_info=True)  # the traceback, for the log
         failure = f"The fast graph engine could not start on {device} ({_one_line(error)})."
     if failure is not None and graph is not None:

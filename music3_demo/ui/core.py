@@ -18,6 +18,7 @@ import soundfile as sf
 
 from ..checkpoint import CheckpointError
 from ..continuation import SongState
+from ..errors import OutOfMemory, public_message
 from ..events import AudioPiece, Cancelled, Finished, Progress, Song
 from ..request import GenerationRequest, InvalidRequest, validate
 from .holder import ModelHolder
@@ -32,6 +33,7 @@ log = logging.getLogger("music3_demo.app")
 INVALID_TITLE = "Please change the request"
 LOAD_TITLE = "The model could not be loaded"
 DISK_FULL_TITLE = "The server's disk is full"
+MEMORY_TITLE = "Not enough memory"
 # Absolute paths inside an error's text (a file name an OSError carries, a library's message).
 _PATH_RE = re.compile(r"(?<![\w.:/])/(?:[^\s/'\"]+/)+[^\s/'\"]*")
 
@@ -108,8 +110,9 @@ def refusal(message: str, title: str = INVALID_TITLE) -> gr.Error:
 
 
 def public_text(error: BaseException) -> str:
-    """An unexpected error's text for the user: its message without server paths (the log keeps the details)."""
-    text = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    """An unexpected error's text for the user: its message without server paths and never a raw CUDA message
+    (errors.public_message; the log keeps the details)."""
+    text = error.strerror if isinstance(error, OSError) and error.strerror else public_message(error)
     return _PATH_RE.sub("<path>", text).strip() or type(error).__name__
 
 
@@ -251,6 +254,10 @@ def _failure(job: Job, error: BaseException) -> BaseException:
     if isinstance(error, CheckpointError):
         job.ended = "failed: the model could not be loaded"
         return refusal(str(error), LOAD_TITLE)
+    if isinstance(error, OutOfMemory):  # the song ended and freed what it held: the sentence says what to do
+        job.record.state, job.record.error = "failed", str(error)
+        job.ended = f"failed: {error}"
+        return refusal(str(error), MEMORY_TITLE)
     if isinstance(error, DiskFull):
         job.record.state, job.record.error = "failed", str(error)
         job.ended = f"failed: {error}"

@@ -22,6 +22,7 @@ import torch
 
 from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
 from ..devices import on_device, split_devices
+from ..errors import OutOfMemory, public_message
 from ..memory import device_memory
 from ..semantic import EngineUnavailable
 from .gpu import WorkerClock
@@ -360,8 +361,8 @@ def load_error_message(model: str, error: Exception) -> str:
     """One paragraph: what failed (the checkpoint code's own sentence when it has one) and how to get going. The
     "run without the Hub" hint only where the Hub is the problem: not for a local folder or a built-in model,
     whose faults the sentence itself names."""
-    why = str(error).strip() or type(error).__name__
-    if isinstance(error, EngineUnavailable):  # the weights are fine: the sentence names the engine flag to change
+    why = public_message(error)  # never a raw CUDA message (errors.py)
+    if isinstance(error, (EngineUnavailable, OutOfMemory)):  # their sentences name what to change
         return why
     if not isinstance(error, CheckpointError):
         why = f"Could not load {model}: {why}"
