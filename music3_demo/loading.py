@@ -1,10 +1,12 @@
-"""What a pipeline loads, and where: the precision for the device (and why), then the components placed on it (the
-LM and depth decoder quantized onto the GPU layer by layer in a 1-byte mode; in a stage split, the flow stage's
-parts on their own GPU)."""
+"""What a pipeline loads, and where: the precision for the device (and why), the host's room for it, then the
+components streamed onto the device tensor by tensor (the LM and depth decoder quantized as they arrive in a 1-byte
+mode; in a stage split, the flow stage's parts straight onto their own GPU), and the sentence for an out-of-memory
+while getting ready."""
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -16,8 +18,10 @@ from .checkpoint import (
     load_components,
     model_figures,
 )
+from .random_models import WEIGHT_COMPONENTS
+from .weights_stream import tensor_sizes
 from .errors import DeviceOutOfMemory, load_sentence
-from .memory import free_and_capability, release_cached
+from .memory import check_host_memory, free_and_capability, release_cached
 from .precision import QUANTIZED, Footprint, PrecisionChoice, choose_precision, fp8_capable
 
 log = logging.getLogger("music3_demo.loading")
@@ -64,26 +68,56 @@ def as_loaded(choice: PrecisionChoice, dtype: torch.dtype) -> PrecisionChoice:
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, choice: PrecisionChoice,
                sizes=None, flow_device: torch.device | None = None) -> dict:
-    """The components on `device`, the LM and depth decoder in `choice.mode`. A quantized load reads (or builds)
-    those two in host memory and quantizes them onto the device layer by layer, so their bf16 weights and the
-    quantized copies never sit on the GPU together; the DiT and vocoder load as always. `sizes`: a built-in model's
-    (random-full only; the bench mutes its end token)."""
-    host = QUANTIZED_COMPONENTS if choice.quantized else ()
-    if flow_device is not None:  # a stage split: the flow stage's parts go to their GPU through host memory
-        host += FLOW_COMPONENTS
-    if source.folder is None:
-        components = build_random_full(device, dtype, host=host, sizes=sizes)
-    else:
-        components = load_components(source.folder, device, dtype, host=host)
-    if flow_device is not None:
-        for name in FLOW_COMPONENTS:
-            components[name] = components[name].to(flow_device)
-    if choice.quantized:
-        from .semantic.quant import quantize_model_
+    """The components on `device` (a stage split: the flow stage's on `flow_device`), the LM and depth decoder in
+    `choice.mode`. Every tensor is read (or drawn) and placed on its device one at a time; in a 1-byte mode each LM
+    and depth-decoder block weight is quantized on the device as it arrives (semantic/quant.LayerQuantizer), so
+    their bf16 weights are never whole on the GPU or in host memory. A load from files is first checked against
+    the host's available memory (`host_need`). `sizes`: a built-in model's (random-full only; the bench mutes its
+    end token)."""
+    devices = {name: flow_device for name in FLOW_COMPONENTS} if flow_device is not None else None
+    quantizers = []
 
-        # Layer by layer onto the device; what stays bf16 (embeddings, norms, lm_head's text rows) follows.
-        report = quantize_model_(components["language_model"], components["rvq_depth_decoder"], choice.mode, device)
-        log.info("quantized the language model and depth decoder to %s on %s: %s", choice.mode, device,
-                 report.as_dict())
-    release_cached(device)  # what loading left in the allocator's cache (conversions, host round trips)
+    def quantizing(skeletons: dict):
+        from .semantic.quant import LayerQuantizer
+
+        quantizer = LayerQuantizer(skeletons["language_model"], skeletons["rvq_depth_decoder"], choice.mode, device)
+        quantizers.append(quantizer)
+        return lambda component, name, tensor: component in QUANTIZED_COMPONENTS and quantizer.place(component,
+                                                                                                     name, tensor)
+
+    placing = quantizing if choice.quantized else None
+    if source.folder is None:
+        components = build_random_full(device, dtype, placing, sizes=sizes, devices=devices)
+    else:
+        what = f"{source.name} on the CPU in {str(dtype).removeprefix('torch.')}" if device.type == "cpu" else (
+            f"{source.name} onto {device}")
+        need = host_need(source.folder, device, dtype, devices)
+        if need is not None:  # (a damaged file: load_components names it)
+            check_host_memory(what, need, on_cpu=device.type == "cpu")
+        components = load_components(source.folder, device, dtype, placing, devices)
+    if quantizers:  # lm_head's audio rows, then the report
+        report = quantizers[0].finish()
+        log.info("quantized the language model and depth decoder to %s on %s as they loaded: %s", choice.mode,
+                 device, report.as_dict())
+    release_cached(device)  # what loading left in the allocator's cache (conversions)
     return components
+
+
+def host_need(folder, device: torch.device, dtype: torch.dtype, devices: dict | None = None) -> int | None:
+    """Host bytes a load from `folder` needs, from the safetensors headers: the components that stay on a CPU in
+    their load dtype (the vocoder float32), plus the largest tensor twice (read, then converted) in flight. None
+    when a header cannot be read."""
+    resident = largest = 0
+    for component in WEIGHT_COMPONENTS:
+        target = torch.device((devices or {}).get(component, device))
+        itemsize = 4 if component == "vocoder" else dtype.itemsize
+        try:
+            sizes = tensor_sizes(folder / component)
+        except Exception:  # noqa: BLE001 - safetensors' own error types
+            return None
+        for _, shape, file_bytes in sizes:
+            numel = math.prod(shape)
+            largest = max(largest, numel * max(file_bytes, itemsize))
+            if target.type == "cpu":
+                resident += numel * itemsize
+    return resident + 2 * largest

@@ -1,5 +1,6 @@
-"""GPU: the card's memory as the pipeline reports it, what loading leaves behind, lazy pipelines (Space mode) and the
-quantized load path on the device. Whole-song budgets per precision: scripts/memory_check.py."""
+"""GPU: this process's memory as the pipeline reports it (not another process's), what loading leaves behind, lazy
+pipelines (Space mode) and the quantized load path on the device. Whole songs per simulated card:
+`python -m music3_demo.bench.memory` and tests/test_cards_gpu.py."""
 
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ def test_the_sampler_sees_a_short_peak_and_the_card_gets_released_blocks_back():
         block = torch.empty(int(2 * GB), dtype=torch.uint8, device=device)
         time.sleep(0.2)
         del block
-    before = sampler.start.used
-    assert sampler.peak >= before + 2 * GB  # what nvidia-smi showed at the peak
-    assert sampler.end.used >= before + 2 * GB  # the block is freed but still cached by torch...
+    before = sampler.start.process
+    assert sampler.peak >= before + 2 * GB  # this process's use at the peak
+    assert sampler.end.process >= before + 2 * GB  # the block is freed but still cached by torch...
     release_cached(device)
-    assert device_memory(device).used < before + 0.1 * GB  # ...until the cache is given back
+    assert device_memory(device).process < before + 0.1 * GB  # ...until the cache is given back
 
 
 def test_a_lazy_pipeline_builds_its_engine_at_its_first_song_and_songs_report_the_cards_memory(tiny_folder):
@@ -46,7 +47,7 @@ def test_a_lazy_pipeline_builds_its_engine_at_its_first_song_and_songs_report_th
     assert "setup_s" not in second.timings  # built once per process
     figures = second.memory
     assert figures["device_peak_gb"] >= figures["device_start_gb"] > 0
-    assert abs(figures["device_end_gb"] - device_memory(pipeline.device).used / GB) < 0.3
+    assert abs(figures["device_end_gb"] - device_memory(pipeline.device).process / GB) < 0.3
     pipeline.release()
 
 

@@ -55,7 +55,7 @@ def report_markdown(report: dict) -> str:
         f"**{_clock(report['duration_s'])}** · {report['frames']} frames · {report['sample_rate'] / 1000:g} kHz "
         f"stereo · seed `{report['seed']}` · engine `{report['engine']}` with `{report.get('precision', 'bf16')}` "
         f"weights on `{report['device']}`"
-        + (f" · peak {report['memory']['device_peak_gb']:.1f} GB on the card" if report.get("memory") else "")
+        + (f" · peak {report['memory']['device_peak_gb']:.1f} GB of GPU memory" if report.get("memory") else "")
         + (f", {report['memory']['flow']['device_peak_gb']:.1f} GB on the flow stage's"
            if (report.get("memory") or {}).get("flow") else ""),
         f"Stages: {stages} · total **{timings.get('total_s', 0):.2f} s** · "
