@@ -28,7 +28,7 @@ QUANT_BYTES_PER_WEIGHT = 1 + 4 / 128
 # The flow stage's working set beside the weights (one chunk's batch-2 DiT activations, the captured DiT graph's
 # pool, condition encoder and vocoder activations), relative to the DiT's bf16 weights; and a fixed part for cuBLAS
 # and Triton workspaces, captured graphs and the caching allocator's slack. Calibrated on the H200 bench (120-s song,
-# bf16: 24.2 GB allocated at its peak, of which 20.9 GB weights and 1.1 GB KV cache); scripts/memory_check.py
+# bf16: 24.2 GB allocated at its peak, of which 20.9 GB weights and 1.1 GB KV cache); python -m music3_demo.bench.memory
 # measures what the card sees and prints this estimate beside it.
 FLOW_WORKING_PER_DIT_BYTE = 0.6
 FIXED_WORKING_BYTES = 1_000_000_000

@@ -84,8 +84,9 @@ def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_S
         # The budget is in GB (10^9 bytes); "reserved" adds the caching allocator's slack, what the GPU holds.
         "peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2),
         "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / 1e9, 2),
-        # As the card sees it (nvidia-smi): sampled used memory, or torch's peak reserved plus what lies outside
-        # torch (CUDA context, other processes), whichever is larger. This is the figure a GPU must have.
+        # This process's own device memory (memory.py: reserved + context and other allocations outside torch;
+        # other processes excluded), sampled, or torch's peak reserved plus that outside part, whichever is larger.
+        # This is the figure a GPU must have free for it.
         "device_peak_gb": round(memory.peak / 1e9, 2),
         "memory": memory.as_dict(),
     }
