@@ -63,3 +63,25 @@ def test_a_quantized_load_runs_the_graph_engine_and_holds_one_byte_weights_on_th
     result = pipeline.generate(song())
     assert (result.precision, pipeline.engine_name) == (mode, "graph"), pipeline.engine_record
     pipeline.release()
+
+
+def test_a_process_reports_its_own_device_memory_not_another_processs():
+    """Another process holds most of the card (a simulated 30 GiB card); a fresh process that allocates 2 GiB
+    reports about 2 GiB plus its CUDA context, and the card's use with the holder's share beside it."""
+    import json
+    import subprocess
+    import sys
+
+    from music3_demo.bench.card import GIB, SimulatedCard
+
+    child = ("import json, torch; from music3_demo import memory; memory.note_process_start(); "
+             "block = torch.empty(2 * 2**30, dtype=torch.uint8, device='cuda'); "
+             "print(json.dumps(memory.device_memory('cuda').as_dict()))")
+    with SimulatedCard(30.0) as card:
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    print(figures)
+    own = figures["process_gb"] * 1e9
+    assert 2 * GIB <= own <= 3.5 * GIB, figures  # the block and a context, nothing of the holder's
+    assert figures["card_used_gb"] * 1e9 >= card.figures["held_bytes"] + own - 0.1 * GIB
+    assert figures["method"] in ("nvml-process", "card-minus-others"), figures  # NVML answers on the GPU image
