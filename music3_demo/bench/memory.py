@@ -255,10 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         case = json.loads(args.case)
         try:
             result = _child(case)
-        except Exception as error:  # noqa: BLE001 - the case's failure is its result (a sentence where it is ours)
-            from ..errors import public_message
-
-            result = {"error": f"{type(error).__name__}: {public_message(error)}", "traceback": traceback.format_exc()}
+        except Exception as error:  # noqa: BLE001 - the case's failure is its result (our sentence, or the raw text)
+            result = {"error": f"{type(error).__name__}: {' '.join(str(error).split())}",
+                      "traceback": traceback.format_exc()}
         (out / f"memory_{case['name']}.json").write_text(json.dumps(result, indent=1))
         return 0
     results, caches = [], {}
