@@ -20,7 +20,7 @@ import torch
 
 from .. import contract as c
 from ..devices import normalize, on_device
-from ..errors import is_out_of_memory
+from ..errors import is_cuda_message, is_out_of_memory
 from . import SamplingSettings, SemanticEngine, resolve_engine_name
 
 log = logging.getLogger("music3_demo.engine")
@@ -174,6 +174,8 @@ def _figures(errors: dict[str, float]) -> str:
 
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split()).rstrip(".") or "no message"
+    if is_cuda_message(text):  # a raw CUDA message never reaches the banner (the log above has it)
+        text = "the GPU reported an error; the server log has the details"
     if len(text) > 300:
         text = text[:297] + "..."
     return f"{type(error).__name__}: {text}"
