@@ -48,6 +48,9 @@ class OutOfMemory(RuntimeError):
         super().__init__(sentence)
         self.figures = figures
 
+    def __reduce__(self):  # pickled whole (a ZeroGPU worker's song hands its error back as a value)
+        return _rebuild, (type(self), str(self), dict(self.__dict__))
+
 
 class DeviceOutOfMemory(OutOfMemory):
     """The GPU ran out of memory `during` "load" (the weights, the self-check, graph capture, the warm-up) or
@@ -60,6 +63,13 @@ class DeviceOutOfMemory(OutOfMemory):
 
 class HostOutOfMemory(OutOfMemory):
     """The host's available memory is less than a load needs: refused before anything was read."""
+
+
+def _rebuild(cls, sentence: str, state: dict) -> OutOfMemory:
+    error = cls.__new__(cls)
+    RuntimeError.__init__(error, sentence)
+    error.__dict__.update(state)
+    return error
 
 
 def is_out_of_memory(error: BaseException) -> bool:

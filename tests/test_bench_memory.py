@@ -1,5 +1,5 @@
 """The card simulator and the memory bench, where no GPU is needed: what they refuse, which cases they run, and a
-case that fails ends as a sentence in its JSON (their GPU runs: tests/ui/test_cards_gpu.py, the bench itself)."""
+case that fails records why in its JSON (their GPU runs: tests/ui/test_cards_gpu.py, the bench itself)."""
 
 from __future__ import annotations
 

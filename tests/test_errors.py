@@ -4,6 +4,7 @@ its sentence, leaves no thread behind, and the next song is the same song as wit
 
 from __future__ import annotations
 
+import pickle
 import threading
 
 import pytest
@@ -63,8 +64,11 @@ def test_other_cuda_messages_never_pass_and_ordinary_ones_do():
     assert not is_out_of_memory(illegal)
     assert public_message(illegal) == "The GPU reported an error (the server log has the details); please try again."
     assert public_message(ValueError("top_k must be in 1..1024, got 0")) == "top_k must be in 1..1024, got 0"
-    ours = DeviceOutOfMemory(errors.song_sentence("cuda:0", "bf16", GIB, 20 * GIB), "song")
+    ours = DeviceOutOfMemory(errors.song_sentence("cuda:0", "bf16", GIB, 20 * GIB), "song", free_bytes=GIB)
     assert public_message(ours) == str(ours) and not is_cuda_message(str(ours))
+    again = pickle.loads(pickle.dumps(ours))  # a ZeroGPU worker hands it back as a value
+    assert type(again) is DeviceOutOfMemory and str(again) == str(ours)
+    assert (again.during, again.figures) == ("song", {"free_bytes": GIB})
 
 
 def _once(module: torch.nn.Module, monkeypatch) -> list[int]:
