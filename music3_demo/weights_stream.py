@@ -13,6 +13,7 @@ random_models.random_tensors (the built-in random models, drawn on the device).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -31,22 +32,28 @@ class StreamMismatch(ValueError):
         self.seen = seen
 
 
+_BUILDING = threading.Lock()  # one skeleton at a time: the patch below is process-wide
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered inside goes to `meta`; buffers stay where the module's init made them (computed
-    ones, like rotary inverse frequencies, keep their values)."""
-    register = nn.Module.register_parameter
+    """Every parameter that this thread registers inside goes to `meta` (other threads' modules are untouched);
+    buffers stay where the module's init made them (computed ones, like rotary inverse frequencies, keep their
+    values)."""
+    with _BUILDING:
+        register = nn.Module.register_parameter
+        builder = threading.get_ident()
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            register(module, name, param)
+            if param is not None and threading.get_ident() == builder:
+                module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
+        nn.Module.register_parameter = on_meta
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = register
 
 
 def skeleton(build: Callable[[], nn.Module]) -> nn.Module:
