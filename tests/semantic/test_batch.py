@@ -208,3 +208,28 @@ def test_a_full_kv_pool_admits_no_song_until_one_leaves(models):
     assert not engine.can_admit(1, 1)  # (4 positions: 3 are left)
     first.close()
     assert engine.can_admit(FIRST[0], FIRST[2])
+
+
+def test_a_song_that_runs_out_of_memory_in_its_prefill_frees_its_slot_and_region(models, alone, monkeypatch):
+    """An out-of-memory in a round (here the song's prefill, as torch raises it on a full GPU) ends the song; its
+    slot and its region of the KV pool are free again and the next song is the same song as alone."""
+    from music3_demo.semantic import graph
+    from music3_demo.semantic.state import PARKING
+
+    engine = _engine(models, slots=2)
+    prefill, calls = graph.prefill, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(graph, "prefill", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        list(_start(engine, VARIATION))
+    assert not engine._batch.active and not engine._batch.waiting
+    assert engine.pool.find(engine.pool.positions - PARKING) == PARKING  # the whole pool is free
+    assert engine.can_admit(VARIATION[0], VARIATION[2])
+    run = _start(engine, VARIATION)  # (the shortest song: every step runs in the interpreter)
+    _same(run, list(run), alone[VARIATION])
