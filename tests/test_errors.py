@@ -1,6 +1,7 @@
 """Out of memory is one sentence, never a CUDA message: the sentences from plain figures, and a song that runs out of
 memory at a real call site of the real tiny pipeline (semantic engine, DiT, vocoder, the flow executor) fails with
-its sentence, leaves no thread behind, and the next song is the same song as without the fault."""
+its sentence, leaves no thread behind, and the next song is the same song as without the fault; one in the
+engine's self-check ends the load with its sentence (no fallback to the reference engine)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,20 @@ def test_a_song_that_runs_out_of_memory_fails_with_a_sentence_and_the_next_song_
     again = tiny_pipeline.generate(SONG)
     assert again.frames == clean_song.frames and torch.equal(torch.from_numpy(again.audio),
                                                              torch.from_numpy(clean_song.audio))
+
+
+def test_an_out_of_memory_in_the_engines_self_check_ends_the_load_with_its_sentence_not_a_fallback(
+        tiny_folder, monkeypatch):
+    """The reference engine would not fit either: auto does not fall back, the load fails with the load sentence."""
+    from music3_demo.pipeline import Music3Pipeline
+    from music3_demo.semantic import setup
+
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError(CUDA_OOM)
+
+    monkeypatch.setattr(setup, "self_check", full)
+    with pytest.raises(DeviceOutOfMemory) as failed:
+        Music3Pipeline.from_pretrained("tiny", device="cpu", engine="auto", allow_interpreter=True)
+    assert failed.value.during == "load", failed.value
+    assert str(failed.value).startswith("Not enough memory on cpu for loading the model in float32: ")
+    assert not is_cuda_message(str(failed.value))
