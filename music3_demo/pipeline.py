@@ -18,7 +18,7 @@ from .continuation import SongState, check_continuation
 from .devices import normalize, on_device, split_devices
 from .errors import OnOutOfMemory
 from .loading import as_loaded, load_model, load_out_of_memory, precision_for
-from .memory import PeakSampler, free_and_capability, release_cached, song_out_of_memory
+from .memory import PeakSampler, free_and_capability, note_process_start, release_cached, song_out_of_memory
 from .precision import PrecisionChoice, check_precision
 from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
 from . import flow as flow_stage
@@ -127,6 +127,7 @@ class Music3Pipeline:
     ) -> "Music3Pipeline":
         """`precision`: auto | bf16 | fp8 | int8 (see precision.py); `lazy`, `flow_device`: see __init__ (a
         `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1)."""
+        note_process_start()  # the card's use by the others, before this process's CUDA context (memory.py)
         device, flow_device = split_devices(device, flow_device)
         device = device if device is not None else normalize(default_device())
         resolve_engine_name(engine, device, allow_interpreter)  # fail before a long load

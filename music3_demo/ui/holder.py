@@ -23,7 +23,7 @@ import torch
 from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
 from ..devices import on_device, split_devices
 from ..errors import OutOfMemory, public_message
-from ..memory import device_memory
+from ..memory import device_memory, note_process_start
 from ..semantic import EngineUnavailable
 from .gpu import WorkerClock
 from .scheduler import Scheduler, Ticket
@@ -232,6 +232,7 @@ class ModelHolder:
                 source = self._resolve(on_phase)
                 self._set_phase(f"{LOAD_PHASES[1]} {self.model} onto {slot.device}", on_phase)
                 target = str(source.folder) if source.folder is not None else source.name
+                note_process_start()  # before on_device makes this process's first CUDA context (memory.py)
                 # this thread (preload, a request's runner) may have another current (a split: its engine's GPU)
                 with on_device(split_devices(slot.device)[0]):
                     # overlap: the flow stage on its own thread (and stream) while frames are made, so songs stream
