@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -311,8 +310,3 @@ def tiny_checkpoint() -> Path:
     """The `tiny` model's folder, written on first use."""
     return write_builtin(TINY, cache_root() / "tiny")
 
-
-def temporary_checkpoint(sizes: ModelSizes, seed: int = 0) -> Path:
-    """A fresh random checkpoint folder (tests: non-preset sizes)."""
-    folder = Path(tempfile.mkdtemp(prefix="music3_ckpt_"))
-    return write_builtin(sizes, folder / "model", seed)

@@ -188,10 +188,6 @@ class FlowStream:
             self._previous_condition = point.previous_condition.to(self.device, dtype)
         self._emitted_samples = point.boundary
 
-    @property
-    def chunks_done(self) -> int:
-        return self._next_chunk
-
     def push(self, frames: torch.Tensor) -> list[Piece]:
         """Add [n, 8 * hidden] frame hiddens; return the pieces that became final."""
         frames = frames.reshape(-1, frames.shape[-1])

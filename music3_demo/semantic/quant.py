@@ -62,11 +62,6 @@ def fp8_supported(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def supported_modes(device: torch.device | str) -> tuple[str, ...]:
-    """The modes this device can run: int8 everywhere, fp8 where `fp8_supported`."""
-    return tuple(m for m in SUPPORTED if m != "fp8" or fp8_supported(device))
-
-
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor, fmt: str, group: int = 0) -> QWeight:
     """A [N, K] weight as a QWeight standing in for weight.dtype: scale = max|w| / (448 or 127) per row or group;
