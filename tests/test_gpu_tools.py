@@ -16,16 +16,6 @@ def _script(name: str):
     return module
 
 
-def test_profile_report_sums_kernels_per_unit_and_sorts_by_time():
-    profile = _script("profile_kernels")
-    groups = {"gemv [128, 1, 1] x128": [0.010, 0.012, 0.011, 0.013], "attn [16, 16, 1] x128": [0.005, 0.007]}
-    result = profile.report(groups, units=2, unit="frame", wall_ms=0.05)
-    assert [r["kernel"] for r in result["groups"]] == ["gemv [128, 1, 1] x128", "attn [16, 16, 1] x128"]
-    assert abs(result["kernel_ms_per_frame"] - 0.029) < 1e-12 and result["kernels_per_frame"] == 3
-    assert abs(result["gap_ms_per_frame"] - 0.021) < 1e-12
-    assert abs(result["groups"][0]["mean_us"] - 11.5) < 1e-9
-
-
 def _packaged_tables():
     from music3_demo.semantic.kernels.tuning import TABLES, load_table
 
@@ -72,23 +62,6 @@ def test_every_tuned_tail_config_comes_from_a_swept_shape_and_splits_its_rows():
                 assert shared_bytes(product, 2, 1) <= sm90_limit
                 assert not suffix[2] or suffix[2] % product.block_k == 0
         assert suffix or tune.fits(cfg)
-
-
-def test_bench_engine_names_map_to_graph_engine_options():
-    import pytest
-
-    from music3_demo.bench.semantic import graph_variant, main
-
-    assert graph_variant("graph") == {"pdl": False, "chain": None}  # the engine's default
-    assert graph_variant("graph-pdl-s8") == {"pdl": True, "chain": None, "attention_splits": 8}
-    assert graph_variant("graph-chain-s32") == {"pdl": False, "chain": True, "attention_splits": 32}
-    assert graph_variant("graph-unchained") == {"pdl": False, "chain": False}
-    with pytest.raises(ValueError, match="unknown engine 'graph-pdl-chain'"):
-        graph_variant("graph-pdl-chain")
-    with pytest.raises(ValueError, match="unknown engine 'graph-fast'"):
-        graph_variant("graph-fast")
-    with pytest.raises(SystemExit):  # refused before anything touches a GPU
-        main(["--engine", "reference,graph-x"])
 
 
 def test_multi_user_summary_and_targets():

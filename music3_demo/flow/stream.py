@@ -23,7 +23,6 @@ import torch
 from .. import contract as c
 from ..continuation import FlowResume
 from ..events import check_cancel
-from .dit_graph import VelocityGraphs
 from .executor import FlowExecutor
 from .guidance import guided_velocity
 
@@ -77,14 +76,12 @@ class ChunkDenoiser:
 
     With an `executor` (the pipeline's), every DiT call goes through it: guided batch-2 calls may merge with other
     songs', anything else runs there alone; the executor owns the captured graphs. Without one (a lone stream in a
-    test or bench), calls run here, through `graphs` where they apply."""
+    test), calls run here, eagerly."""
 
-    def __init__(self, transformer, scheduler, settings: FlowSettings, graphs: VelocityGraphs | None = None,
-                 executor: FlowExecutor | None = None) -> None:
+    def __init__(self, transformer, scheduler, settings: FlowSettings, executor: FlowExecutor | None = None) -> None:
         self.transformer = transformer
         self.scheduler = copy.deepcopy(scheduler)  # set_timesteps/step keep state: one copy per stream
         self.settings = settings
-        self.graphs = graphs
         self.executor = executor
         self.shared_calls = 0
 
@@ -102,8 +99,6 @@ class ChunkDenoiser:
         run = self.transformer
         if not _cfg_enabled(self.settings.guidance_scale):
             return run(hidden_states=latents, timestep=timestep, encoder_hidden_states=condition, return_dict=False)[0]
-        if self.settings.batched_cfg and self.graphs is not None and self.graphs.supports(latents):
-            return self.graphs.velocity(latents, timestep, condition, self.settings.guidance_scale)
         return guided_velocity(
             run, latents, timestep, condition, self.settings.guidance_scale, batched=self.settings.batched_cfg
         )
@@ -145,16 +140,15 @@ class FlowStream:
         device: torch.device,
         on_step: StepCallback | None = None,
         cancel: threading.Event | None = None,
-        graphs: VelocityGraphs | None = None,
         executor: FlowExecutor | None = None,
     ) -> None:
-        """`executor`: the pipeline's (songs sharing a pipeline must all use it: it owns the shared modules' calls);
-        `graphs`: captured DiT steps for a stream used alone, without an executor."""
+        """`executor`: the pipeline's (songs sharing a pipeline must all use it: it owns the shared modules' calls
+        and the captured DiT steps); without one, every call runs eagerly on the caller's thread."""
         self.condition_encoder = components["condition_encoder"]
         self.transformer = components["transformer"]
         self.vocoder = components["vocoder"]
         self.executor = executor
-        self.denoiser = ChunkDenoiser(self.transformer, components["scheduler"], settings, graphs, executor)
+        self.denoiser = ChunkDenoiser(self.transformer, components["scheduler"], settings, executor)
         self.settings = settings
         self.generator = generator
         self.device = device

@@ -46,7 +46,7 @@ class Scheme:
         return f"{self.fmt}/{'channel' if not self.group else f'g{self.group}'}"
 
 
-# The scheme of each mode: the one with the smallest effect on the model for its bytes (scripts/quant_quality.py,
+# The scheme of each mode: the one with the smallest effect on the model for its bytes (`bench formats`,
 # docs/PERFORMANCE.md "Weight formats"; tests/semantic/test_quant_quality.py pins its figures). fp8 is a float format:
 # a few x30 input columns raise a row's scale but the other weights keep their 3 mantissa bits, so one scale per
 # channel loses almost nothing; int8's uniform steps would grow with that scale, so int8 scales per 128 columns.

@@ -1,5 +1,5 @@
 """The whole graph engine on the tiny model under Triton's interpreter: teacher forcing against the reference, a song
-through a wrapping frame ring, the bench's byte count, and engine selection errors."""
+through a wrapping frame ring, and engine selection errors."""
 
 from __future__ import annotations
 
@@ -56,21 +56,6 @@ def test_graph_engine_song_through_a_wrapping_frame_ring_equals_teacher_forcing(
     codes = run.codes().long()
     _, forced = engine.teacher_forced(text_ids, codes)
     assert torch.equal(song, forced)
-
-
-def test_bench_bytes_model_counts_the_engines_weights_and_cache(tiny_models):
-    from music3_demo.bench.semantic import bytes_model
-    from music3_demo.semantic.graph import GraphEngine
-
-    lm, depth = tiny_models
-    engine = GraphEngine(lm, depth, "cpu", attention_splits=2)
-    engine.text_embeddings_to_host()  # as graph pipelines do: the model must not read the moved table
-    model = bytes_model(engine)
-    config = lm.config
-    kv = config.num_hidden_layers * 2 * 2 * config.num_key_value_heads * engine.head_dim * 4  # float32 here
-    assert model.kv_per_position == kv
-    assert model.lm > sum(p.numel() for p in lm.model.layers.parameters()) * 4
-    assert model.depth > (engine.num_codebooks - 1) * sum(b.qkv.numel() for b in engine.depth_blocks) * 4
 
 
 def test_graph_engine_needs_cuda(tiny_models, monkeypatch):
