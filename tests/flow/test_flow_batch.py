@@ -190,20 +190,3 @@ def test_merge_plan_keeps_only_buckets_measured_faster():
     assert MergePlan.lone().choose(4) == 1 and MergePlan.always().choose(3) == 4
     with pytest.raises(ValueError):
         FlowExecutor(None, None, torch.device("cpu"), mode="sometimes")
-
-
-def test_flow_batch_timing_script_runs_on_the_tiny_model(tmp_path):
-    """The GPU timing script (`python -m music3_demo.bench.flow_batch`), on the CPU: a broken script would cost a
-    device call. Unmerged concurrent songs equal the same songs alone; merged ones agree closely."""
-    import json
-
-    from music3_demo.bench import flow_batch
-
-    output = tmp_path / "flow_batch.json"
-    assert flow_batch.main(["--device", "cpu", "--tiny", "--steps", "1", "--songs", "2", "--repeats", "1",
-                            "--output", str(output)]) == 0
-    result = json.loads(output.read_text())["songs_2"]
-    assert set(result["wall_s"]) == {"sequential", "concurrent_unmerged", "batched"}
-    assert result["audio_equal_unmerged_vs_alone"] == [True, True]
-    assert max(result["audio_rel_l2_batched_vs_alone"]) < AUDIO_CLOSE
-    assert result["batched_calls"].get("velocity_x2", 0) >= 1

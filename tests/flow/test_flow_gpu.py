@@ -35,8 +35,8 @@ def test_graphed_guided_velocity_matches_eager(pipeline):
     latents = torch.randn(1, transformer.config.in_channels, length, device=DEVICE, dtype=torch.bfloat16)
     condition = torch.randn(1, length, transformer.config.condition_dim, device=DEVICE, dtype=torch.bfloat16)
     settings = FlowSettings(30, 1.7, batched_cfg=True)
-    eager = ChunkDenoiser(transformer, pipeline.components["scheduler"], settings)
-    graphed = ChunkDenoiser(transformer, pipeline.components["scheduler"], settings, pipeline.velocity_graphs)
+    eager = ChunkDenoiser(transformer, pipeline.components["scheduler"], settings)  # no executor: eager, here
+    graphed = ChunkDenoiser(transformer, pipeline.components["scheduler"], settings, pipeline.flow_executor)
     for t in (0.0, 0.37, 0.9):
         timestep = torch.full((1,), t, device=DEVICE, dtype=torch.bfloat16)
         with torch.no_grad():
