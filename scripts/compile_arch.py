@@ -181,16 +181,16 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None) -
         launches.setdefault(compile["specialization_data"], Launch(fn.jit_function, compile["specialization_data"]))
         return True  # recorded, not launched
 
-    from music3_demo.semantic import step
+    from music3_demo.semantic import frame_graph
 
     tma = target.tma
     fused_tails = functools.partial(tail.block_tail, fused=True)  # as on a GPU (fused by default there)
     with _patched(knobs.runtime, jit_cache_hook=hook), _patched(linear, tma_supported=lambda device: tma), \
-            _patched(tail, tma_supported=lambda device: tma), _patched(step, block_tail=fused_tails), \
+            _patched(tail, tma_supported=lambda device: tma), _patched(frame_graph, block_tail=fused_tails), \
             _stand_in(target.capability):
         engine.allocate(512)
         for forced in (False, True):
-            engine._advance(1, forced)()
+            engine.frame_graph.prepare(1, forced)()
         if routes is not None:
             _route_launches(engine.tuning, routes)
 

@@ -4,7 +4,7 @@ scales per output channel or per output channel and 128-column group, made at lo
 Each quantized `nn.Linear` is replaced in place by a `QuantizedLinear` that holds the 1-byte weight and its scales and
 dequantizes on forward (to the activation dtype) before F.linear. So the HF model itself, with its modules swapped,
 is the reference on exactly the weights the kernels read: the reference engine, the teacher-forcing oracle and the
-load-time self-check (`semantic/setup.py`) all compare the graph engine with the same weights, and bf16 (no swap)
+load-time self-check (`semantic/select.py`) all compare the graph engine with the same weights, and bf16 (no swap)
 stays the exact reference of the checkpoint. The graph engine (`weights.py`) fuses the modules' 1-byte weights and
 scales by rows as it fuses bf16 ones; it learns the precision from the modules it is given (`precision_of`).
 

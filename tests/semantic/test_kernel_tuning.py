@@ -67,23 +67,23 @@ class _Recording:
 def engine_requests(tuning: Tuning, chain: bool) -> _Recording:
     """What the full-size graph engine asks its tuning for over one sampled and one teacher-forced frame (weights on
     the meta device, kernel launches skipped)."""
-    from music3_demo.semantic import step
+    from music3_demo.semantic import frame_graph
 
     recording = _Recording(tuning)
     engine = _script("compile_arch").full_size_engine(recording)
     engine.chain = chain
     skipped = {name: (lambda *a, **k: None) for name in ("gemv", "block_tail", "decode_attention", "depth_attention",
                                                          "cfg_sample", "frame_tail", "rmsnorm")}
-    saved = {name: getattr(step, name) for name in skipped}
+    saved = {name: getattr(frame_graph, name) for name in skipped}
     try:
         for name, stub in skipped.items():
-            setattr(step, name, stub)
+            setattr(frame_graph, name, stub)
         engine.allocate(512)
         for forced in (False, True):
-            engine._advance(1, forced)()
+            engine.frame_graph.prepare(1, forced)()
     finally:
         for name, value in saved.items():
-            setattr(step, name, value)
+            setattr(frame_graph, name, value)
     return recording
 
 

@@ -1,4 +1,5 @@
-"""Engine choice for one device: build the fast engine, prove it on the loaded weights, or fall back and say why.
+"""Engine choice for one device: the engine names, building the fast engine, proving it on the loaded weights, or
+falling back and saying why.
 
 `make_engine` is the only place that decides which semantic engine a pipeline runs. A fast engine is used only after
 it has passed a short teacher-forced check against the eager reference computation on the very weights it will
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -20,9 +22,15 @@ import torch
 
 from .. import contract as c
 from ..devices import normalize, on_device
-from . import SamplingSettings, SemanticEngine, resolve_engine_name
+from .engine import SamplingSettings, SemanticEngine
 
 log = logging.getLogger("music3_demo.engine")
+
+ENGINE_NAMES = ("auto", "reference", "graph")
+# Tests only: with Triton's CPU interpreter on (TRITON_INTERPRET=1), this variable set to 1 lets `auto` and `graph`
+# pick the graph engine on the CPU, so the fast engine's set-up, self-check and fallback run end to end without a GPU
+# (through the CLI and app too, which build their pipelines themselves). Very slow: tiny models, few frames.
+GRAPH_ON_CPU_ENV = "MUSIC3_TEST_GRAPH_ON_CPU"
 
 # The check's size: a short prompt and a few steps keep it cheap (the eager reference takes ~110 ms a frame on an
 # H200, the engine's own graph capture a fraction of a second), while every kernel and the KV cache's growth over
@@ -31,9 +39,29 @@ SELF_CHECK_PROMPT_TOKENS = 32
 SELF_CHECK_STEPS = 6
 # Largest relative error (per step, ||engine - reference|| / ||reference||) the check accepts, for the LM audio
 # logits, the LM's frame hidden and the depth decoder's hiddens. A correct bf16 engine sits near 2e-2 from the
-# reference (bf16 rounding over 36 layers; the float32 engine on CPU agrees to 1e-5); the wrong-model failure of
-# issue 13 gave 1.41. 0.1 leaves a 5x margin above the first and fails the second by 14x.
+# reference (bf16 rounding over 36 layers; the float32 engine on CPU agrees to 1e-5); an engine built for the wrong
+# model's layout gave 1.41. 0.1 leaves a 5x margin above the first and fails the second by 14x.
 SELF_CHECK_MAX_ERROR = 0.1
+
+
+def graph_on_cpu_allowed(allow: bool | None = None) -> bool:
+    """`allow` given: that; else the test variable. Either way only under the Triton interpreter."""
+    if allow is None:
+        allow = os.environ.get(GRAPH_ON_CPU_ENV) == "1"
+    return allow and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_engine_name(engine: str, device: torch.device, allow_interpreter: bool | None = None) -> str:
+    """`auto` means graph on CUDA and reference elsewhere; `graph` off CUDA is an error with a fix. (What runs in the
+    end is make_engine's choice: a graph engine that fails its self-check falls back.)"""
+    if engine not in ENGINE_NAMES:
+        raise ValueError(f"Unknown engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}.")
+    fast_possible = device.type == "cuda" or graph_on_cpu_allowed(allow_interpreter)
+    if engine == "auto":
+        return "graph" if fast_possible else "reference"
+    if engine == "graph" and not fast_possible:
+        raise ValueError("The graph engine needs a CUDA GPU; use --engine reference (or auto) on this machine.")
+    return engine
 
 
 class EngineUnavailable(ValueError):
