@@ -20,6 +20,7 @@ kernel configs do not depend on the batch size.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -56,6 +57,7 @@ class Song:
     emitted: int = 0  # frames handed to the caller's queue
     peers: int = 0
     marks: tuple = ()
+    clock: tuple = ()  # the host's time.perf_counter() at each mark (when it was queued)
     items: deque = field(default_factory=deque)  # ("frames", payload) | ("end", (codes, stats)) | ("error", exc)
     finished: bool = False
     gone: bool = False  # its caller stopped
@@ -191,7 +193,7 @@ class Batch:
             length = song.prompt.shape[1]
             source = next((s for s in self.active.values() if s.filled == length and s.prompt.shape == song.prompt.shape
                            and torch.equal(s.prompt, song.prompt)), None)
-            song.marks = (engine.mark(),)
+            song.marks, song.clock = (engine.mark(),), (time.perf_counter(),)
             engine.begin(slot, song.text_ids, song.total, song.sampling, song.seed, song.forced, start, song.ready)
             song.slot, song.start = slot, start
             if source is not None:  # a variation: the same prompt's K/V, copied
@@ -228,6 +230,7 @@ class Batch:
         song.filled = song.prompt.shape[1]
         self.engine.go(song.slot, song.start, song.filled, song.total)
         song.marks += (self.engine.mark(),)
+        song.clock += (time.perf_counter(),)
         song.live = True
 
     def _launch(self) -> None:
@@ -260,7 +263,7 @@ class Batch:
                 steps = min(done, end + 1)
                 start, prefilled = song.marks
                 stats = SongStats(song.emitted, steps, engine.seconds(start, prefilled),
-                                  engine.seconds(prefilled, mark), engine.capture_count, song.peers)
+                                  engine.seconds(prefilled, mark), engine.capture_count, song.peers, song.clock)
                 self._push(song, ("end", (engine.codes(slot, steps), stats)))
                 song.finished = True
                 self._free(song)
