@@ -21,8 +21,8 @@ class GraphConfig:
     chain: bool | None = None
     # Songs advanced together by one replay (2 rows each; a product takes at most 16 rows, so 8 at most). Graphs are
     # captured per bucket of 1, 2, 4, 8 songs up to this; `engine.slots` is this number. The default is the maximum:
-    # a batch of 8 is bit-identical to each song alone on the H200 (`tests/semantic/test_batch_gpu.py`); how many
-    # fit a card's memory is the memory plan's to say, which passes fewer where they do not.
+    # a batch of 8 is bit-identical to each song alone on the H200 (`tests/semantic/test_batch_gpu.py`). It is an
+    # upper bound: a song joins only when the KV pool has its region (`can_admit`), so a smaller card runs fewer.
     slots: int = 8
     # Prompt tokens prefilled per round while other songs run: a long prompt joins in chunks, so the songs already
     # running wait about one block at a time, not for the whole prefill. A prompt is always cut at multiples of this
