@@ -349,9 +349,9 @@ class Music3Pipeline:
                 if self.overlap:
                     worker.submit(block)
                     # Time to first audio matters more than the last half second of a song: while any song's chunk 0
-                    # is denoised, every song of the pipeline stops enqueueing frames (this one waits for its audio,
-                    # the others at `first_chunks.wait`) instead of sharing the GPU with it (with a GPU of its own,
-                    # the flow stage shares nothing).
+                    # is denoised, the songs already playing stop enqueueing frames (this one waits for its audio,
+                    # they at `first_chunks.wait`) instead of sharing the GPU with it (with a GPU of its own, the flow
+                    # stage shares nothing). Songs still before their own first audio go on: they would wait in turn.
                     first_chunk = not pieces and frames >= c.CHUNK_FRAMES and not self.split
                     waited = time.perf_counter()
                     if first_chunk:
@@ -361,7 +361,7 @@ class Music3Pipeline:
                         paused += time.perf_counter() - waited
                     else:
                         publish(wait=False)
-                        if not self.split:
+                        if pieces and not self.split:
                             held_s += self.first_chunks.wait(cancel)
                 else:
                     held.append(block)

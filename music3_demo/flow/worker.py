@@ -36,10 +36,11 @@ class AnyEvent:
 
 class FirstChunks:
     """The songs of one pipeline whose first chunk is being denoised (from its 200th frame to its first audio). While
-    there is one, the pipeline's other songs queue no frames: their callers wait between two blocks (`wait`), so the
+    there is one, the songs already playing queue no frames: their callers wait between two blocks (`wait`), so the
     semantic batch stands still within a block or so, as a song alone stops for its own first chunk, and a joining
     user's first chunk does not share the GPU with the frames of the songs already playing (with several songs the
-    flow stage is the bottleneck: their frames are ahead of their audio)."""
+    flow stage is the bottleneck: their frames are ahead of their audio). Songs still before their own first audio
+    do not wait (they drive the batch on): songs that start together would otherwise get first audio one by one."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
