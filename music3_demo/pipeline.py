@@ -22,7 +22,7 @@ from .precision import PrecisionChoice, check_precision
 from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
 from . import flow as flow_stage
 from .flow.stream import FlowSettings, FlowStream, Piece
-from .flow.worker import FlowWorker, progress_from_step
+from .flow.worker import FirstChunks, FlowWorker, progress_from_step
 from .prompt import count_prompt_tokens, tokenize
 from .request import GenerationRequest, InvalidRequest, check_variations, validate, variation_requests
 from .semantic import SamplingSettings, make_engine, resolve_engine_name
@@ -72,6 +72,7 @@ class Music3Pipeline:
         self.stages_pid: int | None = None  # the process whose CUDA context holds the engine's graphs and buffers
         self.setup_s: float | None = None  # what building the stages took (self-check and captures included)
         self._stages_lock = threading.Lock()
+        self.first_chunks = FirstChunks()  # songs waiting for their first audio: the others' frames wait meanwhile
         if not lazy:
             self.ensure_stages()
 
@@ -336,27 +337,36 @@ class Music3Pipeline:
         blocks = None
         try:
             semantic_started = time.perf_counter()
-            paused = 0.0  # time the semantic stage stood still for chunk 0 (not semantic work)
+            paused = held_s = 0.0  # time the semantic stage stood still for chunks 0 (not semantic work)
             blocks = self.engine.frames(text_ids, max_frames, sampling_for(request), semantic_generator, cancel,
                                         prefix=prefix)
             for block in blocks:
+                timings.setdefault("first_frames_s", time.perf_counter() - started)
                 frames += block.shape[0]
                 elapsed = time.perf_counter() - semantic_started
                 rate = frames / max(elapsed, 1e-9)
                 emit(Progress("semantic", frames, max_frames, rate, (max_frames - frames) / rate))
                 if self.overlap:
                     worker.submit(block)
-                    # Time to first audio matters more than the last half second of the song: while chunk 0 is
-                    # denoised the semantic stage waits (stops enqueueing frames) instead of sharing the GPU with it
-                    # (with a GPU of its own, the flow stage shares nothing).
+                    # Time to first audio matters more than the last half second of a song: while any song's chunk 0
+                    # is denoised, the songs already playing stop enqueueing frames (this one waits for its audio,
+                    # they at `first_chunks.wait`) instead of sharing the GPU with it (with a GPU of its own, the flow
+                    # stage shares nothing). Songs still before their own first audio go on: they would wait in turn.
                     first_chunk = not pieces and frames >= c.CHUNK_FRAMES and not self.split
                     waited = time.perf_counter()
-                    publish(wait=False, until_audio=first_chunk)
                     if first_chunk:
+                        timings.setdefault("chunk0_frames_s", waited - started)
+                        with self.first_chunks.denoising():
+                            publish(wait=False, until_audio=True)
                         paused += time.perf_counter() - waited
+                    else:
+                        publish(wait=False)
+                        if pieces and not self.split:
+                            held_s += self.first_chunks.wait(cancel)
                 else:
                     held.append(block)
-            timings["semantic_s"] = time.perf_counter() - semantic_started - paused
+            timings["semantic_s"] = time.perf_counter() - semantic_started - paused - held_s
+            timings["held_for_first_chunks_s"] = held_s
             if frames == 0:
                 raise InvalidRequest("The model ended the song before its first frame; try another seed.")
             if continue_from is not None and frames <= continue_from.frames:
@@ -377,6 +387,7 @@ class Music3Pipeline:
         timings["flow_s"] = flow.timings.denoise_s
         timings["vocoder_s"] = flow.timings.vocoder_s
         timings["flow_shared_calls"] = flow.timings.shared_calls  # DiT calls merged with other songs' (0 alone)
+        timings |= first_audio_path(blocks.stats, flow.timings.first_chunk, started)
         timings["total_s"] = time.perf_counter() - started
         audio = np.concatenate(pieces, axis=-1)
         timings["realtime_factor"] = (audio.shape[-1] / c.SAMPLE_RATE) / timings["total_s"]
@@ -412,3 +423,15 @@ class Music3Pipeline:
 
 def sampling_for(request: GenerationRequest) -> SamplingSettings:
     return SamplingSettings(request.lm_cfg_scale, request.top_k)
+
+
+def first_audio_path(stats, first_chunk, started: float) -> dict[str, float]:
+    """When the song's prefill was queued and queued whole (its GPU time: `prefill_gpu_s`) and how its first chunk
+    went through the flow stage (`FirstChunk.timings`), as seconds after the song's start: with `first_frames_s`,
+    `chunk0_frames_s` and `first_audio_s` what a joining user's wait is made of."""
+    found = {} if first_chunk is None else first_chunk.timings(started)
+    clock = getattr(stats, "prefill_clock", None)
+    if clock:
+        found |= {"prefill_started_s": clock[0] - started, "prefill_ended_s": clock[-1] - started,
+                  "prefill_gpu_s": stats.prefill_s}
+    return found

@@ -37,6 +37,10 @@ from app_process import running_app
 PHASES = ("alone", "four", "eight", "join", "variations")
 REQUEST = {"description": "dreamy synth-pop, 110 BPM, female vocals, warm pads",
            "lyrics": "[verse]\nlights across the water\nwe keep the summer near\n\n[chorus]\nla la la, we are here"}
+# A song's first-audio path in its report's timings (seconds after the song started; pipeline.first_audio_path).
+PATH = ("prefill_started_s", "prefill_ended_s", "prefill_gpu_s", "first_frames_s", "chunk0_frames_s", "chunk0_began_s",
+        "chunk0_first_call_s", "chunk0_denoised_s", "chunk0_done_s", "first_audio_s", "chunk0_executor_wait_s",
+        "held_for_first_chunks_s")
 TARGETS = {"four_over_alone": 2.2, "eight_over_alone": 4.0, "first_audio_s": 3.0, "variations_over_alone": 2.2,
            "soak_status_s": 0.2}
 
@@ -140,7 +144,8 @@ def ask(url: str, name: str, seconds: float, steps: int, seed: int, variations: 
                       "ended_at": report["ended_at"], "waited_s": report["waited_for_device_s"],
                       "first_audio_s": report["timings"].get("first_audio_s"),
                       "total_s": report["timings"].get("total_s"), "shared_gpu_with": report["shared_gpu_with"],
-                      "engine": report["engine"], "invalid": valid_wav(wav, report["duration_s"])})
+                      "engine": report["engine"], "invalid": valid_wav(wav, report["duration_s"]),
+                      "path": {key: report["timings"][key] for key in PATH if key in report["timings"]}})
     return result | {"songs": songs}
 
 
@@ -158,6 +163,11 @@ def phase_summary(results: list[dict]) -> dict:
             "song_s_per_s": round(audio_s / max(walls), 3) if walls else None,
             "max_first_audio_s": max(first_audio, default=None),
             "max_shared_gpu_with": max((song["shared_gpu_with"] or 0 for song in songs), default=None),
+            # where the slowest first audio's time went (the `join` phase's joining user, as a rule)
+            "slowest_first_audio": max(({"user": result.get("user"), **song.get("path", {}),
+                                         "first_audio_s": song["first_audio_s"]} for result in results
+                                        for song in result.get("songs", []) if song["first_audio_s"] is not None),
+                                       key=lambda path: path["first_audio_s"], default=None),
             "failed": [r for r in results if "error" in r], "invalid": [s for s in songs if s["invalid"]]}
 
 

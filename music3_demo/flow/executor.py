@@ -9,15 +9,22 @@ being written, or already freed). Two songs at once would read each other's inpu
 executor's thread, in order, on its one stream (high priority, like the flow workers'); songs hand their inputs over
 with an event and get results back with one.
 
+Order. A song's first chunk (the calls before its first audio: its DiT steps and its vocoder call, `urgent`) goes
+ahead of every other song's later chunks: the executor takes the oldest urgent call, else the oldest call. A song's
+own calls come one after another (each waits for the one before), so the order between songs is all that changes,
+and nothing about a song's numbers depends on it (an unmerged call is its lone call whenever it runs). A joining
+user's first audio then waits for at most the calls already on the GPU, not for the others' queued chunks.
+
 Merging. A guided DiT call (one song's CFG pair) is a request; when the executor takes the next request, it also takes
-the other songs' requests already queued with the same shape and runs them as one DiT call of 2n rows (each song its
-own latents, timestep, condition and guidance scale; the model has no attention mask, so only equal lengths merge),
-then splits the result. Nothing waits for a partner: the executor takes what is queued when it is free. It keeps at
-most `IN_FLIGHT` calls queued on the GPU, so requests accumulate while the GPU is busy instead of being launched one
-by one far ahead of it (the host enqueues a step in well under a millisecond, the GPU takes ~14 ms), while a lone song
-still always has its next call queued behind the running one. Full chunks replay a captured graph per bucket (1, 2
-or 4 songs; 3 ready songs fill a bucket of 4 whose spare row computes on stale inputs and is ignored); other lengths
-and the CPU run eagerly with exactly the rows queued. Vocoder calls of equal length merge the same way.
+the other songs' requests already queued with the same shape and urgency and runs them as one DiT call of 2n rows
+(each song its own latents, timestep, condition and guidance scale; the model has no attention mask, so only equal
+lengths merge), then splits the result. Nothing waits for a partner: the executor takes what is queued when it is
+free. It keeps at most `IN_FLIGHT` calls queued on the GPU, so requests accumulate while the GPU is busy instead of
+being launched one by one far ahead of it (the host enqueues a step in well under a millisecond, the GPU takes ~14
+ms), while a lone song still always has its next call queued behind the running one. Full chunks replay a captured
+graph per bucket (1, 2 or 4 songs; 3 ready songs fill a bucket of 4 whose spare row computes on stale inputs and is
+ignored); other lengths and the CPU run eagerly with exactly the rows queued. Vocoder calls of equal length merge the
+same way.
 
 Which merges run: a `MergePlan` per kind of call (graphed DiT, eager DiT, vocoder) from seconds per call per bucket:
 a ready group takes the bucket with the least time per song served. `calibrate()` (the pipeline's warm-up on CUDA)
@@ -89,8 +96,9 @@ class Pending:
     """One submitted call. `result()` returns its output ordered after the call on the submitting thread's stream
     (CUDA), or raises what the call raised. `partners`: how many other songs' calls ran in the same call."""
 
-    def __init__(self, kind: str, key: tuple | None, payload: tuple, device: torch.device) -> None:
-        self.kind, self.key, self.payload = kind, key, payload
+    def __init__(self, kind: str, key: tuple | None, payload: tuple, device: torch.device,
+                 urgent: bool = False) -> None:
+        self.kind, self.key, self.payload, self.urgent = kind, key, payload, urgent
         self.consumer = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.ready = None
         if self.consumer is not None:
@@ -161,31 +169,33 @@ class FlowExecutor:
 
     # -- what songs call (from their own threads) ---------------------------------------------------------------
     def submit_velocity(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor,
-                        scale: float) -> Pending:
-        """One song's guided DiT call (batch-2 CFG): `latents` [1, C, L], `timestep` [1], `condition` [1, L, D]."""
+                        scale: float, urgent: bool = False) -> Pending:
+        """One song's guided DiT call (batch-2 CFG): `latents` [1, C, L], `timestep` [1], `condition` [1, L, D].
+        `urgent`: a call of the song's first chunk (before its first audio), taken before the others' calls."""
         graphed = self.graphs is not None and self.graphs.supports(latents)
         key = ("velocity", "graph" if graphed else "eager", tuple(latents.shape[1:]), tuple(condition.shape[1:]),
                latents.dtype)
-        return self._submit(Pending("velocity", key, (latents, timestep, condition, float(scale)), self.device))
+        return self._submit(Pending("velocity", key, (latents, timestep, condition, float(scale)), self.device,
+                                    urgent))
 
-    def submit_vocode(self, latents: torch.Tensor) -> Pending:
+    def submit_vocode(self, latents: torch.Tensor, urgent: bool = False) -> Pending:
         """One chunk's vocoder call: `latents` [1, C, L] in the vocoder's dtype -> waveform [1, 2, samples]."""
         return self._submit(Pending("vocode", ("vocode", "vocode", tuple(latents.shape[1:]), latents.dtype),
-                                    (latents,), self.device))
+                                    (latents,), self.device, urgent))
 
-    def submit_call(self, fn: Callable, *args) -> Pending:
+    def submit_call(self, fn: Callable, *args, urgent: bool = False) -> Pending:
         """Any other call on the shared modules (diffusers' two-pass guidance, unguided steps): run alone, in
-        order with the rest."""
-        return self._submit(Pending("call", None, (fn, *args), self.device))
+        order with the rest (urgent ones first)."""
+        return self._submit(Pending("call", None, (fn, *args), self.device, urgent))
 
-    def velocity(self, latents, timestep, condition, scale: float) -> torch.Tensor:
-        return self.submit_velocity(latents, timestep, condition, scale).result()
+    def velocity(self, latents, timestep, condition, scale: float, urgent: bool = False) -> torch.Tensor:
+        return self.submit_velocity(latents, timestep, condition, scale, urgent).result()
 
-    def vocode(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.submit_vocode(latents).result()
+    def vocode(self, latents: torch.Tensor, urgent: bool = False) -> torch.Tensor:
+        return self.submit_vocode(latents, urgent).result()
 
-    def call(self, fn: Callable, *args) -> Any:
-        return self.submit_call(fn, *args).result()
+    def call(self, fn: Callable, *args, urgent: bool = False) -> Any:
+        return self.submit_call(fn, *args, urgent=urgent).result()
 
     def queued(self) -> int:
         """Calls waiting to run (not counting the one running)."""
@@ -252,14 +262,16 @@ class FlowExecutor:
                     self._execute(group, bucket)
 
     def _take(self) -> tuple[list[Pending], int]:
-        """The oldest queued call and, if it can merge, the other queued calls of its shape (oldest first), as many
-        as its plan's best bucket serves. Called with the lock held."""
+        """The oldest urgent call (a song's first chunk), else the oldest call, and, if it can merge, the other
+        queued calls of its shape and urgency (oldest first), as many as its plan's best bucket serves. Called with
+        the lock held."""
         if not self._queue:  # close() emptied it while the thread waited for the GPU
             return [], 0
-        first = self._queue[0]
+        first = next((pending for pending in self._queue if pending.urgent), self._queue[0])
         if first.key is None:
-            return [self._queue.pop(0)], 1
-        same = [pending for pending in self._queue if pending.key == first.key]
+            self._queue.remove(first)
+            return [first], 1
+        same = [pending for pending in self._queue if pending.key == first.key and pending.urgent == first.urgent]
         bucket = self.plans[first.key[1]].choose(len(same))
         group = same[:bucket]
         for pending in group:

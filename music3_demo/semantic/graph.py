@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -57,6 +58,7 @@ class Song(ScheduledSong):
     forced: torch.Tensor  # [P, 8] codes on the CPU
     ready: object = None  # the caller's stream has made text_ids (a CUDA event; the prefill's stream waits for it)
     marks: tuple = ()  # (admitted, prompt in place) on the engine's timeline
+    clock: tuple = ()  # the host's time.perf_counter() at each mark (when it was queued)
     items: deque = field(default_factory=deque)  # ("frames", payload) | ("end", (codes, stats)) | ("error", exc)
 
 
@@ -325,7 +327,7 @@ class GraphEngine:
     def _carry_out(self, plan: RoundPlan) -> None:
         for admission in plan.admit:
             song = admission.song
-            song.marks = (self.stream.mark(),)
+            song.marks, song.clock = (self.stream.mark(),), (time.perf_counter(),)
             self._set_song(song.place, song.text_ids, song.sampling, song.seed, song.forced, song.ready)
             if admission.copy_from is not None:  # a variation: the same prompt's K/V, copied
                 source = admission.copy_from
@@ -344,6 +346,7 @@ class GraphEngine:
     def _run_song(self, song: Song) -> None:
         self._state.start_song(song.place, song.start, song.prompt_tokens, song.total)
         song.marks += (self.stream.mark(),)
+        song.clock += (time.perf_counter(),)
 
     def _launch(self, block: Block) -> None:
         self.frame_graph.replay(block.bucket, block.count)
@@ -364,7 +367,8 @@ class GraphEngine:
             if item.steps is not None:
                 admitted, in_place = song.marks
                 stats = SongStats(song.emitted, item.steps, self.stream.seconds(admitted, in_place),
-                                  self.stream.seconds(in_place, mark), self.capture_count, song.peers)
+                                  self.stream.seconds(in_place, mark), self.capture_count, song.peers,
+                                  song.clock)
                 codes = self._state.song_codes(song.place, item.steps)
                 self._push(song, ("end", ((codes, self.stream.copied()), stats)))
                 self._state.park(song.place)
