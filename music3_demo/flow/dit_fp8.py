@@ -138,12 +138,21 @@ def quantize_weight(weight: torch.Tensor, per_tensor: bool = False, bias: torch.
     return Fp8Weight(data, scale, bias, per_tensor, fast_accum)
 
 
-_BACKEND_BY_DEVICE: dict[str, str] = {}
+_BACKEND_BY_DEVICE: dict[str, tuple[str, list[str]]] = {}
 
 
 def product_backend(device: torch.device | str) -> str:
     """The fastest product that works on `device`: a small fp8 product (with a bias) must run and land within 0.1
     relative of float32 (e4m3 gives ~0.04), row-wise first, then tensor-wise; else "dequant". Cached per device."""
+    return _probed(device)[0]
+
+
+def probe_notes(device: torch.device | str) -> list[str]:
+    """Why the faster backends were passed over on `device` (their errors), for reports."""
+    return list(_probed(device)[1])
+
+
+def _probed(device: torch.device | str) -> tuple[str, list[str]]:
     device = torch.device(device)
     key = str(device)
     if key not in _BACKEND_BY_DEVICE:
@@ -152,21 +161,25 @@ def product_backend(device: torch.device | str) -> str:
 
 
 @torch.no_grad()
-def _probe(device: torch.device) -> str:
+def _probe(device: torch.device) -> tuple[str, list[str]]:
     generator = torch.Generator().manual_seed(0)
     x, w = torch.randn(32, 64, generator=generator), torch.randn(48, 64, generator=generator) / 8
     bias = torch.randn(48, generator=generator)
     expected = F.linear(x, w, bias)
     x, w, bias = (t.to(device, torch.bfloat16) for t in (x, w, bias))
+    notes = []
     for backend in ("rowwise", "tensorwise"):
         per_tensor = backend == "tensorwise"
         try:
             got = scaled_product(reference_quantize(x, per_tensor), quantize_weight(w, per_tensor, bias)).float()
-        except (RuntimeError, ValueError, NotImplementedError):
+        except (RuntimeError, ValueError, NotImplementedError) as error:
+            notes.append(f"{backend}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
             continue
-        if ((got.cpu() - expected).norm() / expected.norm()).item() < 0.1:
-            return backend
-    return "dequant"
+        error = ((got.cpu() - expected).norm() / expected.norm()).item()
+        if error < 0.1:
+            return backend, notes
+        notes.append(f"{backend}: relative error {error:.3g} on the probe's product")
+    return "dequant", notes
 
 
 @dataclass
@@ -215,10 +228,14 @@ def quantize_dit(transformer: nn.Module, device: torch.device | str | None = Non
         raise ValueError("quantize_dit takes a bf16 transformer before its fast path is installed")
     if unknown := set(products) - set(PRODUCTS):
         raise ValueError(f"unknown DiT products {sorted(unknown)}: choose from {', '.join(PRODUCTS)}")
-    backend = backend or product_backend(device)
+    if backend is None:
+        backend = product_backend(device)
+        notes = probe_notes(device)
+    else:
+        notes = []
     if backend not in BACKENDS:
         raise ValueError(f"unknown fp8 product backend {backend!r}: choose from {', '.join(BACKENDS)}")
-    report = Fp8Report(backend, tuple(products))
+    report = Fp8Report(backend, tuple(products), notes=notes)
     linears = [parent._modules[name] for block in blocks for _, parent, name in _targets(block, products)]
     if backend != "dequant" and any(m.in_features % 16 or m.out_features % 16 for m in linears):
         report.backend = backend = "dequant"

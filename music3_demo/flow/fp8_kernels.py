@@ -72,11 +72,10 @@ def round_e4m3(x):
     small = a < 0.015625
     y = tl.where(small, a + 0.015625, a)
     bits = y.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    bits = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20
     r = bits.to(tl.float32, bitcast=True)
     r = tl.where(small, r - 0.015625, r)
-    sign = x.to(tl.int32, bitcast=True) & -2147483648  # x's sign bit, -0.0's included
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit's test: -0.0 stays -0.0
 
 
 @triton.jit
