@@ -31,9 +31,15 @@ import torch
 from .. import contract as c
 from .. import random_models
 from ..flow import dit_fp8, dit_fused
-from ..flow.dit_graph import VelocityGraphs
 from ..flow.stream import FlowSettings, FlowStream, full_chunk_latents
-from .dit_fp8_figures import chunk_trajectory, error_figures, guided_call, inject_outlier_columns, product_timings
+from .dit_fp8_figures import (
+    chunk_trajectory,
+    error_figures,
+    flow_executor,
+    guided_call,
+    inject_outlier_columns,
+    product_timings,
+)
 
 VARIANTS = {  # name -> quantize_dit's keyword arguments (None: the bf16 DiT)
     "bf16": None,
@@ -115,14 +121,15 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_chunk(components: dict, graphs, frames: torch.Tensor, device: torch.device, repeats: int,
+def time_chunk(components: dict, executor, frames: torch.Tensor, device: torch.device, repeats: int,
                steps: int) -> dict:
-    """One chunk of `frames` through a FlowStream (condition encoder, the guided steps, the vocoder, the host copy):
-    median of `repeats` after a warm-up; and one graphed guided step alone (median of 10 replays)."""
+    """One chunk of `frames` through a FlowStream and the executor (condition encoder, the guided steps, the
+    vocoder, the host copy), as a song runs it: median of `repeats` after a warm-up; and one graphed guided step
+    alone (median of 10 replays)."""
     times = []
     for repeat in range(repeats + 1):
         flow = FlowStream(components, FlowSettings(steps, batched_cfg=True),
-                          torch.Generator(device).manual_seed(repeat), device, graphs=graphs)
+                          torch.Generator(device).manual_seed(repeat), device, executor=executor)
         _synchronize(device)
         began = time.perf_counter()
         flow.push(frames)
@@ -130,6 +137,7 @@ def time_chunk(components: dict, graphs, frames: torch.Tensor, device: torch.dev
         _synchronize(device)
         times.append(time.perf_counter() - began)
     result = {"chunk_s": round(statistics.median(times[1:] or times), 4), "chunk_s_all": [round(t, 4) for t in times]}
+    graphs = executor.graphs
     if graphs is not None:
         transformer = components["transformer"]
         length = full_chunk_latents(components)
@@ -202,22 +210,22 @@ def _oracle(pristine, scheduler, condition, noise, steps: int):
 def _variant(name, components, pristine, frames, condition, noise, reference, oracle, device, args):
     transformer, quantized = make_variant(pristine, VARIANTS[name], device)
     figures: dict = {"quantize": quantized, "dit_bytes": dit_fp8.dit_bytes(transformer)}
-    graphs = VelocityGraphs(transformer, (full_chunk_latents(components),)) if device.type == "cuda" else None
+    scheduler, vocoder = components["scheduler"], components["vocoder"]
+    length = full_chunk_latents(components)
     try:
-        variant_components = {**components, "transformer": transformer}
-        figures["timing"] = time_chunk(variant_components, graphs, frames, device, args.repeats, args.steps)
-        trajectory = chunk_trajectory(transformer, components["scheduler"], condition, noise, graphs, args.steps)
-        call = guided_call(transformer, components["scheduler"], graphs)
-        if reference is not None:
-            figures["vs_bf16"] = error_figures(reference, trajectory[0], call, condition, components["vocoder"])
-        if oracle is not None:  # against float32, on this variant's own inputs at the yardstick's steps
-            figures["vs_float32"] = error_figures(trajectory, oracle["final"], oracle["call"], condition,
-                                                  components["vocoder"], ORACLE_STEPS)
-        if graphs is not None:
-            figures["graph_captures"] = graphs.captures
+        with flow_executor(transformer, vocoder, device, length) as executor:
+            variant_components = {**components, "transformer": transformer}
+            figures["timing"] = time_chunk(variant_components, executor, frames, device, args.repeats, args.steps)
+            trajectory = chunk_trajectory(transformer, scheduler, condition, noise, executor, args.steps)
+            call = guided_call(transformer, scheduler, executor)
+            if reference is not None:
+                figures["vs_bf16"] = error_figures(reference, trajectory[0], call, condition, vocoder)
+            if oracle is not None:  # against float32, on this variant's own inputs at the yardstick's steps
+                figures["vs_float32"] = error_figures(trajectory, oracle["final"], oracle["call"], condition, vocoder,
+                                                      ORACLE_STEPS)
+            if executor.graphs is not None:
+                figures["graph_captures"] = executor.graphs.captures
     finally:
-        if graphs is not None:
-            graphs.release()
         del transformer
         if device.type == "cuda":
             torch.cuda.empty_cache()

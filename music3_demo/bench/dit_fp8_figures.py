@@ -3,7 +3,7 @@
 - `inject_outlier_columns`: random full-size weights get outlier input columns (x30, 4 per 4,096 columns, as the LM
   formats' measurement does, `bench/formats.py`), which raise their rows' scales;
 - `chunk_trajectory`: one full chunk's 30 guided Euler steps from the same noise and condition, recording each step's
-  input latents and velocity;
+  input latents and velocity (through a `flow_executor`, as a pipeline runs them: graphed on CUDA);
 - `error_figures`: another DiT against a reference trajectory: the velocity's relative error at every step on the
   reference's own inputs (teacher-forced: the error of one call), the final latents' relative error after 30 steps
   on each one's own trajectory, and the audio's SNR over the chunk (both final latents through the float32 vocoder);
@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 from .. import contract as c
 from ..flow import dit_fp8
 from ..flow.dit_fused import add_layer_norm, silu_mul
+from ..flow.dit_graph import VelocityGraphs
+from ..flow.executor import FlowExecutor
 from ..flow.fp8_kernels import add_layer_norm_quant, layer_norm_quant, quantize_rows, quantize_tensor, silu_mul_quant
 from ..flow.stream import ChunkDenoiser, FlowSettings
 
@@ -65,19 +68,36 @@ class _Recording(ChunkDenoiser):
         return velocity
 
 
-def chunk_trajectory(transformer, scheduler, condition: torch.Tensor, noise: torch.Tensor, graphs=None,
+@contextlib.contextmanager
+def flow_executor(transformer, vocoder, device: torch.device, length: int):
+    """A FlowExecutor for `transformer` as a pipeline has one: on CUDA with captured guided steps for chunks of
+    `length` latents (the fast path must be installed); closed, and its graphs released, afterwards."""
+    graphs = VelocityGraphs(transformer, (length,)) if device.type == "cuda" else None
+    executor = FlowExecutor(transformer, vocoder, device, graphs)
+    try:
+        yield executor
+    finally:
+        executor.close()
+        if graphs is not None:
+            graphs.release()
+
+
+def chunk_trajectory(transformer, scheduler, condition: torch.Tensor, noise: torch.Tensor, executor=None,
                      steps: int = c.DEFAULT_STEPS) -> tuple[torch.Tensor, list]:
     """(final latents, per-step records) of one chunk's guided denoise (batch-2 CFG, as the fast engines run it),
-    in the dtype of `condition` and `noise`; `graphs` replays full chunks' steps."""
-    denoiser = _Recording(transformer, scheduler, FlowSettings(steps, c.DEFAULT_GUIDANCE, batched_cfg=True), graphs)
+    in the dtype of `condition` and `noise`; through `executor` (its graphs replay full chunks' steps), else eager."""
+    settings = FlowSettings(steps, c.DEFAULT_GUIDANCE, batched_cfg=True)
+    denoiser = _Recording(transformer, scheduler, settings, executor=executor)
     with torch.no_grad():
         final = denoiser.denoise(noise.clone(), condition, 0, None, lambda done: None, None)
     return final, denoiser.records
 
 
-def guided_call(transformer, scheduler, graphs=None):
-    """The guided velocity of `transformer` at given (latents, timestep, condition), cast to its dtype."""
-    denoiser = ChunkDenoiser(transformer, scheduler, FlowSettings(c.DEFAULT_STEPS, c.DEFAULT_GUIDANCE, True), graphs)
+def guided_call(transformer, scheduler, executor=None):
+    """The guided velocity of `transformer` at given (latents, timestep, condition), cast to its dtype (through
+    `executor`, else eager)."""
+    settings = FlowSettings(c.DEFAULT_STEPS, c.DEFAULT_GUIDANCE, batched_cfg=True)
+    denoiser = ChunkDenoiser(transformer, scheduler, settings, executor=executor)
     dtype = transformer.dtype
 
     def call(latents, timestep, condition):

@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from music3_demo.bench.dit_fp8 import ORACLE_STEPS, build
-from music3_demo.bench.dit_fp8_figures import chunk_trajectory, error_figures, guided_call, relative
+from music3_demo.bench.dit_fp8_figures import chunk_trajectory, error_figures, flow_executor, guided_call, relative
 from music3_demo.flow import dit_fp8, dit_fused
-from music3_demo.flow.dit_graph import VelocityGraphs
 from music3_demo.flow.fp8_kernels import (
     add_layer_norm_quant,
     layer_norm_quant,
@@ -125,33 +124,30 @@ def test_one_fp8_block_update_is_within_bound(flow):
 
 
 def test_fp8_step_is_captured_in_a_graph_like_bf16(flow):
-    fp8, scheduler = flow["fp8"], flow["components"]["scheduler"]
-    graphs = VelocityGraphs(fp8, (flow["length"],))
-    eager, graphed = guided_call(fp8, scheduler), guided_call(fp8, scheduler, graphs)
+    fp8, scheduler, vocoder = flow["fp8"], flow["components"]["scheduler"], flow["components"]["vocoder"]
     latents, condition = flow["noise"], flow["condition"]
-    for t in (0.0, 0.5, 0.9):
-        timestep = torch.full((1,), t, device=DEVICE, dtype=torch.bfloat16)
-        assert relative(graphed(latents, timestep, condition), eager(latents, timestep, condition)) < 1e-2
-    assert graphs.captures == 1
-    graphs.release()
+    with flow_executor(fp8, vocoder, DEVICE, flow["length"]) as executor:
+        eager, graphed = guided_call(fp8, scheduler), guided_call(fp8, scheduler, executor)
+        for t in (0.0, 0.5, 0.9):
+            timestep = torch.full((1,), t, device=DEVICE, dtype=torch.bfloat16)
+            assert relative(graphed(latents, timestep, condition), eager(latents, timestep, condition)) < 1e-2
+        assert executor.graphs.captures == 1
 
 
 def test_fp8_chunk_errors_against_bf16_and_float32(flow):
     components, condition, noise = flow["components"], flow["condition"], flow["noise"]
-    scheduler, vocoder = components["scheduler"], components["vocoder"]
-    bf16_graphs = VelocityGraphs(flow["bf16"], (flow["length"],))
-    fp8_graphs = VelocityGraphs(flow["fp8"], (flow["length"],))
-    bf16 = chunk_trajectory(flow["bf16"], scheduler, condition, noise, bf16_graphs)
-    fp8 = chunk_trajectory(flow["fp8"], scheduler, condition, noise, fp8_graphs)
-    vs_bf16 = error_figures(bf16, fp8[0], guided_call(flow["fp8"], scheduler, fp8_graphs), condition, vocoder)
+    scheduler, vocoder, length = components["scheduler"], components["vocoder"], flow["length"]
+    with flow_executor(flow["bf16"], vocoder, DEVICE, length) as executor:
+        bf16 = chunk_trajectory(flow["bf16"], scheduler, condition, noise, executor)
+    with flow_executor(flow["fp8"], vocoder, DEVICE, length) as executor:
+        fp8 = chunk_trajectory(flow["fp8"], scheduler, condition, noise, executor)
+        vs_bf16 = error_figures(bf16, fp8[0], guided_call(flow["fp8"], scheduler, executor), condition, vocoder)
     oracle = copy.deepcopy(flow["pristine"]).float()
     exact = chunk_trajectory(oracle, scheduler, condition.float(), noise.float())
     exact_call = guided_call(oracle, scheduler)
     bf16_vs_exact = error_figures(bf16, exact[0], exact_call, condition, vocoder, ORACLE_STEPS)
     fp8_vs_exact = error_figures(fp8, exact[0], exact_call, condition, vocoder, ORACLE_STEPS)
     del oracle
-    bf16_graphs.release()
-    fp8_graphs.release()
     print(f"fp8 vs bf16: {vs_bf16}\nbf16 vs float32: {bf16_vs_exact}\nfp8 vs float32: {fp8_vs_exact}")
     assert vs_bf16["velocity_rel_error_max"] < 0.8 and vs_bf16["audio_snr_db"] > 3.0
     for figure in ("velocity_rel_error_max", "final_latents_rel_error"):
