@@ -103,14 +103,15 @@ def build(device: torch.device, tiny: bool) -> dict:
 
 
 def make_variant(pristine, kwargs: dict | None, device: torch.device):
-    """A copy of the pristine bf16 DiT with its fast path: bf16's, or quantized with `kwargs` first."""
+    """A copy of the pristine bf16 DiT, quantized with `kwargs` unless they are None, with its fast path on CUDA
+    (on the CPU diffusers' forward runs, the fp8 modules dequantizing their weights)."""
     transformer = copy.deepcopy(pristine)
     report = None
     if kwargs is not None:
-        report = dit_fp8.quantize_dit(transformer, device, **kwargs).as_dict()
-        dit_fp8.install(transformer)
-    elif device.type == "cuda":
-        dit_fused.install(transformer)
+        dit_fp8.quantize_dit(transformer, device, **kwargs)
+        report = transformer.fp8_report.as_dict()
+    if device.type == "cuda":  # as flow.prepare does: the fused path (Triton) where it runs
+        (dit_fp8.install if kwargs is not None else dit_fused.install)(transformer)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return transformer, report

@@ -24,6 +24,7 @@ captures bf16's. Without `install` (eager paths, the CPU), diffusers' own forwar
 
 from __future__ import annotations
 
+import logging
 import time
 import types
 from dataclasses import asdict, dataclass, field
@@ -45,6 +46,8 @@ from .fp8_kernels import (
     reference_quantize,
     silu_mul_quant,
 )
+
+log = logging.getLogger("music3_demo.flow.dit_fp8")
 
 DIT_FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions and fp8 tensor cores: Ada, Hopper, Blackwell
 PRODUCTS = ("qkv", "to_out", "ff_in", "ff_out")  # a block's products that `quantize_dit` can put in fp8
@@ -214,11 +217,12 @@ def is_fp8(transformer: nn.Module) -> bool:
 
 @torch.no_grad()
 def quantize_dit(transformer: nn.Module, device: torch.device | str | None = None, *, backend: str | None = None,
-                 products: tuple[str, ...] = PRODUCTS, fast_accum: bool = FAST_ACCUM) -> Fp8Report:
+                 products: tuple[str, ...] = PRODUCTS, fast_accum: bool = FAST_ACCUM) -> None:
     """Swap the DiT blocks' `products` for Fp8Linear modules, in place, and leave the transformer on `device` (default:
     where its blocks are). Layer by layer: each weight is quantized on `device` and the Linear dropped before the
     next, so the transformer may come in on the host or already on the device. `backend` overrides the probe
-    (`product_backend`; tests). Raises DitFp8Unavailable (one sentence) on a GPU older than sm_89."""
+    (`product_backend`; tests). What it did is `transformer.fp8_report` (an Fp8Report) and one log line. Raises
+    DitFp8Unavailable (one sentence) on a GPU older than sm_89."""
     blocks = transformer.transformer_blocks
     device = torch.device(device) if device is not None else next(blocks.parameters()).device
     refusal = fp8_refusal(device)
@@ -263,7 +267,10 @@ def quantize_dit(transformer: nn.Module, device: torch.device | str | None = Non
     transformer.to(device)
     transformer.fp8_backend = backend
     report.seconds = time.perf_counter() - started
-    return report
+    transformer.fp8_report = report
+    log.info("DiT in fp8 on %s: %s products, %d modules, %.2f -> %.2f GB in %.1f s%s", device, backend,
+             report.modules, report.bytes_before / 1e9, report.bytes_after / 1e9, report.seconds,
+             f" ({'; '.join(report.notes)})" if report.notes else "")
 
 
 def fuse_fp8(modules: list[Fp8Linear]) -> Fp8Weight:

@@ -154,7 +154,8 @@ def test_bf16_keeps_diffusers_module_tree_and_fp8_swaps_only_the_block_products(
     dit_fused.install(bf16)
     assert _tree(bf16) == fresh and not dit_fp8.is_fp8(bf16)
     fp8 = copy.deepcopy(bf16_transformer)
-    report = quantize_dit(fp8, backend="rowwise")
+    assert quantize_dit(fp8, backend="rowwise") is None
+    report = fp8.fp8_report
     swapped = {tuple(name.split(".", 2)[1:]) for name, kind in _tree(fp8) if kind == "Fp8Linear"}
     layers = fp8.config.num_layers
     assert len(swapped) == 6 * layers and report.modules == 6 * layers
@@ -188,7 +189,8 @@ def test_installed_fp8_path_is_its_torch_composition(fp32_transformer, inputs, b
     """In float32 (torch's CPU `_scaled_mm` takes float32 outputs), so that the steps before each quantization agree
     to float32's last bit and the quantized activations are the same bytes but for values on a rounding boundary."""
     transformer = copy.deepcopy(fp32_transformer)
-    assert quantize_dit(transformer, backend=backend).backend == backend
+    quantize_dit(transformer, backend=backend)
+    assert transformer.fp8_report.backend == transformer.fp8_backend == backend
     inputs = tuple(x.float() for x in inputs)
     with torch.no_grad():
         assert dit_fp8.install(transformer) == transformer.config.num_layers
