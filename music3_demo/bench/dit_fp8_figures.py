@@ -162,7 +162,8 @@ def _graph_us(fn, reps: int, replays: int = 5) -> float:
 def product_timings(transformer, device: torch.device, rows: int, reps: int = 20) -> dict:
     """Per product kind: microseconds of the product alone in bf16, of its bf16 step + product, of the fp8 product
     on pre-quantized activations (fast and exact accumulation), of the fused quantizing step + fp8 product, and of
-    the bf16 step + per-tensor quantization + per-tensor product; then milliseconds per chunk (x layers x steps)."""
+    the per-tensor product (pre-quantized, and after the bf16 step + per-tensor quantization); then milliseconds per
+    chunk (x layers x steps)."""
     generator = torch.Generator(device).manual_seed(0)
     calls_per_chunk = transformer.config.num_layers * c.DEFAULT_STEPS
     figures: dict = {"rows": rows, "calls_per_chunk": calls_per_chunk}
@@ -190,7 +191,10 @@ def product_timings(transformer, device: torch.device, rows: int, reps: int = 20
             "fp8_prequantized_exact_accum_us": _graph_us(lambda: dit_fp8.scaled_product(prequantized, exact), reps),
             "fp8_fused_step_and_product_us": _graph_us(lambda: dit_fp8.scaled_product(fused_step(), rowwise), reps),
         }
-        try:
+        try:  # the tensor-wise GEMM alone (cuBLASLt), then with its two-pass quantization after the bf16 step
+            per_tensor = quantize_tensor(ready)
+            row["fp8_tensorwise_prequantized_us"] = _graph_us(lambda: dit_fp8.scaled_product(per_tensor, tensorwise),
+                                                              reps)
             row["fp8_tensorwise_step_and_product_us"] = _graph_us(
                 lambda: dit_fp8.scaled_product(quantize_tensor(bf16_step().contiguous()), tensorwise), reps)
         except RuntimeError as error:  # a device without tensor-wise products: recorded, the rest stands
