@@ -253,7 +253,7 @@ def _summary(data: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench dit-fp8", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny model (CPU smoke run)")
     parser.add_argument("--variants", default="fp8,fp8-to-out-bf16,fp8-exact-accum,fp8-tensorwise")
