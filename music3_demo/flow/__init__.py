@@ -12,19 +12,22 @@ from __future__ import annotations
 import torch
 
 from .dit_graph import VelocityGraphs
-from .executor import FlowExecutor
+from .executor import BUCKETS, FlowExecutor
 from .stream import full_chunk_latents
 
 
-def prepare(components: dict, device: torch.device, fast: bool) -> FlowExecutor:
+def prepare(components: dict, device: torch.device, fast: bool, buckets: tuple[int, int] | None = None
+            ) -> FlowExecutor:
     """The pipeline's flow executor (every song's DiT and vocoder calls go through it). Where the fast path applies
     (a CUDA device, and `fast`: the stage has its own generator and batches CFG) it first installs the DiT's fused
     q|k|v + one-launch rotary and, since full chunks share one shape, gives the executor captured graphs of the
-    guided DiT step for them; otherwise every step runs eagerly."""
+    guided DiT step for them; otherwise every step runs eagerly. `buckets`: the largest merged DiT call (songs) and
+    vocoder call (chunks) the card's memory plan allows (None: the executor's largest)."""
     graphs = None
     if device.type == "cuda" and fast:
         from .dit_fused import install  # Triton kernels: imported only where they run
 
         install(components["transformer"])
         graphs = VelocityGraphs(components["transformer"], (full_chunk_latents(components),))
-    return FlowExecutor(components["transformer"], components["vocoder"], device, graphs)
+    return FlowExecutor(components["transformer"], components["vocoder"], device, graphs,
+                        largest=buckets or (max(BUCKETS), max(BUCKETS)))

@@ -128,8 +128,11 @@ class FlowExecutor:
     THREAD_NAME = "music3-flow-executor"
 
     def __init__(self, transformer, vocoder, device: torch.device, graphs: VelocityGraphs | None = None,
-                 mode: str = "auto") -> None:
+                 mode: str = "auto", largest: tuple[int, int] = (max(BUCKETS), max(BUCKETS))) -> None:
+        """`largest`: the most songs one merged DiT call and the most chunks one vocoder call may take (the card's
+        memory plan: each merged song or chunk adds its activations; calibrate() measures no larger call)."""
         self.transformer = transformer
+        self.buckets = {"graph": _upto(largest[0]), "eager": _upto(largest[0]), "vocode": _upto(largest[1])}
         self.vocoder = vocoder
         self.device = device
         self.graphs = graphs
@@ -152,7 +155,7 @@ class FlowExecutor:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
         if mode == "always":
-            self.plans = {kind: MergePlan.always() for kind in ("graph", "eager", "vocode")}
+            self.plans = {kind: MergePlan(dict.fromkeys(buckets, 1.0)) for kind, buckets in self.buckets.items()}
         elif mode == "auto" and self.calibration is not None:
             self.plans = {"graph": MergePlan.measured(self.calibration["dit_call_s"]), "eager": MergePlan.lone(),
                           "vocode": MergePlan.measured(self.calibration["vocoder_call_s"])}
@@ -194,9 +197,9 @@ class FlowExecutor:
 
     def calibrate(self, length: int, repeats: int = 5) -> dict:
         """CUDA: time the graphed guided call for 1, 2 and 4 songs of `length` latents and the vocoder for 1, 2 and
-        4 chunks (captures the graphs), then, in `auto` mode, merge only into buckets that beat as many lone calls
-        by MERGE_GAIN. Runs on the executor's thread, between songs' calls. Returns the seconds per call and the
-        buckets kept."""
+        4 chunks, as far as `largest` allows (captures the graphs), then, in `auto` mode, merge only into buckets
+        that beat as many lone calls by MERGE_GAIN. Runs on the executor's thread, between songs' calls. Returns
+        the seconds per call and the buckets kept."""
         if self.graphs is None:
             raise RuntimeError("calibrate() measures captured graphs: CUDA with the fast flow path only")
         self.calibration = self.call(self._measure, length, repeats)
@@ -325,16 +328,21 @@ class FlowExecutor:
             return torch.randn(*shape, generator=generator, device=self.device, dtype=dtype)
 
         dit, vocoder = {}, {}
-        for bucket in BUCKETS:
+        for bucket in self.buckets["graph"]:
             latents = randn(bucket, config.in_channels, length, dtype=self.transformer.dtype)
             condition = randn(bucket, length, config.condition_dim, dtype=self.transformer.dtype)
             graph = self.graphs.get(latents[:1], condition[:1], rows=bucket)
             for row in range(bucket):
                 graph.load(row, latents[row : row + 1], latents.new_full((1,), 0.5), condition[row : row + 1], 1.7)
             dit[bucket] = _seconds_per_call(graph.replay, repeats)
+        for bucket in self.buckets["vocode"]:
             chunk = randn(bucket, self.vocoder.config.latent_channels, length, dtype=self.vocoder.dtype)
             vocoder[bucket] = _seconds_per_call(lambda: self.vocoder(chunk), repeats)
         return {"dit_call_s": dit, "vocoder_call_s": vocoder}
+
+
+def _upto(largest: int) -> tuple[int, ...]:
+    return tuple(bucket for bucket in BUCKETS if bucket <= largest)
 
 
 def _seconds_per_call(fn: Callable[[], Any], repeats: int) -> float:

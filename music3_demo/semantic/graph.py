@@ -75,7 +75,8 @@ class GraphEngine(EngineWeights, FrameStep):
     ) -> None:
         """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits`, `chain` and `slots`,
         when given, override its fields. `kv_pool_positions` fixes the KV pool's size (positions per CFG row) instead
-        of sizing it from free memory."""
+        of sizing it from free memory (what an engine outside a pipeline does; a pipeline's comes from its card's
+        memory plan)."""
         device = normalize(device)
         if device.type != "cuda" and not interpreting():
             raise ValueError(
@@ -198,6 +199,13 @@ class GraphEngine(EngineWeights, FrameStep):
             self.pool = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def size_pool(self, positions: int | None) -> None:
+        """From now on the KV pool holds `positions` per CFG row (the card's memory plan; None: sized at first use
+        from free memory, as for an engine outside a pipeline). The state and graphs go now (idle engine) and are
+        made again at that size when first needed."""
+        self.release()
+        self.kv_pool_positions = positions
 
     # ------------------------------------------------------------------ the KV pool (the batch calls these)
     def kv_bytes_per_position(self) -> int:
