@@ -106,8 +106,7 @@ class ModelHolder:
     ) -> None:
         """`precision`, `dit_precision`: the LM's and the DiT's (auto: each card's memory plan). `lazy`: pipelines
         build their engines at their first song, in the process that runs it (Space mode: ui/gpu.py); the holder
-        then learns the engine from the songs. `max_running`: songs
-        at once over all devices (None: as many as the devices' slots)."""
+        then learns the engine from the songs. `max_running`: songs at once over all devices (None: their slots)."""
         self.model = model
         self.engine = engine
         self.warmup = warmup
@@ -317,12 +316,10 @@ class ModelHolder:
         """The sentence for a song that no loaded device's memory plan holds even alone (naming the longest that
         fits), or None: it fits one, or no device is loaded yet (its placement checks again)."""
         plans = [slot.pipeline.memory_plan for slot in self._slots if slot.pipeline is not None]
-        if prompt_tokens is None or not plans or None in plans:
+        if prompt_tokens is None or not plans or None in plans or any(not p.too_long(prompt_tokens, frames)
+                                                                      for p in plans):
             return None
-        refusals = [plan.too_long(prompt_tokens, frames) for plan in plans]
-        if None in refusals:
-            return None
-        return refusals[max(range(len(plans)), key=lambda index: plans[index].max_frames(prompt_tokens))]
+        return max(plans, key=lambda plan: plan.max_frames(prompt_tokens)).too_long(prompt_tokens, frames)
 
     def _admits(self, device: str, tickets: list[Ticket]) -> bool:
         """Whether the device's engine has memory for these songs on top of those it already holds (always, before
