@@ -38,8 +38,7 @@ def card_figures(device: torch.device) -> tuple[int | None, tuple[int, int] | No
 
 
 def plan_for(precision: str, dit_precision: str, device: torch.device, source: ModelSource, engine: str,
-             flow_device: torch.device | None = None, model: str | None = None
-             ) -> tuple[MemoryPlan, MemoryPlan | None]:
+             flow_device: torch.device | None = None) -> tuple[MemoryPlan, MemoryPlan | None]:
     """The memory plan for `device` (and, in a stage split, the flow card's), logged as one block; NoRoom, one
     sentence, where the model does not fit in the modes asked."""
     cards = [(device, ("semantic", "flow") if flow_device is None else ("semantic",))]
@@ -52,7 +51,7 @@ def plan_for(precision: str, dit_precision: str, device: torch.device, source: M
         plan = plan_memory(figures, free, capability, precision, dit_precision, engine, stages)
         log.info("%s", plan.log_block(str(card)))
         if not plan.fits:
-            raise NoRoom(no_room_sentence(plan, str(card), model or source.name))
+            raise NoRoom(no_room_sentence(plan, str(card)))
         plans.append(plan)
     if flow_device is None:
         return plans[0], None

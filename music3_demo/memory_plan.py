@@ -387,11 +387,13 @@ def plan_memory(
                    dit=PrecisionChoice(chosen.dit.mode, dit_precision, dit_reason), why=why)
 
 
-def no_room_sentence(plan: MemoryPlan, device: str, model: str) -> str:
+def no_room_sentence(plan: MemoryPlan, device: str) -> str:
     """Why a plan that does not fit cannot load, in one sentence with what to do."""
     need = max(plan.load_peak, plan.weight_bytes + plan.runtime + plan.flow_working
                + (song_positions(*WARM_UP) + PARKING) * plan.kv_bytes_per_position)
-    return (f"{model} does not fit on {device} in {plan.modes()}: {plan.free_bytes / GB:.1f} GB are free and it needs "
-            f"about {(need + plan.headroom) / GB:.1f} GB to load and make a song; close other programs that use the "
-            "GPU, try --precision auto and --dit-precision auto (the smallest modes that fit), or use a GPU with more "
-            "memory (--model tiny runs anywhere).")
+    asked = plan.lm.requested == plan.dit.requested == "auto"  # (auto has tried the smallest modes already)
+    modes = "" if asked else ", try --precision auto and --dit-precision auto"
+    return (f"The model does not fit on {device} in {plan.modes()}: {plan.free_bytes / GB:.1f} GB are free and it "
+            f"needs about {(need + plan.headroom) / GB:.1f} GB to load and make a song; close other programs that use "
+            f"the GPU{modes}, or use a GPU with more memory "
+            "(--model tiny runs anywhere).")

@@ -162,7 +162,7 @@ class Music3Pipeline:
         source = resolve(model, revision=revision, token=token)
         with on_device(device):
             planned = resolve_engine_name(engine, device, allow_interpreter)
-            plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device, model)
+            plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device)
             components = load_model(source, device, dtype, plan.lm, flow_device=flow_device, dit=plan.dit.mode)
         plan = replace(plan, lm=as_loaded(plan.lm, dtype), dit=as_loaded(plan.dit, dtype))
         return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,

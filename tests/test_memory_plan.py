@@ -157,8 +157,8 @@ def test_a_song_too_long_for_the_card_is_one_sentence_naming_the_longest_that_fi
 def test_a_card_too_small_is_refused_with_the_free_and_needed_memory():
     p = plan(12)
     assert not p.fits and (p.lm.mode, p.dit.mode) == ("fp8", "fp8")  # the smallest modes were tried last
-    sentence = no_room_sentence(p, "cuda:0", "random-full")
-    assert sentence.startswith("random-full does not fit on cuda:0 in fp8 LM, fp8 DiT: 12.0 GB are free and it "
+    sentence = no_room_sentence(p, "cuda:0")
+    assert sentence.startswith("The model does not fit on cuda:0 in fp8 LM, fp8 DiT: 12.0 GB are free and it "
                                "needs about ")
     assert "close other programs" in sentence
 

@@ -23,6 +23,7 @@ import torch
 from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
 from ..devices import on_device, split_devices
 from ..memory import device_memory
+from ..memory_plan import NoRoom
 from ..request import InvalidRequest
 from ..semantic import EngineUnavailable
 from .gpu import WorkerClock
@@ -382,7 +383,7 @@ def load_error_message(model: str, error: Exception) -> str:
     "run without the Hub" hint only where the Hub is the problem: not for a local folder or a built-in model,
     whose faults the sentence itself names."""
     why = str(error).strip() or type(error).__name__
-    if isinstance(error, EngineUnavailable):  # the weights are fine: the sentence names the engine flag to change
+    if isinstance(error, (EngineUnavailable, NoRoom)):  # the weights are fine: the sentence names what to change
         return why
     if not isinstance(error, CheckpointError):
         why = f"Could not load {model}: {why}"

@@ -110,3 +110,17 @@ def test_the_cli_exits_2_with_the_sentence(monkeypatch, tmp_path, tiny_folder):
     assert re.search(r"^error: " + LONGEST.pattern + "$", result.stderr, flags=re.M)
     assert "note: memory plan: float32 LM, float32 DiT · 1 song at once" in result.stderr
     assert not (tmp_path / "song.wav").exists()
+
+
+def test_a_card_too_small_for_the_model_fails_the_load_with_one_sentence(monkeypatch, tiny_folder):
+    from music3_demo.ui.holder import ModelHolder
+
+    monkeypatch.setenv(FREE_BYTES_ENV, str(2 * 10**9))
+    holder = ModelHolder("tiny", ["cpu"], "reference", warmup=False)
+    holder.preload(background=False)
+    status = holder.status()
+    assert status.state == "failed"
+    assert status.error.startswith("The model does not fit on cpu in fp8 LM, fp8 DiT: 2.0 GB are free and it needs "
+                                   "about ")
+    assert status.error.endswith("close other programs that use the GPU, or use a GPU with more memory (--model tiny "
+                                 "runs anywhere).")
