@@ -24,6 +24,8 @@ QUICK = {"description": "bright synth-pop, 120 BPM", "lyrics": "[verse]\nhello t
          "guidance_scale": 1.7, "lm_cfg_scale": 1.5, "top_k": 50, "instrumental": False, "variations": 1}
 LONGEST = re.compile(r"On this GPU \([\d.]+ GB free, float32 LM, float32 DiT\) songs with this prompt can be at most "
                      r"(?:(\d+) min ?)?(?:(\d+) s)? long; choose a shorter duration\.")
+# A ~700-token prompt: the longest song that fits beside it is short, so the app test makes it quickly on the CPU.
+LONG_PROMPT = QUICK | {"lyrics": "[verse]\n" + "hello there, we sing along\n" * 24}
 
 
 def free_for(longest_s: float, prompt_tokens: int = 30) -> int:
@@ -36,7 +38,7 @@ def free_for(longest_s: float, prompt_tokens: int = 30) -> int:
     return int(high)
 
 
-FREE = free_for(40.0)
+FREE = free_for(40.0)  # (the pool must hold the warm-up's 770 positions, or the load is refused)
 
 
 def seconds_in(sentence: str) -> int:
@@ -57,12 +59,12 @@ def test_the_app_refuses_a_song_longer_than_the_card_holds_at_once_and_keeps_ser
     plan = status["memory_plan"]["cpu"]
     assert plan["free_gb"] == round(FREE / 1e9, 2) and plan["slots"] == status["slots"]["cpu"]
     with pytest.raises(ValidationError) as refused:  # the sentence under the duration
-        client.predict(**QUICK, duration=120.0, api_name="/generate")
+        client.predict(**LONG_PROMPT, duration=120.0, api_name="/generate")
     sentence = re.search(r"- duration: (.*)$", str(refused.value).strip(), flags=re.M).group(1)
     longest = seconds_in(sentence)
-    assert 20 <= longest < 90
+    assert 4 <= longest < 30
     assert client.predict(api_name="/status")["jobs"] == []  # refused on arrival: it never became a job
-    wav, report = client.predict(**(QUICK | {"duration": float(longest)}), api_name="/generate")
+    wav, report = client.predict(**(LONG_PROMPT | {"duration": float(longest)}), api_name="/generate")
     assert report["frames"] == longest * 25 and report["memory_plan"]["kv_pool_positions"] == plan[
         "kv_pool_positions"]
 
