@@ -19,13 +19,18 @@ from .checkpoint import (
     model_figures,
 )
 from .memory import free_and_capability, release_cached
-from .memory_plan import MemoryPlan, NoRoom, no_room_sentence, plan_memory
+from .memory_plan import GB, PARKING, WARM_UP, MemoryPlan, plan_memory, song_positions
 from .precision import PrecisionChoice
 
 log = logging.getLogger("music3_demo.loading")
 # Tests only: pretend the GPU reports this many bytes free (the plan is computed from it; nothing else changes), so
 # CPU tests can load the tiny model under a small card's plan.
 FREE_BYTES_ENV = "MUSIC3_TEST_FREE_BYTES"
+
+
+class NoRoom(ValueError):
+    """The model does not fit this card in the modes asked; the message says what was free, what is needed and
+    what to do."""
 
 
 def card_figures(device: torch.device) -> tuple[int | None, tuple[int, int] | None]:
@@ -104,3 +109,15 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, ch
                  report.as_dict())
     release_cached(device)  # what loading left in the allocator's cache (conversions, host round trips)
     return components
+
+
+def no_room_sentence(plan: MemoryPlan, device: str) -> str:
+    """Why a plan that does not fit cannot load, in one sentence with what to do."""
+    need = max(plan.load_peak, plan.weight_bytes + plan.runtime + plan.flow_working
+               + (song_positions(*WARM_UP) + PARKING) * plan.kv_bytes_per_position)
+    asked = plan.lm.requested == plan.dit.requested == "auto"  # (auto has tried the smallest modes already)
+    modes = "" if asked else ", try --precision auto and --dit-precision auto"
+    return (f"The model does not fit on {device} in {plan.modes()}: {plan.free_bytes / GB:.1f} GB are free and it "
+            f"needs about {(need + plan.headroom) / GB:.1f} GB to load and make a song; close other programs that use "
+            f"the GPU{modes}, or use a GPU with more memory "
+            "(--model tiny runs anywhere).")

@@ -3,7 +3,8 @@
 `plan_memory` is a pure function of figures (the card's free bytes at load and compute capability, the model's
 `ModelFigures`, the modes asked for the LM / depth decoder and the DiT, the engine) -> a frozen `MemoryPlan`: each
 component's bytes on the device and what sits there only while loading; the flow stage's working set (a captured
-guided DiT call's pool per captured merge bucket, one vocoder call's activations per merged chunk); the runtime
+guided DiT call's pool per captured merge bucket, one vocoder call's activations per merged chunk, or one tile's
+where whole chunks leave no room for a 6-minute song alone: VOCODER_TILE); the runtime
 (kernels and libraries loaded later, cuBLAS workspaces, graph executables, the engine's per-slot buffers, a prefill
 chunk, the allocator's slack); the desktop's headroom (HEADROOM_FIXED + HEADROOM_FRACTION of the free memory, at
 most HEADROOM_MAX: a desktop card drives a display and a browser whose use grows; a big card loses little to it);
@@ -56,6 +57,12 @@ CHECK_BYTES = 100_000_000  # the self-check's scratch (its own small KV pool, th
 ACTIVATION_MARGIN = 1.1
 DIT_CALL_BYTES = int(0.274e9 * ACTIVATION_MARGIN)  # one song's guided DiT call on a full chunk (689 latents)
 VOCODER_CHUNK_BYTES = int(1.571e9 * ACTIVATION_MARGIN)  # one chunk through the vocoder (float32)
+CHUNK_LATENTS = 689  # a full chunk's latents (flow/stream.full_chunk_latents at the released checkpoint's rates)
+# Where whole chunks leave no room for a 6-minute song alone, the vocoder decodes a chunk in tiles of VOCODER_TILE
+# latents, each with VOCODER_HALO latents of context either side (the decoder sees 11 latents either way, so the
+# samples are the whole chunk's), for a tile's activations (they scale with the length) at a quarter more work.
+VOCODER_TILE, VOCODER_HALO = 128, 16
+VOCODER_TILE_BYTES = VOCODER_CHUNK_BYTES * (VOCODER_TILE + 2 * VOCODER_HALO) // CHUNK_LATENTS
 FLOW_SONG_BYTES = 50_000_000  # per running song: condition encoder activations, its frames window and latents
 REFERENCE_WORKING_BYTES = int(3 * GB)  # the eager reference engine's activations (whole-prompt passes)
 MERGE_SHARE = 0.10
@@ -64,11 +71,6 @@ BUCKETS = (1, 2, 4)  # songs per merged DiT / vocoder call (flow/executor.py)
 # columns for int8; the DiT's fp8 scales are per output row).
 BYTES_PER_WEIGHT = {"fp8": 1 + 4 / 1024, "int8": 1 + 4 / 128}
 STAGES = ("semantic", "flow")
-
-
-class NoRoom(ValueError):
-    """The model does not fit this card in the modes asked; the message says what was free, what is needed and
-    what to do."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class MemoryPlan:
     slots: int | None = None
     dit_bucket: int = 1  # the largest merged guided DiT call (songs)
     vocoder_bucket: int = 1  # the largest merged vocoder call (chunks)
+    vocoder_tile: int | None = None  # latents per vocoder call (None: whole chunks)
     fits: bool = True
     why: str = ""  # one sentence: why these modes (auto's test, or as asked)
     figures: ModelFigures | None = field(default=None, repr=False, compare=False)  # what it was computed from
@@ -231,7 +234,8 @@ class MemoryPlan:
                 "weights_gb": {name: gb(value) for name, value in self.weights.items()},
                 "loading_only_gb": gb(self.load_extra), "load_peak_gb": gb(self.load_peak),
                 "flow_working_gb": gb(self.flow_working), "dit_bucket": self.dit_bucket,
-                "vocoder_bucket": self.vocoder_bucket, "graphs_and_workspaces_gb": gb(self.runtime),
+                "vocoder_bucket": self.vocoder_bucket, "vocoder_tile_latents": self.vocoder_tile,
+                "graphs_and_workspaces_gb": gb(self.runtime),
                 "headroom_gb": gb(self.headroom), "kv_pool_gb": gb(self.kv_pool_bytes),
                 "kv_pool_positions": self.kv_pool_positions, "slots": self.slots,
                 "reference_prompt_tokens": REFERENCE_PROMPT_TOKENS,
@@ -293,18 +297,23 @@ def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, eng
     if semantic:
         runtime += PREFILL_BYTES + (QUANTIZED_PREFILL_BYTES if lm in QUANTIZED else 0)
         runtime += REFERENCE_WORKING_BYTES if engine == "reference" else 0
-    base_flow = (DIT_CALL_BYTES + max(VOCODER_CHUNK_BYTES, DIT_CALL_BYTES)) if flow else 0
-    room = budget - total - runtime - base_flow
     per_position = f.kv_bytes_per_position() * (2 if engine == "reference" else 1)  # (a growing cache copies)
+    per_slot = SLOT_BYTES + (FLOW_SONG_BYTES if flow else 0)
+    alone = ((song_positions(REFERENCE_PROMPT_TOKENS, c.MAX_AUDIO_FRAMES) + PARKING) * per_position + per_slot
+             if semantic else 0)
+    whole_chunks = budget - total - runtime - DIT_CALL_BYTES - VOCODER_CHUNK_BYTES >= alone
+    tile = None if not flow or whole_chunks else VOCODER_TILE
+    vocoder = VOCODER_CHUNK_BYTES if tile is None else VOCODER_TILE_BYTES
+    base_flow = (DIT_CALL_BYTES + max(vocoder, DIT_CALL_BYTES)) if flow else 0
+    room = budget - total - runtime - base_flow
     plan = MemoryPlan(
         lm=PrecisionChoice(lm, lm, ""), dit=PrecisionChoice(dit, dit, ""), engine=engine, stages=stages,
         free_bytes=free, capability=capability, weights=weights, load_extra=load_extra, load_peak=load_peak,
         flow_working=base_flow, runtime=runtime, headroom=headroom, kv_bytes_per_position=per_position,
-        figures=figures,
+        vocoder_tile=tile, figures=figures,
     )
     longest = song_positions(c.MAX_PROMPT_TOKENS, c.MAX_AUDIO_FRAMES)
     one_slot = song_positions(REFERENCE_PROMPT_TOKENS, c.max_frames_for(FULL_SLOT_SONG_S))
-    per_slot = SLOT_BYTES + (FLOW_SONG_BYTES if flow else 0)
     buckets = [b for b in BUCKETS if flow]  # the merge buckets this card may use (none without the flow stage)
     slots, pool_positions, dit_bucket, vocoder_bucket = 1, 0, 1, 1
     for _ in range(2):  # merges take their share of the room, the slots follow from the rest (twice: a merge takes
@@ -313,7 +322,8 @@ def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, eng
         allowance = max(MERGE_SHARE * room, spare) if semantic else room
         limit = slots if semantic else max(BUCKETS)
         dit_bucket = max([b for b in buckets if b <= limit and _merges(b, 1) <= allowance], default=1)
-        vocoder_bucket = max([b for b in buckets if b <= limit and _merges(dit_bucket, b) <= allowance], default=1)
+        vocoder_bucket = max([b for b in buckets if b <= limit and _merges(dit_bucket, b) <= allowance and not tile],
+                             default=1)
         left = room - _merges(dit_bucket, vocoder_bucket)
         slots = max(1, min(MAX_SLOTS, (left // per_position - PARKING) // (one_slot + per_slot // per_position)))
         pool = min(max(0, left - slots * per_slot) // per_position, slots * longest + PARKING)
@@ -385,15 +395,3 @@ def plan_memory(
     dit_reason = reason if dit_auto else f"{chosen.dit.mode} as asked (--dit-precision {dit_precision}); {reason}"
     return replace(chosen, lm=PrecisionChoice(chosen.lm.mode, precision, lm_reason),
                    dit=PrecisionChoice(chosen.dit.mode, dit_precision, dit_reason), why=why)
-
-
-def no_room_sentence(plan: MemoryPlan, device: str) -> str:
-    """Why a plan that does not fit cannot load, in one sentence with what to do."""
-    need = max(plan.load_peak, plan.weight_bytes + plan.runtime + plan.flow_working
-               + (song_positions(*WARM_UP) + PARKING) * plan.kv_bytes_per_position)
-    asked = plan.lm.requested == plan.dit.requested == "auto"  # (auto has tried the smallest modes already)
-    modes = "" if asked else ", try --precision auto and --dit-precision auto"
-    return (f"The model does not fit on {device} in {plan.modes()}: {plan.free_bytes / GB:.1f} GB are free and it "
-            f"needs about {(need + plan.headroom) / GB:.1f} GB to load and make a song; close other programs that use "
-            f"the GPU{modes}, or use a GPU with more memory "
-            "(--model tiny runs anywhere).")

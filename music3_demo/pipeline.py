@@ -110,7 +110,8 @@ class Music3Pipeline:
             flow_plan = self.flow_memory_plan or self.memory_plan  # (merged calls only where they fit)
             with on_device(self.flow_device):  # its graphs are captured on the flow stage's own GPU
                 self.flow_executor = flow_stage.prepare(self.components, self.flow_device, fast=self.separate_flow_rng,
-                                                        buckets=flow_plan.merge_buckets if flow_plan else None)
+                                                        buckets=flow_plan.merge_buckets if flow_plan else None,
+                                                        vocoder_tile=flow_plan.vocoder_tile if flow_plan else None)
             self.velocity_graphs = self.flow_executor.graphs
             # What the self-check and the trim (full lm_head dropped, embeddings to the host) left in the cache.
             for device in {self.device, self.flow_device}:

@@ -12,6 +12,7 @@ import pytest
 
 from music3_demo import contract as c
 from music3_demo import random_models
+from music3_demo.loading import no_room_sentence
 from music3_demo.memory_plan import (
     DIT_CALL_BYTES,
     GB,
@@ -23,7 +24,6 @@ from music3_demo.memory_plan import (
     MemoryPlan,
     duration_text,
     headroom_for,
-    no_room_sentence,
     plan_memory,
 )
 
@@ -31,13 +31,13 @@ FULL = random_models.figures(random_models.FULL)
 README = Path(__file__).resolve().parents[1] / "README.md"
 CARDS = (16, 24, 48, 80, 141)
 SM86, SM89 = (8, 6), (8, 9)
-# (free GB, fp8 GPU) -> (LM, DiT, slots, longest song at full slots in s); None: nothing fits that card.
+# (free GB, fp8 GPU) -> (LM, DiT, slots, longest song at full slots, alone in s); None: nothing fits that card.
 EXPECTED = {
-    (16, False): None, (16, True): None,
-    (24, False): ("int8", "bf16", 4, 126.16), (24, True): ("fp8", "bf16", 4, 131.28),
-    (48, False): ("bf16", "bf16", 8, 284.96), (48, True): ("bf16", "bf16", 8, 284.96),
-    (80, False): ("bf16", "bf16", 8, 360.0), (80, True): ("bf16", "bf16", 8, 360.0),
-    (141, False): ("bf16", "bf16", 8, 360.0), (141, True): ("bf16", "bf16", 8, 360.0),
+    (16, False): None, (16, True): ("fp8", "fp8", 1, 143.6, 143.6),
+    (24, False): ("int8", "bf16", 4, 126.16, 360.0), (24, True): ("fp8", "bf16", 4, 131.28, 360.0),
+    (48, False): ("bf16", "bf16", 8, 284.96, 360.0), (48, True): ("bf16", "bf16", 8, 284.96, 360.0),
+    (80, False): ("bf16", "bf16", 8, 360.0, 360.0), (80, True): ("bf16", "bf16", 8, 360.0, 360.0),
+    (141, False): ("bf16", "bf16", 8, 360.0, 360.0), (141, True): ("bf16", "bf16", 8, 360.0, 360.0),
 }
 CONTEXT = GiB // 2  # the CUDA context the process had before the plan read the free memory
 
@@ -58,8 +58,7 @@ def test_auto_per_card(free_gb, fp8):
     if expected is None:
         assert not p.fits
         return
-    assert p.fits and (p.lm.mode, p.dit.mode, p.slots, p.longest_full_s) == expected
-    assert p.longest_alone_s == c.MAX_DURATION_S  # every card that fits holds a 6-minute song alone
+    assert p.fits and (p.lm.mode, p.dit.mode, p.slots, p.longest_full_s, p.longest_alone_s) == expected
     # The pool holds what it promises: `slots` songs of the full-slot length, each in its own region.
     need = REFERENCE_PROMPT_TOKENS + c.max_frames_for(p.longest_full_s) + 2
     assert p.slots * need + 16 <= p.kv_pool_positions
@@ -95,6 +94,27 @@ def test_the_issues_targets_on_a_24_gb_card():
     assert p.fits and p.lm.mode == "fp8" and p.dit.mode == "bf16"
     assert p.longest_s(songs=1) == c.MAX_DURATION_S and p.longest_s(songs=2) >= 120
     assert process_bytes(p) <= 22.5 * GiB and CONTEXT + p.load_peak <= 22.5 * GiB
+
+
+def test_a_16_gb_card_loads_with_1_byte_weights_and_a_tiled_vocoder():
+    """15 GiB free (a 16 GB card): fp8 LM and DiT, the vocoder in tiles, one song at a time, the process within
+    14.5 GiB. The longest song is 82 s with a 1,000-token prompt (1 min 54 s with 200 tokens), not 6 minutes: the
+    6-minute song's KV cache (3.0 GB in bf16) does not fit beside 11 GB of weights and the planned workspaces."""
+    p = plan((15 * GiB - CONTEXT) / GB)
+    assert p.fits and (p.lm.mode, p.dit.mode, p.slots, p.vocoder_tile) == ("fp8", "fp8", 1, 128)
+    assert process_bytes(p) <= 14.5 * GiB and CONTEXT + p.load_peak <= 14.5 * GiB
+    assert 80 <= p.longest_s() < 90 and 110 <= p.longest_s(200) < 120
+    assert plan(16, SM86).fits is False  # without fp8 the DiT stays bf16: 2.4 GB more than the card holds
+
+
+def test_the_vocoder_tiles_only_where_whole_chunks_leave_no_room_for_a_6_minute_song():
+    tiled, whole = plan(16), plan(24)
+    assert tiled.vocoder_tile == 128 and whole.vocoder_tile is None and tiled.vocoder_bucket == 1
+    # one tile's activations (128 latents and 16 of context each side) instead of a 689-latent chunk's
+    assert whole.flow_working - tiled.flow_working >= VOCODER_CHUNK_BYTES * 0.7
+    assert plan(20, SM86).vocoder_tile == 128 and plan(20, SM86).fits  # int8 + bf16 DiT fit a 20 GB card so
+    assert all(plan(free).vocoder_tile is None for free in (24, 48, 80, 141))
+    assert plan(16, stages=("flow",)).vocoder_tile is None  # a flow stage's own card holds whole chunks
 
 
 def test_the_h200_runs_eight_slots_and_merges_every_bucket():
@@ -150,7 +170,7 @@ def test_a_song_too_long_for_the_card_is_one_sentence_naming_the_longest_that_fi
     assert sentence == (f"On this GPU (20.0 GB free, fp8 LM, bf16 DiT) songs with this prompt can be at most "
                         f"{duration_text(most / c.FRAME_RATE)} long; choose a shorter duration.")
     assert p.max_frames(4000) < most  # a longer prompt leaves a shorter song
-    assert "leaves no room for a song" in plan(19, precision="fp8", dit_precision="bf16").too_long(4000, 25)
+    assert "leaves no room for a song" in plan(18, precision="fp8", dit_precision="bf16").too_long(4000, 25)
     assert duration_text(200) == "3 min 20 s" and duration_text(45) == "45 s" and duration_text(360) == "6 min"
 
 
@@ -189,7 +209,8 @@ def auto_table() -> str:
         for capability in (SM86, SM89):
             p = plan(free, capability)
             cells.append("does not fit" if not p.fits else
-                         f"{p.lm.mode} LM, {p.dit.mode} DiT · {p.slots} slots · {duration_text(p.longest_full_s)}")
+                         f"{p.lm.mode} LM, {p.dit.mode} DiT · {p.slots} slot{'s' * (p.slots > 1)} · "
+                         f"{duration_text(p.longest_full_s)}")
         rows.append(f"| {free} GB | {' | '.join(cells)} |")
     return "\n".join(rows)
 

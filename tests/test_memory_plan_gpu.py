@@ -1,6 +1,7 @@
 """On a GPU: the graph engine's KV pool and batch slots and the flow executor's largest merged calls are the card's
 memory plan's, on the real device (the tiny model: quick), for the whole card and for a card faked small enough that
-the plan gives two slots (the test seam MUSIC3_TEST_FREE_BYTES: the plan's free figure only)."""
+the plan gives two slots and tiles the vocoder's calls (the test seam MUSIC3_TEST_FREE_BYTES: the plan's free figure
+only)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from music3_demo import random_models
+from music3_demo.flow.stream import full_chunk_latents
 from music3_demo.loading import FREE_BYTES_ENV
 from music3_demo.memory_plan import BUCKETS, plan_memory
 
@@ -37,9 +39,10 @@ def test_the_engine_and_the_flow_stage_follow_the_plan(card, monkeypatch, tiny_f
         plan = pipeline.memory_plan
         assert plan.on_gpu and plan.fits and plan.engine == "graph"
         if card == "two-slot":
-            assert plan.slots == 2
+            assert plan.slots == 2 and plan.vocoder_tile is not None  # (no room for a whole chunk's vocoder call)
         else:
-            assert plan.slots == 8  # the whole card holds every slot
+            assert plan.slots == 8 and plan.vocoder_tile is None  # the whole card holds every slot
+        assert pipeline.flow_executor.vocoder_tile == plan.vocoder_tile
         engine = pipeline.engine
         assert (engine.slots, pipeline.slots, engine.kv_pool_positions) == (plan.slots, plan.slots,
                                                                             plan.kv_pool_positions)
@@ -53,5 +56,13 @@ def test_the_engine_and_the_flow_stage_follow_the_plan(card, monkeypatch, tiny_f
         assert set(pipeline.flow_calibration["dit_call_s"]) == set(allowed)
         assert set(pipeline.flow_calibration["vocoder_call_s"]) == {b for b in BUCKETS if b <= plan.vocoder_bucket}
         assert pipeline.memory_plan_dict["kv_pool_positions"] == plan.kv_pool_positions
+        if plan.vocoder_tile is not None:  # a tiled chunk is the whole chunk's waveform, up to cuDNN's rounding
+            vocoder = pipeline.components["vocoder"]
+            latents = torch.randn(1, vocoder.config.latent_channels, full_chunk_latents(pipeline.components),
+                                  device=pipeline.flow_device, dtype=vocoder.dtype)
+            with torch.no_grad():
+                whole, tiled = vocoder(latents), pipeline.flow_executor.vocode(latents)
+            assert tiled.shape == whole.shape
+            assert ((tiled - whole).norm() / whole.norm()).item() < 1e-4
     finally:
         pipeline.release()

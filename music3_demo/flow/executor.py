@@ -17,7 +17,9 @@ most `IN_FLIGHT` calls queued on the GPU, so requests accumulate while the GPU i
 by one far ahead of it (the host enqueues a step in well under a millisecond, the GPU takes ~14 ms), while a lone song
 still always has its next call queued behind the running one. Full chunks replay a captured graph per bucket (1, 2
 or 4 songs; 3 ready songs fill a bucket of 4 whose spare row computes on stale inputs and is ignored); other lengths
-and the CPU run eagerly with exactly the rows queued. Vocoder calls of equal length merge the same way.
+and the CPU run eagerly with exactly the rows queued. Vocoder calls of equal length merge the same way; on a card
+whose memory plan has no room for a whole chunk's vocoder activations, each chunk is decoded in tiles instead
+(`vocoder_tile`: the same samples, see `tiled_vocode`).
 
 Which merges run: a `MergePlan` per kind of call (graphed DiT, eager DiT, vocoder) from seconds per call per bucket:
 a ready group takes the bucket with the least time per song served. `calibrate()` (the pipeline's warm-up on CUDA)
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -44,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 from ..devices import on_device
+from ..memory_plan import VOCODER_HALO
 from .dit_graph import VelocityGraphs
 from .guidance import guided_velocity
 
@@ -128,10 +132,13 @@ class FlowExecutor:
     THREAD_NAME = "music3-flow-executor"
 
     def __init__(self, transformer, vocoder, device: torch.device, graphs: VelocityGraphs | None = None,
-                 mode: str = "auto", largest: tuple[int, int] = (max(BUCKETS), max(BUCKETS))) -> None:
+                 mode: str = "auto", largest: tuple[int, int] = (max(BUCKETS), max(BUCKETS)),
+                 vocoder_tile: int | None = None) -> None:
         """`largest`: the most songs one merged DiT call and the most chunks one vocoder call may take (the card's
-        memory plan: each merged song or chunk adds its activations; calibrate() measures no larger call)."""
+        memory plan: each merged song or chunk adds its activations; calibrate() measures no larger call).
+        `vocoder_tile`: latents per vocoder call, where the plan has no room for a whole chunk's (None: whole)."""
         self.transformer = transformer
+        self.vocoder_tile = vocoder_tile
         self.buckets = {"graph": _upto(largest[0]), "eager": _upto(largest[0]), "vocode": _upto(largest[1])}
         self.vocoder = vocoder
         self.device = device
@@ -318,7 +325,12 @@ class FlowExecutor:
 
     def _vocode(self, group: list[Pending]) -> list[torch.Tensor]:
         latents = torch.cat([pending.payload[0] for pending in group]) if len(group) > 1 else group[0].payload[0]
-        return list(self.vocoder(latents).split(1))
+        return list(self._run_vocoder(latents).split(1))
+
+    def _run_vocoder(self, latents: torch.Tensor) -> torch.Tensor:
+        if self.vocoder_tile is None:
+            return self.vocoder(latents)
+        return tiled_vocode(self.vocoder, latents, self.vocoder_tile)
 
     def _measure(self, length: int, repeats: int) -> dict:
         config = self.transformer.config
@@ -337,8 +349,25 @@ class FlowExecutor:
             dit[bucket] = _seconds_per_call(graph.replay, repeats)
         for bucket in self.buckets["vocode"]:
             chunk = randn(bucket, self.vocoder.config.latent_channels, length, dtype=self.vocoder.dtype)
-            vocoder[bucket] = _seconds_per_call(lambda: self.vocoder(chunk), repeats)
+            vocoder[bucket] = _seconds_per_call(lambda: self._run_vocoder(chunk), repeats)
         return {"dit_call_s": dit, "vocoder_call_s": vocoder}
+
+
+def tiled_vocode(vocoder, latents: torch.Tensor, tile: int, halo: int = VOCODER_HALO) -> torch.Tensor:
+    """`vocoder(latents)` in tiles of `tile` latents, each decoded with `halo` latents of context either side and
+    cropped to its own samples, so only one tile's activations are alive at a time. The decoder's convolutions see
+    11 latents either way, so with the default halo every sample is computed from the same inputs as in one call
+    (they differ by the convolutions' rounding only)."""
+    length = latents.shape[-1]
+    if length <= tile + 2 * halo:
+        return vocoder(latents)
+    hop = math.prod(vocoder.config.upsampling_ratios)  # samples per latent
+    pieces = []
+    for start in range(0, length, tile):
+        end = min(length, start + tile)
+        low, high = max(0, start - halo), min(length, end + halo)
+        pieces.append(vocoder(latents[..., low:high])[..., (start - low) * hop : (end - low) * hop])
+    return torch.cat(pieces, dim=-1)
 
 
 def _upto(largest: int) -> tuple[int, ...]:

@@ -22,8 +22,8 @@ import torch
 
 from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
 from ..devices import on_device, split_devices
+from ..loading import NoRoom
 from ..memory import device_memory
-from ..memory_plan import NoRoom
 from ..request import InvalidRequest
 from ..semantic import EngineUnavailable
 from .gpu import WorkerClock
