@@ -73,6 +73,7 @@ def test_a_song_waiting_in_line_that_no_card_holds_leaves_the_line_with_the_sent
     """A song that got past arrival unchecked (it came while the model loaded) and waits for a busy device: when its
     turn comes it leaves the line with the sentence, and the line moves on, instead of holding everyone for ever."""
     from music3_demo.request import GenerationRequest, InvalidRequest
+    from music3_demo.ui.assets import banner_html
     from music3_demo.ui.holder import ModelHolder
 
     monkeypatch.setenv(FREE_BYTES_ENV, str(FREE))
@@ -100,6 +101,9 @@ def test_a_song_waiting_in_line_that_no_card_holds_leaves_the_line_with_the_sent
         waiter.join(timeout=60)
     assert len(failures) == 1 and isinstance(failures[0], InvalidRequest) and failures[0].field == "duration"
     assert LONGEST.fullmatch(str(failures[0])) and short.placed and holder.scheduler.waiting() == 0
+    # The page's banner says the plan in short (precision per stage, slots, longest song).
+    assert re.search(r'id="plan-note">float32 LM, float32 DiT · 1 song at once · songs up to \d+ s alone, \d+ s '
+                     r"with every slot busy</div>", banner_html(holder.status()))
     holder.release()
 
 
