@@ -323,9 +323,8 @@ class ModelHolder:
         return max(plans, key=lambda plan: plan.max_frames(prompt_tokens)).too_long(prompt_tokens, frames)
 
     def _admits(self, device: str, tickets: list[Ticket]) -> bool:
-        """Whether the device's engine has memory for these songs on top of those it already holds (always, before
-        it is loaded or for an engine without a pool). InvalidRequest for a new song that no device can ever hold
-        (every device loaded): it must not wait for ever."""
+        """Whether the device's engine has memory for these songs beside those it holds (always, before it is loaded
+        or without a pool); InvalidRequest for a new song no device can ever hold: it must not wait for ever."""
         pipeline = self._by_device[device].pipeline
         can_admit = getattr(getattr(pipeline, "engine", None), "can_admit", None)
         if can_admit is None:
