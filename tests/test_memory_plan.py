@@ -19,6 +19,7 @@ from music3_demo.memory_plan import (
     HEADROOM_FIXED,
     HEADROOM_MAX,
     REFERENCE_PROMPT_TOKENS,
+    RUNTIME_BYTES,
     VOCODER_CHUNK_BYTES,
     GiB,
     MemoryPlan,
@@ -83,6 +84,10 @@ def test_what_goes_where_matches_the_h200_figures():
     kv = (700 + c.max_frames_for(120) + 2) * 294_912
     single = bf16.weight_bytes + kv + DIT_CALL_BYTES + VOCODER_CHUNK_BYTES
     assert round(kv / GB, 1) == 1.1 and abs(single / GB - 24.2) < 0.3
+    # The whole-card fp8 app idled at 34 GB (the card's figure) with a 16.5 GB KV pool and the 1-, 2- and 4-song DiT
+    # graphs' pools: the plan's weights, those pools, its runtime and the context add up to it within 0.5 GB.
+    idle = fp8.weight_bytes + 16.5 * GB + (1 + 2 + 4) * DIT_CALL_BYTES + RUNTIME_BYTES + CONTEXT
+    assert abs(idle / GB - 34.0) < 0.5
     # While loading the full head and the token embeddings are on the device too (2.75 GB in bf16).
     assert round(bf16.load_extra / GB, 2) == 2.75
 
