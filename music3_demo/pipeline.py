@@ -7,6 +7,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -16,9 +17,10 @@ from . import contract as c
 from .checkpoint import CheckpointError, ModelSource, default_device, default_dtype, resolve
 from .continuation import SongState, check_continuation
 from .devices import normalize, on_device, split_devices
-from .loading import as_loaded, load_model, precision_for
+from .loading import as_loaded, load_model, plan_for
 from .memory import PeakSampler, release_cached
-from .precision import PrecisionChoice, check_precision
+from .memory_plan import WARM_UP, MemoryPlan
+from .precision import PrecisionChoice, check_dit_precision, check_precision
 from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
 from . import flow as flow_stage
 from .flow.stream import FlowSettings, FlowStream, Piece
@@ -47,6 +49,8 @@ class Music3Pipeline:
         precision: PrecisionChoice | None = None,
         lazy: bool = False,
         flow_device: torch.device | str | None = None,
+        memory_plan: MemoryPlan | None = None,
+        flow_memory_plan: MemoryPlan | None = None,
     ) -> None:
         """`overlap`: run the flow stage while semantic frames are still being made (default: when the engine draws
         from its own generator). With the reference engine it switches to separate per-stage generators, so results
@@ -55,12 +59,17 @@ class Music3Pipeline:
         (from_pretrained's choice; unquantized weights when not given). `lazy`: build the engine (self-check, graph
         capture) and the flow stage's fast path at the first song, in the process that runs it (Space mode).
         `flow_device`: where the flow stage (condition encoder, DiT, vocoder; `components` already there) runs, when
-        not on `device`: a stage split over two GPUs, so one song's frames and its audio are made side by side."""
+        not on `device`: a stage split over two GPUs, so one song's frames and its audio are made side by side.
+        `memory_plan`: the card's plan (memory_plan.py; from_pretrained's): the engine's slots and KV pool, the flow
+        stage's largest merged calls and the longest song come from it (None: the engines' own defaults, no limit);
+        `flow_memory_plan`: the flow card's, in a stage split."""
         self.components = components
         self.source = source
         self.device = normalize(device)
         self.flow_device = normalize(flow_device) if flow_device is not None else self.device
         self.precision = precision or PrecisionChoice("bf16", "bf16", "The weights as they were given.")
+        self.memory_plan = memory_plan
+        self.flow_memory_plan = flow_memory_plan
         self.requested_engine = engine
         self._overlap = overlap
         self._allow_interpreter = allow_interpreter
@@ -92,16 +101,18 @@ class Music3Pipeline:
             started = time.perf_counter()
             self.engine, self.engine_record = make_engine(
                 self.components["language_model"], self.components["rvq_depth_decoder"], self.device,
-                self.requested_engine, allow_interpreter=self._allow_interpreter,
+                self.requested_engine, allow_interpreter=self._allow_interpreter, sizing=self._engine_sizing,
             )
             self.engine_name = self.engine_record.name
             self.overlap = self.engine.separate_flow_rng if self._overlap is None else self._overlap
             self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
             # Every song's DiT and vocoder calls go through the one executor (several songs may share this
             # pipeline); it holds the captured DiT graphs on CUDA, and its thread belongs to this process too.
+            flow_plan = self.flow_memory_plan or self.memory_plan  # (merged calls only where they fit)
             with on_device(self.flow_device):  # its graphs are captured on the flow stage's own GPU
-                self.flow_executor = flow_stage.prepare(self.components, self.flow_device,
-                                                        fast=self.separate_flow_rng)
+                self.flow_executor = flow_stage.prepare(self.components, self.flow_device, fast=self.separate_flow_rng,
+                                                        buckets=flow_plan.merge_buckets if flow_plan else None,
+                                                        vocoder_tile=flow_plan.vocoder_tile if flow_plan else None)
             self.velocity_graphs = self.flow_executor.graphs
             # What the self-check and the trim (full lm_head dropped, embeddings to the host) left in the cache.
             for device in {self.device, self.flow_device}:
@@ -109,6 +120,21 @@ class Music3Pipeline:
             self.stages_pid = os.getpid()
             self.setup_s = time.perf_counter() - started
             return True
+
+    def _engine_sizing(self, name: str) -> tuple[int | None, int | None]:
+        """(batch slots, KV pool positions) for the engine `name` from the card's plan (Nones: the engine's own);
+        another engine than the one planned for (the reference, after a failed self-check) is planned again."""
+        if self.memory_plan is None:
+            return None, None
+        self.memory_plan = self.memory_plan.for_engine(name)
+        return self.memory_plan.engine_sizing()
+
+    @property
+    def memory_plan_dict(self) -> dict | None:
+        """The plan's figures for `status` and the song report (both cards of a stage split)."""
+        flow = self.flow_memory_plan
+        return None if self.memory_plan is None else self.memory_plan.as_dict() | (
+            {"flow_card": flow.as_dict() | {"device": str(self.flow_device)}} if flow is not None else {})
 
     @classmethod
     def from_pretrained(
@@ -124,21 +150,26 @@ class Music3Pipeline:
         precision: str = "auto",
         lazy: bool = False,
         flow_device: str | torch.device | None = None,
+        dit_precision: str = "auto",
     ) -> "Music3Pipeline":
-        """`precision`: auto | bf16 | fp8 | int8 (see precision.py); `lazy`, `flow_device`: see __init__ (a
-        `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1)."""
+        """`precision`: the LM / depth decoder's, auto | bf16 | fp8 | int8; `dit_precision`: the DiT's, auto | bf16
+        | fp8 (sm_89+); auto: what the card's memory plan picks (memory_plan.py). `lazy`, `flow_device`: see
+        __init__ (a `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1)."""
         device, flow_device = split_devices(device, flow_device)
         device = device if device is not None else normalize(default_device())
         resolve_engine_name(engine, device, allow_interpreter)  # fail before a long load
         check_precision(precision)
+        check_dit_precision(dit_precision)
         dtype = dtype or default_dtype(device)
         source = resolve(model, revision=revision, token=token)
         with on_device(device):
-            choice = precision_for(precision, device, source)
-            components = load_model(source, device, dtype, choice, flow_device=flow_device)
-        choice = as_loaded(choice, dtype)
+            planned = resolve_engine_name(engine, device, allow_interpreter)
+            plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device)
+            components = load_model(source, device, dtype, plan.lm, flow_device=flow_device, dit=plan.dit.mode)
+        plan = replace(plan, lm=as_loaded(plan.lm, dtype), dit=as_loaded(plan.dit, dtype))
         return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
-                   precision=choice, lazy=lazy, flow_device=flow_device)
+                   precision=plan.lm, lazy=lazy, flow_device=flow_device, memory_plan=plan,
+                   flow_memory_plan=flow_plan)
 
     @property
     def split(self) -> bool:
@@ -184,7 +215,7 @@ class Music3Pipeline:
         seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
         reserve = getattr(self.engine, "reserve", None)
         if reserve is not None:  # the graph engine: its KV pool and every batch size's graph, before any user
-            reserve(512, 256)  # (the pool is sized from free memory; this is only its least size)
+            reserve(*WARM_UP)  # (the pool's size is the plan's; this is only its least size)
         song = self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0, instrumental=True))
         if self.velocity_graphs is not None:
             self.flow_calibration = self.flow_executor.calibrate(flow_stage.full_chunk_latents(self.components))
@@ -297,6 +328,9 @@ class Music3Pipeline:
 
         emit(Progress("prompt", 0, 1))
         text_ids = tokenize(self.tokenizer, request.description, request.effective_lyrics).to(self.device)
+        # A song longer than the card's plan holds even alone: one sentence naming the longest that fits.
+        if self.memory_plan is not None and (refusal := self.memory_plan.too_long(text_ids.shape[1], max_frames)):
+            raise InvalidRequest(refusal, field="duration")
         timings["prompt_s"] = time.perf_counter() - started
         emit(Progress("prompt", 1, 1))
 
@@ -416,6 +450,7 @@ class Music3Pipeline:
             precision_reason=self.precision.reason,
             memory=figures,
             peers=blocks.stats.peers if blocks.stats is not None else None,
+            memory_plan=self.memory_plan_dict,
         )
         emit(Finished(song))
         return song

@@ -10,8 +10,9 @@ Writes $OUT/memory_<mode>_<seconds>.json per case and $OUT/memory_check.json (ev
 prints one line per case. Per case: the card's use before loading (CUDA context, other processes), the peak while
 loading (the quantized modes load the LM and depth decoder into host memory and quantize them onto the GPU), after
 the engine's build and self-check, after the warm-up song (an idle app), and during the measured song (sampled every
-50 ms, or torch's peak reserved bytes plus what lies outside torch, whichever is larger), beside precision.py's
-estimate for that song and torch's own peaks (reserved, allocated).
+50 ms, or torch's peak reserved bytes plus what lies outside torch, whichever is larger), beside the card's memory
+plan (memory_plan.py: its parts, and the process bytes it allows: weights + flow working set + graphs and workspaces
++ KV pool, the context excluded) and torch's own peaks (reserved, allocated).
 """
 
 from __future__ import annotations
@@ -37,10 +38,8 @@ CASE_TIMEOUT_S = 270
 def run_case(mode: str, seconds: float) -> dict:
     import torch
 
-    from music3_demo import random_models
     from music3_demo.bench.song import SONG_LYRICS, SONG_PROMPT, full_size_pipeline, time_song
     from music3_demo.memory import PeakSampler, device_memory, release_cached
-    from music3_demo.precision import Footprint
     from music3_demo.prompt import tokenize
 
     device = torch.device("cuda", 0)
@@ -67,10 +66,11 @@ def run_case(mode: str, seconds: float) -> dict:
     result["song"] = time_song(pipeline, seconds)
     result["after_song"] = device_memory(device).as_dict()
     prompt = tokenize(pipeline.tokenizer, SONG_PROMPT, SONG_LYRICS).shape[1]
-    footprint = Footprint(random_models.figures(random_models.FULL))
-    positions = prompt + result["song"]["frames"] + 1
-    result["estimate_gb"] = {"song": round(footprint.song_bytes(mode, positions) / 1e9, 2),
-                             "longest_song": round(footprint.need(mode) / 1e9, 2), "prompt_tokens": prompt}
+    plan = pipeline.memory_plan
+    result["plan"] = plan.as_dict()
+    result["estimate_gb"] = {
+        "song": round((plan.weight_bytes + plan.flow_working + plan.runtime + (plan.kv_pool_bytes or 0)) / 1e9, 2),
+        "longest_song_s": plan.longest_s(prompt), "prompt_tokens": prompt}
     result["target_gb"] = TARGETS_GB.get((mode, int(seconds)))
     peak = result["song"]["device_peak_gb"]
     result["within_target"] = None if result["target_gb"] is None else peak <= result["target_gb"]

@@ -36,7 +36,7 @@ def test_requirements_pin_the_cpu_torch_available_locally():
 # (semantic and flow; bench and ui) never import each other.
 LAYERS = [
     {"__init__", "contract", "errors", "events", "request", "prompt", "audio", "fused_weights", "random_models",
-     "checkpoint", "handoff", "versions", "devices", "continuation", "precision", "memory"},
+     "checkpoint", "handoff", "versions", "devices", "continuation", "precision", "memory", "memory_plan"},
     {"semantic", "flow"},
     {"loading"},
     {"pipeline"},

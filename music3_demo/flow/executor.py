@@ -24,7 +24,8 @@ being launched one by one far ahead of it (the host enqueues a step in well unde
 ms), while a lone song still always has its next call queued behind the running one. Full chunks replay a captured
 graph per bucket (1, 2 or 4 songs; 3 ready songs fill a bucket of 4 whose spare row computes on stale inputs and is
 ignored); other lengths and the CPU run eagerly with exactly the rows queued. Vocoder calls of equal length merge the
-same way.
+same way; on a card whose memory plan has no room for a whole chunk's vocoder activations, each chunk is decoded in
+tiles instead (`vocoder_tile`: the same samples, see `tiled_vocode`).
 
 Which merges run: a `MergePlan` per kind of call (graphed DiT, eager DiT, vocoder) from seconds per call per bucket:
 a ready group takes the bucket with the least time per song served. `calibrate()` (the pipeline's warm-up on CUDA)
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -51,6 +53,7 @@ from typing import Any, Callable
 import torch
 
 from ..devices import on_device
+from ..memory_plan import VOCODER_HALO
 from .dit_graph import VelocityGraphs
 from .guidance import guided_velocity
 
@@ -136,8 +139,14 @@ class FlowExecutor:
     THREAD_NAME = "music3-flow-executor"
 
     def __init__(self, transformer, vocoder, device: torch.device, graphs: VelocityGraphs | None = None,
-                 mode: str = "auto") -> None:
+                 mode: str = "auto", largest: tuple[int, int] = (max(BUCKETS), max(BUCKETS)),
+                 vocoder_tile: int | None = None) -> None:
+        """`largest`: the most songs one merged DiT call and the most chunks one vocoder call may take (the card's
+        memory plan: each merged song or chunk adds its activations; calibrate() measures no larger call).
+        `vocoder_tile`: latents per vocoder call, where the plan has no room for a whole chunk's (None: whole)."""
         self.transformer = transformer
+        self.vocoder_tile = vocoder_tile
+        self.buckets = {"graph": _upto(largest[0]), "eager": _upto(largest[0]), "vocode": _upto(largest[1])}
         self.vocoder = vocoder
         self.device = device
         self.graphs = graphs
@@ -160,7 +169,7 @@ class FlowExecutor:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
         if mode == "always":
-            self.plans = {kind: MergePlan.always() for kind in ("graph", "eager", "vocode")}
+            self.plans = {kind: MergePlan(dict.fromkeys(buckets, 1.0)) for kind, buckets in self.buckets.items()}
         elif mode == "auto" and self.calibration is not None:
             self.plans = {"graph": MergePlan.measured(self.calibration["dit_call_s"]), "eager": MergePlan.lone(),
                           "vocode": MergePlan.measured(self.calibration["vocoder_call_s"])}
@@ -204,9 +213,9 @@ class FlowExecutor:
 
     def calibrate(self, length: int, repeats: int = 5) -> dict:
         """CUDA: time the graphed guided call for 1, 2 and 4 songs of `length` latents and the vocoder for 1, 2 and
-        4 chunks (captures the graphs), then, in `auto` mode, merge only into buckets that beat as many lone calls
-        by MERGE_GAIN. Runs on the executor's thread, between songs' calls. Returns the seconds per call and the
-        buckets kept."""
+        4 chunks, as far as `largest` allows (captures the graphs), then, in `auto` mode, merge only into buckets
+        that beat as many lone calls by MERGE_GAIN. Runs on the executor's thread, between songs' calls. Returns
+        the seconds per call and the buckets kept."""
         if self.graphs is None:
             raise RuntimeError("calibrate() measures captured graphs: CUDA with the fast flow path only")
         self.calibration = self.call(self._measure, length, repeats)
@@ -327,7 +336,12 @@ class FlowExecutor:
 
     def _vocode(self, group: list[Pending]) -> list[torch.Tensor]:
         latents = torch.cat([pending.payload[0] for pending in group]) if len(group) > 1 else group[0].payload[0]
-        return list(self.vocoder(latents).split(1))
+        return list(self._run_vocoder(latents).split(1))
+
+    def _run_vocoder(self, latents: torch.Tensor) -> torch.Tensor:
+        if self.vocoder_tile is None:
+            return self.vocoder(latents)
+        return tiled_vocode(self.vocoder, latents, self.vocoder_tile)
 
     def _measure(self, length: int, repeats: int) -> dict:
         config = self.transformer.config
@@ -337,16 +351,38 @@ class FlowExecutor:
             return torch.randn(*shape, generator=generator, device=self.device, dtype=dtype)
 
         dit, vocoder = {}, {}
-        for bucket in BUCKETS:
+        for bucket in self.buckets["graph"]:
             latents = randn(bucket, config.in_channels, length, dtype=self.transformer.dtype)
             condition = randn(bucket, length, config.condition_dim, dtype=self.transformer.dtype)
             graph = self.graphs.get(latents[:1], condition[:1], rows=bucket)
             for row in range(bucket):
                 graph.load(row, latents[row : row + 1], latents.new_full((1,), 0.5), condition[row : row + 1], 1.7)
             dit[bucket] = _seconds_per_call(graph.replay, repeats)
+        for bucket in self.buckets["vocode"]:
             chunk = randn(bucket, self.vocoder.config.latent_channels, length, dtype=self.vocoder.dtype)
-            vocoder[bucket] = _seconds_per_call(lambda: self.vocoder(chunk), repeats)
+            vocoder[bucket] = _seconds_per_call(lambda: self._run_vocoder(chunk), repeats)
         return {"dit_call_s": dit, "vocoder_call_s": vocoder}
+
+
+def tiled_vocode(vocoder, latents: torch.Tensor, tile: int, halo: int = VOCODER_HALO) -> torch.Tensor:
+    """`vocoder(latents)` in tiles of `tile` latents, each decoded with `halo` latents of context either side and
+    cropped to its own samples, so only one tile's activations are alive at a time. The decoder's convolutions see
+    11 latents either way, so with the default halo every sample is computed from the same inputs as in one call
+    (they differ by the convolutions' rounding only)."""
+    length = latents.shape[-1]
+    if length <= tile + 2 * halo:
+        return vocoder(latents)
+    hop = math.prod(vocoder.config.upsampling_ratios)  # samples per latent
+    pieces = []
+    for start in range(0, length, tile):
+        end = min(length, start + tile)
+        low, high = max(0, start - halo), min(length, end + halo)
+        pieces.append(vocoder(latents[..., low:high])[..., (start - low) * hop : (end - low) * hop])
+    return torch.cat(pieces, dim=-1)
+
+
+def _upto(largest: int) -> tuple[int, ...]:
+    return tuple(bucket for bucket in BUCKETS if bucket <= largest)
 
 
 def _seconds_per_call(fn: Callable[[], Any], repeats: int) -> float:

@@ -72,7 +72,8 @@ class GraphEngine:
                  tuning: Tuning | None = None) -> None:
         """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits`, `chain` and `slots`,
         when given, override its fields. `kv_pool_positions` fixes the KV pool's size (positions per CFG row) instead
-        of sizing it from free memory."""
+        of sizing it from free memory (what an engine outside a pipeline does; a pipeline's comes from its card's
+        memory plan)."""
         device = normalize(device)
         if device.type != "cuda" and not interpreting():
             raise ValueError("The graph engine needs a CUDA GPU; use the reference engine (--engine reference or auto) "
@@ -215,6 +216,13 @@ class GraphEngine:
         if self.frame_graph is not None:
             self._captures_before += self.frame_graph.captures
         self.frame_graph = self._state = None
+
+    def size_pool(self, positions: int | None) -> None:
+        """From now on the KV pool holds `positions` per CFG row (the card's memory plan; None: sized at first use
+        from free memory, as for an engine outside a pipeline). The state and graphs go now (idle engine) and are
+        made again at that size when first needed."""
+        self.release()
+        self.kv_pool_positions = self.scheduler.pool_limit = positions
 
     def _pool_positions(self, need: int) -> int:
         free = None

@@ -17,12 +17,14 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
 from .. import contract as c
 from ..devices import normalize, on_device
 from .engine import SamplingSettings, SemanticEngine
+from .scheduler import PARKING, song_positions
 
 log = logging.getLogger("music3_demo.engine")
 
@@ -90,17 +92,23 @@ def make_engine(
     *,
     allow_interpreter: bool | None = None,
     check_steps: int | None = None,
+    sizing: Callable[[str], tuple[int | None, int | None]] | None = None,
 ) -> tuple[SemanticEngine, EngineRecord]:
     """The engine for `device` and its record. A graph engine that passes its self-check also gets its memory
     trimmed: the full 168k-row lm_head is dropped and the token embeddings move to host memory, so nothing else may
-    read those modules afterwards (the reference engine would need them: it is never built after the trim)."""
+    read those modules afterwards (the reference engine would need them: it is never built after the trim).
+    `sizing(engine name)`: its batch slots and KV pool positions (the card's memory plan; None: the engine's own
+    default). The graph engine's self-check runs in a pool of its own size; the planned pool is allocated after the
+    trim, when first needed (the warm-up), so the two never sit on the card together."""
     device = normalize(device)
     name = resolve_engine_name(engine, device, allow_interpreter)
+    sizing = sizing or (lambda _name: (None, None))
     if name == "reference":
-        return _reference(language_model, depth_decoder), EngineRecord("reference", engine)
+        return _reference(language_model, depth_decoder, sizing), EngineRecord("reference", engine)
+    slots, pool_positions = sizing("graph")
     with on_device(device):
         graph, errors, check_s, failure = _try_graph(
-            language_model, depth_decoder, device, check_steps or SELF_CHECK_STEPS
+            language_model, depth_decoder, device, check_steps or SELF_CHECK_STEPS, slots
         )
     if failure is None:
         # The graph engine keeps its own copies of the audio rows it reads per frame: the full head (1.4 GB in
@@ -108,6 +116,7 @@ def make_engine(
         # on the host (another 1.24 GB of GPU memory).
         language_model.lm_head = None
         graph.text_embeddings_to_host()
+        graph.size_pool(pool_positions)
         log.info("graph engine on %s passed its self-check in %.2f s (largest relative errors %s)", device, check_s,
                  _figures(errors))
         return graph, EngineRecord("graph", engine, None, errors, check_s)
@@ -115,10 +124,11 @@ def make_engine(
         raise EngineUnavailable(f"{failure} Start with --engine auto (or reference) to use the reference engine.")
     reason = f"{failure} Songs are made by the slower reference engine instead."
     log.warning("%s", reason)
-    return _reference(language_model, depth_decoder), EngineRecord("reference", engine, reason, errors, check_s)
+    return (_reference(language_model, depth_decoder, sizing),
+            EngineRecord("reference", engine, reason, errors, check_s))
 
 
-def _try_graph(lm, depth, device: torch.device, check_steps: int):
+def _try_graph(lm, depth, device: torch.device, check_steps: int, slots: int | None = None):
     """(engine, errors, check seconds, failure sentence or None); the engine is None when it failed."""
     from .graph import GraphEngine
 
@@ -126,7 +136,9 @@ def _try_graph(lm, depth, device: torch.device, check_steps: int):
     try:
         # The CPU interpreter runs Triton programs one by one: few attention splits keep the (test-only) check fast.
         options = {} if device.type == "cuda" else {"attention_splits": 2}
-        graph = GraphEngine(lm, depth, device, **options)
+        # The check's own small KV pool (the check and one sampled frame fit it).
+        check_pool = -(-(song_positions(SELF_CHECK_PROMPT_TOKENS, check_steps) + PARKING) // 256) * 256
+        graph = GraphEngine(lm, depth, device, slots=slots, kv_pool_positions=check_pool, **options)
         started = time.perf_counter()
         try:
             errors = self_check(graph, lm, depth, check_steps)
@@ -202,7 +214,8 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-def _reference(lm, depth):
-    from .reference import ReferenceEngine
+def _reference(lm, depth, sizing):
+    from .reference import REFERENCE_SLOTS, ReferenceEngine
 
-    return ReferenceEngine(lm, depth)
+    slots = sizing("reference")[0]
+    return ReferenceEngine(lm, depth, slots=slots or REFERENCE_SLOTS)

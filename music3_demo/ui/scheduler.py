@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..events import Cancelled
+from ..request import InvalidRequest
 
 _ids = itertools.count(1)
 # How often a waiting song checks its cancel flag and refreshes what its user is told.
@@ -41,6 +42,7 @@ class Ticket:
     started: float | None = None
     joined: bool = False  # the engine holds its memory (its first frames came), so `admits` counts it
     left: bool = False
+    refused: Exception | None = None  # the device check's sentence for a song no device can ever hold (too long)
     peers: int = 0  # the most other songs that ran on its device at the same time as it
 
     @property
@@ -49,6 +51,7 @@ class Ticket:
 
 
 # admits(device, tickets): whether the device's memory holds these songs together with those already joined there.
+# It raises InvalidRequest for a last ticket that no device can ever hold: that song leaves the line with the sentence.
 AdmitFn = Callable[[str, list[Ticket]], bool]
 # expected_s(ticket): seconds the song will take once started; None when nothing has been measured yet.
 ExpectedFn = Callable[[Ticket], float | None]
@@ -90,6 +93,8 @@ class Scheduler:
                 self._place()
                 if ticket.placed:
                     return ticket.device
+                if ticket.refused is not None:
+                    raise ticket.refused
                 if ticket.left:  # withdrawn by its caller
                     raise Cancelled()
                 if cancel is not None and cancel.is_set():
@@ -145,7 +150,13 @@ class Scheduler:
         placed = False
         while self._line:
             head = self._line[0]
-            device = self._device_for(head)
+            try:
+                device = self._device_for(head)
+            except InvalidRequest as error:  # it never fits: it leaves, and the line moves on
+                self._line.popleft()
+                head.refused, head.left = error, True
+                placed = True
+                continue
             if device is None:
                 break
             self._line.popleft()

@@ -19,7 +19,7 @@ import torch
 
 from music3_demo import random_models
 from music3_demo.bench.flow_batch import hold_until_queued
-from music3_demo.flow.executor import FlowExecutor, MergePlan
+from music3_demo.flow.executor import FlowExecutor, MergePlan, tiled_vocode
 from music3_demo.flow.guidance import guided_velocity
 from music3_demo.flow.stream import FlowSettings, FlowStream, full_chunk_latents
 from music3_demo.flow.worker import FirstChunks
@@ -160,6 +160,25 @@ def test_a_lone_song_never_waits_for_a_partner(components):
     done.join(timeout=120)
     assert not done.is_alive()
     assert set(executor.stats) == {"calls", "velocity_x1", "vocode_x1"}
+    executor.close()
+
+
+def test_a_tiled_vocoder_call_gives_the_whole_chunks_samples(modules):
+    """Where the card's plan has no room for a whole chunk's vocoder activations the executor decodes it in tiles:
+    the same samples (the halo covers what the decoder's convolutions see; in float64, so rounding cannot hide a
+    missing input); a halo too short would not."""
+    vocoder = type(modules[1]).from_config(modules[1].config)
+    vocoder.load_state_dict(modules[1].state_dict())
+    vocoder.double()
+    latents = torch.randn(1, vocoder.config.latent_channels, 300, generator=torch.Generator().manual_seed(3),
+                          dtype=torch.float64)
+    executor = FlowExecutor(modules[0], vocoder, torch.device("cpu"), vocoder_tile=64)
+    with torch.no_grad():
+        whole = vocoder(latents)
+        got = executor.vocode(latents)
+        assert got.shape == whole.shape
+        torch.testing.assert_close(got, whole, rtol=1e-9, atol=1e-12)
+        assert (tiled_vocode(vocoder, latents, 64, halo=4) - whole).abs().max() > 1e-3  # the test can fail
     executor.close()
 
 
