@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
-from pathlib import Path
 
 import gradio as gr
 import numpy as np
@@ -263,13 +262,17 @@ def _failure(job: Job, error: BaseException) -> BaseException:
 
 
 def finish(ctx: AppContext, request: GenerationRequest, job: Job, song: Song) -> Outcome:
+    """Hand the song over: its WAV is written now, the other files follow on the store's writer (the report says
+    which are still on their way; `saved.files` and the job's record follow them)."""
     title = request.description.strip().splitlines()[0] if request.description.strip() else "song"
-    saved = ctx.store.save(song, title)
+    saved = ctx.store.deliver(song, title)
+    job.record.song_id, job.record.files = saved.id, saved.files
     report = song_report(song, request, job.record, ctx.holder.model)
-    # Names only: the files come back as the endpoint's output, and a server path is nobody else's business.
-    report["files"] = {"song_id": saved.id, "wav": Path(saved.wav).name, "flac": Path(saved.flac).name,
-                       "mp3": Path(saved.mp3).name}
-    report["song_id"] = saved.id  # what the `continue` endpoint takes
+    # Names only ("pending" for a file on its way): the WAV comes back as the endpoint's output, the others from
+    # the `files` endpoint once written, and a server path is nobody else's business.
+    report["files"] = {"song_id": saved.id} | saved.files.report()
+    report["song_id"] = saved.id  # what the `continue` and `files` endpoints take
+    report["handed_over_at"] = time.time()  # the WAV was ready from here (`ended_at`: the song's last piece)
     log.info("song %s: %.2f s, seed %s, %.2fx realtime", saved.id, song.duration, song.seed,
              song.timings.get("realtime_factor", 0.0))
     return Outcome(song, saved, report)

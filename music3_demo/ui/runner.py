@@ -23,6 +23,7 @@ from ..request import GenerationRequest
 from .gpu import estimate_gpu_seconds, on_gpu, zero_gpu
 from .holder import ModelHolder
 from .scheduler import Ticket
+from .song_files import SongFiles
 
 _ids = itertools.count(1)
 
@@ -68,9 +69,13 @@ class JobRecord:
     variation: int | None = None  # 1..N for one of N variations of a request
     session: str | None = None  # whose job it is: a client sees only its own (never shown)
     gpu_s: int | None = None  # Space mode: the GPU time promised to ZeroGPU for it
+    song_id: str | None = None  # its song in the store, once handed over
+    files: SongFiles | None = None  # which of its song's files exist yet (the WAV first, the others after)
 
     def as_dict(self) -> dict:
-        return {key: value for key, value in self.__dict__.items() if key != "session"}
+        fields = {key: value for key, value in self.__dict__.items() if key != "session"}
+        fields["files"] = self.files.report() if self.files is not None else None
+        return fields
 
 
 def generation_events(
@@ -220,7 +225,8 @@ def relay_space_events(
             if job.cancel.is_set():
                 raise Cancelled()
             if isinstance(item, RecordUpdate):
-                vars(job.record).update(item.fields)
+                # (its song's files are this process's: the worker's copy never has them)
+                vars(job.record).update({k: v for k, v in item.fields.items() if k not in ("song_id", "files")})
                 continue
             if isinstance(item, Raised):
                 raise item.error
@@ -273,11 +279,13 @@ class JobRegistry:
     def __init__(self, keep: int = 64) -> None:
         self._active: dict[str, list[Job]] = {}  # a session's running jobs (N for N variations)
         self._recent: deque[JobRecord] = deque(maxlen=keep)
+        self._published: tuple[JobRecord, ...] = ()  # what `recent` reads: replaced whole, never waited for
         self._lock = threading.Lock()
 
     def remember(self, record: JobRecord) -> None:
         with self._lock:
             self._recent.append(record)
+            self._published = tuple(self._recent)
 
     def start(self, session: str | None, job: Job) -> None:
         if session:
@@ -307,6 +315,6 @@ class JobRegistry:
         return any(job.stop_requested for job in jobs)
 
     def recent(self, session: str | None) -> list[dict]:
-        """The recent jobs of one session (a browser tab or an API client); none for an unknown caller."""
-        with self._lock:
-            return [record.as_dict() for record in self._recent if session and record.session == session]
+        """The recent jobs of one session (a browser tab or an API client); none for an unknown caller. Reads the
+        published records (the job threads update them in place), so it never waits for a lock."""
+        return [record.as_dict() for record in self._published if session and record.session == session]
