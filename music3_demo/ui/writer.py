@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 log = logging.getLogger("music3_demo.store")
 
-# Tests only: every task waits this many seconds before it runs, so that the files written after the hand-over are
-# observably late (the hand-over tests assert that the result arrives first).
+# Tests only: a song's tasks wait until this many seconds after it was submitted, so that the files written after
+# the hand-over are observably late (the hand-over tests assert that the result arrives first).
 SLOW_FILES_ENV = "MUSIC3_TEST_SLOW_FILES_S"
 NICE = 10  # how much lower than the songs' threads the writer runs (where the OS lets a thread lower its own)
 
@@ -37,7 +37,7 @@ class BackgroundWriter:
         self.max_songs = max_songs
         env = os.environ.get(SLOW_FILES_ENV)
         self.delay_s = delay_s if delay_s is not None else (float(env) if env else 0.0)
-        self._tasks: queue.Queue[tuple[int, Task] | None] = queue.Queue()
+        self._tasks: queue.Queue[tuple[int, float, Task] | None] = queue.Queue()
         self._left: dict[int, int] = {}  # song -> its tasks not yet done
         self._songs = 0
         self._lock = threading.Condition()
@@ -60,8 +60,9 @@ class BackgroundWriter:
                                           daemon=True)
                 self._workers.append(worker)
                 worker.start()
+        due = time.monotonic() + self.delay_s
         for task in tasks:
-            self._tasks.put((song, task))
+            self._tasks.put((song, due, task))
         return True
 
     def pending(self) -> int:
@@ -99,10 +100,9 @@ class BackgroundWriter:
             item = self._tasks.get()
             if item is None:
                 return
-            song, task = item
+            song, due, task = item
             try:
-                if self.delay_s:
-                    time.sleep(self.delay_s)
+                time.sleep(max(0.0, due - time.monotonic()))
                 task()
             except Exception:  # noqa: BLE001 - a task reports its own failure; this only keeps the thread alive
                 log.exception("a background file write failed")
