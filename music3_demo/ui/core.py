@@ -6,6 +6,7 @@ import io
 import itertools
 import logging
 import re
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
@@ -175,18 +176,28 @@ def run_songs(
     seconds = continue_from.seconds if continue_from is not None else 0.0
     trackers = trackers or [StageTracker(request.duration + seconds, request.num_steps) for request in requests]
     trackers[0].report(progress, force=True)
-    # Each stream hands control back within tick / count when idle, so a round over all of them takes one tick.
-    streams = {index: job.events(ctx.tick / count) for index, job in enumerate(jobs)}
+    # Several songs: each stream is polled without waiting and the loop sleeps on `wake`, which any of them sets when
+    # an event arrives, so a song that ends is handed over at once, not after a wait on each of the others. (Space
+    # mode: one song per GPU call, whose stream paces itself; each hands control back within tick / count.)
+    wake = threading.Event() if count > 1 and not spaces_available() else None
+    streams = {index: job.events(0.0 if wake else ctx.tick / count, wake) for index, job in enumerate(jobs)}
     songs: dict[int, Song] = {}
     errors: list[BaseException] = []
     delivered = 0
+    idle = False
     last_yield = time.monotonic()
     try:
         while streams:
+            if wake is not None:
+                if idle:
+                    wake.wait(ctx.tick)  # set by an event put since the clear below: no event waits a tick
+                wake.clear()
+            idle = True
             for index in list(streams):
                 job, tracker = jobs[index], trackers[index]
                 try:
                     event = next(streams[index], _END)
+                    idle = idle and event is None
                     if event is _END:
                         del streams[index]
                         if index not in songs:

@@ -80,10 +80,11 @@ class JobRecord:
 
 def generation_events(
     holder: ModelHolder, request: GenerationRequest, cancel: threading.Event, record: JobRecord, tick: float = 0.2,
-    continue_from: SongState | None = None, ticket: Ticket | None = None,
+    continue_from: SongState | None = None, ticket: Ticket | None = None, wake: threading.Event | None = None,
 ) -> Iterator[Event | Phase | Waiting | None]:
     """Run one generation in a worker thread and yield its events in order (`None` on idle ticks; `Waiting` while
-    `ticket` waits in line).
+    `ticket` waits in line). `wake` is set whenever an event arrives (a consumer of several jobs polls them with
+    `tick` 0 and sleeps on it).
 
     A generator so that it can run under `spaces.GPU` on ZeroGPU, which streams a generator's yields back from the
     GPU process; raises what the pipeline raised. Closing it sets `cancel`.
@@ -120,7 +121,7 @@ def generation_events(
             record.error = str(error) or type(error).__name__
             raise
 
-    events = Handoff(work, f"music3-job-{record.id}")
+    events = Handoff(work, f"music3-job-{record.id}", wake)
     try:
         while True:
             try:
@@ -260,11 +261,14 @@ class Job:
         if registry is not None:
             registry.remember(self.record)
 
-    def events(self, tick: float = 0.2) -> Iterator[Event | Phase | Waiting | None]:
+    def events(self, tick: float = 0.2, wake: threading.Event | None = None
+               ) -> Iterator[Event | Phase | Waiting | None]:
+        """The job's events (see generation_events; `wake` is not used in Space mode, where the GPU call's own
+        stream paces them)."""
         if zero_gpu():  # Gradio's queue does the waiting there (one song per GPU worker)
             return relay_space_events(self, _gpu_space_events, tick)
         return generation_events(self.holder, self.request, self.cancel, self.record, tick, self.continue_from,
-                                 self.ticket)
+                                 self.ticket, wake)
 
     def stop(self) -> None:
         # Told apart from `cancel`, which the event stream also sets when it ends normally (to stop a worker whose
