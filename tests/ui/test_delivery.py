@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from app_server import free_port
 from gradio_client import Client
@@ -59,3 +60,35 @@ def test_status_answers_while_a_song_holds_the_servers_locks(tmp_path):
         finally:
             release.set()
             holder.join()
+
+
+def test_the_writer_never_waits_runs_below_the_songs_and_refuses_past_its_bound(tmp_path):
+    import os
+
+    import numpy as np
+
+    from music3_demo.events import Song
+    from music3_demo.ui.store import BUSY_MESSAGE, SongStore
+    from music3_demo.ui.writer import NICE, BackgroundWriter
+
+    writer = BackgroundWriter(threads=1, max_songs=1)
+    gate, niceness = threading.Event(), []
+
+    def slow_file() -> None:  # a file the writer takes a while over
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        gate.wait(30)
+
+    started = time.monotonic()
+    assert writer.submit([slow_file])
+    store = SongStore(tmp_path, writer=writer)
+    song = Song(np.zeros((2, 4410), np.float32), 44100, frames=2, seed=1)
+    saved = store.deliver(song, "pop")  # one song's work is all the writer holds: this one's files are refused...
+    assert time.monotonic() - started < 5.0, "a submit waited for the writer"
+    assert Path(saved.wav).is_file() and saved.files.settled  # ...at once: its WAV stands, the others say why
+    assert {kind: saved.files.state(kind) for kind in ("waveform", "flac", "mp3")} == dict.fromkeys(
+        ("waveform", "flac", "mp3"), BUSY_MESSAGE)
+    gate.set()
+    assert writer.drain(30) and niceness == [os.getpriority(os.PRIO_PROCESS, 0) + NICE]
+    later = store.save(song, "pop")  # room again
+    assert all(later.files.path(kind) for kind in ("wav", "waveform", "flac", "mp3"))
+    assert store.close(30)
