@@ -221,8 +221,12 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
                     for index, item in items:
                         if ctx.registry.stopped(session):
                             # Ends the handler now (closing the run sets the cancel flag again): the worker may
-                            # still be loading the model and notices only after that, but the page is free.
-                            yield {view.status: STOPPED_TEXT, view.progress: ""}
+                            # still be loading the model and notices only after that, but the page is free. Songs
+                            # already made join the history now, with the files written so far.
+                            made = to_come.take_all()
+                            for outcome in made:
+                                entries = add_entry(entries, outcome, ctx.history_limit)
+                            yield {view.status: STOPPED_TEXT, view.progress: ""} | ({history: entries} if made else {})
                             return
                         if isinstance(item, (Outcome, Failed)):
                             running.discard(index)

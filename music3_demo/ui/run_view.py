@@ -173,6 +173,13 @@ class FilesToCome:
         if self._songs:
             next(iter(self._songs.values()))[0].saved.files.wait(timeout=timeout)
 
+    def take_all(self) -> list[Outcome]:
+        """The songs still waiting for files, no longer followed (a stopped run adds them to the history as they
+        are)."""
+        outcomes = [outcome for outcome, _ in self._songs.values()]
+        self._songs.clear()
+        return outcomes
+
     def arrived(self) -> Iterator[tuple[int, Outcome, bool]]:
         """(index, outcome, done) for each song with a file written (or failed) since the last call."""
         for index, (outcome, shown) in list(self._songs.items()):
