@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                     max_threads=40 + args.max_queue + 16 * len(devices), **launch_options())
     finally:
         store.stop_cleaner()
+        store.close(timeout=60)  # the files of songs already handed over are written before the process ends
         holder.release()
 
 

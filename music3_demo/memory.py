@@ -128,5 +128,48 @@ class PeakSampler:
         return figures
 
 
+class MemoryWatch:
+    """The cards' memory, sampled on a thread every `every_s` (and at once when the set of cards changes), so that
+    a reader (the status endpoint) takes the latest figures without a CUDA call of its own. Off CUDA it samples
+    nothing and starts no thread."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self._devices: tuple[str, ...] = ()
+        self._latest: dict[str, DeviceMemory] = {}  # replaced whole by the sampler; read without a lock
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, devices: list[str]) -> None:
+        """Sample these cards from now on (the CUDA ones among them), starting with one sample now."""
+        cuda = tuple(str(torch.device(device)) for device in devices if torch.device(device).type == "cuda")
+        self._devices = cuda
+        self._sample()
+        if cuda and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="music3-memory-watch", daemon=True)
+            self._thread.start()
+
+    def latest(self) -> dict[str, DeviceMemory]:
+        """card -> its memory at the last sample (at most `every_s` old)."""
+        return dict(self._latest)
+
+    def _sample(self) -> None:
+        figures = {}
+        for device in self._devices:
+            try:
+                figures[device] = device_memory(device)
+            except RuntimeError:  # a card in trouble: its song says so; the status keeps its last figures
+                if device in self._latest:
+                    figures[device] = self._latest[device]
+        self._latest = figures
+
+    def _loop(self) -> None:
+        while not self._wake.wait(self.every_s):
+            self._sample()
+
+    def stop(self) -> None:
+        self._wake.set()
+
+
 def _gb(value: int) -> float:
     return round(value / GB, 2)

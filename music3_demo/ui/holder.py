@@ -23,7 +23,7 @@ import torch
 from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
 from ..devices import on_device, split_devices
 from ..loading import NoRoom
-from ..memory import device_memory
+from ..memory import MemoryWatch
 from ..request import InvalidRequest
 from ..semantic import EngineUnavailable
 from .gpu import WorkerClock
@@ -130,6 +130,7 @@ class ModelHolder:
         self.loads = 0  # completed loads (one per device in a healthy process: the status endpoint shows it)
         self._preloading = False  # preload() was asked for and has not ended: the page says "loading" at once
         self.speeds: dict[str, Speed] = {}  # device -> measured at warm-up, refined by every finished song
+        self._memory = MemoryWatch()  # the loaded CUDA devices' memory (both GPUs of a split), for status()
 
     # ---- status -------------------------------------------------------------------------------------------------
     def status(self) -> HolderStatus:
@@ -146,8 +147,8 @@ class ModelHolder:
         running = self.scheduler.running()
         first = loaded[0] if loaded else None
         seen = next(iter(self._song_engine.values()), (None, None))
-        memory = {str(gpu): figures.as_dict() for slot in self._slots if slot.pipeline is not None and not self.lazy
-                  for gpu in split_devices(slot.device) if gpu is not None and (figures := device_memory(gpu))}
+        # Sampled on the watch's thread: a status never makes a CUDA call (it could wait behind the songs' work).
+        memory = {gpu: figures.as_dict() for gpu, figures in self._memory.latest().items()}
         return HolderStatus(
             model=self.model,
             state=state,
@@ -175,6 +176,11 @@ class ModelHolder:
             loading_for_s=time.monotonic() - min(loading.values()) if loading else None,
             loads=self.loads,
         )
+
+    def _watch_memory(self) -> None:
+        """The memory watch follows the loaded pipelines' GPUs (none for a lazy pipeline: this process has none)."""
+        self._memory.watch([str(gpu) for slot in self._slots if slot.pipeline is not None and not self.lazy
+                            for gpu in split_devices(slot.device) if gpu is not None])
 
     @property
     def has_tokenizer(self) -> bool:
@@ -263,6 +269,7 @@ class ModelHolder:
                 self._loading.pop(slot.device, None)
             slot.pipeline = pipeline
             self.loads += 1
+            self._watch_memory()
             self.scheduler.refresh()  # its slots are known now: songs waiting for room may join
             self._set_phase(f"ready on {', '.join(self.devices)} (loaded in {elapsed:.1f} s)", on_phase)
             return pipeline
@@ -368,6 +375,7 @@ class ModelHolder:
                 if slot.pipeline is not None:
                     slot.pipeline.release()
                     slot.pipeline = None
+        self._watch_memory()
         self._phase = "released"
 
 

@@ -7,6 +7,8 @@ memory can hold it (`admits`, the engine's KV-pool check), so a song waits in li
 The line is strictly first come, first served across devices: only its head is placed, on the device with the most
 room (a variation goes where its siblings run, so they share the prefill and the batch), and nobody overtakes a song
 that waits for room. The estimate of a waiting song's start plays the line forward on the songs' expected times.
+Every change publishes the counts (songs running per device, songs waiting) as one value that `running()` and
+`waiting()` read without the lock, so the status endpoint never waits behind a song being placed.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Scheduler:
         self._line: deque[Ticket] = deque()
         self._running: dict[str, list[Ticket]] = {device: [] for device in self.devices}
         self._changed = threading.Condition()
+        self._counts: tuple[dict[str, int], int] = ({device: 0 for device in self.devices}, 0)  # published
 
     # ---- the line ---------------------------------------------------------------------------------------------
     def enqueue(self, tickets: list[Ticket]) -> list[Ticket]:
@@ -168,6 +171,8 @@ class Scheduler:
             placed = True
         if placed:
             self._changed.notify_all()
+        # Every change to the line or the places ends here (under the lock): publish the counts, replaced whole.
+        self._counts = ({device: len(songs) for device, songs in self._running.items()}, len(self._line))
 
     def _device_for(self, ticket: Ticket) -> str | None:
         if self.limit is not None and sum(map(len, self._running.values())) >= self.limit:
@@ -230,9 +235,9 @@ class Scheduler:
             return self._line.index(ticket) + 1 if ticket in self._line else None
 
     def waiting(self) -> int:
-        with self._changed:
-            return len(self._line)
+        """Songs in line (as last published: never waits for the lock)."""
+        return self._counts[1]
 
     def running(self) -> dict[str, int]:
-        with self._changed:
-            return {device: len(songs) for device, songs in self._running.items()}
+        """Songs running per device (as last published: never waits for the lock)."""
+        return dict(self._counts[0])
