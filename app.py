@@ -22,7 +22,7 @@ if importlib.util.find_spec("spaces") is not None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from music3_demo.checkpoint import default_model
-    from music3_demo.precision import PRECISIONS
+    from music3_demo.precision import DIT_PRECISIONS, PRECISIONS
     from music3_demo.semantic import ENGINE_NAMES
 
     parser = argparse.ArgumentParser(description="MiniMax Music 3 song generator (Gradio app).")
@@ -32,8 +32,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
                         help="semantic-stage engine: graph on CUDA, reference elsewhere (default: auto)")
     parser.add_argument("--precision", default="auto", choices=PRECISIONS,
-                        help="LM / depth-decoder weights: bf16 (exact), fp8 (sm_89+), int8; auto = bf16 where the "
-                             "longest song fits each GPU, else fp8 or int8 (default: auto)")
+                        help="LM / depth-decoder weights: bf16 (exact), fp8 (sm_89+), int8; auto = what each GPU's "
+                             "memory plan picks: bf16 where a 6-minute song fits, else fp8 or int8 (default: auto)")
+    parser.add_argument("--dit-precision", default="auto", choices=DIT_PRECISIONS,
+                        help="flow transformer (DiT) weights: bf16, fp8 (sm_89+); auto = fp8 only where the bf16 DiT "
+                             "does not fit the GPU (default: auto)")
     parser.add_argument("--devices", default=None,
                         help="comma-separated devices, each running as many songs at once as its engine has batch "
                              "slots (default: every CUDA GPU, else the CPU); cuda:0+cuda:1 is one device whose "
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     from music3_demo.semantic import resolve_engine_name
     from music3_demo.ui import AppContext, build_ui, launch_options
     from music3_demo.ui.admission import GRADIO_QUEUE_HEADROOM
-    from music3_demo.precision import choose_precision
+    from music3_demo.precision import refuse_unsupported
     from music3_demo.memory import free_and_capability
     from music3_demo.devices import split_devices
     from music3_demo.ui.gpu import zero_gpu
@@ -86,17 +89,19 @@ def main(argv: list[str] | None = None) -> None:
         named = [str(part) for parts in stages for part in parts if part is not None]
         if len(named) != len(set(named)):
             raise ValueError(f"--devices names a GPU twice ({', '.join(devices)}): each device runs its own model.")
-        for semantic, _ in stages:
+        for semantic, flow in stages:
             resolve_engine_name(args.engine, semantic)
-            if args.precision == "fp8":  # refused before a long load when a GPU has no fp8
-                choose_precision("fp8", *free_and_capability(semantic), None)
+            # an fp8 asked for on a GPU without it is refused before a long load (on a CPU the plan says what runs)
+            for card, asked in ((semantic, (args.precision, "auto")), (flow or semantic, ("auto", args.dit_precision))):
+                if (capability := free_and_capability(card)[1]) is not None:
+                    refuse_unsupported(*asked, capability)
     except (ValueError, RuntimeError) as error:
         sys.exit(f"app.py: {error}")
     space = zero_gpu()
     # ZeroGPU runs CUDA work only inside spaces.GPU calls, in worker processes (ui/gpu.py): the weights are placed
     # at start-up, the engines are built by each worker's first song, and there is no warm-up song here.
     holder = ModelHolder(args.model, devices, args.engine, warmup=not space, precision=args.precision, lazy=space,
-                         max_running=args.concurrency)
+                         max_running=args.concurrency, dit_precision=args.dit_precision)
     if space:
         register_holder(holder)  # before ZeroGPU forks its first worker, which must find it (ui/runner.py)
     if args.preload or space:
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                     max_threads=40 + args.max_queue + 16 * len(devices), **launch_options())
     finally:
         store.stop_cleaner()
+        store.close(timeout=60)  # the files of songs already handed over are written before the process ends
         holder.release()
 
 

@@ -18,7 +18,7 @@ import torch
 from . import random_models
 from . import contract as c
 from .errors import is_out_of_memory
-from .precision import ModelFigures
+from .memory_plan import ModelFigures
 from .weights_stream import StreamMismatch, file_tensors, fill, skeleton, tensor_sizes
 
 log = logging.getLogger("music3_demo.loading")
@@ -280,7 +280,7 @@ def build_random_full(
 
 def model_figures(source: ModelSource) -> ModelFigures | None:
     """Parameter counts by role and the LM's attention shape, read from the checkpoint's configs and safetensors
-    headers (no weights are read), or from the built-in sizes: what `precision.Footprint` estimates memory from.
+    headers (no weights are read), or from the built-in sizes: what the memory plan is computed from.
     None when the files do not say (a damaged checkpoint: loading it then names the fault)."""
     if source.folder is None:
         return random_models.figures(random_models.FULL)

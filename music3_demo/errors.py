@@ -1,13 +1,17 @@
-"""The one-sentence errors about memory that every layer raises, and the rule that no raw CUDA message reaches a user.
+"""The one-sentence errors more than one layer raises, and the rule that no raw CUDA message reaches a user.
+
+`InvalidRequest`: a request the user must change (request.py checks the limits, prompt.py the text that would turn
+into the model's control tokens).
 
 `DeviceOutOfMemory`: the GPU ran out of memory, while loading (the weights, the engine's self-check, graph capture,
 the warm-up) or inside a song. `HostOutOfMemory`: the host has not got the memory a load needs (refused before it
 starts, instead of the host swapping or the process being killed). `str(error)` is one sentence: what was free, what
 the mode needs, what to do. The sentences are pure functions of plain numbers (`load_sentence`, `song_sentence`,
-`host_sentence`), so the caller decides where the figures come from (today precision.Footprint's estimate).
+`host_sentence`), so the caller decides where the figures come from (the memory plan's, memory_plan.py).
 
-Other one-sentence errors live where they are raised: `request.InvalidRequest` (bad input), `checkpoint.CheckpointError`
-(a model that cannot be resolved or read), `semantic.EngineUnavailable`, `ui.store.DiskFull`.
+Other one-sentence errors live where they are raised: `loading.NoRoom` (the memory plan finds the card too small
+before anything is loaded), `checkpoint.CheckpointError` (a model that cannot be resolved or read),
+`semantic.EngineUnavailable`, `ui.store.DiskFull`.
 
 `is_out_of_memory` recognises an out-of-memory however torch, cuBLAS, Triton or the driver raised it;
 `public_message` is what a user may see of any error: its own sentence, or for a raw CUDA / driver message a
@@ -38,6 +42,15 @@ _CUDA_PATTERNS = re.compile(
     r"|CUDA_LAUNCH_BLOCKING|TORCH_USE_CUDA_DSA|Triton Error|PYTORCH_CUDA_ALLOC_CONF|\bGPU \d+ has a total capacity"
     r"|Tried to allocate|DefaultCPUAllocator|alloc_cpu\.cpp",
 )
+
+
+class InvalidRequest(ValueError):
+    """A request the user must change; str(error) is one sentence saying what to change, `field` the request field
+    it is about (None when it is about the whole request), so a form or an API can point at the right input."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class OutOfMemory(RuntimeError):

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .errors import DeviceOutOfMemory, HostOutOfMemory, host_sentence, song_sentence
+from .errors import DeviceOutOfMemory, HostOutOfMemory, OnOutOfMemory, host_sentence, song_sentence
 
 GB = 1e9
 # What a load leaves the host beyond its own need: the rest of the process, the desktop.
@@ -154,8 +155,8 @@ def device_memory(device: torch.device | str) -> DeviceMemory | None:
 
 
 def free_and_capability(device: torch.device | str) -> tuple[int | None, tuple[int, int] | None]:
-    """Free bytes and compute capability of a CUDA device (None, None off CUDA): what `precision.choose_precision`
-    decides from."""
+    """Free bytes and compute capability of a CUDA device (None, None off CUDA): what the card's memory plan starts
+    from (loading.card_figures)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None, None
@@ -178,6 +179,12 @@ def song_out_of_memory(device: torch.device | str, mode: str) -> DeviceOutOfMemo
     own = memory.process if memory is not None else None
     return DeviceOutOfMemory(song_sentence(str(device), mode, free, own), "song", free_bytes=free,
                              process_bytes=own, mode=mode)
+
+
+def song_guard(device: torch.device | str, mode: str, release: Callable[[], None]) -> OnOutOfMemory:
+    """A song's `with` block: an out-of-memory inside ends the song with `song_out_of_memory`'s sentence (weights in
+    `mode`), once `release()` gave the caches back."""
+    return OnOutOfMemory("song", lambda: song_out_of_memory(device, mode), release)
 
 
 # ---- the host ----------------------------------------------------------------------------------------------------
@@ -291,6 +298,49 @@ class PeakSampler:
             figures |= {"reserved_peak_gb": _gb(torch.cuda.max_memory_reserved(self.device)),
                         "allocated_peak_gb": _gb(torch.cuda.max_memory_allocated(self.device))}
         return figures
+
+
+class MemoryWatch:
+    """The cards' memory, sampled on a thread every `every_s` (and at once when the set of cards changes), so that
+    a reader (the status endpoint) takes the latest figures without a CUDA call of its own. Off CUDA it samples
+    nothing and starts no thread."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self._devices: tuple[str, ...] = ()
+        self._latest: dict[str, DeviceMemory] = {}  # replaced whole by the sampler; read without a lock
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, devices: list[str]) -> None:
+        """Sample these cards from now on (the CUDA ones among them), starting with one sample now."""
+        cuda = tuple(str(torch.device(device)) for device in devices if torch.device(device).type == "cuda")
+        self._devices = cuda
+        self._sample()
+        if cuda and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="music3-memory-watch", daemon=True)
+            self._thread.start()
+
+    def latest(self) -> dict[str, DeviceMemory]:
+        """card -> its memory at the last sample (at most `every_s` old)."""
+        return dict(self._latest)
+
+    def _sample(self) -> None:
+        figures = {}
+        for device in self._devices:
+            try:
+                figures[device] = device_memory(device)
+            except RuntimeError:  # a card in trouble: its song says so; the status keeps its last figures
+                if device in self._latest:
+                    figures[device] = self._latest[device]
+        self._latest = figures
+
+    def _loop(self) -> None:
+        while not self._wake.wait(self.every_s):
+            self._sample()
+
+    def stop(self) -> None:
+        self._wake.set()
 
 
 def _gb(value: int) -> float:

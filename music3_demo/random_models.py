@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -72,6 +71,8 @@ def full_sizes() -> ModelSizes:
     """random-full's sizes, with $MUSIC3_RANDOM_END_GAIN's end-token gain when it is set."""
     gain = os.environ.get(END_GAIN_ENV)
     return FULL if gain is None else ModelSizes(end_token_gain=float(gain))
+
+
 TINY = ModelSizes(
     hidden=32,
     lm_layers=2,
@@ -158,29 +159,33 @@ def _make_models(sizes: ModelSizes) -> dict[str, torch.nn.Module]:
     return {name: build() for name, build in _builders(sizes).items()}
 
 
-# The components that hold weights, and what each weight is to a pipeline's memory (precision.ModelFigures).
+# The components that hold weights, and what each weight is to a pipeline's memory (memory_plan.ModelFigures).
 WEIGHT_COMPONENTS = ("language_model", "rvq_depth_decoder", "condition_encoder", "transformer", "vocoder")
 
 
 def weight_role(component: str, name: str, ndim: int) -> str:
-    """quantizable (LM / depth-decoder block matrices) | trimmed (token embeddings, full lm_head: off the device
-    once the graph engine runs) | kept (the other LM / depth weights) | flow | vocoder."""
-    if component in ("condition_encoder", "transformer"):
-        return "flow"
-    if component == "vocoder":
-        return "vocoder"
-    if name.startswith(("model.layers.", "layers.")) and ndim == 2:
-        return "quantizable"
-    if name.startswith(("model.embed_tokens.", "lm_head.")):
-        return "trimmed"
-    return "kept"
+    """What a weight is to a pipeline's memory (memory_plan.ModelFigures' fields): block matrices (what the 1-byte
+    modes store in one byte), trimmed (token embeddings, full lm_head: off the device once the graph engine runs),
+    the rest of each component."""
+    blocks = ndim == 2
+    if component == "transformer":
+        return "dit_blocks" if blocks and name.startswith("transformer_blocks.") else "dit_other"
+    if component in ("condition_encoder", "vocoder"):
+        return component
+    if component == "language_model":
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            return "trimmed"
+        return "lm_blocks" if blocks and name.startswith("model.layers.") else "lm_other"
+    return "depth_blocks" if blocks and name.startswith("layers.") else "depth_other"
 
 
 def figures_from_shapes(shapes, lm_config: dict, depth_config: dict):
-    """precision.ModelFigures from (component, weight name, shape) triples and the LM's / depth decoder's configs."""
-    from .precision import ModelFigures
+    """memory_plan.ModelFigures from (component, weight name, shape) triples and the LM's / depth decoder's
+    configs."""
+    from .memory_plan import ModelFigures
 
-    counts = {"quantizable": 0, "kept": 0, "trimmed": 0, "flow": 0, "vocoder": 0}
+    counts = dict.fromkeys(("lm_blocks", "lm_other", "depth_blocks", "depth_other", "trimmed", "condition_encoder",
+                            "dit_blocks", "dit_other", "vocoder"), 0)
     for component, name, shape in shapes:
         numel = 1
         for size in shape:
@@ -195,7 +200,7 @@ def figures_from_shapes(shapes, lm_config: dict, depth_config: dict):
 
 
 def figures(sizes: ModelSizes):
-    """precision.ModelFigures of a built-in model, from its classes on `meta` (nothing allocated)."""
+    """memory_plan.ModelFigures of a built-in model, from its classes on `meta` (nothing allocated)."""
     with torch.device("meta"):
         models = _make_models(sizes)
     shapes = [(component, name, tuple(param.shape)) for component in WEIGHT_COMPONENTS
@@ -317,8 +322,3 @@ def tiny_checkpoint() -> Path:
     """The `tiny` model's folder, written on first use."""
     return write_builtin(TINY, cache_root() / "tiny")
 
-
-def temporary_checkpoint(sizes: ModelSizes, seed: int = 0) -> Path:
-    """A fresh random checkpoint folder (tests: non-preset sizes)."""
-    folder = Path(tempfile.mkdtemp(prefix="music3_ckpt_"))
-    return write_builtin(sizes, folder / "model", seed)

@@ -30,25 +30,25 @@ if [ "${TESTS:-}" != none ]; then
 fi
 [ "${SEMANTIC:-1}" = 0 ] || for spec in "400 ${ENGINES:-reference,graph}" "4000 ${ENGINES_4000:-graph}"; do
   set -- $spec
-  timeout "${BENCH_TIMEOUT:-200}" python3 -m music3_demo.bench --model random-full --engine "$2" --prompt-tokens "$1" \
-    --frames 500 ${BENCH_ARGS:-} $([ -s "$OUT/tuning.json" ] && echo --tuning "$OUT/tuning.json") --output "$OUT/bench_$1.json" 2>&1 | grep -v 'should be kept in float32' >> "$OUT/bench.log"
+  timeout "${BENCH_TIMEOUT:-200}" python3 -m music3_demo.bench semantic --model random-full --engine "$2" \
+    --prompt-tokens "$1" --frames 500 ${BENCH_ARGS:-} $([ -s "$OUT/tuning.json" ] && echo --tuning "$OUT/tuning.json") --output "$OUT/bench_$1.json" 2>&1 | grep -v 'should be kept in float32' >> "$OUT/bench.log"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], [(r['engine'], r['prompt_tokens'], round(r['frames_per_s'], 1), round(r['fraction_of_limit'], 3)) for r in d['runs']], d['graph_over_reference'])" "$OUT/bench_$1.json" || tail -n 20 "$OUT/bench.log"
 done
 if [ "${PROFILE:-0}" = 1 ]; then
   for mode in ${PROFILE_MODES:-semantic flow}; do
-    timeout "${PROFILE_TIMEOUT:-150}" python3 scripts/profile_kernels.py $mode "$OUT/profile_$mode.json" 2>&1 \
+    timeout "${PROFILE_TIMEOUT:-150}" python3 -m music3_demo.bench profile $mode "$OUT/profile_$mode.json" 2>&1 \
       | grep -v 'should be kept in float32' | tee "$OUT/profile_$mode.log" | tail -n 12
   done
 fi
 if [ "${SONG:-0}" = 1 ]; then
-  timeout "${SONG_TIMEOUT:-420}" python3 -m music3_demo.bench --model random-full --engine "" --song 120 \
+  timeout "${SONG_TIMEOUT:-420}" python3 -m music3_demo.bench song --seconds 120 \
     --memory-song 300 --reference-song 8 --output "$OUT/song.json" 2>&1 | grep -v 'should be kept in float32' \
     > "$OUT/song.log"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:3000])" "$OUT/song.json" \
     || tail -n 20 "$OUT/song.log"
 fi
 if [ "${FLOW_BATCH:-0}" = 1 ]; then
-  timeout "${FLOW_BATCH_TIMEOUT:-300}" python3 -m music3_demo.bench.flow_batch --output "$OUT/flow_batch.json" 2>&1 \
+  timeout "${FLOW_BATCH_TIMEOUT:-300}" python3 -m music3_demo.bench flow-batch --output "$OUT/flow_batch.json" 2>&1 \
     | grep -v 'should be kept in float32' > "$OUT/flow_batch.log"
   tail -n 6 "$OUT/flow_batch.log" | cut -c1-3000
 fi

@@ -21,7 +21,7 @@ timeout "${TUNE_TIMEOUT:-225}" python3 scripts/tune_onebyte.py "$OUT/onebyte.jso
 TUNING=()
 [ -s "$OUT/onebyte.json" ] && TUNING=(--tuning "$OUT/onebyte.json")
 
-timeout "${BENCH_TIMEOUT:-160}" python3 -m music3_demo.bench --model random-full --engine graph \
+timeout "${BENCH_TIMEOUT:-160}" python3 -m music3_demo.bench semantic --model random-full --engine graph \
   --precision bf16,fp8,int8 --prompt-tokens 400 --frames 500 "${TUNING[@]}" --output "$OUT/bench.json" 2>&1 \
   | grep -v 'should be kept in float32\|weight_norm' > "$OUT/bench.log"
 

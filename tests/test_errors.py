@@ -37,6 +37,29 @@ def test_the_load_sentence_says_what_was_free_what_the_mode_needs_and_what_to_do
         "the free memory is unknown; close other programs that use the GPU.")
 
 
+def test_the_load_sentence_takes_what_the_memory_plan_needs_and_the_cheaper_modes_from_their_plans():
+    from music3_demo import random_models
+    from music3_demo.loading import load_out_of_memory, plan_need
+    from music3_demo.memory_plan import plan_memory
+
+    figures, free = random_models.figures(random_models.FULL), int(30e9)
+    plans = {modes: plan_memory(figures, free, (9, 0), *modes) for modes in
+             [("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "fp8")]}
+    needs = {modes: errors.gib(plan_need(plan)) for modes, plan in plans.items()}
+    assert str(load_out_of_memory(torch.device("cuda", 0), plans["bf16", "bf16"], "warming up")) == (
+        f"Not enough GPU memory on cuda:0 for warming up in bf16: 27.9 GiB was free and bf16 needs about "
+        f"{needs['bf16', 'bf16']}; close other programs that use the GPU, start with --precision fp8 (about "
+        f"{needs['fp8', 'bf16']}) or start with --precision fp8 --dit-precision fp8 (about {needs['fp8', 'fp8']}).")
+    mixed = load_out_of_memory(torch.device("cuda", 0), plans["fp8", "bf16"])
+    assert str(mixed).startswith("Not enough GPU memory on cuda:0 for loading the model in fp8 LM, bf16 DiT: ")
+    assert str(mixed).endswith(f"or start with --dit-precision fp8 (about {needs['fp8', 'fp8']}).")
+    assert mixed.figures["need_bytes"] == plan_need(plans["fp8", "bf16"]) and mixed.during == "load"
+    on_an_a100 = plan_memory(figures, free, (8, 0), "bf16", "bf16")  # no fp8 there: int8, and the DiT stays
+    assert str(load_out_of_memory(torch.device("cuda", 0), on_an_a100)).endswith(
+        f"close other programs that use the GPU or start with --precision int8 (about "
+        f"{errors.gib(plan_need(plan_memory(figures, free, (8, 0), 'int8', 'bf16')))}).")
+
+
 def test_the_song_and_host_sentences():
     assert errors.song_sentence("cuda:0", "fp8", int(0.4 * GIB), int(22.1 * GIB)) == (
         "This song ran out of GPU memory on cuda:0 (0.4 GiB is free, this app holds 22.1 GiB, weights in fp8): "
@@ -129,12 +152,12 @@ def test_an_out_of_memory_in_the_engines_self_check_ends_the_load_with_its_sente
         tiny_folder, monkeypatch):
     """The reference engine would not fit either: auto does not fall back, the load fails with the load sentence."""
     from music3_demo.pipeline import Music3Pipeline
-    from music3_demo.semantic import setup
+    from music3_demo.semantic import select
 
     def full(*args, **kwargs):
         raise torch.OutOfMemoryError(CUDA_OOM)
 
-    monkeypatch.setattr(setup, "self_check", full)
+    monkeypatch.setattr(select, "self_check", full)
     with pytest.raises(DeviceOutOfMemory) as failed:
         Music3Pipeline.from_pretrained("tiny", device="cpu", engine="auto", allow_interpreter=True)
     assert failed.value.during == "load", failed.value

@@ -1,6 +1,6 @@
 """GPU: this process's memory as the pipeline reports it (not another process's), what loading leaves behind, lazy
 pipelines (Space mode) and the quantized load path on the device. Whole songs per simulated card:
-`python -m music3_demo.bench.memory` and tests/test_cards_gpu.py."""
+`python -m music3_demo.bench memory` and tests/ui/test_cards_gpu.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from music3_demo.memory import PeakSampler, device_memory, release_cached
+from music3_demo.memory import MemoryWatch, PeakSampler, device_memory, release_cached
 from music3_demo.pipeline import Music3Pipeline
 from music3_demo.request import GenerationRequest
 
@@ -19,6 +19,22 @@ GB = 1e9
 
 def song(seed: int = 1) -> GenerationRequest:
     return GenerationRequest("lofi", "[verse]\nla la", duration=2.0, num_steps=2, seed=seed)
+
+
+def test_the_memory_watch_follows_the_card_on_its_own_thread():
+    """What the status endpoint reads: the card's memory sampled on the watch's thread, a second or less old."""
+    watch = MemoryWatch(every_s=0.1)
+    watch.watch(["cuda:0"])
+    before = watch.latest()["cuda:0"]  # one sample at once
+    block = torch.empty(int(2 * GB), dtype=torch.uint8, device="cuda:0")
+    deadline = time.monotonic() + 5
+    while watch.latest()["cuda:0"].process < before.process + 1.9 * GB:
+        assert time.monotonic() < deadline, f"the watch never saw 2 GB more: {watch.latest()}"
+        time.sleep(0.05)
+    del block
+    watch.watch([])
+    assert watch.latest() == {}
+    watch.stop()
 
 
 def test_the_sampler_sees_a_short_peak_and_the_card_gets_released_blocks_back():

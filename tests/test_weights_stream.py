@@ -117,3 +117,20 @@ def test_the_host_check_uses_the_available_memory_and_lets_a_fitting_load_throug
         memory.check_host_memory("the real model on the CPU in float32", 40 * 2**30, True, available=16 * 2**30)
     with pytest.raises(HostOutOfMemory, match="close other programs or use a machine with more memory"):
         memory.check_host_memory("the model onto cuda:0", 3 * 2**30, False, available=2 * 2**30)
+
+
+def test_the_fp8_dit_streamed_and_quantized_at_load_is_the_loaded_dit_quantized(tiny_folder):
+    """The fp8 DiT streams into host memory and quantize_dit puts it on the device block by block: the same modules
+    and bytes as quantizing the library's whole DiT; onto a GPU its bf16 weights count in the host's need."""
+    from music3_demo.flow.dit_fp8 import Fp8Linear, quantize_dit
+
+    streamed = loading.load_model(resolve("tiny"), torch.device("cpu"), torch.float32,
+                                  PrecisionChoice("float32", "bf16", "test"), dit="fp8")
+    whole = _library(tiny_folder, "transformer", torch.float32)
+    quantize_dit(whole, "cpu")
+    _same(streamed["transformer"], whole, "transformer")
+    assert sum(isinstance(m, Fp8Linear) for m in streamed["transformer"].modules()) > 0
+    dit = sum(torch.Size(shape).numel() * 2 for _, shape, _ in weights_stream.tensor_sizes(tiny_folder / "transformer"))
+    gpu, host = torch.device("cuda", 0), {"transformer": torch.device("cpu")}
+    assert loading.host_need(tiny_folder, gpu, torch.bfloat16, host) == dit + loading.host_need(tiny_folder, gpu,
+                                                                                               torch.bfloat16)

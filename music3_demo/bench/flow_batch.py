@@ -1,9 +1,9 @@
-"""Flow stage shared by several songs (issue 16), on the GPU: one full chunk (denoise + vocoder) for 1, 2 and 4
-songs, run one after another, concurrently without merging, and concurrently with merged DiT/vocoder calls, all in
-one process on the same weights; plus the executor's own per-bucket call times (what `calibrate()` decides from).
+"""Flow stage shared by several songs, on the GPU: one full chunk (denoise + vocoder) for 1, 2 and 4 songs, run
+one after another, concurrently without merging, and concurrently with merged DiT/vocoder calls, all in one process on
+the same weights; plus the executor's own per-bucket call times (what `calibrate()` decides from).
 
-`python -m music3_demo.bench.flow_batch --output $OUT/flow_batch.json [--steps 30] [--songs 1,2,4]`
-(`--device cpu --tiny`: the same run on the tiny model, eager and unmeasured: the CPU suite checks the script works.)
+`python -m music3_demo.bench flow-batch --output $OUT/flow_batch.json [--steps 30] [--songs 1,2,4]`
+(`--device cpu --tiny`: the same run on the tiny model, eager and unmeasured: the CPU suite checks the bench works.)
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import threading
 import time
 
@@ -46,7 +45,7 @@ def run_songs(components, executor, frames: list[torch.Tensor], steps: int, toge
     """Wall time for every song's chunk, and the audio; `together`: each song on its own thread at once, the
     executor held until all first calls are queued (as songs whose chunks became ready at one moment)."""
     audio: list = [None] * len(frames)
-    _synchronize(executor.device)
+    synchronize(executor.device)
     began = time.perf_counter()
     if not together:
         for index, song_frames in enumerate(frames):
@@ -62,11 +61,11 @@ def run_songs(components, executor, frames: list[torch.Tensor], steps: int, toge
             thread.start()
         for thread in threads:
             thread.join()
-    _synchronize(executor.device)
+    synchronize(executor.device)
     return time.perf_counter() - began, audio
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -131,7 +130,8 @@ def bench(device: torch.device, steps: int, song_counts: list[int], repeats: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench flow-batch",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True)
     parser.add_argument("--steps", type=int, default=c.DEFAULT_STEPS)
     parser.add_argument("--songs", default="1,2,4")
@@ -152,7 +152,3 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, handle, indent=1)
     print(json.dumps(result))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

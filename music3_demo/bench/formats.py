@@ -1,29 +1,35 @@
-"""How much a weight format changes the model (issue 15, "Quality 2"), apart from any kernel: the float32 reference
-computation with the dequantized weights against the float32 reference with the original weights, teacher-forced on
-the same random codes, on random weights with injected outlier input channels (a few columns of every quantized
-Linear scaled x30, as real checkpoints have: 4 per 4,096 columns, the same density on a smaller model).
+"""How much a weight format changes the model, apart from any kernel: the float32 reference computation with the
+dequantized weights against the float32 reference with the original weights, teacher-forced on the same random codes,
+on random weights with injected outlier input channels (a few columns of every quantized Linear scaled x30, as real
+checkpoints have: 4 per 4,096 columns, the same density on a smaller model).
 
-Figures per scheme, over every forced step's LM audio logits (the CFG pair):
+    python -m music3_demo.bench formats --size mid --frames 200                  # CPU, the 1/8-width model
+    python -m music3_demo.bench formats --size full --frames 200 --device cuda   # the real shapes, on a GPU (~40 GB)
+
+Figures per scheme, over every forced step's LM audio logits (the CFG pair), in one JSON object:
 - `logits_rel_error`: ||logits_q - logits|| / ||logits|| per step (mean and max);
 - `top50_overlap`: |S_q ∩ S| / |S| of the sampling candidates S (the conditional row's top-50, as the sampler keeps
   them), mean and min;
 - `kl`: KL(p || p_q) of the guided sampling distribution (CFG 1.5 over S, the reference's candidates; p_q is the
   quantized model's guided softmax over the same S), mean and max, in nats;
 - `depth_rel_error`: the same relative error for the 7 depth hiddens of each frame.
-`scripts/quant_quality.py` runs it (CPU mid-size, or the full size on a GPU); tests/semantic/test_quant_quality.py
-pins the chosen schemes' figures.
+tests/semantic/test_quant_quality.py pins the chosen schemes' figures.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import time
 
 import torch
 
 from .. import contract as c
+from .. import random_models
 from ..random_models import ModelSizes
-from ..semantic.quant import QuantizedLinear, Scheme, quantize_model_
+from ..semantic.quant import DEFAULT_SCHEMES, QuantizedLinear, Scheme, quantize_model_
 from ..semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
+from .report import commit, finish
 
 # A CPU-sized model (tens of seconds for 200 frames) whose products still have K >= 512 (several 128-column groups):
 # the LM and depth decoder at 1/8 of the real width; the flow stage's parts at the tiny model's sizes (unused here).
@@ -122,3 +128,33 @@ def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: i
         results[report.scheme] = figures
         del lm_q, depth_q
     return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench formats",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=("mid", "full"), default="mid")
+    parser.add_argument("--frames", type=int, default=200)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    sizes = MID if args.size == "mid" else random_models.FULL
+    components = random_models.build_components(sizes, seed=args.seed, device=args.device)
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    for name in ("condition_encoder", "transformer", "vocoder"):
+        components.pop(name)  # the flow stage plays no part here
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    inject_outliers(lm, depth, seed=args.seed)
+    results = measure_formats(lm, depth, args.frames, args.prompt_tokens, args.seed, SCHEMES)
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(), "size": args.size,
+        "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
+        "frames": args.frames, "prompt_tokens": args.prompt_tokens, "seed": args.seed,
+        "defaults": {mode: scheme.name for mode, scheme in DEFAULT_SCHEMES.items()},
+        "schemes": results, "seconds": time.perf_counter() - started,
+    }
+    return finish(report, args.output)

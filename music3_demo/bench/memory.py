@@ -1,7 +1,7 @@
 """Memory per card, each case in a fresh process (no case inherits another's CUDA context, allocator cache or Triton
 modules), on random full-size weights with the end token muted (every song runs to its full length):
 
-    python -m music3_demo.bench.memory [--groups cards precisions load] [--out DIR]
+    python -m music3_demo.bench memory [--groups cards precisions load] [--out DIR]
 
 - `cards`: the app's own path (`from_pretrained("random-full")` with auto, warm-up, a 120-s song) inside a
   simulated card (bench/card.py) of 23.5 GiB (a 24 GB desktop card), 15 GiB (16 GB), 47 GiB (ZeroGPU's half card)
@@ -9,7 +9,8 @@ modules), on random full-size weights with the end token muted (every song runs 
   peak (its own figure, and the card's use above the holder's, measured outside it), first audio, wall. ~7 min.
 - `precisions`: each mode forced on the whole card, the cases the former memory script ran (bf16, fp8 and int8 at
   120 s, fp8 at 300 s) with their budgets, loading / after the engine's build / idle after warm-up / the song,
-  beside precision.Footprint's estimate. ~7 min.
+  beside the card's memory plan (memory_plan.py: its parts, and the process bytes it allows: weights + flow working
+  set + graphs and workspaces + KV pool, the context excluded). ~7 min.
 - `load`: random-full written to disk once in the Hub layout (22 GB), then loaded from there (the real loading
   path) in bf16 and fp8, with a cold and a warm Triton cache: start to ready, and the host's peak resident memory
   above the idle process (target: <= 6 GB). ~6 min.
@@ -69,18 +70,12 @@ def _ready(model: str, precision: str):
 
 
 def _pool(pipeline) -> dict:
-    """The KV pool and the longest song it holds at full slots (the memory plan's figure where it has one)."""
-    from .. import contract as c
-
-    plan = getattr(pipeline, "memory_plan", None)
-    figures = {"plan": plan.as_dict()} if hasattr(plan, "as_dict") else {}
+    """The card's memory plan (KV pool, slots, the longest song alone and at full slots) and the engine's pool as
+    it was built (positions: the plan's, where the graph engine runs)."""
+    plan = pipeline.memory_plan.as_dict()
     pool = getattr(pipeline.engine, "pool", None)
-    positions = getattr(pool, "positions", None)
-    if isinstance(positions, int):
-        per_song = positions // max(pipeline.slots, 1) - c.MAX_PROMPT_TOKENS // 10  # a ~500-token prompt each
-        figures |= {"kv_pool_positions": positions,
-                    "longest_song_at_full_slots_s": round(min(c.MAX_AUDIO_FRAMES, max(0, per_song)) / c.FRAME_RATE)}
-    return figures
+    return {"plan": plan, "kv_pool_positions": getattr(pool, "positions", None),
+            "longest_song_at_full_slots_s": plan.get("longest_song_full_slots_s")}
 
 
 def card_case(seconds: float) -> dict:
@@ -96,9 +91,7 @@ def card_case(seconds: float) -> dict:
 def precision_case(mode: str, seconds: float) -> dict:
     import torch
 
-    from .. import random_models
     from ..memory import device_memory
-    from ..precision import Footprint
     from ..prompt import tokenize
     from .song import SONG_LYRICS, SONG_PROMPT, time_song
 
@@ -107,10 +100,11 @@ def precision_case(mode: str, seconds: float) -> dict:
     result["song"] = time_song(pipeline, seconds)
     result["after_song"] = device_memory(torch.device("cuda", 0)).as_dict()
     prompt = tokenize(pipeline.tokenizer, SONG_PROMPT, SONG_LYRICS).shape[1]
-    footprint = Footprint(random_models.figures(random_models.FULL))
-    positions = prompt + result["song"]["frames"] + 1
-    result["estimate_gb"] = {"song": round(footprint.song_bytes(mode, positions) / GB, 2),
-                             "longest_song": round(footprint.need(mode) / GB, 2), "prompt_tokens": prompt}
+    plan = pipeline.memory_plan
+    result["plan"] = plan.as_dict()
+    result["estimate_gb"] = {
+        "song": round((plan.weight_bytes + plan.flow_working + plan.runtime + (plan.kv_pool_bytes or 0)) / GB, 2),
+        "longest_song_s": plan.longest_s(prompt), "prompt_tokens": prompt}
     result["target_gb"] = TARGETS_GB.get((mode, int(seconds)))
     peak = result["song"]["device_peak_gb"]
     result["within_target"] = None if result["target_gb"] is None else peak <= result["target_gb"]
@@ -198,7 +192,7 @@ def run(case: dict, out: Path, triton_caches: dict[str, str]) -> dict:
         if case["triton_cache"] == "cold":
             triton_caches[case["mode"]] = tempfile.mkdtemp(prefix="music3_triton_")
         env["TRITON_CACHE_DIR"] = triton_caches[case["mode"]]
-    command = [sys.executable, "-m", "music3_demo.bench.memory", "--case", json.dumps(case), "--out", str(out)]
+    command = [sys.executable, "-m", "music3_demo.bench", "memory", "--case", json.dumps(case), "--out", str(out)]
     started = time.perf_counter()
     card = None
     try:
@@ -242,7 +236,7 @@ def summary(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench.memory", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", nargs="+", default=["cards"], choices=("cards", "precisions", "load"))
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/music3_out"))
     parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "music3_random_full_disk"),

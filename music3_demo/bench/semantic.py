@@ -1,4 +1,4 @@
-"""Speed of the semantic engines, measured in one run: `python -m music3_demo.bench --model random-full
+"""Speed of the semantic engines, measured in one run: `python -m music3_demo.bench semantic --model random-full
 --engine reference,graph --prompt-tokens 400 --frames 500` prints one JSON object.
 
 It reports frames/s of each engine, their ratio, the bytes one frame must read (counted from the engine's actual
@@ -6,20 +6,15 @@ weight tensors, plus the KV cache at the song's mean context length), the copy b
 and the fraction of the resulting limit reached. `--precision bf16,fp8,int8` times every graph engine also on fp8 and
 int8 copies of the weights (`semantic/quant.py`; named `graph:fp8`, ...), side by side in the same call, each with
 its teacher-forced check against the reference on its own (dequantized) weights. `--batch 1,2,4,8` adds the graph
-engine's aggregate frames/s with that many songs at once (one thread per song, as the app runs them). `--song
-SECONDS` adds bench/song.py's whole-song timing (flow stage included) to the same JSON; `--engine ""` skips the
-semantic part. Importable without gradio/soundfile.
+engine's aggregate frames/s with that many songs at once (one thread per song, as the app runs them); `--engine ""`
+skips the per-engine part. A whole song's timing is `bench song`. Importable without gradio/soundfile.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +25,7 @@ from .. import contract as c
 from ..checkpoint import build_random_full, load_components, resolve
 from ..semantic import SamplingSettings, SemanticEngine
 from ..semantic.kernels.qweight import QWeight
-from ..versions import installed_version, untested_warnings
+from .report import environment, finish, needs_cuda
 
 WARMUP_FRAMES = 16
 
@@ -64,20 +59,20 @@ class BytesModel:
 
 def bytes_model(engine) -> BytesModel:
     """Bytes a graph-engine frame must read, from its tensors (each weight read once per use)."""
+    w = engine.weights
 
     def size(*tensors) -> int:  # tensors, or 1-byte weights with their scales
         return sum(t.nbytes() if isinstance(t, QWeight) else t.numel() * t.element_size()
                    for t in tensors if t is not None)
 
-    lm = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2, b.q_norm, b.k_norm) for b in engine.blocks)
-    lm += size(engine.final_norm, engine.audio_head)
-    passes = engine.num_codebooks - 1
-    depth_blocks = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2) for b in engine.depth_blocks)
-    depth = size(engine.projection) + passes * (depth_blocks + size(engine.depth_norm)) + size(*engine.depth_heads_w)
+    lm = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2, b.q_norm, b.k_norm) for b in w.blocks)
+    lm += size(w.final_norm, w.audio_head)
+    passes = w.num_codebooks - 1
+    depth_blocks = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2) for b in w.depth_blocks)
+    depth = size(w.projection) + passes * (depth_blocks + size(w.depth_norm)) + size(*w.residual_heads)
     # passes 2..7 read block 0's q|k|v of their code from a table: one row instead of the weight
-    depth -= (passes - 1) * (size(engine.depth_blocks[0].qkv) - size(engine.residual_qkv_tables[0, 0]))
-    kv = len(engine.blocks) * 2 * 2 * engine.kv_heads * engine.head_dim * engine.dtype.itemsize
-    return BytesModel(lm, depth, kv)
+    depth -= (passes - 1) * (size(w.depth_blocks[0].qkv) - size(w.residual_qkv_tables[0, 0]))
+    return BytesModel(lm, depth, w.kv_bytes_per_position)
 
 
 def random_prompt(tokens: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -279,18 +274,6 @@ def teacher_forced_check(graph, lm, depth, text_ids: torch.Tensor, steps: int = 
     return {"steps": steps, "max_relative_error_vs_bf16_reference": worst, "ok": worst < 5e-2}
 
 
-def _commit() -> str:
-    if os.environ.get("MUSIC3_COMMIT"):
-        return os.environ["MUSIC3_COMMIT"]
-    try:
-        root = os.path.dirname(os.path.abspath(__file__))  # any folder inside the checkout
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def load_for_bench(model: str) -> dict:
     """Components on the GPU in bf16. The built-in random model gets its end-token row zeroed, so every run emits
     exactly the requested frames (with random weights the end token would otherwise come at a random frame)."""
@@ -307,7 +290,8 @@ def load_for_bench(model: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench semantic",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random-full")
     parser.add_argument("--engine", default="reference,graph",
                         help="comma list of reference, graph and variants graph[-pdl][-s<splits>] (programmatic "
@@ -319,9 +303,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", default="", help="comma list of song counts (e.g. 1,2,4,8): the graph engine's "
                         "aggregate frames/s with that many songs at once, at the first prompt length")
-    parser.add_argument("--song", type=float, help="also time a whole song of this many seconds (bench/song.py)")
-    parser.add_argument("--reference-song", type=float, default=10.0, help="seconds of the reference song to time")
-    parser.add_argument("--memory-song", type=float, help="also time a song of this length for peak memory")
     parser.add_argument("--precision", default="bf16",
                         help="comma list of bf16, fp8, int8: each graph engine also runs on weights quantized to "
                         "these (named graph:fp8, ...), in the same call")
@@ -339,23 +320,10 @@ def main(argv: list[str] | None = None) -> int:
                 graph_variant(name)
             except ValueError as error:
                 parser.error(str(error))
-    if not torch.cuda.is_available():
-        print("The bench needs a CUDA GPU.", file=sys.stderr)
+    if not needs_cuda():
         return 2
-    import triton
-
-    report = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": _commit(),
-        "transformers": installed_version("transformers"),
-        "untested_versions": untested_warnings(),
-        "model": args.model,
-        "dtype": "bfloat16",
-        "frames": args.frames,
-        "prompt_tokens": [int(t) for t in args.prompt_tokens.split(",")],
+    report = environment(args.model) | {
+        "frames": args.frames, "prompt_tokens": [int(t) for t in args.prompt_tokens.split(",")],
     }
     batches = [int(count) for count in args.batch.split(",") if count.strip()]
     if engines or batches:
@@ -371,30 +339,4 @@ def main(argv: list[str] | None = None) -> int:
             report["batch"] = bench_batch(components, batches, report["prompt_tokens"][0], args.frames, args.seed)
         del components
         torch.cuda.empty_cache()
-    if args.song:
-        from .song import bench_song
-
-        report["song"] = bench_song(args.song, args.reference_song, torch.device("cuda"), args.memory_song)
     return finish(report, args.output)
-
-
-def failed_checks(report: dict) -> list[str]:
-    """The engines whose teacher-forced check failed: their speed measures a wrong function."""
-    return [name for name, check in report.get("teacher_forced_check", {}).items() if not check["ok"]]
-
-
-def finish(report: dict, output: str | None) -> int:
-    """Print (and write) the JSON, then the exit status: 1 when any teacher-forced check failed, so that a script or
-    CI step running the bench cannot take a wrong engine's numbers for a result."""
-    text = json.dumps(report, indent=1)
-    print(text)
-    if output:
-        with open(output, "w") as handle:
-            handle.write(text + "\n")
-    failed = failed_checks(report)
-    if failed:
-        print(f"teacher-forced check failed for {', '.join(failed)}: the engine disagrees with the reference "
-              "computation (see max_relative_error_vs_bf16_reference above)", file=sys.stderr)
-        return 1
-    return 0
-

@@ -1,12 +1,16 @@
 """Whole-song benchmark on the GPU: wall time, time to first audio, per-stage busy time, overlap and peak memory.
 
-Used by `python -m music3_demo.bench --song SECONDS`. The eager reference pipeline runs ~30x slower than ours, so
-within one device call it is timed on a shorter song (`reference_song_s`) and its 120-second time is reported both
-as measured rates and as a projection labelled as such.
+`python -m music3_demo.bench song --seconds 120 [--memory-song 300] [--reference-song 8] [--output song.json]`
+prints one JSON object. Random full-size weights with the end token muted (every song runs to its full length),
+loaded and warmed as the app does, then timed through `Music3Pipeline.generate`; a full flow chunk is also timed
+alone. The eager reference pipeline runs ~30x slower than ours, so within one device call it is timed on a shorter
+song (`--reference-song`) and its time for the long song is reported both as measured rates and as a projection
+labelled as such.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 
@@ -16,12 +20,14 @@ from .. import contract as c
 from .. import random_models
 from ..checkpoint import ModelSource
 from ..events import AudioPiece, Event, Progress
-from ..flow.stream import FlowSettings, FlowStream, full_chunk_latents
+from ..flow.executor import FlowExecutor
+from ..flow.stream import full_chunk_latents
 from ..memory import PeakSampler
-from ..loading import load_model
+from ..loading import load_model, plan_for
 from ..pipeline import Music3Pipeline
-from ..precision import PrecisionChoice
 from ..request import GenerationRequest
+from .flow_batch import chunk_audio, synchronize
+from .report import environment, finish, needs_cuda
 
 SONG_PROMPT = "energetic synth-pop, 124 BPM, A minor, female vocals, punchy drums, big chorus"
 SONG_LYRICS = "[verse]\n" + "\n".join(f"line {i} of a long verse about the city at night" for i in range(12)) + (
@@ -30,15 +36,19 @@ SONG_LYRICS = "[verse]\n" + "\n".join(f"line {i} of a long verse about the city 
 
 
 def full_size_pipeline(engine: str, device: torch.device, precision: str = "bf16",
-                       flow_device: torch.device | None = None) -> Music3Pipeline:
+                       flow_device: torch.device | None = None, dit_precision: str = "bf16") -> Music3Pipeline:
     """random-full with the end token muted, so every benchmarked song runs to its full length; loaded in
-    `precision` through the pipeline's own loading path (a quantized mode: built, moved to the host, quantized);
-    with `flow_device`, the flow stage runs there (a stage split)."""
+    `precision` / `dit_precision` through the pipeline's own loading path (a quantized mode: built, moved to the
+    host, quantized) under the card's memory plan, as the app loads; with `flow_device`, the flow stage runs there (a
+    stage split)."""
     sizes = dataclasses.replace(random_models.FULL, end_token_gain=0.0)
     source = ModelSource("random-full", None, "random-full")
-    choice = PrecisionChoice(precision, precision, f"{precision} as asked (bench).")
-    components = load_model(source, device, torch.bfloat16, choice, sizes=sizes, flow_device=flow_device)
-    return Music3Pipeline(components, source, device, engine, precision=choice, flow_device=flow_device)
+    planned = "reference" if engine == "reference" else "graph"
+    plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device)
+    components = load_model(source, device, torch.bfloat16, plan.lm, sizes=sizes, flow_device=flow_device,
+                            dit=plan.dit.mode)
+    return Music3Pipeline(components, source, device, engine, precision=plan.lm, flow_device=flow_device,
+                          memory_plan=plan, flow_memory_plan=flow_plan)
 
 
 def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_STEPS, keep: list | None = None
@@ -81,7 +91,7 @@ def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_S
         "flow_chunk_s_mean": round((busy["flow_s"] + busy["vocoder_s"]) / max(len(c.chunk_starts(song.frames)), 1), 3),
         "realtime_factor": round(song.duration / wall, 2),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
-        # The issue's budget is in GB (10^9 bytes); "reserved" adds the caching allocator's slack, what the GPU holds.
+        # Budgets are in GB (10^9 bytes); "reserved" adds the caching allocator's slack, what the GPU holds.
         "peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2),
         "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / 1e9, 2),
         # This process's own device memory (memory.py: reserved + context and other allocations outside torch;
@@ -93,23 +103,30 @@ def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_S
 
 
 def time_flow_chunk(pipeline: Music3Pipeline, steps: int = c.DEFAULT_STEPS, repeats: int = 3) -> dict:
-    """A full chunk's denoise + vocode alone on the GPU (nothing overlapping), graphed vs eager batch-2."""
-    device = pipeline.device
-    hidden = pipeline.components["language_model"].config.hidden_size
-    frames = torch.randn(c.CHUNK_FRAMES, 8 * hidden, device=device, dtype=torch.bfloat16)
+    """A full chunk's denoise + vocode alone (nothing overlapping), run as a song runs it (its own FlowStream and
+    worker thread, DiT and vocoder calls through an executor): through the pipeline's executor (its captured DiT
+    steps on CUDA), and through an executor without graphs (eager batch-2 CFG: how a chunk the graphs do not cover,
+    a song's shorter last one, runs). The median of `repeats` after one warm-up."""
+    device = pipeline.flow_device
+    components = pipeline.components
+    hidden = components["language_model"].config.hidden_size
+    dtype = next(components["condition_encoder"].parameters()).dtype
+    frames = torch.randn(c.CHUNK_FRAMES, 8 * hidden, device=device, dtype=dtype)
+    eager = FlowExecutor(components["transformer"], components["vocoder"], device)
     results = {}
-    for label, graphs in (("graphed", pipeline.velocity_graphs), ("eager", None)):
-        times = []
-        for repeat in range(repeats + 1):
-            flow = FlowStream(pipeline.components, FlowSettings(steps, batched_cfg=True),
-                              torch.Generator(device).manual_seed(repeat), device, graphs=graphs)
-            torch.cuda.synchronize(device)
-            began = time.perf_counter()
-            flow.push(frames)
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - began)
-        results[f"{label}_chunk_s"] = round(sorted(times[1:])[len(times[1:]) // 2], 3)  # median, first is warm-up
-    results["latents_per_chunk"] = full_chunk_latents(pipeline.components)
+    try:
+        for label, executor in (("graphed", pipeline.flow_executor), ("eager", eager)):
+            times = []
+            for repeat in range(repeats + 1):
+                synchronize(device)
+                began = time.perf_counter()
+                chunk_audio(components, executor, frames, repeat, steps)
+                synchronize(device)
+                times.append(time.perf_counter() - began)
+            results[f"{label}_chunk_s"] = round(sorted(times[1:])[len(times[1:]) // 2], 3)
+    finally:
+        eager.close()
+    results["latents_per_chunk"] = full_chunk_latents(components)
     return results
 
 
@@ -139,3 +156,18 @@ def bench_song(seconds: float, reference_song_s: float, device: torch.device, me
     result["speedup_wall_projected"] = round(projected / result["ours"]["wall_s"], 1)
     reference.release()
     return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench song", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=120.0, help="length of the timed song (120)")
+    parser.add_argument("--reference-song", type=float, default=10.0,
+                        help="seconds of the reference pipeline's song (10; its time is projected to --seconds)")
+    parser.add_argument("--memory-song", type=float, help="also time a song of this length for peak memory")
+    parser.add_argument("--output", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if not needs_cuda():
+        return 2
+    report = environment("random-full")
+    report["song"] = bench_song(args.seconds, args.reference_song, torch.device("cuda"), args.memory_song)
+    return finish(report, args.output)

@@ -6,7 +6,7 @@ bucket (1, 2 or 4 songs in one call: `executor.py` merges songs' calls) serves e
 lengths (a song's shorter last chunk) run eagerly rather than capturing a graph that would be used once.
 
 The graphs' input and output buffers are static and shared: only one thread may fill and replay them, on one stream
-(the pipeline's `FlowExecutor`; tests and benches that drive one FlowStream directly are the only other users).
+(the pipeline's `FlowExecutor`).
 """
 
 from __future__ import annotations
@@ -58,10 +58,6 @@ class _Captured:
         self.graph.replay()
         return self.velocity
 
-    def __call__(self, latents, timestep, condition, scale: float) -> torch.Tensor:
-        self.load(0, latents, timestep, condition, scale)
-        return self.replay()[:1].clone()
-
 
 class VelocityGraphs:
     """Captured guided-velocity graphs keyed by (chunk length, songs per call); owned by the pipeline (through its
@@ -90,9 +86,6 @@ class VelocityGraphs:
                     )
                 self.captures += 1
             return self._graphs[key]
-
-    def velocity(self, latents, timestep, condition, scale: float) -> torch.Tensor:
-        return self.get(latents, condition)(latents, timestep, condition, scale)
 
     def release(self) -> None:
         with self._lock:

@@ -4,7 +4,7 @@ scales per output channel or per output channel and 128-column group, made at lo
 Each quantized `nn.Linear` is replaced in place by a `QuantizedLinear` that holds the 1-byte weight and its scales and
 dequantizes on forward (to the activation dtype) before F.linear. So the HF model itself, with its modules swapped,
 is the reference on exactly the weights the kernels read: the reference engine, the teacher-forcing oracle and the
-load-time self-check (`semantic/setup.py`) all compare the graph engine with the same weights, and bf16 (no swap)
+load-time self-check (`semantic/select.py`) all compare the graph engine with the same weights, and bf16 (no swap)
 stays the exact reference of the checkpoint. The graph engine (`weights.py`) fuses the modules' 1-byte weights and
 scales by rows as it fuses bf16 ones; it learns the precision from the modules it is given (`precision_of`).
 
@@ -46,7 +46,7 @@ class Scheme:
         return f"{self.fmt}/{'channel' if not self.group else f'g{self.group}'}"
 
 
-# The scheme of each mode: the one with the smallest effect on the model for its bytes (scripts/quant_quality.py,
+# The scheme of each mode: the one with the smallest effect on the model for its bytes (`bench formats`,
 # docs/PERFORMANCE.md "Weight formats"; tests/semantic/test_quant_quality.py pins its figures). fp8 is a float format:
 # a few x30 input columns raise a row's scale but the other weights keep their 3 mantissa bits, so one scale per
 # channel loses almost nothing; int8's uniform steps would grow with that scale, so int8 scales per 128 columns.
@@ -60,11 +60,6 @@ def fp8_supported(device: torch.device | str) -> bool:
     if device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def supported_modes(device: torch.device | str) -> tuple[str, ...]:
-    """The modes this device can run: int8 everywhere, fp8 where `fp8_supported`."""
-    return tuple(m for m in SUPPORTED if m != "fp8" or fp8_supported(device))
 
 
 @torch.no_grad()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,7 +105,3 @@ def on_gpu(fn: F, duration: Callable[..., int]) -> F:
 
     return spaces.GPU(duration=duration)(fn)
 
-
-def worker_id() -> int:
-    """The process a song runs in (a ZeroGPU worker is a process of its own)."""
-    return os.getpid()

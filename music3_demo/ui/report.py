@@ -38,6 +38,7 @@ def song_report(song: Song, request: GenerationRequest, record: JobRecord, model
         "precision": song.precision,
         "precision_reason": song.precision_reason,
         "memory": song.memory,  # the device as the card saw it during the song (GB), None off CUDA
+        "memory_plan": song.memory_plan,  # what the card's plan holds (GB, slots, longest song), None off CUDA
     }
 
 

@@ -41,7 +41,7 @@ def wrong_model(set_attr: SetAttr) -> None:
 
     def perturbed(self, *args, **kwargs) -> None:
         build(self, *args, **kwargs)
-        self.audio_head.neg_()
+        self.weights.audio_head.neg_()
 
     set_attr(GraphEngine, "__init__", perturbed)
 

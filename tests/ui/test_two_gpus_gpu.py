@@ -68,7 +68,7 @@ def test_same_song_on_two_gpus_at_once_is_the_song_made_alone_on_cuda0():
 def test_a_stage_split_song_is_the_song_made_on_one_gpu():
     """`--devices cuda:0+cuda:1` through the holder: the engine and its graphs on cuda:0, the flow stage (condition
     encoder, DiT graphs, vocoder) on cuda:1; the seeded song is the one a single GPU makes, and the report says where
-    the flow stage's memory went. (scripts/stage_split.py times the two.)"""
+    the flow stage's memory went. (`python -m music3_demo.bench split` times the two.)"""
     from music3_demo.pipeline import Music3Pipeline
     from music3_demo.ui.holder import ModelHolder
 

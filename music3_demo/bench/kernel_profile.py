@@ -3,15 +3,16 @@ graphs included), grouped by kernel name, grid and block size.
 
 - `semantic` (default): one graph-engine frame (random-full weights, 400 prompt tokens, 200 frames). Wall time per
   frame minus summed kernel time is what launch gaps cost (kernels of one stream never overlap).
-- `flow`: one full flow chunk alone (graphed batch-2 DiT steps + vocoder), reported per chunk.
+- `flow`: one full flow chunk alone, as a song runs it (graphed batch-2 DiT steps through the pipeline's executor,
+  then the vocoder), reported per chunk.
 
-Run on the GPU: python scripts/profile_kernels.py [semantic|flow] [out.json]
+Run on the GPU: python -m music3_demo.bench profile [semantic|flow] [out.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -21,16 +22,16 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from music3_demo import contract as c  # noqa: E402
-from music3_demo.bench.semantic import load_for_bench, random_prompt, run_song  # noqa: E402
+from .. import contract as c
+from .report import needs_cuda
+from .semantic import load_for_bench, random_prompt, run_song
 
 PROMPT_TOKENS, FRAMES = 400, 200
 
 
 def kernel_times(work: Callable[[], object]) -> dict[str, list[float]]:
-    """Run `work` under the profiler; durations in ms of each kernel, keyed by "name [grid] x<threads>"."""
+    """Run `work` under the profiler; durations in ms of each kernel, keyed by "name [grid] x<threads>". CUPTI
+    records the process's kernels whichever thread launched them (a flow chunk's run on its worker and executor)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         work()
         torch.cuda.synchronize()
@@ -62,7 +63,7 @@ def report(groups: dict[str, list[float]], units: int, unit: str, wall_ms: float
 
 
 def profile_semantic() -> dict:
-    from music3_demo.semantic.graph import GraphEngine
+    from ..semantic.graph import GraphEngine
 
     components = load_for_bench("random-full")
     engine = GraphEngine(components["language_model"], components["rvq_depth_decoder"], torch.device("cuda"))
@@ -79,8 +80,8 @@ def profile_semantic() -> dict:
 
 def profile_flow() -> dict:
     """A full chunk as `bench.song.time_flow_chunk` times it (graphed DiT steps, then the vocoder)."""
-    from music3_demo.bench.song import full_size_pipeline
-    from music3_demo.flow.stream import FlowSettings, FlowStream
+    from .flow_batch import chunk_audio, synchronize
+    from .song import full_size_pipeline
 
     device = torch.device("cuda")
     pipeline = full_size_pipeline("graph", device)
@@ -88,12 +89,10 @@ def profile_flow() -> dict:
     frames = torch.randn(c.CHUNK_FRAMES, 8 * hidden, device=device, dtype=torch.bfloat16)
 
     def chunk(seed: int) -> float:
-        flow = FlowStream(pipeline.components, FlowSettings(c.DEFAULT_STEPS, batched_cfg=True),
-                          torch.Generator(device).manual_seed(seed), device, graphs=pipeline.velocity_graphs)
-        torch.cuda.synchronize(device)
+        synchronize(device)
         began = time.perf_counter()
-        flow.push(frames)
-        torch.cuda.synchronize(device)
+        chunk_audio(pipeline.components, pipeline.flow_executor, frames, seed, c.DEFAULT_STEPS)
+        synchronize(device)
         return time.perf_counter() - began
 
     chunk(0)  # capture the DiT step graph
@@ -102,13 +101,15 @@ def profile_flow() -> dict:
     return {"steps": c.DEFAULT_STEPS, "chunk_s": wall_s, **result}
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    mode = args.pop(0) if args and args[0] in ("semantic", "flow") else "semantic"
-    result = {"semantic": profile_semantic, "flow": profile_flow}[mode]()
-    if args:
-        Path(args[0]).write_text(json.dumps({"mode": mode, **result}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench profile",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", nargs="?", choices=("semantic", "flow"), default="semantic")
+    parser.add_argument("output", nargs="?", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if not needs_cuda():
+        return 2
+    result = {"semantic": profile_semantic, "flow": profile_flow}[args.mode]()
+    if args.output:
+        Path(args.output).write_text(json.dumps({"mode": args.mode, **result}, indent=1))
+    return 0

@@ -1,11 +1,11 @@
-"""The bench's exit status: non-zero, after its JSON is printed and written, when a teacher-forced check failed.
-(The bench itself needs a GPU; this is the decision it ends with, on reports shaped like its own.)"""
+"""A bench's exit status: non-zero, after its JSON is printed and written, when a teacher-forced check failed.
+(The benches need a GPU; this is the decision they end with, on reports shaped like the semantic bench's.)"""
 
 from __future__ import annotations
 
 import json
 
-from music3_demo.bench.semantic import finish
+from music3_demo.bench.report import finish
 
 
 def _report(**checks: bool) -> dict:

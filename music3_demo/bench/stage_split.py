@@ -1,13 +1,13 @@
-"""A stage split against one GPU (issue 16): the same 120-s song made with every stage on cuda:0, then with the
-semantic stage on cuda:0 and the flow stage (condition encoder, DiT, vocoder) on cuda:1, in one call on
-nvidia-h200-x2. Random full-size weights with the end token muted (the song runs to its full length), bf16.
+"""A stage split against one GPU: the same 120-s song made with every stage on cuda:0, then with the semantic stage
+on cuda:0 and the flow stage (condition encoder, DiT, vocoder) on cuda:1, in one call on nvidia-h200-x2. Random
+full-size weights with the end token muted (the song runs to its full length), bf16.
 
 The split is kept as an option (`--device cuda:0+cuda:1`, `--devices cuda:0+cuda:1`) only if it cuts the song's wall
 time by at least 25%; this prints both, their ratio, and whether the two songs are the same (codes bit-identical,
 audio within 1e-4), and writes $OUT/stage_split.json.
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl   # the GPU image's extras
-    PYTHONPATH=/tmp/site:$PWD python3 scripts/stage_split.py [--seconds 120] [--steps 30]
+    PYTHONPATH=/tmp/site:$PWD python3 -m music3_demo.bench split [--seconds 120] [--steps 30]
 """
 
 from __future__ import annotations
@@ -15,18 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from .song import full_size_pipeline, time_song
 
-from music3_demo.bench.song import full_size_pipeline, time_song  # noqa: E402
-
-TARGET_CUT = 0.25  # the issue's bar for keeping the option
+TARGET_CUT = 0.25  # the wall-time cut that keeps the option
 
 
 def measure(device: torch.device, flow_device: torch.device | None, seconds: float, steps: int
@@ -46,14 +43,14 @@ def measure(device: torch.device, flow_device: torch.device | None, seconds: flo
     return figures, songs[0]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench split", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/music3_out"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if torch.cuda.device_count() < 2:
-        raise SystemExit("stage_split.py needs two GPUs (nvidia-h200-x2)")
+        raise SystemExit("bench split needs two GPUs (nvidia-h200-x2)")
     first, second = torch.device("cuda", 0), torch.device("cuda", 1)
     one, one_song = measure(first, None, args.seconds, args.steps)
     split, split_song = measure(first, second, args.seconds, args.steps)
@@ -74,7 +71,3 @@ def main() -> int:
     print(f"wall time cut {cut:.1%} (keep the option at >= {TARGET_CUT:.0%}); same codes {same_codes}, "
           f"audio max diff {audio_diff}")
     return 0 if same_codes and audio_diff is not None and audio_diff <= 1e-4 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

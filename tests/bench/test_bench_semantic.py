@@ -1,0 +1,35 @@
+"""The semantic bench's CPU-side parts: engine names it accepts, and the bytes a frame must read (its limit)."""
+
+from __future__ import annotations
+
+import pytest
+
+from music3_demo.bench.semantic import bytes_model, graph_variant, main
+
+
+def test_bench_engine_names_map_to_graph_engine_options():
+    assert graph_variant("graph") == {"pdl": False, "chain": None}  # the engine's default
+    assert graph_variant("graph-pdl-s8") == {"pdl": True, "chain": None, "attention_splits": 8}
+    assert graph_variant("graph-chain-s32") == {"pdl": False, "chain": True, "attention_splits": 32}
+    assert graph_variant("graph-unchained") == {"pdl": False, "chain": False}
+    with pytest.raises(ValueError, match="unknown engine 'graph-pdl-chain'"):
+        graph_variant("graph-pdl-chain")
+    with pytest.raises(ValueError, match="unknown engine 'graph-fast'"):
+        graph_variant("graph-fast")
+    with pytest.raises(SystemExit):  # refused before anything touches a GPU
+        main(["--engine", "reference,graph-x"])
+
+
+def test_bench_bytes_model_counts_the_engines_weights_and_cache(one_block_models):
+    from music3_demo.semantic.graph import GraphEngine
+
+    lm, depth = one_block_models
+    engine = GraphEngine(lm, depth, "cpu", attention_splits=2)
+    engine.text_embeddings_to_host()  # as graph pipelines do: the model must not read the moved table
+    model = bytes_model(engine)
+    config = lm.config
+    kv = config.num_hidden_layers * 2 * 2 * config.num_key_value_heads * engine.weights.head_dim * 4  # float32 here
+    assert model.kv_per_position == kv
+    assert model.lm > sum(p.numel() for p in lm.model.layers.parameters()) * 4
+    weights = engine.weights
+    assert model.depth > (weights.num_codebooks - 1) * sum(b.qkv.numel() for b in weights.depth_blocks) * 4
