@@ -1,6 +1,6 @@
 """GPU: this process's memory as the pipeline reports it (not another process's), what loading leaves behind, lazy
-pipelines (Space mode) and the quantized load path on the device. Whole songs per simulated card:
-`python -m music3_demo.bench memory` and tests/ui/test_cards_gpu.py."""
+pipelines (Space mode) and the quantized load paths on the device (the 1-byte LM, the fp8 DiT). Whole songs per
+simulated card: `python -m music3_demo.bench memory` and tests/ui/test_cards_gpu.py."""
 
 from __future__ import annotations
 
@@ -78,6 +78,22 @@ def test_a_quantized_load_runs_the_graph_engine_and_holds_one_byte_weights_on_th
     assert isinstance(layer, QuantizedLinear) and layer.qdata.is_cuda and layer.qdata.element_size() == 1
     result = pipeline.generate(song())
     assert (result.precision, pipeline.engine_name) == (mode, "graph"), pipeline.engine_record
+    pipeline.release()
+
+
+def test_an_fp8_dit_load_quantizes_it_onto_the_device_from_host_memory_and_makes_a_song(tiny_folder):
+    """The fp8 DiT streams into host memory and quantize_dit moves it onto the GPU block by block: every weight ends
+    on the device, the products in fp8, and a song runs through the flow stage's fp8 path."""
+    from music3_demo.flow.dit_fp8 import Fp8Linear, fp8_refusal
+
+    if fp8_refusal("cuda"):
+        pytest.skip("the fp8 DiT needs compute capability 8.9")
+    pipeline = Music3Pipeline.from_pretrained("tiny", device="cuda", dit_precision="fp8")
+    transformer = pipeline.components["transformer"]
+    assert pipeline.memory_plan.dit.mode == "fp8"
+    assert all(tensor.is_cuda for tensor in transformer.state_dict().values())
+    assert any(isinstance(module, Fp8Linear) for module in transformer.modules())
+    assert pipeline.generate(song()).frames > 0
     pipeline.release()
 
 

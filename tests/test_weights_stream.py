@@ -1,7 +1,7 @@
 """Loading tensor by tensor (weights_stream.py) gives exactly what the libraries' from_pretrained gives, the 1-byte
 modes quantize as the weights arrive exactly as quantize_model_ does after a whole load, a checkpoint whose names do
-not match falls back to the library, and a load the host has no room for is refused in one sentence before
-anything is read."""
+not match falls back to the library, the fp8 DiT is the loaded DiT quantized, and a load the host has no room for is
+refused in one sentence before anything is read."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The graph engine's batch on the tiny model under Triton's interpreter: a song's codes and frames are the same
 alone and batched (asking at the same moment as another, joining mid-song, beside a variation that copies its
 prompt's K/V, beside a song that is cancelled, with the depth decoder's first pass split as for 8 songs), its prompt
-is cut into the same prefill chunks whoever joins with it, and a full KV pool admits no one. Few, short songs: every
-step of every song runs every kernel in the interpreter. The scheduler's decisions alone: test_batch_scheduler.py."""
+is cut into the same prefill chunks whoever joins with it, a full KV pool admits no one, and a round that runs out
+of memory frees its songs' places and regions. Few, short songs: every step of every song runs every kernel in the
+interpreter. The scheduler's decisions alone: test_batch_scheduler.py."""
 
 from __future__ import annotations
 
