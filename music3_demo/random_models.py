@@ -251,8 +251,8 @@ def build_components(
     for name, model in skeletons.items():
         target = torch.device((devices or {}).get(name, device))
         tensors = random_tensors(model, generator, device)  # drawn on the generator's device, in the same order
-        if target != device:
-            tensors = ((key, value.to(target)) for key, value in tensors)
+        if target != device:  # (converted where drawn: the same rounding, half the bytes to move)
+            tensors = ((key, value.to(target, dtype)) for key, value in tensors)
         taken = (lambda key, value, name=name: place(name, key, value)) if place is not None else None
         models[name] = fill(model, tensors, target, dtype, taken)
         if name == "language_model":
