@@ -56,11 +56,12 @@ def test_the_engine_and_the_flow_stage_follow_the_plan(card, monkeypatch, tiny_f
         assert set(pipeline.flow_calibration["dit_call_s"]) == set(allowed)
         assert set(pipeline.flow_calibration["vocoder_call_s"]) == {b for b in BUCKETS if b <= plan.vocoder_bucket}
         assert pipeline.memory_plan_dict["kv_pool_positions"] == plan.kv_pool_positions
-        if plan.vocoder_tile is not None:  # a tiled chunk is the whole chunk's waveform, up to cuDNN's rounding
+        if plan.vocoder_tile is not None:  # a tiled chunk is the whole chunk's waveform, up to float32 rounding
             vocoder = pipeline.components["vocoder"]
             latents = torch.randn(1, vocoder.config.latent_channels, full_chunk_latents(pipeline.components),
                                   device=pipeline.flow_device, dtype=vocoder.dtype)
-            with torch.no_grad():
+            # cuDNN's TF32 convolutions round each length differently (0.3% apart on an H200): compared in float32
+            with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
                 whole, tiled = vocoder(latents), pipeline.flow_executor.vocode(latents)
             assert tiled.shape == whole.shape
             assert ((tiled - whole).norm() / whole.norm()).item() < 1e-4
