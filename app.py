@@ -69,16 +69,16 @@ def main(argv: list[str] | None = None) -> None:
     for line in untested_warnings():
         logging.warning(line)
 
-    from music3_demo.ui.holder import ModelHolder, default_devices
+    from music3_demo.serve.holder import ModelHolder, default_devices
     from music3_demo.semantic import resolve_engine_name
     from music3_demo.ui import AppContext, build_ui, launch_options
     from music3_demo.ui.admission import GRADIO_QUEUE_HEADROOM
     from music3_demo.precision import choose_precision
     from music3_demo.memory import free_and_capability
     from music3_demo.devices import split_devices
-    from music3_demo.ui.gpu import zero_gpu
-    from music3_demo.ui.runner import JobRegistry, register_holder
-    from music3_demo.ui.store import SongStore
+    from music3_demo.serve.zerogpu import zero_gpu
+    from music3_demo.serve.runner import JobRegistry, register_holder
+    from music3_demo.serve.store import SongStore
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else default_devices()
     try:

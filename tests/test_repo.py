@@ -40,6 +40,7 @@ LAYERS = [
     {"semantic", "flow"},
     {"loading"},
     {"pipeline"},
+    {"serve"},
     {"bench", "ui"},
     {"cli", "app"},
     {"__main__"},

@@ -153,8 +153,8 @@ def _files(root: Path) -> list[str]:
 
 
 def test_a_save_that_fails_leaves_nothing_and_says_the_disk_is_full(tmp_path, monkeypatch):
-    from music3_demo.ui import store as store_module
-    from music3_demo.ui.store import DISK_FULL_MESSAGE, DiskFull, SongStore
+    from music3_demo.serve import store as store_module
+    from music3_demo.serve.store import DISK_FULL_MESSAGE, DiskFull, SongStore
 
     store = SongStore(tmp_path)
     real_write = store_module.write_audio
@@ -177,7 +177,7 @@ def test_a_save_that_fails_leaves_nothing_and_says_the_disk_is_full(tmp_path, mo
 
 
 def test_a_really_full_disk(tiny_disk):
-    from music3_demo.ui.store import DiskFull, SongStore
+    from music3_demo.serve.store import DiskFull, SongStore
 
     store = SongStore(tiny_disk, reserve_bytes=0)
     with pytest.raises(DiskFull):
@@ -194,7 +194,7 @@ def test_a_really_full_disk(tiny_disk):
 
 
 def test_start_up_removes_what_a_killed_process_left(tmp_path, caplog):
-    from music3_demo.ui.store import SongStore
+    from music3_demo.serve.store import SongStore
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -215,11 +215,11 @@ def test_start_up_removes_what_a_killed_process_left(tmp_path, caplog):
 def test_a_job_whose_song_cannot_be_saved_is_failed_and_the_next_one_succeeds(tiny_folder, tmp_path, monkeypatch):
     import gradio as gr
 
-    from music3_demo.ui.holder import ModelHolder
-    from music3_demo.ui import store as store_module
+    from music3_demo.serve.holder import ModelHolder
+    from music3_demo.serve import store as store_module
     from music3_demo.ui.core import AppContext, Outcome, run
-    from music3_demo.ui.runner import JobRegistry
-    from music3_demo.ui.store import DISK_FULL_MESSAGE, SongStore
+    from music3_demo.serve.runner import JobRegistry
+    from music3_demo.serve.store import DISK_FULL_MESSAGE, SongStore
 
     holder = ModelHolder("tiny", ["cpu"], engine="reference", warmup=False)
     ctx = AppContext(holder, SongStore(tmp_path / "songs"), JobRegistry(), tick=0.05)
@@ -276,7 +276,7 @@ def test_a_truncated_weight_file_is_named(damaged_copy):
     import torch
 
     from music3_demo.checkpoint import CheckpointError, load_components
-    from music3_demo.ui.holder import FIX_HINT, load_error_message
+    from music3_demo.serve.holder import FIX_HINT, load_error_message
 
     weights = damaged_copy / "language_model" / "model.safetensors"
     with open(weights, "r+b") as file:

@@ -16,7 +16,7 @@ import gradio as gr
 
 from ..request import InvalidRequest, check_variations
 from .core import AppContext, whole, checked, make_request
-from .store import DiskFull
+from ..serve.store import DiskFull
 
 log = logging.getLogger("music3_demo.app")
 

@@ -12,7 +12,7 @@ from .. import contract as c
 from ..prompt import build_prompt, lint_lyrics
 from ..request import MAX_VARIATIONS
 from .assets import DESCRIPTION_HELP, LYRICS_HELP, SECTION_TAGS
-from .holder import ModelHolder
+from ..serve.holder import ModelHolder
 
 DEFAULTS = {
     "duration": c.DEFAULT_DURATION_S,

@@ -20,12 +20,12 @@ from ..checkpoint import CheckpointError
 from ..continuation import SongState
 from ..events import AudioPiece, Cancelled, Finished, Progress, Song
 from ..request import GenerationRequest, InvalidRequest, validate
-from .holder import ModelHolder
+from ..serve.holder import ModelHolder
 from .progress import ProgressFn, StageTracker
 from .report import song_report
-from .gpu import spaces_available
-from .runner import Job, JobRegistry, Phase, Waiting
-from .store import DiskFull, SavedSong, SongStore
+from ..serve.zerogpu import spaces_available
+from ..serve.runner import Job, JobRegistry, Phase, Waiting
+from ..serve.store import DiskFull, SavedSong, SongStore
 
 log = logging.getLogger("music3_demo.app")
 

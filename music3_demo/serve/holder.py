@@ -24,7 +24,7 @@ from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
 from ..devices import on_device, split_devices
 from ..memory import device_memory
 from ..semantic import EngineUnavailable
-from .gpu import WorkerClock
+from .zerogpu import WorkerClock
 from .scheduler import Scheduler, Ticket
 from .speed import Speed
 

@@ -20,7 +20,7 @@ from ..continuation import SongState
 from ..events import Cancelled, Event, Finished, Progress
 from ..handoff import END, Handoff
 from ..request import GenerationRequest
-from .gpu import estimate_gpu_seconds, on_gpu, zero_gpu
+from .zerogpu import estimate_gpu_seconds, on_gpu, zero_gpu
 from .holder import ModelHolder
 from .scheduler import Ticket
 

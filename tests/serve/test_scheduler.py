@@ -14,8 +14,8 @@ import torch
 from music3_demo.events import Cancelled
 from music3_demo.request import GenerationRequest
 from music3_demo.semantic import SamplingSettings
-from music3_demo.ui.holder import ModelHolder
-from music3_demo.ui.speed import Speed
+from music3_demo.serve.holder import ModelHolder
+from music3_demo.serve.speed import Speed
 
 
 @pytest.fixture(scope="module")
