@@ -215,14 +215,14 @@ def test_start_up_removes_what_a_killed_process_left(tmp_path, caplog):
 def test_a_job_whose_song_cannot_be_saved_is_failed_and_the_next_one_succeeds(tiny_folder, tmp_path, monkeypatch):
     import gradio as gr
 
-    from music3_demo.serve.holder import ModelHolder
     from music3_demo.serve import store as store_module
+    from music3_demo.serve.local import LocalBackend
     from music3_demo.ui.core import AppContext, Outcome, run
     from music3_demo.serve.runner import JobRegistry
     from music3_demo.serve.store import DISK_FULL_MESSAGE, SongStore
 
-    holder = ModelHolder("tiny", ["cpu"], engine="reference", warmup=False)
-    ctx = AppContext(holder, SongStore(tmp_path / "songs"), JobRegistry(), tick=0.05)
+    backend = LocalBackend("tiny", ["cpu"], engine="reference", warmup=False)
+    ctx = AppContext(backend, SongStore(tmp_path / "songs"), JobRegistry(), tick=0.05)
     request = validate(GenerationRequest("pop", "la la", duration=1.0, num_steps=1, seed=3))
 
     def song(session: str) -> list:
@@ -249,7 +249,7 @@ def test_a_job_whose_song_cannot_be_saved_is_failed_and_the_next_one_succeeds(ti
     assert [job["state"] for job in ctx.registry.recent("a")] == ["failed", "finished"]
     assert ctx.registry.recent("b") == [] and ctx.registry.recent(None) == []  # nobody sees another's jobs
     assert all(str(tmp_path) not in str(value) for value in outcome.report.values())
-    holder.release()
+    backend.release()
 
 
 # ---- checkpoints: the right file blamed, the Hub hint only where it helps -------------------------------------

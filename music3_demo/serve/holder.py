@@ -172,6 +172,11 @@ class ModelHolder:
     def has_tokenizer(self) -> bool:
         return self._tokenizer is not None
 
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, None until fetched (the Ray backend's front counts tokens with a replica's)."""
+        return self._tokenizer
+
     def count_tokens(self, description: str, lyrics: str) -> int | None:
         """Exact prompt length with the model's own tokenizer; None until the tokenizer has been fetched."""
         if self._tokenizer is None:

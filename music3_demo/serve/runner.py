@@ -15,14 +15,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..continuation import SongState
 from ..events import Cancelled, Event, Finished, Progress
 from ..handoff import END, Handoff
 from ..request import GenerationRequest
-from .zerogpu import estimate_gpu_seconds, on_gpu, zero_gpu
+from .zerogpu import estimate_gpu_seconds, on_gpu
 from .holder import ModelHolder
 from .scheduler import Ticket
+
+if TYPE_CHECKING:
+    from .backend import SongBackend
 
 _ids = itertools.count(1)
 
@@ -115,7 +119,14 @@ def generation_events(
             record.error = str(error) or type(error).__name__
             raise
 
-    events = Handoff(work, f"music3-job-{record.id}")
+    yield from handed_back(work, f"music3-job-{record.id}", cancel, tick)
+
+
+def handed_back(work: Callable[[Callable], None], name: str, cancel: threading.Event, tick: float
+                ) -> Iterator[object | None]:
+    """`work(put)` on a thread of its own (`name`): what it puts, here in order, and `None` every `tick` s while
+    nothing came; raises what it raised. Closing this sets `cancel`."""
+    events = Handoff(work, name)
     try:
         while True:
             try:
@@ -158,13 +169,22 @@ def space_generation_events(
     holder_key: int, request: GenerationRequest, record: JobRecord, tick: float,
     continue_from: SongState | None,
 ) -> Iterator[Event | Phase | RecordUpdate | Raised | None]:
-    """The GPU part of a job in Space mode, run in a ZeroGPU worker (under `spaces.GPU`): the song's events with
-    snapshots of the record whenever it changed, and its exception as a `Raised` value. Closing it (the main process
-    closed its side) cancels the song."""
+    """The GPU part of a job in Space mode, run in a ZeroGPU worker (under `spaces.GPU`): `relayed_events` on the
+    worker's copy of the holder."""
     holder = _HOLDERS.get(holder_key)
     if holder is None:
         raise RuntimeError("the GPU worker has no model holder: register_holder() before the first GPU call")
-    cancel = threading.Event()
+    yield from relayed_events(holder, request, record, tick, continue_from)
+
+
+def relayed_events(
+    holder: ModelHolder, request: GenerationRequest, record: JobRecord, tick: float,
+    continue_from: SongState | None, cancel: threading.Event | None = None,
+) -> Iterator[Event | Phase | RecordUpdate | Raised | None]:
+    """A job's song for another process to relay (a ZeroGPU worker's, a Ray replica's): its events with snapshots of
+    the record whenever it changed, and its exception as a `Raised` value. Closing it (or setting `cancel`) cancels
+    the song."""
+    cancel = cancel or threading.Event()
     seen = record.as_dict()
     events = generation_events(holder, request, cancel, record, tick, continue_from)
     try:
@@ -213,7 +233,7 @@ def relay_space_events(
     """The main process's side of a Space-mode job: runs `gpu_events` (the GPU call) and passes its events on,
     applies the record snapshots, raises the worker's exception as itself, notes the finished song in this
     process's holder, and closes the call when the job is stopped (which stops the worker's song)."""
-    key = register_holder(job.holder)
+    key = register_holder(job.backend)
     call = gpu_events(key, job.request, job.record, tick, job.continue_from)
     try:
         for item in call:
@@ -225,7 +245,7 @@ def relay_space_events(
             if isinstance(item, Raised):
                 raise item.error
             if isinstance(item, Finished) and job.record.device is not None:
-                job.holder.record_finished(job.record.device, item.song, job.request.num_steps)
+                job.backend.record_finished(job.record.device, item.song, job.request.num_steps)
             yield item
     finally:
         call.close()
@@ -237,16 +257,16 @@ def relay_space_events(
 class Job:
     """One request's generation, its cancel flag and its record."""
 
-    def __init__(self, holder: ModelHolder, request: GenerationRequest, registry: JobRegistry | None = None,
+    def __init__(self, backend: SongBackend, request: GenerationRequest, registry: JobRegistry | None = None,
                  session: str | None = None, continue_from: SongState | None = None,
                  ticket: Ticket | None = None, variation: int | None = None) -> None:
         """`ticket`: its place, when the caller put it in line already (variations, together); else it takes one
         when its events start."""
-        self.holder = holder
+        self.backend = backend
         self.request = request
         self.continue_from = continue_from  # the song this job extends (continuation.py), if any
         frames = request.max_frames + (continue_from.frames if continue_from is not None else 0)
-        self.ticket = ticket or holder.ticket(request, frames)
+        self.ticket = ticket or backend.ticket(request, frames)
         self.cancel = threading.Event()
         self.stop_requested = False
         self.ended = "stopped before it finished (a Stop press, a cancel or a closed connection)"  # for the log
@@ -255,10 +275,7 @@ class Job:
             registry.remember(self.record)
 
     def events(self, tick: float = 0.2) -> Iterator[Event | Phase | Waiting | None]:
-        if zero_gpu():  # Gradio's queue does the waiting there (one song per GPU worker)
-            return relay_space_events(self, _gpu_space_events, tick)
-        return generation_events(self.holder, self.request, self.cancel, self.record, tick, self.continue_from,
-                                 self.ticket)
+        return self.backend.song_events(self, tick)
 
     def stop(self) -> None:
         # Told apart from `cancel`, which the event stream also sets when it ends normally (to stop a worker whose

@@ -30,12 +30,12 @@ GRADIO_QUEUE_HEADROOM = 64
 
 
 def waiting_songs(ctx: AppContext, blocks: gr.Blocks) -> int:
-    """Songs not yet started: those in the holder's line for a device, plus any still in Gradio's queue of the
+    """Songs not yet started: those in the backend's line for a place, plus any still in Gradio's queue of the
     generation events (the page's and the API's together: they share one concurrency group)."""
     queue = getattr(blocks, "_queue", None)
     groups = getattr(queue, "event_queue_per_concurrency_id", {}) or {}
     group = groups.get(GPU_GROUP)
-    return ctx.holder.scheduler.waiting() + (len(group.queue) if group is not None else 0)
+    return ctx.backend.scheduler.waiting() + (len(group.queue) if group is not None else 0)
 
 
 def refusal_message(ctx: AppContext, blocks: gr.Blocks, values: tuple, variations: object = 1
@@ -44,7 +44,7 @@ def refusal_message(ctx: AppContext, blocks: gr.Blocks, values: tuple, variation
     description, lyrics, duration, guidance, steps, seed, lm_cfg, top_k, instrumental = values[: len(FIELDS)]
     seed = None if seed == RANDOM_SEED else seed
     try:
-        checked(ctx.holder, make_request(description, lyrics, duration, guidance, steps, seed, lm_cfg, top_k,
+        checked(ctx.backend, make_request(description, lyrics, duration, guidance, steps, seed, lm_cfg, top_k,
                                          instrumental))
         variations = check_variations(whole(variations))
     except InvalidRequest as error:

@@ -86,7 +86,7 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
         finishes (`job.outputs()` holds them all). A bad request is refused when it arrives, with one sentence naming
         the parameter to change."""
         seed = None if seed == RANDOM_SEED else seed
-        song_request = check(ctx.holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
+        song_request = check(ctx.backend, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
                                                       lm_cfg_scale, top_k, instrumental))
         try:
             count = check_variations(whole(variations))
@@ -102,7 +102,7 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
         """The server's state for anyone (model loading / ready / failed with why, devices and the busy ones, songs
         waiting and the queue's limit) and the caller's own recent jobs (state, times, error); never other
         people's. Answered outside the song queue, so it answers while the queue is full."""
-        return ctx.holder.status().as_dict() | {
+        return ctx.backend.status().as_dict() | {
             "queue": {"waiting": waiting_songs(ctx, blocks), "limit": ctx.max_queue},
             "jobs": ctx.registry.recent(request.session_hash),
         }
