@@ -122,7 +122,7 @@ class RayBackend:
             self._tokenizer = self._handle.tokenizer.remote().result(timeout_s=60)
 
     def _follow_board(self) -> None:
-        while not self._stopped.wait(BOARD_POLL_S):
+        while not self._stopped.wait(BOARD_POLL_S) and ray.is_initialized():  # (a ray call would start Ray again)
             try:
                 self._read_board()
             except Exception as error:  # noqa: BLE001 - keep serving on what it last said; the next read may do

@@ -11,7 +11,9 @@ import shutil
 import socket
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 # Token authentication as a Ray 2.60+ cluster has it by default, with a token of our own in the environment (nothing
@@ -51,11 +53,40 @@ def wait_until(condition, timeout: float, what: str, every: float = 0.05) -> flo
     return time.monotonic() - started
 
 
+def in_process(path) -> np.ndarray:
+    """SONG made by the in-process backend (the default app's), written as the app writes its WAV, and read back."""
+    import music3_demo.ui  # noqa: F401 - the front's page: imported here, beside the cluster's start
+
+    from music3_demo.serve.local import LocalBackend
+    from music3_demo.serve.runner import Job
+
+    backend = LocalBackend("tiny", ["cpu"], warmup=False)
+    try:
+        job = Job(backend, GenerationRequest(**SONG))
+        song = next(event.song for event in backend.song_events(job, 0.2) if isinstance(event, Finished))
+    finally:
+        backend.release()
+    write_audio(path, song.audio, song.sample_rate)
+    return sf.read(path)[0]
+
+
 @pytest.fixture(scope="module")
-def cluster():
+def meanwhile(tmp_path_factory):
+    """The in-process song, made while the cluster's nodes start (they mostly wait)."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(in_process, tmp_path_factory.mktemp("local") / "song.wav")
+
+
+@pytest.fixture(scope="module")
+def in_process_song(meanwhile) -> np.ndarray:
+    return meanwhile.result()
+
+
+@pytest.fixture(scope="module")
+def cluster(meanwhile):
     root = tempfile.mkdtemp(prefix="m3ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 1, "include_dashboard": False,
-                                                          "temp_dir": root})
+                                                          "no_monitor": True, "temp_dir": root})
     nodes.add_node(num_cpus=1, num_gpus=1)
     try:
         yield nodes
@@ -94,23 +125,6 @@ def client(front) -> Client:
 
 def running(front) -> dict[str, int]:
     return client(front).predict(api_name="/status")["running"]
-
-
-@pytest.fixture(scope="module")
-def in_process_song(tmp_path_factory):
-    """SONG made by the in-process backend (the default app's), written as the app writes its WAV."""
-    from music3_demo.serve.local import LocalBackend
-    from music3_demo.serve.runner import Job
-
-    backend = LocalBackend("tiny", ["cpu"], warmup=False)
-    try:
-        job = Job(backend, GenerationRequest(**SONG))
-        song = next(event.song for event in backend.song_events(job, 0.2) if isinstance(event, Finished))
-    finally:
-        backend.release()
-    path = tmp_path_factory.mktemp("local") / "song.wav"
-    write_audio(path, song.audio, song.sample_rate)
-    return sf.read(path)[0]
 
 
 def test_status_lists_every_replica_with_its_places(front):
