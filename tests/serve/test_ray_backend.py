@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 
 # Token authentication as a Ray 2.60+ cluster has it by default, with a token of our own in the environment (nothing
 # written to ~/.ray): the nodes, this process's driver and the replicas read it there. Set before Ray is imported,
@@ -60,12 +61,17 @@ def in_process(path) -> np.ndarray:
     from music3_demo.serve.local import LocalBackend
     from music3_demo.serve.runner import Job
 
+    # One thread, as a replica computes (Ray gives it one CPU): more threads split CPU sums differently, in the last
+    # bits of the float audio (a 16-bit WAV nearly always hides that, not always).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     backend = LocalBackend("tiny", ["cpu"], warmup=False)
     try:
         job = Job(backend, GenerationRequest(**SONG))
         song = next(event.song for event in backend.song_events(job, 0.2) if isinstance(event, Finished))
     finally:
         backend.release()
+        torch.set_num_threads(threads)
     write_audio(path, song.audio, song.sample_rate)
     return sf.read(path)[0]
 
