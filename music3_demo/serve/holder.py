@@ -102,7 +102,7 @@ class ModelHolder:
         precision: str = "auto", lazy: bool = False, max_running: int | None = None,
     ) -> None:
         """`precision`: see precision.py. `lazy`: pipelines build their engines at their first song, in the process
-        that runs it (Space mode: ui/gpu.py); the holder then learns the engine from the songs. `max_running`: songs
+        that runs it (Space mode: zerogpu.py); the holder then learns the engine from the songs. `max_running`: songs
         at once over all devices (None: as many as the devices' slots)."""
         self.model = model
         self.engine = engine

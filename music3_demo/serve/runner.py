@@ -141,7 +141,7 @@ def handed_back(work: Callable[[Callable], None], name: str, cancel: threading.E
         cancel.set()  # no-op after a normal end; stops the worker when the consumer went away
 
 
-# Space mode (ui/gpu.py): the holder a ZeroGPU worker uses is its copy of this process's, found by key (a holder
+# Space mode (serve/zerogpu.py): the holder a ZeroGPU worker uses is its copy of this process's, found by key (a holder
 # cannot be pickled; the worker, a fork, has the same registry).
 _HOLDERS: dict[int, ModelHolder] = {}
 
