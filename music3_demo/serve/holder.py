@@ -70,8 +70,8 @@ class HolderStatus:
                     running=dict(self.running))
 
 
-class _Slot:
-    """One device: its pipeline (once loaded) and a lock for loading it."""
+class _HeldDevice:
+    """One device: its pipeline (once loaded) and a lock for loading it (its batch places: `songs_at_once`)."""
 
     def __init__(self, device: str) -> None:
         self.device = device
@@ -112,8 +112,8 @@ class ModelHolder:
         self.workers = WorkerClock()  # Space mode: what the GPU workers' set-up costs
         self._song_engine: dict[str, tuple[str, str | None]] = {}  # device -> (engine, note) of its last song
         self.devices = devices or default_devices()
-        self._slots = [_Slot(device) for device in self.devices]
-        self._by_device = {slot.device: slot for slot in self._slots}
+        self._held = [_HeldDevice(device) for device in self.devices]
+        self._by_device = {held.device: held for held in self._held}
         self.scheduler = Scheduler(self.devices, lambda d: self._by_device[d].songs_at_once, self._admits,
                                    limit=max_running, loaded=lambda d: self._by_device[d].pipeline is not None)
         self._source: ModelSource | None = None
@@ -128,7 +128,7 @@ class ModelHolder:
 
     # ---- status -------------------------------------------------------------------------------------------------
     def status(self) -> HolderStatus:
-        loaded = [slot.pipeline for slot in self._slots if slot.pipeline is not None]
+        loaded = [held.pipeline for held in self._held if held.pipeline is not None]
         loading = dict(self._loading)
         if loading or (self._preloading and not loaded and self._error is None):
             state = "loading"
@@ -141,15 +141,15 @@ class ModelHolder:
         running = self.scheduler.running()
         first = loaded[0] if loaded else None
         seen = next(iter(self._song_engine.values()), (None, None))
-        memory = {str(gpu): figures.as_dict() for slot in self._slots if slot.pipeline is not None and not self.lazy
-                  for gpu in split_devices(slot.device) if gpu is not None and (figures := device_memory(gpu))}
+        memory = {str(gpu): figures.as_dict() for held in self._held if held.pipeline is not None and not self.lazy
+                  for gpu in split_devices(held.device) if gpu is not None and (figures := device_memory(gpu))}
         return HolderStatus(
             model=self.model,
             state=state,
             phase=self._phase,
             devices=tuple(self.devices),
             busy=tuple(device for device, songs in running.items() if songs),
-            slots={slot.device: slot.songs_at_once for slot in self._slots},
+            slots={held.device: held.songs_at_once for held in self._held},
             running=running,
             waiting=self.scheduler.waiting(),
             # A lazy pipeline (Space mode) has no engine in this process: its songs say which one ran.
@@ -191,8 +191,8 @@ class ModelHolder:
 
         def load_all() -> None:
             try:
-                for slot in self._slots:
-                    self._ensure_loaded(slot, None)
+                for held in self._held:
+                    self._ensure_loaded(held, None)
             except Exception:  # noqa: BLE001 - remembered in status and raised again to the next request
                 return
             finally:
@@ -222,26 +222,26 @@ class ModelHolder:
                     self._tokenizer = _load_tokenizer(self._source)
             return self._source
 
-    def _ensure_loaded(self, slot: _Slot, on_phase: PhaseCallback | None):
-        if slot.pipeline is not None:
-            return slot.pipeline
-        with slot.load_lock:  # concurrent first requests: one loads, the others wait here and reuse it
-            if slot.pipeline is not None:
-                return slot.pipeline
+    def _ensure_loaded(self, held: _HeldDevice, on_phase: PhaseCallback | None):
+        if held.pipeline is not None:
+            return held.pipeline
+        with held.load_lock:  # concurrent first requests: one loads, the others wait here and reuse it
+            if held.pipeline is not None:
+                return held.pipeline
             from ..pipeline import Music3Pipeline
 
-            self._loading[slot.device] = started = time.monotonic()
+            self._loading[held.device] = started = time.monotonic()
             self._error = None
             try:
                 source = self._resolve(on_phase)
-                self._set_phase(f"{LOAD_PHASES[1]} {self.model} onto {slot.device}", on_phase)
+                self._set_phase(f"{LOAD_PHASES[1]} {self.model} onto {held.device}", on_phase)
                 target = str(source.folder) if source.folder is not None else source.name
                 # this thread (preload, a request's runner) may have another current (a split: its engine's GPU)
-                with on_device(split_devices(slot.device)[0]):
+                with on_device(split_devices(held.device)[0]):
                     # overlap: the flow stage on its own thread (and stream) while frames are made, so songs stream
                     # on the CPU too. With the reference engine that means per-stage generators: the app's songs are
                     # deterministic per seed but not diffusers' waveform (the CLI and Python API keep that contract).
-                    pipeline = Music3Pipeline.from_pretrained(target, device=slot.device, engine=self.engine,
+                    pipeline = Music3Pipeline.from_pretrained(target, device=held.device, engine=self.engine,
                                                               overlap=True, precision=self.precision,
                                                               lazy=self.lazy)
                     if self._tokenizer is None:
@@ -249,16 +249,16 @@ class ModelHolder:
                     if self.warmup:
                         # The first song on a fresh pipeline pays one-off costs (kernel selection, graph capture,
                         # allocator growth); a one-second song here keeps them away from the first user.
-                        self._set_phase(f"{LOAD_PHASES[2]} up on {slot.device}", on_phase)
-                        self.record_song(slot.device, pipeline, pipeline.warm(), steps=1)
+                        self._set_phase(f"{LOAD_PHASES[2]} up on {held.device}", on_phase)
+                        self.record_song(held.device, pipeline, pipeline.warm(), steps=1)
             except Exception as error:
                 self._error = load_error_message(self.model, error)
                 self._phase = "failed to load"
                 raise CheckpointError(self._error) from error
             finally:
                 elapsed = time.monotonic() - started
-                self._loading.pop(slot.device, None)
-            slot.pipeline = pipeline
+                self._loading.pop(held.device, None)
+            held.pipeline = pipeline
             self.loads += 1
             self.scheduler.refresh()  # its slots are known now: songs waiting for room may join
             self._set_phase(f"ready on {', '.join(self.devices)} (loaded in {elapsed:.1f} s)", on_phase)
@@ -275,7 +275,7 @@ class ModelHolder:
 
     def record_finished(self, device: str, song, steps: int) -> None:
         """A song made elsewhere (a Space's GPU worker) on `device`'s pipeline: its speed, engine and set-up."""
-        pipeline = next((slot.pipeline for slot in self._slots if slot.device == device), None)
+        pipeline = next((held.pipeline for held in self._held if held.device == device), None)
         if pipeline is not None:
             self.record_song(device, pipeline, song, steps)
         self._song_engine[device] = (song.engine, song.engine_note)
@@ -347,11 +347,11 @@ class ModelHolder:
 
     def release(self) -> None:
         """Free every loaded pipeline (shutdown); later requests load again."""
-        for slot in self._slots:
-            with slot.load_lock:
-                if slot.pipeline is not None:
-                    slot.pipeline.release()
-                    slot.pipeline = None
+        for held in self._held:
+            with held.load_lock:
+                if held.pipeline is not None:
+                    held.pipeline.release()
+                    held.pipeline = None
         self._phase = "released"
 
 

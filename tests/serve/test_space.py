@@ -109,7 +109,7 @@ def space_holder(tiny_folder):
 
 
 def test_a_space_song_builds_its_engine_in_the_worker_and_reports_back_to_the_main_process(space_holder):
-    pipeline = space_holder._slots[0].pipeline
+    pipeline = space_holder._held[0].pipeline
     assert pipeline.stages_pid is None and space_holder.status().state == "ready"  # nothing built at start-up
     request = GenerationRequest("lofi", "[verse]\nla la", duration=1.0, num_steps=2, seed=5)
     for attempt in range(2):  # each call forks a new worker, which builds (captures) its engine again
