@@ -30,7 +30,7 @@ from ..events import AudioPiece, Cancelled, Event
 from ..semantic.config import GraphConfig
 from .holder import HolderStatus
 from .ray_worker import SongBoard, SongWorker
-from .runner import Job, Phase, Raised, RecordUpdate, Waiting, handed_back
+from .runner import Job, Phase, Waiting, handed_back, received
 from .scheduler import Scheduler, Ticket
 from .speed import Speed
 
@@ -239,13 +239,8 @@ class RayBackend:
             live["response"] = response
             try:
                 for item in response:
-                    if job.cancel.is_set():
-                        raise Cancelled()
-                    if isinstance(item, RecordUpdate):
-                        vars(job.record).update(item.fields)
+                    if (item := received(job, item)) is None:
                         continue
-                    if isinstance(item, Raised):
-                        raise item.error
                     if isinstance(item, AudioPiece):
                         item = _after(item, have)
                         if item is None:
@@ -268,9 +263,13 @@ class RayBackend:
         """Nothing to do here: each replica loads its model as it starts (unless --lazy-load)."""
 
     def release(self) -> None:
+        """Stop the replicas (each after its songs, within GRACEFUL_SHUTDOWN_S) and, when this process started the
+        cluster, the cluster."""
         self._stopped.set()
         try:
             serve.delete(APP)
+        except Exception as error:  # noqa: BLE001 - the cluster went first: nothing of ours is left on it
+            log.warning("could not stop the SongWorker replicas: %s", error)
         finally:
             if self._own_cluster:
                 ray.shutdown()

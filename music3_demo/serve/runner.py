@@ -227,6 +227,20 @@ def _space_duration(holder_key: int, request: GenerationRequest, record: JobReco
 _gpu_space_events = on_gpu(space_generation_events, duration=_space_duration)
 
 
+def received(job: Job, item: object) -> object | None:
+    """One item of a song relayed from another process (`relayed_events`), on the job's side: a record snapshot is
+    applied to the job's record (None comes back), a carried exception is raised as itself, anything else returned;
+    `Cancelled` once the job is stopped."""
+    if job.cancel.is_set():
+        raise Cancelled()
+    if isinstance(item, RecordUpdate):
+        vars(job.record).update(item.fields)
+        return None
+    if isinstance(item, Raised):
+        raise item.error
+    return item
+
+
 def relay_space_events(
     job: Job, gpu_events: Callable[..., Iterator], tick: float
 ) -> Iterator[Event | Phase | None]:
@@ -237,13 +251,8 @@ def relay_space_events(
     call = gpu_events(key, job.request, job.record, tick, job.continue_from)
     try:
         for item in call:
-            if job.cancel.is_set():
-                raise Cancelled()
-            if isinstance(item, RecordUpdate):
-                vars(job.record).update(item.fields)
+            if (item := received(job, item)) is None:
                 continue
-            if isinstance(item, Raised):
-                raise item.error
             if isinstance(item, Finished) and job.record.device is not None:
                 job.backend.record_finished(job.record.device, item.song, job.request.num_steps)
             yield item
