@@ -1,9 +1,9 @@
 """Write a smaller copy of Ray's wheel for a machine that only runs the Ray backend: Ray's wheel (~79 MB) is more
 than one device call can carry (64 MiB), and a third of it is Ray's Java jar, which Serve never loads, plus the
-RL, data, training and tuning libraries.
+RL, data, training and tuning libraries and the dashboard's web page (the Ray backend starts no dashboard).
 
 `python scripts/strip_ray_wheel.py ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl OUT_DIR` writes the wheel of the
-same name into OUT_DIR (~45 MB), its RECORD rewritten to list what is left. `pip install --no-deps` installs it.
+same name into OUT_DIR (~40 MB), its RECORD rewritten to list what is left. `pip install --no-deps` installs it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 # Packages of ray that `ray[serve]` never imports (a replica, the Serve controller, the front and the cluster's
 # daemons run without them: tests/serve/test_ray_backend.py passes on a copy without them).
-DROPPED = ("ray/jars/", "ray/rllib/", "ray/data/", "ray/train/", "ray/tune/", "ray/llm/", "ray/air/examples/")
+DROPPED = ("ray/jars/", "ray/rllib/", "ray/data/", "ray/train/", "ray/tune/", "ray/llm/", "ray/air/examples/",
+           "ray/dashboard/client/")
 
 
 def strip(wheel: Path, out_dir: Path) -> Path:

@@ -8,6 +8,7 @@ here (`ray.init`), one `SongWorker` replica on the device, loaded and warmed the
 They run one after the other, so each has the GPU to itself. Targets: the Ray backend's wall time within 5% of the
 in-process one and its first audio at most 0.3 s later (medians over `--runs`); the two songs must be the same.
 `--device cpu --model tiny --seconds 2` runs it on a CPU machine (no targets there: a check of the bench itself).
+A GPU machine without Ray takes it as wheels: scripts/ray_gpu_wheels.sh says which and how.
 """
 
 from __future__ import annotations
