@@ -25,7 +25,7 @@ if importlib.util.find_spec("spaces") is not None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from music3_demo.checkpoint import default_model
-    from music3_demo.precision import PRECISIONS
+    from music3_demo.precision import DIT_PRECISIONS, PRECISIONS
     from music3_demo.semantic import ENGINE_NAMES
     from music3_demo.serve.backend import BACKENDS
 
@@ -36,8 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
                         help="semantic-stage engine: graph on CUDA, reference elsewhere (default: auto)")
     parser.add_argument("--precision", default="auto", choices=PRECISIONS,
-                        help="LM / depth-decoder weights: bf16 (exact), fp8 (sm_89+), int8; auto = bf16 where the "
-                             "longest song fits each GPU, else fp8 or int8 (default: auto)")
+                        help="LM / depth-decoder weights: bf16 (exact), fp8 (sm_89+), int8; auto = what each GPU's "
+                             "memory plan picks: bf16 where a 6-minute song fits, else fp8 or int8 (default: auto)")
+    parser.add_argument("--dit-precision", default="auto", choices=DIT_PRECISIONS,
+                        help="flow transformer (DiT) weights: bf16, fp8 (sm_89+); auto = fp8 only where the bf16 DiT "
+                             "does not fit the GPU (default: auto)")
     parser.add_argument("--devices", default=None,
                         help="comma-separated devices, each running as many songs at once as its engine has batch "
                              "slots (default: every CUDA GPU, else the CPU); cuda:0+cuda:1 is one device whose "
@@ -96,7 +99,7 @@ def make_backend(args: argparse.Namespace, space: bool):
         return RayBackend.from_flags(args)
     from music3_demo.devices import split_devices
     from music3_demo.memory import free_and_capability
-    from music3_demo.precision import choose_precision
+    from music3_demo.precision import refuse_unsupported
     from music3_demo.semantic import resolve_engine_name
     from music3_demo.serve.holder import default_devices
     from music3_demo.serve.local import LocalBackend
@@ -106,14 +109,16 @@ def make_backend(args: argparse.Namespace, space: bool):
     named = [str(part) for parts in stages for part in parts if part is not None]
     if len(named) != len(set(named)):
         raise ValueError(f"--devices names a GPU twice ({', '.join(devices)}): each device runs its own model.")
-    for semantic, _ in stages:
+    for semantic, flow in stages:
         resolve_engine_name(args.engine, semantic)
-        if args.precision == "fp8":  # refused before a long load when a GPU has no fp8
-            choose_precision("fp8", *free_and_capability(semantic), None)
+        # an fp8 asked for on a GPU without it is refused before a long load (on a CPU the plan says what runs)
+        for card, asked in ((semantic, (args.precision, "auto")), (flow or semantic, ("auto", args.dit_precision))):
+            if (capability := free_and_capability(card)[1]) is not None:
+                refuse_unsupported(*asked, capability)
     # ZeroGPU runs CUDA work only inside spaces.GPU calls, in worker processes (serve/zerogpu.py): the weights are
     # placed at start-up, the engines are built by each worker's first song, and there is no warm-up song here.
     return LocalBackend(args.model, devices, args.engine, warmup=args.warmup and not space, precision=args.precision,
-                        lazy=space, max_running=args.concurrency)
+                        lazy=space, max_running=args.concurrency, dit_precision=args.dit_precision)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,6 +153,7 @@ class Served:
 
     def close(self) -> None:
         self.store.stop_cleaner()
+        self.store.close(timeout=60)  # the files of songs already handed over are written before the process ends
         self.backend.release()
 
 

@@ -7,7 +7,9 @@ subfolder per component. Errors are `CheckpointError`s whose text names the caus
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +17,11 @@ import torch
 
 from . import random_models
 from . import contract as c
-from .precision import ModelFigures
+from .errors import is_out_of_memory
+from .memory_plan import ModelFigures
+from .weights_stream import StreamMismatch, file_tensors, fill, skeleton, tensor_sizes
+
+log = logging.getLogger("music3_demo.loading")
 
 
 class CheckpointError(RuntimeError):
@@ -170,39 +176,45 @@ def _class_for(folder: Path, name: str, index: dict):
     return getattr(module, class_name)
 
 
-# What a quantized load keeps in host memory until the quantizer puts it on the device layer by layer, so that the
-# bf16 weights and their quantized copies never sit on the GPU together.
+# The LM and depth decoder: what a 1-byte mode quantizes as their weights arrive (loading.py's `place`).
 QUANTIZED_COMPONENTS = ("language_model", "rvq_depth_decoder")
 # What runs in the flow stage: on a GPU of its own in a stage split (`Music3Pipeline.flow_device`).
 FLOW_COMPONENTS = ("condition_encoder", "transformer", "vocoder")
+# (component, tensor name, tensor on its device) -> True when the caller took the tensor (weights_stream.Place);
+# made from the weight components' skeletons before any tensor is read (a quantizer needs both models' shapes).
+ComponentPlace = Callable[[str, str, torch.Tensor], bool]
+Placing = Callable[[dict[str, torch.nn.Module]], ComponentPlace]
 
 
 def load_components(
-    folder: Path, device: torch.device, dtype: torch.dtype, host: tuple[str, ...] = ()
+    folder: Path, device: torch.device, dtype: torch.dtype, placing: Placing | None = None,
+    devices: dict[str, torch.device] | None = None,
 ) -> dict[str, object]:
-    """Every component, loaded with its own class. The vocoder stays float32 (bf16 costs ~2e-3 of audio error).
-    Components named in `host` stay in host memory (the caller quantizes them onto the device)."""
+    """Every component, loaded with its own class, tensor by tensor onto its device (weights_stream.py: host memory
+    holds one tensor at a time). The vocoder stays float32 (bf16 costs ~2e-3 of audio error). `placing` may take
+    tensors as they arrive (a quantized load); `devices` sends components elsewhere than `device` (a stage split)."""
     components: dict[str, object] = {}
     index = read_index(folder)
+    name = "modular_model_index.json"
     try:
+        classes = {name: _class_for(folder, name, index) for name in c.COMPONENT_NAMES}
+        skeletons = {}
+        for name in random_models.WEIGHT_COMPONENTS:
+            skeletons[name] = skeleton(lambda: _from_config(classes[name], folder / name))
+        place = placing(skeletons) if placing is not None else None
         for name in c.COMPONENT_NAMES:
-            cls = _class_for(folder, name, index)
-            subfolder = str(folder / name)
-            if name in ("tokenizer", "scheduler"):
-                components[name] = cls.from_pretrained(subfolder)
-            else:
-                load_dtype = torch.float32 if name == "vocoder" else dtype
-                model = cls.from_pretrained(subfolder, dtype=load_dtype)
-                components[name] = (model if name in host else model.to(device)).eval()
-    except torch.cuda.OutOfMemoryError as error:
-        free = torch.cuda.mem_get_info(device)[0] / 2**30 if device.type == "cuda" else 0.0
-        raise CheckpointError(
-            f"Not enough GPU memory to load the model on {device} ({free:.1f} GiB free): close other GPU programs "
-            "or pick another GPU with CUDA_VISIBLE_DEVICES."
-        ) from error
+            if name not in skeletons:  # tokenizer, scheduler
+                components[name] = classes[name].from_pretrained(str(folder / name))
+                continue
+            taken = (lambda key, value, name=name: place(name, key, value)) if place is not None else None
+            target = (devices or {}).get(name, device)
+            components[name] = _stream(classes[name], skeletons.pop(name), folder / name, target,
+                                       torch.float32 if name == "vocoder" else dtype, taken)
     except CheckpointError:
         raise
     except Exception as error:  # noqa: BLE001 - safetensors, JSON, torch: every loader has its own error types
+        if is_out_of_memory(error):  # the caller's sentence says what was free and what to do (errors.py)
+            raise
         damaged = damaged_weight_files(folder / name)
         if damaged:
             raise CheckpointError(
@@ -211,6 +223,30 @@ def load_components(
             ) from error
         raise CheckpointError(f"Could not load {name} from {folder}: {error}") from error
     return components
+
+
+def _stream(cls, model: torch.nn.Module, subfolder: Path, device: torch.device, dtype: torch.dtype, place
+            ) -> torch.nn.Module:
+    """One component (its skeleton `model`) streamed onto `device`. Where the files' tensor names do not match the
+    class built from its config, the library's own from_pretrained reads it (the whole component in host memory, as
+    without streaming) and the tensors not yet placed are streamed from there."""
+    try:
+        return fill(model, file_tensors(subfolder), device, dtype, place)
+    except StreamMismatch as mismatch:
+        log.warning("%s: %s; loading it with %s.from_pretrained (through host memory)", subfolder.name, mismatch,
+                    cls.__name__)
+        seen = mismatch.seen
+    loaded = cls.from_pretrained(str(subfolder), dtype=dtype)
+    tensors = [(name, tensor) for name, tensor in loaded.state_dict().items() if name not in seen]
+    del loaded
+    return fill(model, tensors, device, dtype, place)
+
+
+def _from_config(cls, subfolder: Path) -> torch.nn.Module:
+    """The component's module from its config.json alone (diffusers' from_config, transformers' config class)."""
+    if hasattr(cls, "load_config"):  # diffusers ModelMixin
+        return cls.from_config(cls.load_config(str(subfolder)))
+    return cls(cls.config_class.from_pretrained(str(subfolder)))
 
 
 def damaged_weight_files(component: Path) -> list[str]:
@@ -230,21 +266,21 @@ def damaged_weight_files(component: Path) -> list[str]:
 
 
 def build_random_full(
-    device: torch.device, dtype: torch.dtype, host: tuple[str, ...] = (), sizes: random_models.ModelSizes | None = None
+    device: torch.device, dtype: torch.dtype, placing: Placing | None = None,
+    sizes: random_models.ModelSizes | None = None, devices: dict[str, torch.device] | None = None,
 ) -> dict[str, object]:
-    """The full-size random model built on the GPU; components named in `host` are moved to host memory as soon as
-    they are built (a quantized load, as in load_components)."""
+    """The full-size random model built on the GPU tensor by tensor (`placing`, `devices`: as in load_components)."""
     if device.type != "cuda":
         raise CheckpointError("random-full is the full-size test model for GPU speed work; use --model tiny on a CPU.")
-    components = random_models.build_components(sizes or random_models.FULL, seed=0, device=device, dtype=dtype,
-                                                host=host)
+    components = random_models.build_components(sizes or random_models.full_sizes(), seed=0, device=device,
+                                                dtype=dtype, placing=placing, devices=devices)
     components["vocoder"] = components["vocoder"].float()
     return components
 
 
 def model_figures(source: ModelSource) -> ModelFigures | None:
     """Parameter counts by role and the LM's attention shape, read from the checkpoint's configs and safetensors
-    headers (no weights are read), or from the built-in sizes: what `precision.Footprint` estimates memory from.
+    headers (no weights are read), or from the built-in sizes: what the memory plan is computed from.
     None when the files do not say (a damaged checkpoint: loading it then names the fault)."""
     if source.folder is None:
         return random_models.figures(random_models.FULL)
@@ -256,16 +292,7 @@ def model_figures(source: ModelSource) -> ModelFigures | None:
 
 def _figures_from(folder: Path) -> ModelFigures:
     shapes = ((component, name, shape) for component in random_models.WEIGHT_COMPONENTS
-              for name, shape in _tensor_shapes(folder / component))
+              for name, shape, _ in tensor_sizes(folder / component))
     lm = json.loads((folder / "language_model" / "config.json").read_text(encoding="utf-8"))
     depth = json.loads((folder / "rvq_depth_decoder" / "config.json").read_text(encoding="utf-8"))
     return random_models.figures_from_shapes(shapes, lm, depth)
-
-
-def _tensor_shapes(component: Path):
-    from safetensors import safe_open
-
-    for path in sorted(component.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as weights:
-            for key in weights.keys():
-                yield key, weights.get_slice(key).get_shape()

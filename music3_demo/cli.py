@@ -17,8 +17,9 @@ from . import contract as c
 from .audio import AudioFileWriter, output_format
 from .checkpoint import CheckpointError, default_model
 from .continuation import SongState, check_continuation, extension_request
+from .errors import OutOfMemory, is_out_of_memory, public_message
 from .events import AudioPiece, Event, Progress
-from .precision import PRECISIONS
+from .precision import DIT_PRECISIONS, PRECISIONS
 from .request import MAX_VARIATIONS, GenerationRequest, InvalidRequest, check_variations, validate
 from .semantic import ENGINE_NAMES
 from .versions import untested_warnings
@@ -48,8 +49,11 @@ def _parser() -> argparse.ArgumentParser:
                      "together: written as OUT-v1 .. OUT-vN (e.g. song-v1.wav)")
     gen.add_argument("--engine", choices=ENGINE_NAMES, default="auto", help="auto = graph on CUDA, else reference")
     gen.add_argument("--precision", choices=PRECISIONS, default="auto",
-                     help="LM / depth-decoder weights: bf16 (exact), fp8 (sm_89+), int8; auto = bf16 where the "
-                     "longest song fits the GPU, else fp8 or int8")
+                     help="LM / depth-decoder weights: bf16 (exact), fp8 (sm_89+), int8; auto = what the GPU's "
+                     "memory plan picks (bf16 where a 6-minute song fits, else fp8 or int8)")
+    gen.add_argument("--dit-precision", choices=DIT_PRECISIONS, default="auto",
+                     help="flow transformer (DiT) weights: bf16, fp8 (sm_89+); auto = fp8 only where the bf16 DiT "
+                     "does not fit")
     gen.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available); "
                      "cuda:0+cuda:1 makes the frames on cuda:0 and the audio on cuda:1 (a stage split)")
     gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
@@ -194,8 +198,10 @@ def generate(args: argparse.Namespace) -> int:
 
         pipeline = Music3Pipeline.from_pretrained(args.model or default_model(), device=device,
                                                   engine=args.engine, revision=args.revision,
-                                                  precision=args.precision)
+                                                  precision=args.precision, dit_precision=args.dit_precision)
         print(f"note: precision {pipeline.precision.mode}: {pipeline.precision.reason}", file=sys.stderr)
+        if pipeline.memory_plan is not None and pipeline.memory_plan.on_gpu:
+            print(f"note: memory plan: {pipeline.memory_plan.summary()}", file=sys.stderr)
         if pipeline.source.notice:
             print(f"note: {pipeline.source.notice}", file=sys.stderr)
         if pipeline.engine_record.fallback_reason:
@@ -223,6 +229,7 @@ def generate(args: argparse.Namespace) -> int:
     for out, song in zip(outs, songs):
         stages = " ".join(f"{key}={value:.2f}" for key, value in song.timings.items())
         print(f"{out}")
+        # This process's own peak on the GPU (memory.py), not the card's use with other programs on it.
         memory = f" device_peak_gb={song.memory['device_peak_gb']}" if song.memory else ""
         print(f"duration={song.duration:.2f}s frames={song.frames} seed={song.seed} engine={song.engine} "
               f"precision={song.precision} {stages}{memory}")
@@ -234,12 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     # The CLI prints the engine's fallback sentence itself, as a note; without a handler Python's last-resort handler
     # would print the engine logger's warning of it a second time.
     logging.getLogger("music3_demo.engine").addHandler(logging.NullHandler())
+    logging.getLogger("music3_demo.memory").addHandler(logging.NullHandler())  # (its sentence is the error line)
     for line in untested_warnings():
         print(f"warning: {line}", file=sys.stderr)
     try:
         return generate(args)
-    except (InvalidRequest, CheckpointError, ValueError) as error:
+    except (InvalidRequest, CheckpointError, ValueError, OutOfMemory) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        print(f"error: {public_message(error)}", file=sys.stderr)  # one raised where no sentence was made for it
         return 2
     except KeyboardInterrupt:
         print("cancelled", file=sys.stderr)

@@ -43,8 +43,9 @@ class Song:
     state: SongState | None = None  # what continuing it needs (its codes, the flow state at its last chunk)
     precision: str = "bf16"  # the LM / depth decoder weights it was made with: bf16 | fp8 | int8
     precision_reason: str | None = None  # why that precision (auto's sentence)
-    memory: dict | None = None  # the device's memory as the card saw it during the song (memory.PeakSampler)
+    memory: dict | None = None  # this process's device memory during the song (memory.PeakSampler)
     peers: int | None = None  # the most other songs that shared its semantic engine at once (0: it decoded alone)
+    memory_plan: dict | None = None  # the card's memory plan it was made under (memory_plan.MemoryPlan.as_dict)
 
     @property
     def duration(self) -> float:

@@ -22,19 +22,28 @@ class _Raised:
 
 
 class Handoff:
-    def __init__(self, produce: Callable[[Callable[[Any], None]], None], name: str) -> None:
+    def __init__(self, produce: Callable[[Callable[[Any], None]], None], name: str,
+                 notify: threading.Event | None = None) -> None:
+        """`notify`: set after every item (the end and an exception included), for a consumer that watches several
+        hand-offs at once and sleeps until one of them has something."""
         self._items: queue.Queue = queue.Queue()
         self._ended = False
+        self._notify = notify
         self._thread = threading.Thread(target=self._run, args=(produce,), name=name, daemon=True)
         self._thread.start()
 
+    def _put(self, item: Any) -> None:
+        self._items.put(item)
+        if self._notify is not None:
+            self._notify.set()
+
     def _run(self, produce: Callable[[Callable[[Any], None]], None]) -> None:
         try:
-            produce(self._items.put)
+            produce(self._put)
         except BaseException as error:  # noqa: BLE001 - raised again in the consumer's thread
-            self._items.put(_Raised(error))
+            self._put(_Raised(error))
         finally:
-            self._items.put(END)
+            self._put(END)
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The producer's next item, or `END`. Raises `queue.Empty` when nothing came (without `block`, or within

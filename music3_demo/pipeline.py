@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -16,16 +16,19 @@ from . import contract as c
 from .checkpoint import CheckpointError, ModelSource, default_device, default_dtype, resolve
 from .continuation import SongState, check_continuation
 from .devices import normalize, on_device, split_devices
-from .loading import as_loaded, load_model, precision_for
-from .memory import PeakSampler, release_cached
-from .precision import PrecisionChoice, check_precision
+from .loading import as_loaded, getting_ready, load_model, modes_text, plan_for
+from .memory import PeakSampler, note_process_start, release_cached, song_guard
+from .memory_plan import WARM_UP, MemoryPlan
+from .precision import PrecisionChoice, check_dit_precision, check_precision
 from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
+from .first_audio import first_audio_path
 from . import flow as flow_stage
 from .flow.stream import FlowSettings, FlowStream, Piece
-from .flow.worker import FlowWorker, progress_from_step
+from .flow.worker import FirstChunks, FlowWorker, progress_from_step
 from .prompt import count_prompt_tokens, tokenize
-from .request import GenerationRequest, InvalidRequest, check_variations, validate, variation_requests
+from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import SamplingSettings, make_engine, resolve_engine_name
+from .variations import make_together
 
 __all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest", "SongState"]
 
@@ -47,6 +50,8 @@ class Music3Pipeline:
         precision: PrecisionChoice | None = None,
         lazy: bool = False,
         flow_device: torch.device | str | None = None,
+        memory_plan: MemoryPlan | None = None,
+        flow_memory_plan: MemoryPlan | None = None,
     ) -> None:
         """`overlap`: run the flow stage while semantic frames are still being made (default: when the engine draws
         from its own generator). With the reference engine it switches to separate per-stage generators, so results
@@ -55,12 +60,17 @@ class Music3Pipeline:
         (from_pretrained's choice; unquantized weights when not given). `lazy`: build the engine (self-check, graph
         capture) and the flow stage's fast path at the first song, in the process that runs it (Space mode).
         `flow_device`: where the flow stage (condition encoder, DiT, vocoder; `components` already there) runs, when
-        not on `device`: a stage split over two GPUs, so one song's frames and its audio are made side by side."""
+        not on `device`: a stage split over two GPUs, so one song's frames and its audio are made side by side.
+        `memory_plan`: the card's plan (memory_plan.py; from_pretrained's): the engine's slots and KV pool, the flow
+        stage's largest merged calls and the longest song come from it (None: the engines' own defaults, no limit);
+        `flow_memory_plan`: the flow card's, in a stage split."""
         self.components = components
         self.source = source
         self.device = normalize(device)
         self.flow_device = normalize(flow_device) if flow_device is not None else self.device
         self.precision = precision or PrecisionChoice("bf16", "bf16", "The weights as they were given.")
+        self.memory_plan = memory_plan
+        self.flow_memory_plan = flow_memory_plan
         self.requested_engine = engine
         self._overlap = overlap
         self._allow_interpreter = allow_interpreter
@@ -72,6 +82,7 @@ class Music3Pipeline:
         self.stages_pid: int | None = None  # the process whose CUDA context holds the engine's graphs and buffers
         self.setup_s: float | None = None  # what building the stages took (self-check and captures included)
         self._stages_lock = threading.Lock()
+        self.first_chunks = FirstChunks()  # songs waiting for their first audio: the others' frames wait meanwhile
         if not lazy:
             self.ensure_stages()
 
@@ -91,23 +102,39 @@ class Music3Pipeline:
             started = time.perf_counter()
             self.engine, self.engine_record = make_engine(
                 self.components["language_model"], self.components["rvq_depth_decoder"], self.device,
-                self.requested_engine, allow_interpreter=self._allow_interpreter,
+                self.requested_engine, allow_interpreter=self._allow_interpreter, sizing=self._engine_sizing,
             )
             self.engine_name = self.engine_record.name
             self.overlap = self.engine.separate_flow_rng if self._overlap is None else self._overlap
             self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
             # Every song's DiT and vocoder calls go through the one executor (several songs may share this
             # pipeline); it holds the captured DiT graphs on CUDA, and its thread belongs to this process too.
+            flow_plan = self.flow_memory_plan or self.memory_plan  # (merged calls only where they fit)
             with on_device(self.flow_device):  # its graphs are captured on the flow stage's own GPU
-                self.flow_executor = flow_stage.prepare(self.components, self.flow_device,
-                                                        fast=self.separate_flow_rng)
+                self.flow_executor = flow_stage.prepare(self.components, self.flow_device, fast=self.separate_flow_rng,
+                                                        buckets=flow_plan.merge_buckets if flow_plan else None,
+                                                        vocoder_tile=flow_plan.vocoder_tile if flow_plan else None)
             self.velocity_graphs = self.flow_executor.graphs
             # What the self-check and the trim (full lm_head dropped, embeddings to the host) left in the cache.
-            for device in {self.device, self.flow_device}:
-                release_cached(device)
+            self.release_caches()
             self.stages_pid = os.getpid()
             self.setup_s = time.perf_counter() - started
             return True
+
+    def _engine_sizing(self, name: str) -> tuple[int | None, int | None]:
+        """(batch slots, KV pool positions) for the engine `name` from the card's plan (Nones: the engine's own);
+        another engine than the one planned for (the reference, after a failed self-check) is planned again."""
+        if self.memory_plan is None:
+            return None, None
+        self.memory_plan = self.memory_plan.for_engine(name)
+        return self.memory_plan.engine_sizing()
+
+    @property
+    def memory_plan_dict(self) -> dict | None:
+        """The plan's figures for `status` and the song report (both cards of a stage split)."""
+        flow = self.flow_memory_plan
+        return None if self.memory_plan is None else self.memory_plan.as_dict() | (
+            {"flow_card": flow.as_dict() | {"device": str(self.flow_device)}} if flow is not None else {})
 
     @classmethod
     def from_pretrained(
@@ -123,21 +150,29 @@ class Music3Pipeline:
         precision: str = "auto",
         lazy: bool = False,
         flow_device: str | torch.device | None = None,
+        dit_precision: str = "auto",
     ) -> "Music3Pipeline":
-        """`precision`: auto | bf16 | fp8 | int8 (see precision.py); `lazy`, `flow_device`: see __init__ (a
-        `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1)."""
+        """`precision`: the LM / depth decoder's, auto | bf16 | fp8 | int8; `dit_precision`: the DiT's, auto | bf16
+        | fp8 (sm_89+); auto: what the card's memory plan picks (memory_plan.py). `lazy`, `flow_device`: see
+        __init__ (a `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1). An out-of-memory while
+        loading, self-checking or capturing leaves as one sentence (loading.getting_ready)."""
+        note_process_start()  # the card's use by the others, before this process's CUDA context (memory.py)
         device, flow_device = split_devices(device, flow_device)
         device = device if device is not None else normalize(default_device())
         resolve_engine_name(engine, device, allow_interpreter)  # fail before a long load
         check_precision(precision)
+        check_dit_precision(dit_precision)
         dtype = dtype or default_dtype(device)
         source = resolve(model, revision=revision, token=token)
         with on_device(device):
-            choice = precision_for(precision, device, source)
-            components = load_model(source, device, dtype, choice, flow_device=flow_device)
-        choice = as_loaded(choice, dtype)
-        return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
-                   precision=choice, lazy=lazy, flow_device=flow_device)
+            planned = resolve_engine_name(engine, device, allow_interpreter)
+            plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device)
+            plan = replace(plan, lm=as_loaded(plan.lm, dtype), dit=as_loaded(plan.dit, dtype))
+            with getting_ready(device, plan, flow_device=flow_device):
+                components = load_model(source, device, dtype, plan.lm, flow_device=flow_device, dit=plan.dit.mode)
+                return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
+                           precision=plan.lm, lazy=lazy, flow_device=flow_device, memory_plan=plan,
+                           flow_memory_plan=flow_plan)
 
     @property
     def split(self) -> bool:
@@ -171,6 +206,10 @@ class Music3Pipeline:
             if self.velocity_graphs is not None:
                 self.velocity_graphs.release()
         self.components.clear()
+        self.release_caches()
+
+    def release_caches(self) -> None:
+        """Give the allocator's unused blocks back on this pipeline's GPUs (both of a stage split)."""
         for device in {self.device, self.flow_device}:
             release_cached(device)
 
@@ -178,16 +217,19 @@ class Music3Pipeline:
         """Pay the one-off costs (kernel selection, semantic and flow graph capture, allocator growth) with a
         throw-away song, so the first real song does not. On CUDA the song is long enough for one full flow chunk,
         whose guided DiT step is then captured here rather than inside a user's song; then the flow executor
-        measures its merged DiT and vocoder calls and merges songs' calls only where that is faster."""
-        self.ensure_stages()
-        seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
-        reserve = getattr(self.engine, "reserve", None)
-        if reserve is not None:  # the graph engine: its KV pool and every batch size's graph, before any user
-            reserve(512, 256)  # (the pool is sized from free memory; this is only its least size)
-        song = self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0, instrumental=True))
-        if self.velocity_graphs is not None:
-            self.flow_calibration = self.flow_executor.calibrate(flow_stage.full_chunk_latents(self.components))
-        return song
+        measures its merged DiT and vocoder calls and merges songs' calls only where that is faster. An
+        out-of-memory here is the load's sentence (the warm-up is part of getting ready)."""
+        with getting_ready(self.device, self.memory_plan, "warming up", self.precision.mode, self.flow_device):
+            self.ensure_stages()
+            seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
+            reserve = getattr(self.engine, "reserve", None)
+            if reserve is not None:  # the graph engine: its KV pool and every batch size's graph, before any user
+                reserve(*WARM_UP)  # (the pool's size is the plan's; this is only its least size)
+            song = self.generate(GenerationRequest("warm-up", duration=seconds, num_steps=1, seed=0,
+                                                   instrumental=True))
+            if self.velocity_graphs is not None:
+                self.flow_calibration = self.flow_executor.calibrate(flow_stage.full_chunk_latents(self.components))
+            return song
 
     def generate_variations(
         self,
@@ -200,42 +242,7 @@ class Music3Pipeline:
         made together: up to `slots` at once, each `generate()` on its own thread, so they share the engine's prefill
         and batch. Returns them in seed order. `on_event(index, event)` hears every song's events, on the caller's
         thread. The first error (a `Cancelled` when `cancel` is set) stops the others and is raised."""
-        requests = variation_requests(self.validate(request), check_variations(count))
-        stop = threading.Event()  # set by a failure or by `cancel`: every variation stops
-        room = threading.Semaphore(self.slots)
-        events: queue.Queue = queue.Queue()
-        songs: list[Song | None] = [None] * len(requests)
-        errors: list[BaseException] = []
-
-        def make(index: int) -> None:
-            try:
-                with room:
-                    songs[index] = self.generate(requests[index], lambda event: events.put((index, event)), stop)
-            except BaseException as error:  # noqa: BLE001 - raised again on the caller's thread
-                errors.append(error)
-                stop.set()
-            finally:
-                events.put((index, None))
-
-        threads = [threading.Thread(target=make, args=(index,), name=f"music3-variation-{index}", daemon=True)
-                   for index in range(len(requests))]
-        for thread in threads:
-            thread.start()
-        running = len(threads)
-        while running:
-            if cancel is not None and cancel.is_set():
-                stop.set()
-            try:
-                index, event = events.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if event is None:
-                running -= 1
-            elif on_event is not None:
-                on_event(index, event)
-        if errors:
-            raise next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
-        return songs
+        return make_together(self, request, count, on_event, cancel)
 
     def _generators(self, seed: int) -> tuple[torch.Generator, torch.Generator]:
         if not self.separate_flow_rng:
@@ -267,8 +274,10 @@ class Music3Pipeline:
         that song by `request.duration` seconds (`continuation.extension_request` builds such a request): its codes
         are the forced prefix, the flow stage restarts at its last chunk, and its audio before that chunk comes back
         unchanged as the first piece."""
-        # Callers run on any thread (the app's runners start with device 0 current).
-        with on_device(self.device):
+        # Callers run on any thread (the app's runners start with device 0 current). An out-of-memory ends this
+        # song with a sentence; its engine slot, flow worker and the allocator's cache are freed on the way out.
+        modes = modes_text(self.memory_plan, self.precision.mode)
+        with on_device(self.device), song_guard(self.device, modes, self.release_caches):
             built = self.ensure_stages()  # a lazy pipeline's first song (in this process) builds the engine
             flow_sampler = PeakSampler(self.flow_device) if self.split else contextlib.nullcontext()
             with PeakSampler(self.device) as memory, flow_sampler as flow_memory:
@@ -296,6 +305,9 @@ class Music3Pipeline:
 
         emit(Progress("prompt", 0, 1))
         text_ids = tokenize(self.tokenizer, request.description, request.effective_lyrics).to(self.device)
+        # A song longer than the card's plan holds even alone: one sentence naming the longest that fits.
+        if self.memory_plan is not None and (refusal := self.memory_plan.too_long(text_ids.shape[1], max_frames)):
+            raise InvalidRequest(refusal, field="duration")
         timings["prompt_s"] = time.perf_counter() - started
         emit(Progress("prompt", 1, 1))
 
@@ -336,27 +348,36 @@ class Music3Pipeline:
         blocks = None
         try:
             semantic_started = time.perf_counter()
-            paused = 0.0  # time the semantic stage stood still for chunk 0 (not semantic work)
+            paused = held_s = 0.0  # time the semantic stage stood still for chunks 0 (not semantic work)
             blocks = self.engine.frames(text_ids, max_frames, sampling_for(request), semantic_generator, cancel,
                                         prefix=prefix)
             for block in blocks:
+                timings.setdefault("first_frames_s", time.perf_counter() - started)
                 frames += block.shape[0]
                 elapsed = time.perf_counter() - semantic_started
                 rate = frames / max(elapsed, 1e-9)
                 emit(Progress("semantic", frames, max_frames, rate, (max_frames - frames) / rate))
                 if self.overlap:
                     worker.submit(block)
-                    # Time to first audio matters more than the last half second of the song: while chunk 0 is
-                    # denoised the semantic stage waits (stops enqueueing frames) instead of sharing the GPU with it
-                    # (with a GPU of its own, the flow stage shares nothing).
+                    # Time to first audio matters more than the last half second of a song: while any song's chunk 0
+                    # is denoised, the songs already playing stop enqueueing frames (this one waits for its audio,
+                    # they at `first_chunks.wait`) instead of sharing the GPU with it (with a GPU of its own, the flow
+                    # stage shares nothing). Songs still before their own first audio go on: they would wait in turn.
                     first_chunk = not pieces and frames >= c.CHUNK_FRAMES and not self.split
                     waited = time.perf_counter()
-                    publish(wait=False, until_audio=first_chunk)
                     if first_chunk:
+                        timings.setdefault("chunk0_frames_s", waited - started)
+                        with self.first_chunks.denoising():
+                            publish(wait=False, until_audio=True)
                         paused += time.perf_counter() - waited
+                    else:
+                        publish(wait=False)
+                        if pieces and not self.split:
+                            held_s += self.first_chunks.wait(cancel)
                 else:
                     held.append(block)
-            timings["semantic_s"] = time.perf_counter() - semantic_started - paused
+            timings["semantic_s"] = time.perf_counter() - semantic_started - paused - held_s
+            timings["held_for_first_chunks_s"] = held_s
             if frames == 0:
                 raise InvalidRequest("The model ended the song before its first frame; try another seed.")
             if continue_from is not None and frames <= continue_from.frames:
@@ -377,6 +398,7 @@ class Music3Pipeline:
         timings["flow_s"] = flow.timings.denoise_s
         timings["vocoder_s"] = flow.timings.vocoder_s
         timings["flow_shared_calls"] = flow.timings.shared_calls  # DiT calls merged with other songs' (0 alone)
+        timings |= first_audio_path(blocks.stats, flow.timings.first_chunk, started)
         timings["total_s"] = time.perf_counter() - started
         audio = np.concatenate(pieces, axis=-1)
         timings["realtime_factor"] = (audio.shape[-1] / c.SAMPLE_RATE) / timings["total_s"]
@@ -405,6 +427,7 @@ class Music3Pipeline:
             precision_reason=self.precision.reason,
             memory=figures,
             peers=blocks.stats.peers if blocks.stats is not None else None,
+            memory_plan=self.memory_plan_dict,
         )
         emit(Finished(song))
         return song

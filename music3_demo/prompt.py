@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import contract as c
+from .errors import InvalidRequest
 
 _SPECIAL_TAG_RE = re.compile(r"<\|([^|]*)\|>")
 _LEADING_TAGS_RE = re.compile(r"^[ \t]*((?:\[[^\]]+\][ \t]*)+)")
@@ -81,6 +82,17 @@ def control_marker(caption: str, lyrics: str, extra: tuple[str, ...] = ()) -> tu
     return None
 
 
+def check_markers(description: str, lyrics: str, extra: tuple[str, ...] = ()) -> None:
+    """Refuse text that would turn into the model's control tokens (`control_marker` finds them)."""
+    found = control_marker(description, lyrics, extra)
+    if found is not None:
+        field, marker = found
+        where = "description contains" if field == "description" else "lyrics contain"
+        raise InvalidRequest(
+            f"The {where} {marker!r}, which the model would read as a control token of its prompt, not as text: "
+            "remove it.", field)
+
+
 def build_prompt(caption: str, lyrics: str) -> str:
     return (
         f"{c.IM_START}{c.CAPTION_START}{clean_caption(caption)}{c.CAPTION_END}"
@@ -101,8 +113,6 @@ def tokenize(tokenizer, caption: str, lyrics: str) -> torch.Tensor:
     input_ids = tokenizer(build_prompt(caption, lyrics), return_tensors="pt")["input_ids"]
     added = dict(getattr(tokenizer, "added_tokens_decoder", None) or {})
     if sum(int(token) in added for token in input_ids[0].tolist()) > len(c.SPECIAL_TOKENS):
-        from .request import check_markers  # request imports this module; the sentence lives there
-
         check_markers(caption, lyrics, tuple(getattr(token, "content", str(token)) for token in added.values()))
     return cfg_pair(input_ids)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,6 +62,17 @@ class ModelSizes:
 
 
 FULL = ModelSizes()
+# Scales random-full's end token when set ("0" mutes it: every song runs to its full length, as the memory tests and
+# benches need; a random model otherwise ends a song at a random frame).
+END_GAIN_ENV = "MUSIC3_RANDOM_END_GAIN"
+
+
+def full_sizes() -> ModelSizes:
+    """random-full's sizes, with $MUSIC3_RANDOM_END_GAIN's end-token gain when it is set."""
+    gain = os.environ.get(END_GAIN_ENV)
+    return FULL if gain is None else ModelSizes(end_token_gain=float(gain))
+
+
 TINY = ModelSizes(
     hidden=32,
     lm_layers=2,
@@ -104,7 +116,8 @@ def _language_model_config(sizes: ModelSizes):
     )
 
 
-def _make_models(sizes: ModelSizes) -> dict[str, torch.nn.Module]:
+def _builders(sizes: ModelSizes) -> dict[str, Callable[[], torch.nn.Module]]:
+    """Each weight component's construction (called inside weights_stream.skeleton, or plainly)."""
     from diffusers import (
         MiniMaxMusic3ConditionEncoder,
         MiniMaxMusic3RVQDepthDecoder,
@@ -114,17 +127,17 @@ def _make_models(sizes: ModelSizes) -> dict[str, torch.nn.Module]:
     from transformers import Qwen3ForCausalLM
 
     return {
-        "language_model": Qwen3ForCausalLM(_language_model_config(sizes)),
-        "rvq_depth_decoder": MiniMaxMusic3RVQDepthDecoder(
+        "language_model": lambda: Qwen3ForCausalLM(_language_model_config(sizes)),
+        "rvq_depth_decoder": lambda: MiniMaxMusic3RVQDepthDecoder(
             hidden_size=sizes.hidden,
             num_layers=sizes.depth_layers,
             num_attention_heads=sizes.depth_heads,
             intermediate_size=sizes.depth_intermediate,
         ),
-        "condition_encoder": MiniMaxMusic3ConditionEncoder(
+        "condition_encoder": lambda: MiniMaxMusic3ConditionEncoder(
             condition_hidden_dim=sizes.hidden, out_dim=sizes.dit_condition_dim
         ),
-        "transformer": MiniMaxMusic3Transformer1DModel(
+        "transformer": lambda: MiniMaxMusic3Transformer1DModel(
             in_channels=sizes.dit_channels,
             condition_dim=sizes.dit_condition_dim,
             num_layers=sizes.dit_layers,
@@ -134,7 +147,7 @@ def _make_models(sizes: ModelSizes) -> dict[str, torch.nn.Module]:
             rotary_dim=sizes.dit_rotary_dim,
             fourier_embedding_dim=sizes.dit_fourier_dim,
         ),
-        "vocoder": MiniMaxMusic3Vocoder(
+        "vocoder": lambda: MiniMaxMusic3Vocoder(
             latent_channels=sizes.dit_channels,
             decoder_input_dim=sizes.vocoder_input_dim,
             decoder_hidden_dim=sizes.vocoder_hidden_dim,
@@ -142,29 +155,37 @@ def _make_models(sizes: ModelSizes) -> dict[str, torch.nn.Module]:
     }
 
 
-# The components that hold weights, and what each weight is to a pipeline's memory (precision.ModelFigures).
+def _make_models(sizes: ModelSizes) -> dict[str, torch.nn.Module]:
+    return {name: build() for name, build in _builders(sizes).items()}
+
+
+# The components that hold weights, and what each weight is to a pipeline's memory (memory_plan.ModelFigures).
 WEIGHT_COMPONENTS = ("language_model", "rvq_depth_decoder", "condition_encoder", "transformer", "vocoder")
 
 
 def weight_role(component: str, name: str, ndim: int) -> str:
-    """quantizable (LM / depth-decoder block matrices) | trimmed (token embeddings, full lm_head: off the device
-    once the graph engine runs) | kept (the other LM / depth weights) | flow | vocoder."""
-    if component in ("condition_encoder", "transformer"):
-        return "flow"
-    if component == "vocoder":
-        return "vocoder"
-    if name.startswith(("model.layers.", "layers.")) and ndim == 2:
-        return "quantizable"
-    if name.startswith(("model.embed_tokens.", "lm_head.")):
-        return "trimmed"
-    return "kept"
+    """What a weight is to a pipeline's memory (memory_plan.ModelFigures' fields): block matrices (what the 1-byte
+    modes store in one byte), trimmed (token embeddings, full lm_head: off the device once the graph engine runs),
+    the rest of each component."""
+    blocks = ndim == 2
+    if component == "transformer":
+        return "dit_blocks" if blocks and name.startswith("transformer_blocks.") else "dit_other"
+    if component in ("condition_encoder", "vocoder"):
+        return component
+    if component == "language_model":
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            return "trimmed"
+        return "lm_blocks" if blocks and name.startswith("model.layers.") else "lm_other"
+    return "depth_blocks" if blocks and name.startswith("layers.") else "depth_other"
 
 
 def figures_from_shapes(shapes, lm_config: dict, depth_config: dict):
-    """precision.ModelFigures from (component, weight name, shape) triples and the LM's / depth decoder's configs."""
-    from .precision import ModelFigures
+    """memory_plan.ModelFigures from (component, weight name, shape) triples and the LM's / depth decoder's
+    configs."""
+    from .memory_plan import ModelFigures
 
-    counts = {"quantizable": 0, "kept": 0, "trimmed": 0, "flow": 0, "vocoder": 0}
+    counts = dict.fromkeys(("lm_blocks", "lm_other", "depth_blocks", "depth_other", "trimmed", "condition_encoder",
+                            "dit_blocks", "dit_other", "vocoder"), 0)
     for component, name, shape in shapes:
         numel = 1
         for size in shape:
@@ -179,7 +200,7 @@ def figures_from_shapes(shapes, lm_config: dict, depth_config: dict):
 
 
 def figures(sizes: ModelSizes):
-    """precision.ModelFigures of a built-in model, from its classes on `meta` (nothing allocated)."""
+    """memory_plan.ModelFigures of a built-in model, from its classes on `meta` (nothing allocated)."""
     with torch.device("meta"):
         models = _make_models(sizes)
     shapes = [(component, name, tuple(param.shape)) for component in WEIGHT_COMPONENTS
@@ -192,60 +213,51 @@ _ONES_SUFFIXES = ("norm.weight", "layernorm.weight", "norm1.weight", "norm2.weig
                   "original0", "weight_g", "q_norm.weight", "k_norm.weight")
 
 
-@torch.no_grad()
-def _randomize(name: str, module: torch.nn.Module, generator: torch.Generator) -> None:
-    """Deterministic scale-aware random init (unit-variance activations), the same on CPU and GPU. Values are drawn
-    in float32 whatever the parameters' dtype (a scratch tensor per parameter), so a bf16 model gets exactly the
-    rounded float32 model's weights without ever holding the float32 model."""
-    for pname, param in module.named_parameters():
+def random_tensors(model: torch.nn.Module, generator: torch.Generator,
+                   device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Deterministic scale-aware random weights (unit-variance activations) for every parameter of `model` (a
+    skeleton: only names and shapes are read), drawn on `device` in float32 in parameter order from one generator,
+    the same on CPU and GPU; a bf16 model gets exactly the rounded float32 model's weights."""
+    for pname, param in model.named_parameters():
         if pname == "conv_out.weight_g":
             # Keeps the vocoder's output tanh out of saturation, so waveform comparisons stay sensitive.
-            param.fill_(0.03)
+            yield pname, torch.full(param.shape, 0.03, device=device)
         elif pname.endswith(_ONES_SUFFIXES):
-            param.fill_(1.0)
+            yield pname, torch.ones(param.shape, device=device)
         elif pname.endswith("bias"):
-            param.zero_()
+            yield pname, torch.zeros(param.shape, device=device)
         else:
             unit = param.dim() == 1 or ("embed" in pname and param.dim() == 2)
             std = 1.0 if unit or param.dim() < 2 else param[0].numel() ** -0.5
-            drawn = param if param.dtype == torch.float32 else torch.empty_like(param, dtype=torch.float32)
-            drawn.normal_(0.0, std, generator=generator)
-            if drawn is not param:
-                param.copy_(drawn)
+            yield pname, torch.empty(param.shape, device=device).normal_(0.0, std, generator=generator)
 
 
 def build_components(
     sizes: ModelSizes, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-    host: tuple[str, ...] = (),
+    placing=None, devices: dict[str, torch.device] | None = None,
 ) -> dict[str, object]:
-    """Random components with the real classes. Parameters are created on `meta` and filled on `device`, so a
-    full-size model is built on the GPU in seconds without a CPU copy. They are created in `dtype` directly: a
-    float32 build converted afterwards leaves the caching allocator holding the float32 blocks that the bf16 weights
-    were carved from (14 GB on the full model, which no `empty_cache` can return). Components named in `host` move
-    to host memory as soon as they are built (a quantized load puts them back layer by layer)."""
+    """Random components with the real classes, built as a checkpoint is loaded (weights_stream.py): each module
+    with its parameters on `meta`, then its weights drawn one at a time on the device and placed there, so a
+    full-size model is built on the GPU in seconds without a host copy and never whole in another dtype.
+    `placing(skeletons)` gives a place(component, name, tensor) that may take tensors as they arrive (a quantized
+    load, checkpoint.Placing); `devices` puts components elsewhere than `device` (a stage split's flow stage)."""
+    from .weights_stream import fill, skeleton
+
     device = torch.device(device)
-    with torch.device("meta"):
-        models = _make_models(sizes)
     generator = torch.Generator(device).manual_seed(seed)
-    for name, model in models.items():
-        model.to(dtype=dtype)  # on `meta`: only the recorded dtype changes
-        model.to_empty(device=device)
-        _randomize(name, model, generator)
-        # Buffers that initialisation computed (rotary inverse frequencies) were lost on `meta` (`to_empty` leaves
-        # them uninitialised): take them from a fresh instance, whatever the library computes them with.
-        for module in model.modules():
-            if hasattr(module, "inv_freq") and hasattr(module, "config"):
-                fresh = type(module)(module.config)
-                for buffer_name, buffer in fresh.named_buffers(recurse=False):
-                    getattr(module, buffer_name).copy_(buffer)
-        if dtype != torch.float32:
-            model.to(dtype=dtype)
-        model.eval()
+    skeletons = {name: skeleton(build) for name, build in _builders(sizes).items()}
+    place = placing(skeletons) if placing is not None else None
+    models = {}
+    for name, model in skeletons.items():
+        target = torch.device((devices or {}).get(name, device))
+        tensors = random_tensors(model, generator, device)  # drawn on the generator's device, in the same order
+        if target != device:  # (converted where drawn: the same rounding, half the bytes to move)
+            tensors = ((key, value.to(target, dtype)) for key, value in tensors)
+        taken = (lambda key, value, name=name: place(name, key, value)) if place is not None else None
+        models[name] = fill(model, tensors, target, dtype, taken)
         if name == "language_model":
             with torch.no_grad():
                 model.lm_head.weight[c.AUDIO_END_TOKEN_ID].mul_(sizes.end_token_gain)
-        if name in host:
-            model.to("cpu")
     models["tokenizer"] = build_tokenizer()
     models["scheduler"] = build_scheduler()
     return models

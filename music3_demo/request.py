@@ -9,16 +9,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from . import contract as c
-from .prompt import control_marker
-
-
-class InvalidRequest(ValueError):
-    """A request the user must change; str(error) is one sentence saying what to change, `field` the request field
-    it is about (None when it is about the whole request), so a form or an API can point at the right input."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
+from .errors import InvalidRequest  # (re-exported: callers take it from here)
+from .prompt import check_markers
 
 
 # Raw text is capped before anything tokenizes it: tokenizing megabytes costs seconds and gigabytes of memory.
@@ -149,18 +141,6 @@ def _boolean(name: str, value: object, field: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
     raise InvalidRequest(f"{name} must be true or false, got {_short_repr(value)}.", field)
-
-
-def check_markers(description: str, lyrics: str, extra: tuple[str, ...] = ()) -> None:
-    """Refuse text that would turn into the model's control tokens (prompt.control_marker finds them)."""
-    found = control_marker(description, lyrics, extra)
-    if found is not None:
-        field, marker = found
-        where = "description contains" if field == "description" else "lyrics contain"
-        raise InvalidRequest(
-            f"The {where} {marker!r}, which the model would read as a control token of its prompt, not as text: "
-            "remove it.", field)
-
 
 
 # "Make N variations": N songs of one request, seeds seed .. seed + N - 1, made together (they share the prompt's

@@ -1,15 +1,16 @@
-"""Compile every Triton kernel the graph engine launches for the full-size model, for GPU architectures that need
-not be present, and report what each compiled kernel needs: shared memory (Triton's figure), registers (ptxas's,
-read back from the cubin) and, for the chained tail's spin barrier, how many of its programs one SM holds.
+"""Compile every Triton kernel the graph engine launches for the full-size model (and for the `tiny` one, whose small
+shapes get configs of their own), for GPU architectures that need not be present, and report what each compiled
+kernel needs: shared memory (Triton's figure), registers (ptxas's, read back from the cubin) and, for the chained
+tail's spin barrier, how many of its programs one SM holds.
 
-No GPU and no weights: the engine is built over the random-full model's modules on the `meta` device and runs one
-frame (sampled and teacher-forced) with Triton's launcher pointed at a stand-in driver for the target; each launch is
-recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with Triton's own compiler for
+No GPU and no weights: the engine is built over the random-full (or tiny) model's modules on the `meta` device and
+runs one frame (sampled and teacher-forced) with Triton's launcher pointed at a stand-in driver for the target; each
+launch is recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with Triton's own compiler for
 `GPUTarget("cuda", capability, 32)`. The configs are those `kernels/tuning.py` chooses for that architecture.
 tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
 
 Run (TRITON_INTERPRET must be unset): python scripts/compile_arch.py 86 90 [--sms 82] [--name "NVIDIA H200"]
-[--precisions bf16,int8,fp8]
+[--precisions bf16,int8,fp8] [--tiny 90] (the tiny model's kernels too, for these architectures)
 """
 
 from __future__ import annotations
@@ -83,25 +84,28 @@ class Compiled:
     w_bytes: int = 2  # element size of the weights (1: fp8/int8 weights, `semantic/quant.py`)
 
 
-def full_size_engine(tuning: Tuning, precision: str = "bf16"):
-    """The graph engine over the random-full model's language model and depth decoder, on the meta device, with its
-    weights in `precision` (bf16, or fp8/int8 in their default schemes)."""
+MODELS = ("full", "tiny")  # random_models.FULL (the released checkpoint's sizes) and TINY
+
+
+def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full"):
+    """The graph engine over the random-full (or tiny) model's language model and depth decoder, on the meta device,
+    with its weights in `precision` (bf16, or fp8/int8 in their default schemes)."""
     import copy
 
     from music3_demo import random_models
     from music3_demo.semantic import graph
     from music3_demo.semantic.quant import quantize_model_
 
-    if not _MODELS:  # built once per process (the engine fuses their weights again for each architecture)
+    if (model, "bf16") not in _MODELS:  # built once per process (the engine fuses their weights again per target)
         with torch.device("meta"):
-            models = random_models._make_models(random_models.FULL)
-        _MODELS.update(bf16=(models["language_model"].to(torch.bfloat16),
-                             models["rvq_depth_decoder"].to(torch.bfloat16)))
-    if precision not in _MODELS:
-        lm, depth = (copy.deepcopy(m) for m in _MODELS["bf16"])
+            models = random_models._make_models(random_models.FULL if model == "full" else random_models.TINY)
+        _MODELS[model, "bf16"] = (models["language_model"].to(torch.bfloat16),
+                                  models["rvq_depth_decoder"].to(torch.bfloat16))
+    if (model, precision) not in _MODELS:
+        lm, depth = (copy.deepcopy(m) for m in _MODELS[model, "bf16"])
         quantize_model_(lm, depth, precision, "meta")
-        _MODELS[precision] = (lm, depth)
-    lm, depth = _MODELS[precision]
+        _MODELS[model, precision] = (lm, depth)
+    lm, depth = _MODELS[model, precision]
     with _patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
         return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=True, tuning=tuning)
 
@@ -143,14 +147,16 @@ def precisions_of(capability: int, asked: tuple[str, ...] = ("bf16",)) -> tuple[
     return tuple(p for p in asked if p != "fp8" or capability >= 89)
 
 
-def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",)) -> tuple[Tuning, list[Launch]]:
+def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",), model: str = "full"
+                    ) -> tuple[Tuning, list[Launch]]:
     """Every distinct kernel launch of one frame (sampled and teacher-forced) on `target`, for engines with weights
-    in each of `precisions` (the kernels they share are recorded once)."""
+    in each of `precisions` (the kernels they share are recorded once). The conversion routes' extra launches are
+    the full-size model's only (a route compiles alike at any shape)."""
     tuning = tuning_for_target(target)
     launches: dict[str, Launch] = {}
     for precision in precisions:
-        _record(full_size_engine(tuning, precision), target, launches,
-                routes=precision if precision != "bf16" else None)
+        _record(meta_engine(tuning, precision, model), target, launches,
+                routes=precision if precision != "bf16" and model == "full" else None)
     return tuning, list(launches.values())
 
 
@@ -181,16 +187,16 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None) -
         launches.setdefault(compile["specialization_data"], Launch(fn.jit_function, compile["specialization_data"]))
         return True  # recorded, not launched
 
-    from music3_demo.semantic import step
+    from music3_demo.semantic import frame_graph
 
     tma = target.tma
     fused_tails = functools.partial(tail.block_tail, fused=True)  # as on a GPU (fused by default there)
     with _patched(knobs.runtime, jit_cache_hook=hook), _patched(linear, tma_supported=lambda device: tma), \
-            _patched(tail, tma_supported=lambda device: tma), _patched(step, block_tail=fused_tails), \
+            _patched(tail, tma_supported=lambda device: tma), _patched(frame_graph, block_tail=fused_tails), \
             _stand_in(target.capability):
         engine.allocate(512)
         for forced in (False, True):
-            engine._advance(1, forced)()
+            engine.frame_graph.prepare(1, forced)()
         if routes is not None:
             _route_launches(engine.tuning, routes)
 
@@ -204,16 +210,24 @@ GENERATION = {86: 80, 89: 80}
 # separate compile in the CI set (the full set, --all, compiles them all).
 MINOR = {"_block_tail_kernel": {"M", "HAS_NEXT", "Q", "BN_Q", "BK_Q", "ST_Q", "TMA_Q", "PF_Q"},
          "_cfg_sample_kernel": {"FORCED", "COPIES"}, "_depth_attn_kernel": {"BASE"}}
+# The tiny model's CI set: one compile per tile configuration (and weight format) of each kernel. Its epilogues and
+# the stacks' variants are the full-size model's code paths, compiled there; what a small model adds is tiles of
+# its own shapes (short K tiles, heads padded to 16 lanes, 32-column rows).
+SMALL_MINOR = {"_gemv_kernel": {"M", "NORM", "RESIDUAL", "SWIGLU", "COPY"},
+               "_block_tail_kernel": MINOR["_block_tail_kernel"] | {"D", "A", "G", "RUN_Q"},
+               "_cfg_sample_kernel": {"FORCED", "COPIES", "draw", "table_rows", "CHUNK2", "CHUNKS2", "PARTS2"},
+               "_depth_attn_kernel": {"BASE"}}
 
 
-def ci_set(launches: list[Launch], capability: int) -> list[Launch]:
-    """The launches that cover every distinct kernel specialisation of this architecture (see FIXED, MINOR). The
-    first launch of each kind is the fullest (a stack's first tail has a next block, the first sample copies)."""
+def ci_set(launches: list[Launch], capability: int, small: bool = False) -> list[Launch]:
+    """The launches that cover every distinct kernel specialisation of this architecture (see FIXED, MINOR; `small`:
+    a small model's, SMALL_MINOR). The first launch of each kind is the fullest (a stack's first tail has a next
+    block, the first sample copies)."""
     chosen, seen = [], set()
     for launch in launches:
         if launch.name in FIXED and GENERATION.get(capability, capability) != capability:
             continue
-        minor = MINOR.get(launch.name, set())
+        minor = (SMALL_MINOR if small else MINOR).get(launch.name, set())
         key = (launch.name, json.dumps({k: v for k, v in launch.constants.items() if k not in minor}, sort_keys=True))
         if key not in seen:
             seen.add(key)
@@ -270,14 +284,14 @@ def programs_per_sm(compiled: Compiled, target: Target) -> int:
     return min(by_shared, REGISTERS_PER_SM // max(regs, 1), target.threads_per_sm // threads, 32)
 
 
-def check(capability: int, name: str, sms: int, everything: bool = False, precisions: tuple[str, ...] = ("bf16",)
-          ) -> dict:
+def check(capability: int, name: str, sms: int, everything: bool = False, precisions: tuple[str, ...] = ("bf16",),
+          model: str = "full") -> dict:
     """Compile for one architecture (every launch, or the CI set) with weights in each of `precisions` (those the
     architecture runs); the report and the list of what does not fit."""
     target = Target(name, capability, sms)
-    tuning, launches = record_launches(target, precisions_of(capability, precisions))
-    kernels = [compile_launch(launch, capability) for launch in (launches if everything else ci_set(launches,
-                                                                                                   capability))]
+    tuning, launches = record_launches(target, precisions_of(capability, precisions), model)
+    chosen = launches if everything else ci_set(launches, capability, small=model != "full")
+    kernels = [compile_launch(launch, capability) for launch in chosen]
     problems, residency = [], []
     for k in kernels:
         if k.shared > target.shared_per_block:
@@ -290,7 +304,7 @@ def check(capability: int, name: str, sms: int, everything: bool = False, precis
                 problems.append(f"the chained tail's {tuning.programs} programs exceed the {resident} resident "
                                 f"on {sms} SMs")
     return {
-        "capability": capability, "gpu": name, "sms": sms, "shared_per_block": target.shared_per_block,
+        "model": model, "capability": capability, "gpu": name, "sms": sms, "shared_per_block": target.shared_per_block,
         "tma": target.tma, "table": tuning.source, "tail_programs": tuning.programs,
         "tail_resident": min(residency, default=0),
         "kernels": [k.__dict__ for k in kernels], "problems": problems,
@@ -300,20 +314,24 @@ def check(capability: int, name: str, sms: int, everything: bool = False, precis
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("capabilities", nargs="+", type=int, help="e.g. 80 86 89 90 100 120")
+    parser.add_argument("capabilities", nargs="*", type=int, help="e.g. 80 86 89 90 100 120")
     parser.add_argument("--sms", type=int, help="SM count (default: a typical GPU of the architecture)")
     parser.add_argument("--name", help="GPU name as the driver reports it (picks its tuning table)")
     parser.add_argument("--all", action="store_true", help="compile every launch, not only the CI set")
+    parser.add_argument("--tiny", default="", help="comma list of capabilities to compile the tiny model's kernels "
+                        "for too (after the full-size ones)")
     parser.add_argument("--precisions", default="bf16",
                         help="comma list of weight precisions (bf16, int8, fp8: semantic/quant.py's default schemes; "
                         "fp8 only from sm_89 on)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # kernels defined under it are the interpreter's
         raise SystemExit("compile_arch.py compiles for a GPU: unset TRITON_INTERPRET")
-    for capability in args.capabilities:
+    precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
+    runs = [(cap, "full") for cap in args.capabilities] + [(int(cap), "tiny") for cap in args.tiny.split(",") if cap]
+    for capability, model in runs:
         name, sms = TYPICAL.get(capability, (f"sm_{capability}", 128))
-        precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
-        print(json.dumps(check(capability, args.name or name, args.sms or sms, args.all, precisions)), flush=True)
+        print(json.dumps(check(capability, args.name or name, args.sms or sms, args.all, precisions, model)),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -55,4 +55,4 @@ def test_a_split_songs_report_names_both_cards(tiny_pipeline):
     song = replace(tiny_pipeline.generate(request),
                    memory={"device_peak_gb": 20.5, "flow_device": "cuda:1", "flow": {"device_peak_gb": 6.25}})
     text = report_markdown(song_report(song, request, JobRecord(1, 1.0, device="cuda:0+cuda:1"), "tiny"))
-    assert "weights on `cuda:0+cuda:1` · peak 20.5 GB on the card, 6.2 GB on the flow stage's" in text, text
+    assert "weights on `cuda:0+cuda:1` · peak 20.5 GB of GPU memory, 6.2 GB on the flow stage's" in text, text

@@ -69,6 +69,11 @@ def test_multi_user_summary_and_targets():
                                [{"wall_s": 5.0, "error": "boom"}])
     assert alone["song_s_per_s"] == 4.0 and four["max_wall_s"] == 33.0 and four["max_shared_gpu_with"] == 3
     assert four["failed"] == [{"wall_s": 5.0, "error": "boom"}] and four["song_s_per_s"] == round(240 / 33, 3)
+    joined = multi.phase_summary([{"user": "u0", "wall_s": 30.0, "songs": [song(2.5, 3)]},
+                                  {"user": "u3", "wall_s": 30.0, "songs": [song(3.4, 3) | {"path": {
+                                      "chunk0_frames_s": 2.6, "chunk0_done_s": 3.3}}]}])
+    assert joined["slowest_first_audio"] == {"user": "u3", "chunk0_frames_s": 2.6, "chunk0_done_s": 3.3,
+                                             "first_audio_s": 3.4}  # where the joining user's wait went
     memory = [("soak", t, [1000 + (200 if t >= 6 else 0), 500]) for t in range(8)]
     result = multi.targets({"phases": {"alone": alone, "four": four}, "memory_mib": memory})
     assert result["four_over_alone"] == {"value": 2.2, "target": 2.2, "met": True}

@@ -1,5 +1,6 @@
-"""GPU: the card's memory as the pipeline reports it, what loading leaves behind, lazy pipelines (Space mode) and the
-quantized load path on the device. Whole-song budgets per precision: scripts/memory_check.py."""
+"""GPU: this process's memory as the pipeline reports it (not another process's), what loading leaves behind, lazy
+pipelines (Space mode) and the quantized load paths on the device (the 1-byte LM, the fp8 DiT). Whole songs per
+simulated card: `python -m music3_demo.bench memory` and tests/ui/test_cards_gpu.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 import pytest
 import torch
 
-from music3_demo.memory import PeakSampler, device_memory, release_cached
+from music3_demo.memory import MemoryWatch, PeakSampler, device_memory, release_cached
 from music3_demo.pipeline import Music3Pipeline
 from music3_demo.request import GenerationRequest
 
@@ -20,6 +21,22 @@ def song(seed: int = 1) -> GenerationRequest:
     return GenerationRequest("lofi", "[verse]\nla la", duration=2.0, num_steps=2, seed=seed)
 
 
+def test_the_memory_watch_follows_the_card_on_its_own_thread():
+    """What the status endpoint reads: the card's memory sampled on the watch's thread, a second or less old."""
+    watch = MemoryWatch(every_s=0.1)
+    watch.watch(["cuda:0"])
+    before = watch.latest()["cuda:0"]  # one sample at once
+    block = torch.empty(int(2 * GB), dtype=torch.uint8, device="cuda:0")
+    deadline = time.monotonic() + 5
+    while watch.latest()["cuda:0"].process < before.process + 1.9 * GB:
+        assert time.monotonic() < deadline, f"the watch never saw 2 GB more: {watch.latest()}"
+        time.sleep(0.05)
+    del block
+    watch.watch([])
+    assert watch.latest() == {}
+    watch.stop()
+
+
 def test_the_sampler_sees_a_short_peak_and_the_card_gets_released_blocks_back():
     device = torch.device("cuda")
     release_cached(device)
@@ -28,11 +45,11 @@ def test_the_sampler_sees_a_short_peak_and_the_card_gets_released_blocks_back():
         block = torch.empty(int(2 * GB), dtype=torch.uint8, device=device)
         time.sleep(0.2)
         del block
-    before = sampler.start.used
-    assert sampler.peak >= before + 2 * GB  # what nvidia-smi showed at the peak
-    assert sampler.end.used >= before + 2 * GB  # the block is freed but still cached by torch...
+    before = sampler.start.process
+    assert sampler.peak >= before + 2 * GB  # this process's use at the peak
+    assert sampler.end.process >= before + 2 * GB  # the block is freed but still cached by torch...
     release_cached(device)
-    assert device_memory(device).used < before + 0.1 * GB  # ...until the cache is given back
+    assert device_memory(device).process < before + 0.1 * GB  # ...until the cache is given back
 
 
 def test_a_lazy_pipeline_builds_its_engine_at_its_first_song_and_songs_report_the_cards_memory(tiny_folder):
@@ -46,7 +63,7 @@ def test_a_lazy_pipeline_builds_its_engine_at_its_first_song_and_songs_report_th
     assert "setup_s" not in second.timings  # built once per process
     figures = second.memory
     assert figures["device_peak_gb"] >= figures["device_start_gb"] > 0
-    assert abs(figures["device_end_gb"] - device_memory(pipeline.device).used / GB) < 0.3
+    assert abs(figures["device_end_gb"] - device_memory(pipeline.device).process / GB) < 0.3
     pipeline.release()
 
 
@@ -62,3 +79,41 @@ def test_a_quantized_load_runs_the_graph_engine_and_holds_one_byte_weights_on_th
     result = pipeline.generate(song())
     assert (result.precision, pipeline.engine_name) == (mode, "graph"), pipeline.engine_record
     pipeline.release()
+
+
+def test_an_fp8_dit_load_quantizes_it_onto_the_device_from_host_memory_and_makes_a_song(tiny_folder):
+    """The fp8 DiT streams into host memory and quantize_dit moves it onto the GPU block by block: every weight ends
+    on the device, the products in fp8, and a song runs through the flow stage's fp8 path."""
+    from music3_demo.flow.dit_fp8 import Fp8Linear, fp8_refusal
+
+    if fp8_refusal("cuda"):
+        pytest.skip("the fp8 DiT needs compute capability 8.9")
+    pipeline = Music3Pipeline.from_pretrained("tiny", device="cuda", dit_precision="fp8")
+    transformer = pipeline.components["transformer"]
+    assert pipeline.memory_plan.dit.mode == "fp8"
+    assert all(tensor.is_cuda for tensor in transformer.state_dict().values())
+    assert any(isinstance(module, Fp8Linear) for module in transformer.modules())
+    assert pipeline.generate(song()).frames > 0
+    pipeline.release()
+
+
+def test_a_process_reports_its_own_device_memory_not_another_processs():
+    """Another process holds most of the card (a simulated 30 GiB card); a fresh process that allocates 2 GiB
+    reports about 2 GiB plus its CUDA context, and the card's use with the holder's share beside it."""
+    import json
+    import subprocess
+    import sys
+
+    from music3_demo.bench.card import GIB, SimulatedCard
+
+    child = ("import json, torch; from music3_demo import memory; memory.note_process_start(); "
+             "block = torch.empty(2 * 2**30, dtype=torch.uint8, device='cuda'); "
+             "print(json.dumps(memory.device_memory('cuda').as_dict()))")
+    with SimulatedCard(30.0) as card:
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    print(figures)
+    own = figures["process_gb"] * 1e9
+    assert 2 * GIB <= own <= 3.5 * GIB, figures  # the block and a context, nothing of the holder's
+    assert figures["card_used_gb"] * 1e9 >= card.figures["held_bytes"] + own - 0.1 * GIB
+    assert figures["method"] in ("nvml-process", "card-minus-others"), figures  # NVML answers on the GPU image

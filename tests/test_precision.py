@@ -1,76 +1,19 @@
-"""What `--precision auto` picks from the free memory and the GPU's architecture (figures faked: a pure function), the
-memory estimate it decides from, and the README's table of it."""
+"""The precision modes on every surface: the figures the memory plan starts from (read from a checkpoint's headers),
+a quantized load of the tiny model, the names of unquantized weights on a CPU, and unknown modes refused before a
+load. What auto picks per card is tests/test_memory_plan.py's."""
 
 from __future__ import annotations
-
-import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from music3_demo import random_models
 from music3_demo.checkpoint import model_figures, resolve
-from music3_demo.precision import HEADROOM, Footprint, choose_precision
-
-FULL = Footprint(random_models.figures(random_models.FULL))
-GB = 10**9
-README = Path(__file__).resolve().parents[1] / "README.md"
-
-# Free GB -> (pick on a GPU without fp8, e.g. sm_80 A100 / sm_86 RTX 3090; pick on sm_89 and newer).
-EXPECTED = {16: ("int8", "fp8"), 24: ("int8", "fp8"), 48: ("bf16", "bf16"), 80: ("bf16", "bf16")}
-
-
-@pytest.mark.parametrize("free_gb", sorted(EXPECTED))
-@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)])
-def test_auto_picks_bf16_where_the_longest_song_fits_else_the_best_quantized_mode(free_gb, capability):
-    choice = choose_precision("auto", free_gb * GB, capability, FULL)
-    assert choice.mode == EXPECTED[free_gb][capability >= (8, 9)]
-    assert choice.requested == "auto"
-    assert f"{free_gb:.1f} GB" in choice.reason  # the reason names the figures it decided from
-
-
-def test_the_bf16_threshold_is_the_longest_songs_need_plus_headroom():
-    need = FULL.need("bf16")
-    assert 24 * GB < need * (1 + HEADROOM) < 48 * GB  # what makes the table above what it is
-    assert choose_precision("auto", int(need * (1 + HEADROOM)) + 1, (9, 0), FULL).mode == "bf16"
-    assert choose_precision("auto", int(need * (1 + HEADROOM)) - 1, (9, 0), FULL).mode == "fp8"
-
-
-def test_a_quantized_pick_says_whether_the_longest_song_fits():
-    assert "may run out of memory" in choose_precision("auto", 16 * GB, (8, 9), FULL).reason
-    assert "may run out" not in choose_precision("auto", 24 * GB, (8, 9), FULL).reason
-    assert "no fp8 before sm_89: this GPU is sm_86" in choose_precision("auto", 16 * GB, (8, 6), FULL).reason
-
-
-def test_explicit_modes_are_kept_and_fp8_without_hardware_support_is_refused_with_the_way_out():
-    for mode in ("bf16", "fp8", "int8"):
-        choice = choose_precision(mode, 80 * GB, (9, 0), FULL)
-        assert (choice.mode, choice.requested) == (mode, mode)
-    with pytest.raises(ValueError, match="sm_89 or newer.*sm_86: use --precision int8"):
-        choose_precision("fp8", 80 * GB, (8, 6), FULL)
-    with pytest.raises(ValueError, match="choose one of auto, bf16, fp8, int8"):
-        choose_precision("fp4", 80 * GB, (9, 0), FULL)
-
-
-def test_off_the_gpu_auto_keeps_the_weights_unquantized():
-    assert choose_precision("auto", None, None, None).mode == "bf16"
-    assert choose_precision("int8", None, None, None).mode == "int8"  # the CPU path quantizes when asked
-
-
-def test_the_estimate_halves_the_block_weights_and_sizes_the_kv_cache_to_the_song():
-    figures = FULL.figures
-    saved = FULL.song_bytes("bf16") - FULL.song_bytes("fp8")
-    assert 0.45 * 2 * figures.quantizable < saved < 0.5 * 2 * figures.quantizable  # 1 byte + scales, not 2
-    # 36 layers x (k, v) x 2 CFG rows x 8 heads x 128 x bf16 per position; capacity rounded up to 256 positions.
-    assert FULL.kv_bytes(3000) == 36 * 2 * 2 * 8 * 128 * 2 * 3072
-    assert FULL.song_bytes("fp8", 3400) < FULL.song_bytes("fp8", 7900) < FULL.song_bytes("fp8")
-
 
 def test_figures_read_from_a_checkpoints_headers_equal_the_models_own(tiny_folder):
     figures = model_figures(resolve("tiny"))
     assert figures == random_models.figures(random_models.TINY)
-    assert figures.quantizable > 0 and figures.trimmed > 0 and figures.flow > 0
+    assert min(figures.lm_blocks, figures.depth_blocks, figures.dit_blocks, figures.trimmed, figures.vocoder) > 0
 
 
 def test_a_bf16_built_in_model_equals_the_float32_one_rounded():
@@ -81,14 +24,6 @@ def test_a_bf16_built_in_model_equals_the_float32_one_rounded():
         expected = rounded[name].to(torch.bfloat16).state_dict()
         for key, value in direct[name].state_dict().items():
             assert torch.equal(value, expected[key]), f"{name}.{key}"
-
-
-def test_the_readme_states_what_auto_picks():
-    table = README.read_text(encoding="utf-8").split("<!-- precision-auto-table -->")[1]
-    rows = dict(re.findall(r"^\| (\d+) GB \| (.+?) \|$", table, flags=re.M))
-    assert {int(free): picks for free, picks in rows.items()} == {
-        free: f"{without} | {with_fp8}" for free, (without, with_fp8) in EXPECTED.items()
-    }
 
 
 def test_a_quantized_load_of_the_tiny_model_runs_songs_and_every_surface_names_its_precision(tiny_folder):
@@ -142,6 +77,8 @@ def test_an_unknown_precision_is_refused_before_loading():
 
     with pytest.raises(ValueError, match="choose one of auto, bf16, fp8, int8"):
         Music3Pipeline.from_pretrained("tiny", device="cpu", precision="fp16")
+    with pytest.raises(ValueError, match="Unknown DiT precision 'int8': choose one of auto, bf16, fp8"):
+        Music3Pipeline.from_pretrained("tiny", device="cpu", dit_precision="int8")
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["generate", "--model", "tiny", "--prompt", "x", "--precision", "fp16"])
     assert exit_info.value.code == 2

@@ -35,8 +35,9 @@ def test_requirements_pin_the_cpu_torch_available_locally():
 # app on top). A module may import its own layer's shared modules and anything lower; the stages of one layer
 # (semantic and flow; bench and ui) never import each other.
 LAYERS = [
-    {"__init__", "contract", "events", "request", "prompt", "audio", "fused_weights", "random_models", "checkpoint",
-     "handoff", "versions", "devices", "continuation", "precision", "memory"},
+    {"__init__", "contract", "errors", "events", "request", "prompt", "audio", "fused_weights", "random_models",
+     "checkpoint", "handoff", "versions", "devices", "continuation", "precision", "memory", "memory_plan",
+     "weights_stream", "first_audio", "variations"},
     {"semantic", "flow"},
     {"loading"},
     {"pipeline"},
@@ -116,6 +117,120 @@ def test_no_module_uses_another_units_private_names():
 
     wrong = [f"{where} ({unit}) imports {what}" for where, unit, _, what in _cross_unit_imports() if private(what)]
     assert not wrong, "\n".join(wrong)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports: every import (at module level, under TYPE_CHECKING, inside a
+    function). `from X import Y` points at the module X.Y where Y is one, else at X; the parent packages Python loads
+    first are no edges (they are loaded before the module runs, whatever it imports)."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for module, imported, _ in _imports(name, path):
+            target = f"{module}.{imported}" if imported and f"{module}.{imported}" in modules else module
+            if target in modules and target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of a graph: each strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_among_the_packages_modules():
+    """Control flows one way: no module imports, at any level (TYPE_CHECKING and function-level imports included),
+    a module that imports it back."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+def _imports_only(statement: ast.stmt) -> bool:
+    """An import, or an `if` / `try` of imports (TYPE_CHECKING, an optional package and its fallback value)."""
+    if isinstance(statement, (ast.Import, ast.ImportFrom, ast.Pass)):
+        return True
+    if isinstance(statement, ast.If):
+        return all(map(_imports_only, statement.body + statement.orelse))
+    if isinstance(statement, ast.Try):
+        handlers = [line for handler in statement.handlers for line in handler.body]
+        return all(map(_imports_only, statement.body + statement.orelse + statement.finalbody)) and all(
+            _imports_only(line) or isinstance(line, ast.Assign) for line in handlers)
+    return False
+
+
+def _late_imports(path: Path) -> list[int]:
+    """Lines of the module-level imports that come after other code (a function-level import is no late import)."""
+    body = ast.parse(path.read_text()).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    late, code_seen = [], False
+    for statement in body:
+        if _imports_only(statement):
+            if code_seen:
+                late.append(statement.lineno)
+        else:
+            code_seen = True
+            late += [node.lineno for node in ast.walk(statement) if isinstance(node, (ast.Import, ast.ImportFrom))
+                     and not _inside_a_function(statement, node)]
+    return late
+
+
+def _inside_a_function(statement: ast.stmt, node: ast.AST) -> bool:
+    for scope in ast.walk(statement):
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and any(
+                inner is node for inner in ast.walk(scope)):
+            return True
+    return False
+
+
+def test_no_module_imports_after_its_code_starts():
+    """The package's modules (app.py, the entry point, turns Gradio's analytics off and imports ZeroGPU's `spaces`
+    before anything else may import gradio or touch CUDA)."""
+    late = [f"{path.relative_to(ROOT)}:{line}" for name, path in _modules().items() if name != "music3_demo.app"
+            for line in _late_imports(path)]
+    assert not late, "imports after module code (move them up, or break the cycle that needs them late):\n" + \
+        "\n".join(late)
+
+
+def test_the_cycle_and_late_import_checks_find_what_they_look_for(tmp_path):
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    module = tmp_path / "late.py"
+    module.write_text('"""Doc."""\nimport os\nif os:\n    import re\nX = 1\nimport sys\n\n\ndef f():\n'
+                      '    import json\n\n\nclass C:\n    import abc\n')
+    assert _late_imports(module) == [6, 14]
 
 
 def test_no_module_is_over_the_size_limit():

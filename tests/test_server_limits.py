@@ -152,28 +152,35 @@ def _files(root: Path) -> list[str]:
     return sorted(str(path.relative_to(root)) for path in root.rglob("*"))
 
 
-def test_a_save_that_fails_leaves_nothing_and_says_the_disk_is_full(tmp_path, monkeypatch):
+def test_a_wav_that_fails_leaves_nothing_and_a_later_file_that_fails_says_why(tmp_path, monkeypatch):
     from music3_demo.serve import store as store_module
     from music3_demo.serve.store import DISK_FULL_MESSAGE, DiskFull, SongStore
 
     store = SongStore(tmp_path)
     real_write = store_module.write_audio
+    failing = [".wav"]
 
     def write_then_fill(path, audio, sample_rate, subtype=None):
-        if str(path).endswith(".flac"):  # half a file, then the disk is full
-            Path(path).write_bytes(b"fLaC" + bytes(1000))
+        if Path(path).suffix in failing:  # half a file, then the disk is full
+            Path(path).write_bytes(b"RIFF" + bytes(1000))
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_write(path, audio, sample_rate, subtype)
 
     monkeypatch.setattr(store_module, "write_audio", write_then_fill)
-    with pytest.raises(DiskFull) as error:
+    with pytest.raises(DiskFull) as error:  # no WAV, no song: nothing is left
         store.save(_song(1.0), "song")
     assert str(error.value) == DISK_FULL_MESSAGE and str(tmp_path) not in str(error.value)
     assert _files(tmp_path) == []
+
+    failing[:] = [".flac"]  # written after the hand-over: the song stands, the file says why it is missing
+    saved = store.save(_song(1.0), "song")
+    assert saved.files.state("flac") == DISK_FULL_MESSAGE
+    assert saved.files.report()["flac"] == f"failed: {DISK_FULL_MESSAGE}"
+    assert _files(tmp_path) == sorted([saved.id] + [f"{saved.id}/{Path(p).name}" for p in
+                                                    (saved.wav, saved.mp3, saved.waveform)])  # no half FLAC
     monkeypatch.setattr(store_module, "write_audio", real_write)
     saved = store.save(_song(1.0), "song")
-    assert _files(tmp_path) == sorted([saved.id] + [f"{saved.id}/{Path(p).name}" for p in
-                                                    (saved.wav, saved.flac, saved.mp3, saved.waveform)])
+    assert all(saved.files.path(kind) for kind in ("wav", "flac", "mp3", "waveform"))
 
 
 def test_a_really_full_disk(tiny_disk):
@@ -184,16 +191,16 @@ def test_a_really_full_disk(tiny_disk):
         store.check_room(8.0)  # an 8-s song needs ~2 MB: refused before it starts
     store.check_room(1.0)
     filler = tiny_disk / "filler"
-    filler.write_bytes(bytes(700_000))  # the disk fills up while the song is made
+    filler.write_bytes(bytes(900_000))  # the disk fills up while the song is made: no room for its WAV
     with pytest.raises(DiskFull):
         store.save(_song(1.0), "song")
-    assert _files(tiny_disk) == ["filler"]  # libsndfile's half-written files went with the failed save
+    assert _files(tiny_disk) == ["filler"]  # libsndfile's half-written file went with the failed save
     filler.unlink()  # space is back: the next song is saved whole
     saved = store.save(_song(1.0), "song")
     assert sf.info(saved.wav).frames == c.SAMPLE_RATE and sf.info(saved.flac).frames == c.SAMPLE_RATE
 
 
-def test_start_up_removes_what_a_killed_process_left(tmp_path, caplog):
+def test_start_up_removes_what_a_killed_process_left_and_makes_its_missing_files(tmp_path, caplog):
     from music3_demo.serve.store import SongStore
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -205,11 +212,25 @@ def test_start_up_removes_what_a_killed_process_left(tmp_path, caplog):
     live.mkdir()
     finished = tmp_path / "20261130-101012-abcdef"
     finished.mkdir()
+    # A song handed over (its WAV) whose process died while it wrote the FLAC, before the MP3 and the picture.
+    handed_over = tmp_path / "20261130-101013-abcdef"
+    handed_over.mkdir()
+    audio = _song(1.0).audio
+    sf.write(handed_over / "pop-seed1.wav", audio.T, c.SAMPLE_RATE, subtype="PCM_16")
+    half = handed_over / f".pop-seed1.partial-{dead.pid}.flac"
+    half.write_bytes(b"fLaC" + bytes(100))
     with caplog.at_level(logging.WARNING, logger="music3_demo.store"):
-        SongStore(tmp_path)
-    assert not leftover.exists() and live.exists() and finished.exists()
+        store = SongStore(tmp_path)
+    assert not leftover.exists() and not half.exists() and live.exists() and finished.exists()
     assert [record.getMessage() for record in caplog.records] == [
-        f"removed 1 unfinished song folder(s) left by a stopped process: {leftover.name}"]
+        "removed 2 unfinished song folder(s) or file(s) left by a stopped process: "
+        f"{leftover.name}, {half.name}",
+        f"making the missing files of 1 song(s) a stopped process left: {handed_over.name}"]
+    files = store.files(handed_over.name)
+    assert files.wait(timeout=60) and files.report() == {
+        "wav": "pop-seed1.wav", "waveform": "waveform.png", "flac": "pop-seed1.flac", "mp3": "pop-seed1.mp3"}
+    wav, flac = sf.read(handed_over / "pop-seed1.wav")[0], sf.read(handed_over / "pop-seed1.flac")[0]
+    assert np.array_equal(wav, flac)  # the FLAC it would have written: the same 16-bit samples
 
 
 def test_a_job_whose_song_cannot_be_saved_is_failed_and_the_next_one_succeeds(tiny_folder, tmp_path, monkeypatch):
@@ -234,19 +255,33 @@ def test_a_job_whose_song_cannot_be_saved_is_failed_and_the_next_one_succeeds(ti
     assert error.value.message == DISK_FULL_MESSAGE and ctx.registry.recent("a") == []
     monkeypatch.undo()
 
-    def no_room(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    real_write = store_module.write_audio
 
-    monkeypatch.setattr(store_module, "waveform_image", no_room)
-    with pytest.raises(gr.Error) as error:  # the disk filled up while the song was made
+    def no_room(path, *args, **kwargs):
+        if Path(path).suffix == ".wav":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(store_module, "write_audio", no_room)
+    with pytest.raises(gr.Error) as error:  # the disk filled up while the song was made: no WAV
         song("a")
     assert error.value.message == DISK_FULL_MESSAGE
     assert [(job["state"], job["error"]) for job in ctx.registry.recent("a")] == [("failed", DISK_FULL_MESSAGE)]
     assert _files(tmp_path / "songs") == []
     monkeypatch.undo()
+
+    def broken_picture(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_module, "waveform_image", broken_picture)
+    late = song("a")[-1]  # a file after the hand-over cannot fail the song: it is delivered, the file says why
+    assert isinstance(late, Outcome) and late.saved.files.wait(timeout=60)
+    assert late.saved.files.report()["waveform"] == f"failed: {DISK_FULL_MESSAGE}"
+    assert [job["state"] for job in ctx.registry.recent("a")] == ["failed", "finished"]
+    monkeypatch.undo()
     outcome = song("a")[-1]
     assert isinstance(outcome, Outcome) and sf.info(outcome.saved.wav).channels == 2
-    assert [job["state"] for job in ctx.registry.recent("a")] == ["failed", "finished"]
+    assert [job["state"] for job in ctx.registry.recent("a")] == ["failed", "finished", "finished"]
     assert ctx.registry.recent("b") == [] and ctx.registry.recent(None) == []  # nobody sees another's jobs
     assert all(str(tmp_path) not in str(value) for value in outcome.report.values())
     backend.release()

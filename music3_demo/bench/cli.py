@@ -16,6 +16,8 @@ BENCHES = {
     "split": ("stage_split", "a 120-s song on one GPU vs the stage split over two (nvidia-h200-x2)"),
     "profile": ("kernel_profile", "kernel by kernel (CUPTI): one graph-engine frame, or one flow chunk"),
     "ray": ("cluster", "a song through the Ray backend (one SongWorker replica) vs in-process: wall, first audio"),
+    "dit-fp8": ("dit_fp8", "the fp8 DiT against bf16: chunk time, errors, per-product timings, bytes"),
+    "memory": ("memory", "memory per simulated card, per forced precision, and loading from disk (host peak, ready)"),
 }
 DEFAULT = "semantic"  # flags without a benchmark name are its flags: `python -m music3_demo.bench --engine graph`
 

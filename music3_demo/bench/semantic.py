@@ -59,20 +59,20 @@ class BytesModel:
 
 def bytes_model(engine) -> BytesModel:
     """Bytes a graph-engine frame must read, from its tensors (each weight read once per use)."""
+    w = engine.weights
 
     def size(*tensors) -> int:  # tensors, or 1-byte weights with their scales
         return sum(t.nbytes() if isinstance(t, QWeight) else t.numel() * t.element_size()
                    for t in tensors if t is not None)
 
-    lm = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2, b.q_norm, b.k_norm) for b in engine.blocks)
-    lm += size(engine.final_norm, engine.audio_head)
-    passes = engine.num_codebooks - 1
-    depth_blocks = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2) for b in engine.depth_blocks)
-    depth = size(engine.projection) + passes * (depth_blocks + size(engine.depth_norm)) + size(*engine.depth_heads_w)
+    lm = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2, b.q_norm, b.k_norm) for b in w.blocks)
+    lm += size(w.final_norm, w.audio_head)
+    passes = w.num_codebooks - 1
+    depth_blocks = sum(size(b.qkv, b.o, b.gate_up, b.down, b.ln1, b.ln2) for b in w.depth_blocks)
+    depth = size(w.projection) + passes * (depth_blocks + size(w.depth_norm)) + size(*w.residual_heads)
     # passes 2..7 read block 0's q|k|v of their code from a table: one row instead of the weight
-    depth -= (passes - 1) * (size(engine.depth_blocks[0].qkv) - size(engine.residual_qkv_tables[0, 0]))
-    kv = len(engine.blocks) * 2 * 2 * engine.kv_heads * engine.head_dim * engine.dtype.itemsize
-    return BytesModel(lm, depth, kv)
+    depth -= (passes - 1) * (size(w.depth_blocks[0].qkv) - size(w.residual_qkv_tables[0, 0]))
+    return BytesModel(lm, depth, w.kv_bytes_per_position)
 
 
 def random_prompt(tokens: int, seed: int, device: torch.device) -> torch.Tensor:

@@ -23,9 +23,8 @@ from ..events import AudioPiece, Event, Progress
 from ..flow.executor import FlowExecutor
 from ..flow.stream import full_chunk_latents
 from ..memory import PeakSampler
-from ..loading import load_model
+from ..loading import load_model, plan_for
 from ..pipeline import Music3Pipeline
-from ..precision import PrecisionChoice
 from ..request import GenerationRequest
 from .flow_batch import chunk_audio, synchronize
 from .report import environment, finish, needs_cuda
@@ -37,15 +36,19 @@ SONG_LYRICS = "[verse]\n" + "\n".join(f"line {i} of a long verse about the city 
 
 
 def full_size_pipeline(engine: str, device: torch.device, precision: str = "bf16",
-                       flow_device: torch.device | None = None) -> Music3Pipeline:
+                       flow_device: torch.device | None = None, dit_precision: str = "bf16") -> Music3Pipeline:
     """random-full with the end token muted, so every benchmarked song runs to its full length; loaded in
-    `precision` through the pipeline's own loading path (a quantized mode: built, moved to the host, quantized);
-    with `flow_device`, the flow stage runs there (a stage split)."""
+    `precision` / `dit_precision` through the pipeline's own loading path (a quantized mode: built, moved to the
+    host, quantized) under the card's memory plan, as the app loads; with `flow_device`, the flow stage runs there (a
+    stage split)."""
     sizes = dataclasses.replace(random_models.FULL, end_token_gain=0.0)
     source = ModelSource("random-full", None, "random-full")
-    choice = PrecisionChoice(precision, precision, f"{precision} as asked (bench).")
-    components = load_model(source, device, torch.bfloat16, choice, sizes=sizes, flow_device=flow_device)
-    return Music3Pipeline(components, source, device, engine, precision=choice, flow_device=flow_device)
+    planned = "reference" if engine == "reference" else "graph"
+    plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device)
+    components = load_model(source, device, torch.bfloat16, plan.lm, sizes=sizes, flow_device=flow_device,
+                            dit=plan.dit.mode)
+    return Music3Pipeline(components, source, device, engine, precision=plan.lm, flow_device=flow_device,
+                          memory_plan=plan, flow_memory_plan=flow_plan)
 
 
 def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_STEPS, keep: list | None = None
@@ -91,8 +94,9 @@ def time_song(pipeline: Music3Pipeline, seconds: float, steps: int = c.DEFAULT_S
         # Budgets are in GB (10^9 bytes); "reserved" adds the caching allocator's slack, what the GPU holds.
         "peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2),
         "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / 1e9, 2),
-        # As the card sees it (nvidia-smi): sampled used memory, or torch's peak reserved plus what lies outside
-        # torch (CUDA context, other processes), whichever is larger. This is the figure a GPU must have.
+        # This process's own device memory (memory.py: reserved + context and other allocations outside torch;
+        # other processes excluded), sampled, or torch's peak reserved plus that outside part, whichever is larger.
+        # This is the figure a GPU must have free for it.
         "device_peak_gb": round(memory.peak / 1e9, 2),
         "memory": memory.as_dict(),
     }

@@ -124,16 +124,15 @@ def _fused_block_forward(self, hidden_states: torch.Tensor, rotary_emb: tuple[to
 
 
 class FusedQKVAttnProcessor:
-    """Drop-in for `MiniMaxMusic3AttnProcessor` (same inputs and outputs); needs `install` to have fused the weights."""
+    """Drop-in for `MiniMaxMusic3AttnProcessor` (same inputs and outputs); needs `install` to have fused the weights.
+    `qkv` and `output` are the two products (the fp8 DiT's processor, `dit_fp8.py`, overrides them)."""
 
     _attention_backend = None
     _parallel_config = None
 
-    def __call__(
-        self, attn, hidden_states: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        batch, seq_len, _ = hidden_states.shape
-        qkv = F.linear(hidden_states, attn.fused_qkv_weight)
+    def __call__(self, attn, hidden_states, rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        qkv = self.qkv(attn, hidden_states)
+        batch, seq_len, _ = qkv.shape
         cos, sin = rotary_emb
         rotate_q_k_(qkv, cos, sin, attn.heads, attn.head_dim)
         query, key, value = qkv.view(batch, seq_len, 3, attn.heads, attn.head_dim).unbind(2)
@@ -141,7 +140,14 @@ class FusedQKVAttnProcessor:
             query, key, value, backend=self._attention_backend, parallel_config=self._parallel_config
         )
         out = out.flatten(2, 3).to(query.dtype)
-        return attn.to_out[1](attn.to_out[0](out))
+        return attn.to_out[1](self.output(attn, out))
+
+    def qkv(self, attn, hidden_states: torch.Tensor) -> torch.Tensor:
+        """q | k | v of the normed hidden states [B, S, 3 * inner], rows packed token after token."""
+        return F.linear(hidden_states, attn.fused_qkv_weight)
+
+    def output(self, attn, out: torch.Tensor) -> torch.Tensor:
+        return attn.to_out[0](out)
 
 
 def install(transformer: torch.nn.Module) -> int:

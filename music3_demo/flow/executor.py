@@ -9,15 +9,23 @@ being written, or already freed). Two songs at once would read each other's inpu
 executor's thread, in order, on its one stream (high priority, like the flow workers'); songs hand their inputs over
 with an event and get results back with one.
 
+Order. A song's first chunk (the calls before its first audio: its DiT steps and its vocoder call, `urgent`) goes
+ahead of every other song's later chunks: the executor takes the oldest urgent call, else the oldest call. A song's
+own calls come one after another (each waits for the one before), so the order between songs is all that changes,
+and nothing about a song's numbers depends on it (an unmerged call is its lone call whenever it runs). A joining
+user's first audio then waits for at most the calls already on the GPU, not for the others' queued chunks.
+
 Merging. A guided DiT call (one song's CFG pair) is a request; when the executor takes the next request, it also takes
-the other songs' requests already queued with the same shape and runs them as one DiT call of 2n rows (each song its
-own latents, timestep, condition and guidance scale; the model has no attention mask, so only equal lengths merge),
-then splits the result. Nothing waits for a partner: the executor takes what is queued when it is free. It keeps at
-most `IN_FLIGHT` calls queued on the GPU, so requests accumulate while the GPU is busy instead of being launched one
-by one far ahead of it (the host enqueues a step in well under a millisecond, the GPU takes ~14 ms), while a lone song
-still always has its next call queued behind the running one. Full chunks replay a captured graph per bucket (1, 2
-or 4 songs; 3 ready songs fill a bucket of 4 whose spare row computes on stale inputs and is ignored); other lengths
-and the CPU run eagerly with exactly the rows queued. Vocoder calls of equal length merge the same way.
+the other songs' requests already queued with the same shape and urgency and runs them as one DiT call of 2n rows
+(each song its own latents, timestep, condition and guidance scale; the model has no attention mask, so only equal
+lengths merge), then splits the result. Nothing waits for a partner: the executor takes what is queued when it is
+free. It keeps at most `IN_FLIGHT` calls queued on the GPU, so requests accumulate while the GPU is busy instead of
+being launched one by one far ahead of it (the host enqueues a step in well under a millisecond, the GPU takes ~14
+ms), while a lone song still always has its next call queued behind the running one. Full chunks replay a captured
+graph per bucket (1, 2 or 4 songs; 3 ready songs fill a bucket of 4 whose spare row computes on stale inputs and is
+ignored); other lengths and the CPU run eagerly with exactly the rows queued. Vocoder calls of equal length merge the
+same way; on a card whose memory plan has no room for a whole chunk's vocoder activations, each chunk is decoded in
+tiles instead (`vocoder_tile`: the same samples, see `tiled_vocode`).
 
 Which merges run: a `MergePlan` per kind of call (graphed DiT, eager DiT, vocoder) from seconds per call per bucket:
 a ready group takes the bucket with the least time per song served. `calibrate()` (the pipeline's warm-up on CUDA)
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -44,6 +53,7 @@ from typing import Any, Callable
 import torch
 
 from ..devices import on_device
+from ..memory_plan import VOCODER_HALO
 from .dit_graph import VelocityGraphs
 from .guidance import guided_velocity
 
@@ -89,8 +99,9 @@ class Pending:
     """One submitted call. `result()` returns its output ordered after the call on the submitting thread's stream
     (CUDA), or raises what the call raised. `partners`: how many other songs' calls ran in the same call."""
 
-    def __init__(self, kind: str, key: tuple | None, payload: tuple, device: torch.device) -> None:
-        self.kind, self.key, self.payload = kind, key, payload
+    def __init__(self, kind: str, key: tuple | None, payload: tuple, device: torch.device,
+                 urgent: bool = False) -> None:
+        self.kind, self.key, self.payload, self.urgent = kind, key, payload, urgent
         self.consumer = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.ready = None
         if self.consumer is not None:
@@ -128,8 +139,14 @@ class FlowExecutor:
     THREAD_NAME = "music3-flow-executor"
 
     def __init__(self, transformer, vocoder, device: torch.device, graphs: VelocityGraphs | None = None,
-                 mode: str = "auto") -> None:
+                 mode: str = "auto", largest: tuple[int, int] = (max(BUCKETS), max(BUCKETS)),
+                 vocoder_tile: int | None = None) -> None:
+        """`largest`: the most songs one merged DiT call and the most chunks one vocoder call may take (the card's
+        memory plan: each merged song or chunk adds its activations; calibrate() measures no larger call).
+        `vocoder_tile`: latents per vocoder call, where the plan has no room for a whole chunk's (None: whole)."""
         self.transformer = transformer
+        self.vocoder_tile = vocoder_tile
+        self.buckets = {"graph": _upto(largest[0]), "eager": _upto(largest[0]), "vocode": _upto(largest[1])}
         self.vocoder = vocoder
         self.device = device
         self.graphs = graphs
@@ -152,7 +169,7 @@ class FlowExecutor:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
         if mode == "always":
-            self.plans = {kind: MergePlan.always() for kind in ("graph", "eager", "vocode")}
+            self.plans = {kind: MergePlan(dict.fromkeys(buckets, 1.0)) for kind, buckets in self.buckets.items()}
         elif mode == "auto" and self.calibration is not None:
             self.plans = {"graph": MergePlan.measured(self.calibration["dit_call_s"]), "eager": MergePlan.lone(),
                           "vocode": MergePlan.measured(self.calibration["vocoder_call_s"])}
@@ -161,31 +178,33 @@ class FlowExecutor:
 
     # -- what songs call (from their own threads) ---------------------------------------------------------------
     def submit_velocity(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor,
-                        scale: float) -> Pending:
-        """One song's guided DiT call (batch-2 CFG): `latents` [1, C, L], `timestep` [1], `condition` [1, L, D]."""
+                        scale: float, urgent: bool = False) -> Pending:
+        """One song's guided DiT call (batch-2 CFG): `latents` [1, C, L], `timestep` [1], `condition` [1, L, D].
+        `urgent`: a call of the song's first chunk (before its first audio), taken before the others' calls."""
         graphed = self.graphs is not None and self.graphs.supports(latents)
         key = ("velocity", "graph" if graphed else "eager", tuple(latents.shape[1:]), tuple(condition.shape[1:]),
                latents.dtype)
-        return self._submit(Pending("velocity", key, (latents, timestep, condition, float(scale)), self.device))
+        return self._submit(Pending("velocity", key, (latents, timestep, condition, float(scale)), self.device,
+                                    urgent))
 
-    def submit_vocode(self, latents: torch.Tensor) -> Pending:
+    def submit_vocode(self, latents: torch.Tensor, urgent: bool = False) -> Pending:
         """One chunk's vocoder call: `latents` [1, C, L] in the vocoder's dtype -> waveform [1, 2, samples]."""
         return self._submit(Pending("vocode", ("vocode", "vocode", tuple(latents.shape[1:]), latents.dtype),
-                                    (latents,), self.device))
+                                    (latents,), self.device, urgent))
 
-    def submit_call(self, fn: Callable, *args) -> Pending:
+    def submit_call(self, fn: Callable, *args, urgent: bool = False) -> Pending:
         """Any other call on the shared modules (diffusers' two-pass guidance, unguided steps): run alone, in
-        order with the rest."""
-        return self._submit(Pending("call", None, (fn, *args), self.device))
+        order with the rest (urgent ones first)."""
+        return self._submit(Pending("call", None, (fn, *args), self.device, urgent))
 
-    def velocity(self, latents, timestep, condition, scale: float) -> torch.Tensor:
-        return self.submit_velocity(latents, timestep, condition, scale).result()
+    def velocity(self, latents, timestep, condition, scale: float, urgent: bool = False) -> torch.Tensor:
+        return self.submit_velocity(latents, timestep, condition, scale, urgent).result()
 
-    def vocode(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.submit_vocode(latents).result()
+    def vocode(self, latents: torch.Tensor, urgent: bool = False) -> torch.Tensor:
+        return self.submit_vocode(latents, urgent).result()
 
-    def call(self, fn: Callable, *args) -> Any:
-        return self.submit_call(fn, *args).result()
+    def call(self, fn: Callable, *args, urgent: bool = False) -> Any:
+        return self.submit_call(fn, *args, urgent=urgent).result()
 
     def queued(self) -> int:
         """Calls waiting to run (not counting the one running)."""
@@ -194,9 +213,9 @@ class FlowExecutor:
 
     def calibrate(self, length: int, repeats: int = 5) -> dict:
         """CUDA: time the graphed guided call for 1, 2 and 4 songs of `length` latents and the vocoder for 1, 2 and
-        4 chunks (captures the graphs), then, in `auto` mode, merge only into buckets that beat as many lone calls
-        by MERGE_GAIN. Runs on the executor's thread, between songs' calls. Returns the seconds per call and the
-        buckets kept."""
+        4 chunks, as far as `largest` allows (captures the graphs), then, in `auto` mode, merge only into buckets
+        that beat as many lone calls by MERGE_GAIN. Runs on the executor's thread, between songs' calls. Returns
+        the seconds per call and the buckets kept."""
         if self.graphs is None:
             raise RuntimeError("calibrate() measures captured graphs: CUDA with the fast flow path only")
         self.calibration = self.call(self._measure, length, repeats)
@@ -252,14 +271,16 @@ class FlowExecutor:
                     self._execute(group, bucket)
 
     def _take(self) -> tuple[list[Pending], int]:
-        """The oldest queued call and, if it can merge, the other queued calls of its shape (oldest first), as many
-        as its plan's best bucket serves. Called with the lock held."""
+        """The oldest urgent call (a song's first chunk), else the oldest call, and, if it can merge, the other
+        queued calls of its shape and urgency (oldest first), as many as its plan's best bucket serves. Called with
+        the lock held."""
         if not self._queue:  # close() emptied it while the thread waited for the GPU
             return [], 0
-        first = self._queue[0]
+        first = next((pending for pending in self._queue if pending.urgent), self._queue[0])
         if first.key is None:
-            return [self._queue.pop(0)], 1
-        same = [pending for pending in self._queue if pending.key == first.key]
+            self._queue.remove(first)
+            return [first], 1
+        same = [pending for pending in self._queue if pending.key == first.key and pending.urgent == first.urgent]
         bucket = self.plans[first.key[1]].choose(len(same))
         group = same[:bucket]
         for pending in group:
@@ -315,7 +336,12 @@ class FlowExecutor:
 
     def _vocode(self, group: list[Pending]) -> list[torch.Tensor]:
         latents = torch.cat([pending.payload[0] for pending in group]) if len(group) > 1 else group[0].payload[0]
-        return list(self.vocoder(latents).split(1))
+        return list(self._run_vocoder(latents).split(1))
+
+    def _run_vocoder(self, latents: torch.Tensor) -> torch.Tensor:
+        if self.vocoder_tile is None:
+            return self.vocoder(latents)
+        return tiled_vocode(self.vocoder, latents, self.vocoder_tile)
 
     def _measure(self, length: int, repeats: int) -> dict:
         config = self.transformer.config
@@ -325,16 +351,38 @@ class FlowExecutor:
             return torch.randn(*shape, generator=generator, device=self.device, dtype=dtype)
 
         dit, vocoder = {}, {}
-        for bucket in BUCKETS:
+        for bucket in self.buckets["graph"]:
             latents = randn(bucket, config.in_channels, length, dtype=self.transformer.dtype)
             condition = randn(bucket, length, config.condition_dim, dtype=self.transformer.dtype)
             graph = self.graphs.get(latents[:1], condition[:1], rows=bucket)
             for row in range(bucket):
                 graph.load(row, latents[row : row + 1], latents.new_full((1,), 0.5), condition[row : row + 1], 1.7)
             dit[bucket] = _seconds_per_call(graph.replay, repeats)
+        for bucket in self.buckets["vocode"]:
             chunk = randn(bucket, self.vocoder.config.latent_channels, length, dtype=self.vocoder.dtype)
-            vocoder[bucket] = _seconds_per_call(lambda: self.vocoder(chunk), repeats)
+            vocoder[bucket] = _seconds_per_call(lambda: self._run_vocoder(chunk), repeats)
         return {"dit_call_s": dit, "vocoder_call_s": vocoder}
+
+
+def tiled_vocode(vocoder, latents: torch.Tensor, tile: int, halo: int = VOCODER_HALO) -> torch.Tensor:
+    """`vocoder(latents)` in tiles of `tile` latents, each decoded with `halo` latents of context either side and
+    cropped to its own samples, so only one tile's activations are alive at a time. The decoder's convolutions see
+    11 latents either way, so with the default halo every sample is computed from the same inputs as in one call
+    (they differ by the convolutions' rounding only)."""
+    length = latents.shape[-1]
+    if length <= tile + 2 * halo:
+        return vocoder(latents)
+    hop = math.prod(vocoder.config.upsampling_ratios)  # samples per latent
+    pieces = []
+    for start in range(0, length, tile):
+        end = min(length, start + tile)
+        low, high = max(0, start - halo), min(length, end + halo)
+        pieces.append(vocoder(latents[..., low:high])[..., (start - low) * hop : (end - low) * hop])
+    return torch.cat(pieces, dim=-1)
+
+
+def _upto(largest: int) -> tuple[int, ...]:
+    return tuple(bucket for bucket in BUCKETS if bucket <= largest)
 
 
 def _seconds_per_call(fn: Callable[[], Any], repeats: int) -> float:

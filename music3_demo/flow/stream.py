@@ -43,12 +43,33 @@ class Piece:
 
 
 @dataclass
+class FirstChunk:
+    """How a stream's first chunk (the one before its first audio) went, in time.perf_counter() seconds: its frames
+    were there and its decode began, the executor took its first DiT call, it was denoised, its audio was made; and
+    how long its calls stood queued in the executor behind other songs' calls, in all."""
+
+    began: float
+    first_call_started: float | None = None
+    denoised: float | None = None
+    done: float | None = None
+    executor_wait_s: float = 0.0
+
+    def timings(self, since: float) -> dict[str, float]:
+        """Its times as seconds after `since` (a song's start), for the song's timings."""
+        times = {"chunk0_began_s": self.began, "chunk0_first_call_s": self.first_call_started,
+                 "chunk0_denoised_s": self.denoised, "chunk0_done_s": self.done}
+        return {name: at - since for name, at in times.items() if at is not None} | {
+            "chunk0_executor_wait_s": self.executor_wait_s}
+
+
+@dataclass
 class FlowTimings:
     denoise_s: float = 0.0
     vocoder_s: float = 0.0
     chunks: int = 0
     chunk_seconds: list[float] = field(default_factory=list)
     shared_calls: int = 0  # guided DiT calls that ran merged with other songs' (FlowExecutor)
+    first_chunk: FirstChunk | None = None
 
 
 StepCallback = Callable[[int, int, int], None]  # (chunk_index, step_done, num_steps)
@@ -76,7 +97,8 @@ class ChunkDenoiser:
 
     With an `executor` (the pipeline's), every DiT call goes through it: guided batch-2 calls may merge with other
     songs', anything else runs there alone; the executor owns the captured graphs. Without one (a lone stream in a
-    test), calls run here, eagerly."""
+    test), calls run here, eagerly. `urgent` (set by the stream for its first chunk): the calls go ahead of other
+    songs' later chunks, and `first` records their time in the executor."""
 
     def __init__(self, transformer, scheduler, settings: FlowSettings, executor: FlowExecutor | None = None) -> None:
         self.transformer = transformer
@@ -84,16 +106,28 @@ class ChunkDenoiser:
         self.settings = settings
         self.executor = executor
         self.shared_calls = 0
+        self.urgent = False
+        self.first: FirstChunk | None = None
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
         if self.executor is None:
             return self._velocity_here(latents, timestep, condition)
         if _cfg_enabled(self.settings.guidance_scale) and self.settings.batched_cfg:
-            pending = self.executor.submit_velocity(latents, timestep, condition, self.settings.guidance_scale)
-            velocity = pending.result()
-            self.shared_calls += pending.partners > 0
-            return velocity
-        return self.executor.call(self._velocity_here, latents, timestep, condition)
+            pending = self.executor.submit_velocity(latents, timestep, condition, self.settings.guidance_scale,
+                                                    urgent=self.urgent)
+        else:
+            pending = self.executor.submit_call(self._velocity_here, latents, timestep, condition, urgent=self.urgent)
+        velocity = pending.result()
+        self.shared_calls += pending.partners > 0
+        self.note(pending)
+        return velocity
+
+    def note(self, pending) -> None:
+        """A finished executor call of the first chunk: when it started, how long it stood queued."""
+        if self.first is not None:
+            if self.first.first_call_started is None:
+                self.first.first_call_started = pending.started
+            self.first.executor_wait_s += pending.started - pending.submitted
 
     def _velocity_here(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
         run = self.transformer
@@ -228,12 +262,18 @@ class FlowStream:
             self.generator.get_state(), self.generator.device.type,
         )
         began = time.perf_counter()
+        # Before the first audio: its calls go ahead of other songs' later chunks in the executor (`urgent`).
+        first = FirstChunk(began) if self._emitted_samples == 0 else None
+        self.denoiser.urgent, self.denoiser.first = first is not None, first
         with torch.no_grad():
             latents = self._denoise_chunk(chunk_index, start, length)
             self._sync()
             denoised = time.perf_counter()
             waveform = self._vocode(latents.to(self.vocoder.dtype))[0].float().clamp(-1.0, 1.0).cpu().numpy()
         finished = time.perf_counter()
+        if first is not None:
+            first.denoised, first.done = denoised, finished
+            self.timings.first_chunk = first
         self.timings.shared_calls = self.denoiser.shared_calls
         self.timings.denoise_s += denoised - began
         self.timings.vocoder_s += finished - denoised
@@ -276,7 +316,12 @@ class FlowStream:
         return latents
 
     def _vocode(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.vocoder(latents) if self.executor is None else self.executor.vocode(latents)
+        if self.executor is None:
+            return self.vocoder(latents)
+        pending = self.executor.submit_vocode(latents, urgent=self.denoiser.urgent)
+        waveform = pending.result()
+        self.denoiser.note(pending)
+        return waveform
 
     def _release_tail(self) -> list[Piece]:
         tail, self._held_tail = self._held_tail, None

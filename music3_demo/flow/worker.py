@@ -3,6 +3,7 @@
 The semantic stage is bandwidth-bound and the DiT compute-bound, so on a GPU they overlap well; on a CPU the worker
 still lets the two stages share cores. Everything the worker produces (pieces, progress, errors) travels back through
 one hand-off (`handoff.py`), so the caller's event callback is only ever called from the caller's thread.
+`FirstChunks` is a pipeline's record of its songs' first chunks being denoised, which the others' callers wait on.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from typing import Iterator
 
 import torch
@@ -30,6 +32,41 @@ class AnyEvent:
 
     def is_set(self) -> bool:
         return any(event.is_set() for event in self.events)
+
+
+class FirstChunks:
+    """The songs of one pipeline whose first chunk is being denoised (from its 200th frame to its first audio). While
+    there is one, the songs already playing queue no frames: their callers wait between two blocks (`wait`), so the
+    semantic batch stands still within a block or so, as a song alone stops for its own first chunk, and a joining
+    user's first chunk does not share the GPU with the frames of the songs already playing (with several songs the
+    flow stage is the bottleneck: their frames are ahead of their audio). Songs still before their own first audio
+    do not wait (they drive the batch on): songs that start together would otherwise get first audio one by one."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._denoising = 0
+
+    @contextlib.contextmanager
+    def denoising(self) -> Iterator[None]:
+        """Held by a song's caller while it waits for its first audio."""
+        with self._cv:
+            self._denoising += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._denoising -= 1
+                self._cv.notify_all()
+
+    def wait(self, cancel: threading.Event | None = None) -> float:
+        """Until no song's first chunk is being denoised (or `cancel` is set); the seconds it waited."""
+        with self._cv:
+            if not self._denoising:
+                return 0.0
+            began = time.perf_counter()
+            while self._denoising and not (cancel is not None and cancel.is_set()):
+                self._cv.wait(0.05)
+        return time.perf_counter() - began
 
 
 class FlowWorker:

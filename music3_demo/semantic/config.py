@@ -19,12 +19,11 @@ class GraphConfig:
     # (`kernels/tail.py`), a small gain at every prompt length. None: on a GPU without PDL; on the CPU interpreter
     # (tests) True runs one launch per product of the same kernel.
     chain: bool | None = None
-    # Songs advanced together by one replay (2 rows each; a product takes at most 16 rows). Graphs are captured per
-    # bucket of 1, 2, 4, 8 songs up to this; `engine.slots` is this number. 4 by default until a batch of 8 is shown
-    # bit-identical to each song alone on a GPU (`tests/semantic/test_batch_gpu.py`): the mismatch the H200 showed at
-    # 8 is explained and fixed (the prompt cuts, `prefill_chunk`), but that fix has not run on a GPU yet, nor have 8
-    # songs through the app (memory of 8 songs' flow chunks on a 24 GB card).
-    slots: int = 4
+    # Songs advanced together by one replay (2 rows each; a product takes at most 16 rows, so 8 at most). Graphs are
+    # captured per bucket of 1, 2, 4, 8 songs up to this; `engine.slots` is this number. The default is the maximum:
+    # a batch of 8 is bit-identical to each song alone on the H200 (`tests/semantic/test_batch_gpu.py`). It is an
+    # upper bound: a song joins only when the KV pool has its region (`can_admit`), so a smaller card runs fewer.
+    slots: int = 8
     # Prompt tokens prefilled per round while other songs run: a long prompt joins in chunks, so the songs already
     # running wait about one block at a time, not for the whole prefill. A prompt is always cut at multiples of this
     # from its start (its K/V bits depend on the cuts), whichever songs share its rounds.

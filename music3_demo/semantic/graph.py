@@ -1,24 +1,17 @@
 """CUDA-graph semantic engine: one graph replay per frame for every song it runs, nothing on the host per frame.
 
-Per frame, on the device, for each of the B songs in the batch (rows 2s, 2s + 1 of every product are song s's CFG
-pair; one graph per bucket B in {1, 2, 4, 8}, captured when first needed or by `reserve`): LM audio-slice head ->
-CFG + conditional top-k sampling of the semantic code -> depth decoder with its own KV cache (positions 0 and 1 in
-one pass while 4B rows fit a product, then 6 single-position passes, each followed by its CFG/top-k residual sample)
--> the frame's hidden written into the song's device ring -> the feedback embedding -> one LM decode step over the
-song's live context in its region of the KV pool -> its step/position counters (stopped at its limits). Every
-per-song value (step, position, region, top-k, CFG scale, forced prefix, end flag, Philox seed) is a device value,
-so a bucket's graph serves any songs. A song's noise is counter-based (its seed, step, draw, code), its rows are its
-own in every kernel, and each product's tile config is the one-song config whatever the bucket: a song's codes are
-the same alone or batched.
+`GraphEngine` composes parts that call down only: the weights prepared as a value (weights.py), the batch's device
+state (state.py; a prompt's prefill in prefill.py), the frame and its captured graph per bucket of 1, 2, 4 or 8
+songs over them (frame_graph.py), and the batch scheduler (scheduler.py), which decides on plain values who is
+admitted, which prefill chunks run, which bucket replays and who leaves. engine_stream.py is its CUDA stream and
+the events to and from its callers; config.py its knobs.
 
-The host (batch.py) replays blocks of frames and reads the end flags through pinned memory a few blocks late; frames
-made after a song's end token are never yielded. Frame hiddens land in a small ring buffer per song (64 KB a frame
-in bf16); each yielded block is a copy taken out of it on the engine's stream before any later replay is queued, so
-the ring only has to hold the frames in flight.
-
-Beside it: step.py is the frame a graph holds, weights.py prepares the weights it reads, state.py holds the device
-buffers, the KV pool and the prefill, batch.py the songs' joining and leaving, and config.py the knobs
-(`GraphConfig`).
+Each song's caller iterates its own `FrameRun` on its own thread. There is no scheduler thread: a caller whose queue
+is empty takes the drive lock and runs one round (the scheduler's plan, carried out on the engine's stream), which
+hands each song its new frames through its own queue; the other callers wait on a condition. The host never syncs
+per frame: it reads the songs' end flags a few blocks late through pinned memory, and frames made after a song's end
+token are never yielded. Frame hiddens land in a small ring per song; each yielded block is copied out of it on the
+engine's stream before any later replay is queued.
 """
 
 from __future__ import annotations
@@ -26,108 +19,111 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
 from .. import contract as c
 from ..devices import check_launch_device, normalize, on_device
-from . import SamplingSettings, check_prefix
-from .batch import Batch
+from ..events import check_cancel
 from .config import GraphConfig
+from .engine import SamplingSettings, check_prefix
+from .engine_stream import EngineStream
+from .frame_graph import FrameGraph
 from .kernels import interpreting, pdl_supported
-from .kernels.frame import NO_END
 from .kernels.tuning import Tuning, tuning_for
-from .run import FrameRun
-from .state import AUDIO_CODES, PARKING, EngineState, PositionPool, copy_prompt, prefill, round_up, song_positions
-from .step import FrameStep
-from .weights import EngineWeights
+from .prefill import copy_prompt, prefill
+from .run import FrameRun, Occupancy, SongStats
+from .scheduler import BatchScheduler, Block, RoundPlan, ScheduledSong, pool_positions, song_positions
+from .state import DeviceState
+from .weights import prepare_weights, text_embeddings_to_host
 
 __all__ = ["GraphEngine"]
 
 MAX_TOP_K = 1024
 BUCKETS = (1, 2, 4, 8)  # songs per graph; 2 rows each, and a product takes at most 16 rows
-# The KV pool: this share of the device's free memory when it is first needed, at most KV_POOL_CAP_BYTES, and never
-# more than `slots` songs of the longest request. On the CPU (tests) KV_POOL_CPU_POSITIONS unless given.
-KV_POOL_FRACTION = 0.5
-KV_POOL_CAP_BYTES = 24 * 2**30
-KV_POOL_CPU_POSITIONS = 2048
+WAIT_S = 0.02  # a waiting caller looks at its cancel flag at least this often
 
 
-class GraphEngine(EngineWeights, FrameStep):
+@dataclass(eq=False, kw_only=True)
+class Song(ScheduledSong):
+    """A song on the engine: what the scheduler knows, its inputs on the device and what goes back to its caller."""
+
+    run: FrameRun
+    text_ids: torch.Tensor  # [2, T] on the engine's device
+    sampling: SamplingSettings
+    seed: int
+    forced: torch.Tensor  # [P, 8] codes on the CPU
+    ready: object = None  # the caller's stream has made text_ids (a CUDA event; the prefill's stream waits for it)
+    marks: tuple = ()  # (admitted, prompt in place) on the engine's timeline
+    clock: tuple = ()  # the host's time.perf_counter() at each mark (when it was queued)
+    items: deque = field(default_factory=deque)  # ("frames", payload) | ("end", (codes, stats)) | ("error", exc)
+
+
+class GraphEngine:
     name = "graph"
     separate_flow_rng = True
 
-    def __init__(
-        self,
-        language_model,
-        depth_decoder,
-        device: torch.device | str,
-        *,
-        use_graphs: bool | None = None,
-        pdl: bool | None = None,
-        attention_splits: int | None = None,
-        chain: bool | None = None,
-        slots: int | None = None,
-        kv_pool_positions: int | None = None,
-        config: GraphConfig | None = None,
-        tuning: Tuning | None = None,
-    ) -> None:
+    def __init__(self, language_model, depth_decoder, device: torch.device | str, *, use_graphs: bool | None = None,
+                 pdl: bool | None = None, attention_splits: int | None = None, chain: bool | None = None,
+                 slots: int | None = None, kv_pool_positions: int | None = None, config: GraphConfig | None = None,
+                 tuning: Tuning | None = None) -> None:
         """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits`, `chain` and `slots`,
         when given, override its fields. `kv_pool_positions` fixes the KV pool's size (positions per CFG row) instead
-        of sizing it from free memory."""
+        of sizing it from free memory (what an engine outside a pipeline does; a pipeline's comes from its card's
+        memory plan)."""
         device = normalize(device)
         if device.type != "cuda" and not interpreting():
-            raise ValueError(
-                "The graph engine needs a CUDA GPU; use the reference engine (--engine reference or auto) here."
-            )
+            raise ValueError("The graph engine needs a CUDA GPU; use the reference engine (--engine reference or auto) "
+                             "here.")
         self.device = device
         # Kernel tile configs for this device's GPU (kernels/tuning.py: its measured table, else the heuristic).
         self.tuning = tuning or tuning_for(device)
         self.language_model = language_model
         self.depth_decoder = depth_decoder
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
-        self.config = config = (config or GraphConfig()).with_overrides(
-            pdl=pdl, attention_splits=attention_splits, chain=chain, slots=slots
-        )
-        # The host loop's names for the config's sizes.
-        self.REPLAY_BLOCK, self.IN_FLIGHT, self.FRAME_RING = config.replay_block, config.in_flight, config.frame_ring
-        self.slots = config.slots
+        self.config = config = (config or GraphConfig()).with_overrides(pdl=pdl, attention_splits=attention_splits,
+                                                                          chain=chain, slots=slots)
+        self.slots = config.slots  # songs at once: the batch's places
         self.buckets = tuple(sorted({min(bucket, self.slots) for bucket in BUCKETS}))
         self.pdl = config.pdl and pdl_supported(device)
         self.attention_splits = config.attention_splits
         self.chain = (device.type == "cuda" and not self.pdl) if config.chain is None else config.chain
         self.kv_pool_positions = kv_pool_positions
-        self.capture_count = 0
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, record: teacher forcing's logits)
-        self._state: EngineState | None = None
-        self.pool: PositionPool | None = None
         with on_device(device):  # the stream, graph pool and pinned flags belong to this device's context
-            self._load_weights()
-            if device.type == "cuda":
-                self._stream = torch.cuda.Stream(device)
-                self._graph_pool = torch.cuda.graph_pool_handle()
-                self._pinned = torch.zeros(self.IN_FLIGHT + 1, self.slots, dtype=torch.int32, pin_memory=True)
-        self._next_flags = 0
-        self._batch = Batch(self)
+            self.weights = prepare_weights(language_model, depth_decoder)
+            self.stream = EngineStream(device, config.in_flight + 1, self.slots)
+        self.precision = self.weights.precision
+        self.scheduler = BatchScheduler(self.slots, self.buckets, config.prefill_chunk, config.replay_block,
+                                        config.in_flight, pool_limit=kv_pool_positions)
+        self.occupancy = Occupancy(self.slots, self.name)
+        self._state: DeviceState | None = None
+        self.frame_graph: FrameGraph | None = None  # over the state: made with it, dropped with it
+        self._captures_before = 0  # graphs captured over states already dropped
+        self._lock = threading.Condition()  # guards the scheduler and every song's items
+        self._drive = threading.Lock()  # held for one round by the caller that drives
+        self._driver: int | None = None  # the driving thread's id
 
     # ------------------------------------------------------------------ public API
-    def can_admit(self, prompt_tokens: int, max_frames: int) -> bool:
-        """A slot is free and the KV pool has a region for this song now (no waiting song is ahead of it)."""
-        return self._batch.can_admit(prompt_tokens, max_frames)
+    @property
+    def capture_count(self) -> int:
+        """Graphs this engine has captured so far."""
+        return self._captures_before + (self.frame_graph.captures if self.frame_graph is not None else 0)
 
-    def frames(
-        self,
-        text_ids: torch.Tensor,
-        max_frames: int,
-        sampling: SamplingSettings,
-        generator: torch.Generator,
-        cancel: threading.Event | None = None,
-        prefix: torch.Tensor | None = None,
-    ) -> FrameRun:
+    def can_admit(self, prompt_tokens: int, max_frames: int) -> bool:
+        """A place is free and the KV pool has a region for this song now (no waiting song is ahead of it)."""
+        if self.occupancy.free() == 0:
+            return False
+        with self._lock:
+            return self.scheduler.can_admit(prompt_tokens, max_frames)
+
+    def frames(self, text_ids: torch.Tensor, max_frames: int, sampling: SamplingSettings, generator: torch.Generator,
+               cancel: threading.Event | None = None, prefix: torch.Tensor | None = None) -> FrameRun:
         """`prefix` ([P, 8] codes): the first P steps take these codes in place of the sampled ones (the samplers
         still draw, so the random stream does not depend on P), then decoding goes on freely."""
-        prefix = check_prefix(prefix, max_frames, self.audio_vocab)
+        prefix = check_prefix(prefix, max_frames, self.weights.audio_vocab)
         if text_ids.dim() != 2 or text_ids.shape[0] != 2:
             raise ValueError(f"text_ids must be the [2, T] CFG pair, got {tuple(text_ids.shape)}")
         if max_frames < 1:
@@ -136,8 +132,8 @@ class GraphEngine(EngineWeights, FrameStep):
             raise ValueError(f"top_k must be in 1..{MAX_TOP_K}, got {sampling.top_k}")
 
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
-        song = torch.no_grad()(self._batch.song)
-        return FrameRun(lambda run: song(run, text_ids, max_frames, sampling, seed, prefix, cancel))
+        sing = torch.no_grad()(self._sing)
+        return FrameRun(lambda run: sing(run, text_ids, max_frames, sampling, seed, prefix, cancel))
 
     @torch.no_grad()
     def teacher_forced(
@@ -148,267 +144,265 @@ class GraphEngine(EngineWeights, FrameStep):
         ([steps - 1, 8·hidden]); the reference computation on the same codes must agree within bf16 rounding.
         The engine must be idle (no song on it)."""
         steps = codes.shape[0]
-        with self._batch.exclusive(), on_device(self.device):
+        with self._exclusive(), on_device(self.device):
             check_launch_device(self.device, "The graph engine")
             need = song_positions(text_ids.shape[1], steps - 1)
-            if self.pool is None or not self.pool.could_hold(need):
-                self.allocate(need)
+            self._hold(need)
+            self.frame_graph.record_room(steps)
             state = self._state
-            if state.record is None or state.record.shape[0] < steps:
-                state.record = None
-                self._graphs.pop((1, True), None)
-                state.record = torch.zeros(round_up(steps, 256), 2, AUDIO_CODES, device=self.device, dtype=self.dtype)
-            start = self.pool.take(need)
+            start = self.scheduler.regions.take(need)
             try:
                 text_ids = text_ids.to(self.device)
-                self.begin(0, text_ids, steps, SamplingSettings(cfg_scale), 0, codes, start)
-                chunk = self.config.prefill_chunk  # cut where a song's prompt is cut (batch.py): the same K/V
+                self._set_song(0, text_ids, SamplingSettings(cfg_scale), 0, codes)
+                chunk = self.config.prefill_chunk  # cut where a song's prompt is cut (scheduler.py): the same K/V
                 for begin in range(0, text_ids.shape[1], chunk):
-                    self.fill(0, text_ids, start, begin, min(text_ids.shape[1], begin + chunk))
-                self.go(0, start, text_ids.shape[1], steps)
-                with self._on_stream():  # allocated on the stream that writes it
-                    frames = torch.empty(steps - 1, state.frames.shape[2], device=self.device, dtype=self.dtype)
+                    self._prefill(0, text_ids, start, begin, min(text_ids.shape[1], begin + chunk))
+                state.start_song(0, start, text_ids.shape[1], steps)
+                with self.stream.scope():  # allocated on the stream that writes it
+                    frames = torch.empty(steps - 1, state.frames.shape[2], device=self.device,
+                                         dtype=self.weights.dtype)
                     for step in range(steps):
-                        self.replay(1, 1, record=True)
+                        self.frame_graph.replay(1, 1, record=True)
                         if step:  # step s wrote frame s-1 into the ring
-                            frames[step - 1].copy_(state.frames[0, (step - 1) % self.FRAME_RING])
+                            frames[step - 1].copy_(state.frames[0, (step - 1) % self.config.frame_ring])
                     logits = state.record[:steps].float()
-                self._synchronize()
+                self.stream.synchronize()
                 return logits, frames
             finally:
-                self.park(0)
-                self.pool.give(start)
+                self._state.park(0)
+                self.scheduler.regions.give(start)
 
     def reserve(self, prompt_tokens: int, max_frames: int) -> None:
         """Size the KV pool for songs up to these lengths and capture every bucket's graph now, so later songs
         neither reallocate nor capture. The engine must be idle."""
-        with self._batch.exclusive(), on_device(self.device):
-            need = song_positions(prompt_tokens, max_frames)
-            if self.pool is None or not self.pool.could_hold(need):
-                self.allocate(need)
+        with self._exclusive(), on_device(self.device):
+            self._hold(song_positions(prompt_tokens, max_frames))
             if self.use_graphs:
                 for bucket in self.buckets:
-                    self._advance(bucket, False)
+                    self.frame_graph.prepare(bucket)
 
     def release(self) -> None:
         """Free graphs, the KV pool and buffers (the weights stay with the modules). The engine must be idle."""
-        with self._batch.exclusive():
-            self._graphs.clear()
-            self._state = None
-            self.pool = None
+        with self._exclusive():
+            self._drop_state()
+            self.scheduler.use_pool(None)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ------------------------------------------------------------------ the KV pool (the batch calls these)
-    def kv_bytes_per_position(self) -> int:
-        return len(self.blocks) * 2 * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+    def text_embeddings_to_host(self) -> None:
+        """The LM's token-embedding table to pinned host memory (weights.text_embeddings_to_host)."""
+        text_embeddings_to_host(self.language_model, self.device)
+
+    def _hold(self, need: int) -> None:
+        if self.scheduler.regions is None or not self.scheduler.regions.could_hold(need):
+            self.allocate(need)
+
+    def allocate(self, need: int) -> None:
+        """(Re)allocate the device state with a KV pool holding at least `need` positions, and its frame graph
+        (idle engine only: the graphs captured over the old state die with it)."""
+        positions = self._pool_positions(need)
+        self._drop_state()  # free the old buffers before allocating larger ones
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        with self.stream.scope():
+            self._state = DeviceState(self.weights, self.device, self.slots, positions, c.MAX_AUDIO_FRAMES + 2,
+                                      self.config.frame_ring, self.attention_splits, self.tuning.programs,
+                                      scope=self.stream.scope)
+        self.frame_graph = FrameGraph(self.weights, self._state, self.stream, self.tuning, pdl=self.pdl,
+                                      chain=self.chain, use_graphs=self.use_graphs)
+        self.scheduler.use_pool(positions)
+
+    def _drop_state(self) -> None:
+        if self.frame_graph is not None:
+            self._captures_before += self.frame_graph.captures
+        self.frame_graph = self._state = None
+
+    def size_pool(self, positions: int | None) -> None:
+        """From now on the KV pool holds `positions` per CFG row (the card's memory plan; None: sized at first use
+        from free memory, as for an engine outside a pipeline). The state and graphs go now (idle engine) and are
+        made again at that size when first needed."""
+        self.release()
+        self.kv_pool_positions = self.scheduler.pool_limit = positions
 
     def _pool_positions(self, need: int) -> int:
-        longest = song_positions(c.MAX_PROMPT_TOKENS, c.MAX_AUDIO_FRAMES)
-        if self.kv_pool_positions is not None:
-            positions = self.kv_pool_positions
-        elif self.device.type == "cuda":
+        free = None
+        if self.kv_pool_positions is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             if self._state is not None:
                 free += self._state.kv.numel() * self._state.kv.element_size()  # (freed before the new one)
-            positions = min(KV_POOL_CAP_BYTES, int(free * KV_POOL_FRACTION)) // self.kv_bytes_per_position()
-            positions = min(positions, self.slots * longest + PARKING)
+        return pool_positions(need, self.slots, self.weights.kv_bytes_per_position, self.kv_pool_positions, free)
+
+    # ------------------------------------------------------------------ the callers' side
+    def _sing(self, run: FrameRun, text_ids: torch.Tensor, max_frames: int, sampling: SamplingSettings, seed: int,
+              forced: torch.Tensor, cancel: threading.Event | None) -> Iterator[torch.Tensor]:
+        seat = self.occupancy.enter()
+        prompt = text_ids.detach().to("cpu")
+        song = Song(prompt_tokens=text_ids.shape[1], max_frames=max_frames,
+                    prompt=(tuple(prompt.shape), str(prompt.dtype), prompt.numpy().tobytes()), run=run,
+                    text_ids=text_ids.to(self.device), sampling=sampling, seed=seed, forced=forced,
+                    ready=self.stream.caller_ready())
+        with self._lock:
+            self.scheduler.add(song)
+        try:
+            while True:
+                check_cancel(cancel)
+                item = self._pop(song)
+                if item is None:
+                    self._drive_or_wait(song)
+                    continue
+                kind, payload = item
+                if kind == "frames":
+                    yield self.stream.hand_over(*payload)
+                elif kind == "end":
+                    codes, stats = payload
+                    run.finish(self.stream.hand_over(*codes), stats)
+                    return
+                else:
+                    raise payload
+        finally:
+            self._leave(song)
+            self.occupancy.leave(seat)
+
+    def _pop(self, song: Song):
+        with self._lock:
+            return song.items.popleft() if song.items else None
+
+    def _push(self, song: Song, item) -> None:
+        with self._lock:
+            song.items.append(item)
+            self._lock.notify_all()
+
+    def _drive_or_wait(self, song: Song) -> None:
+        if self._drive.acquire(blocking=False):
+            try:
+                self._round()
+            finally:
+                self._drive.release()
+                with self._lock:
+                    self._lock.notify_all()
         else:
-            positions = KV_POOL_CPU_POSITIONS
-        if self.kv_pool_positions is not None and self.kv_pool_positions >= need + PARKING:
-            return positions  # as given (tests size it to a few songs)
-        return round_up(max(positions, need + PARKING), 256)
+            with self._lock:
+                if not song.items:
+                    self._lock.wait(WAIT_S)
 
-    def pool_could_hold(self, need: int) -> bool:
-        return self.kv_pool_positions is None or need + PARKING <= self.kv_pool_positions
+    def _leave(self, song: Song) -> None:
+        with self._lock:
+            holds_a_place = self.scheduler.leave(song)
+        if not holds_a_place or self._driver == threading.get_ident():
+            return  # (stopped from inside a round, a collected generator: the next round retires it)
+        with self._drive:
+            self._retire_gone()
 
-    def allocate(self, need: int) -> None:
-        """(Re)allocate the state with a pool holding at least `need` positions (idle engine only: graphs die)."""
-        positions = self._pool_positions(need)
-        self._graphs.clear()
-        self._state = None  # free the old buffers before allocating larger ones
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        steps = c.MAX_AUDIO_FRAMES + 2
-        with self._on_stream():
-            self._state = EngineState(self, self.slots, positions, steps)
-        self.pool = PositionPool(positions)
+    def _retire_gone(self) -> None:
+        with self._lock:
+            gone = self.scheduler.retire_gone()
+        for song in gone:
+            self._state.park(song.place)
 
-    def reset_slots(self) -> None:
-        """After a failed round: every slot parked, the pool empty."""
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The engine with no song on it, held for one call (teacher forcing, reserve, release): else an error."""
+        busy = "This GraphEngine is busy with songs; teacher forcing and reserve need it idle."
+        if not self._drive.acquire(blocking=False):
+            raise RuntimeError(busy)
+        try:
+            with self._lock:
+                if self.scheduler.busy:
+                    raise RuntimeError(busy)
+            yield
+        finally:
+            self._drive.release()
+
+    # ------------------------------------------------------------------ a round (the drive lock held)
+    def _round(self) -> None:
+        self._driver = threading.get_ident()
+        try:
+            with on_device(self.device):
+                self._retire_gone()
+                with self._lock:
+                    grow = self.scheduler.pool_to_grow()
+                if grow is not None:
+                    self.allocate(grow)
+                with self._lock:
+                    plan = self.scheduler.plan()
+                self._carry_out(plan)
+        except BaseException as error:
+            self._fail(error)
+            raise
+        finally:
+            self._driver = None
+
+    def _carry_out(self, plan: RoundPlan) -> None:
+        for admission in plan.admit:
+            song = admission.song
+            song.marks, song.clock = (self.stream.mark(),), (time.perf_counter(),)
+            self._set_song(song.place, song.text_ids, song.sampling, song.seed, song.forced, song.ready)
+            if admission.copy_from is not None:  # a variation: the same prompt's K/V, copied
+                source = admission.copy_from
+                with self.stream.scope():
+                    copy_prompt(self._state, source.place, source.start, song.place, song.start, song.prompt_tokens)
+                self._run_song(song)
+        for chunk in plan.prefill:
+            self._prefill(chunk.song.place, chunk.song.text_ids, chunk.song.start, chunk.begin, chunk.end)
+            if chunk.last:
+                self._run_song(chunk.song)
+        if plan.launch is not None:
+            self._launch(plan.launch)
+        elif plan.collect is not None:
+            self._collect(plan.collect)
+
+    def _run_song(self, song: Song) -> None:
+        self._state.start_song(song.place, song.start, song.prompt_tokens, song.total)
+        song.marks += (self.stream.mark(),)
+        song.clock += (time.perf_counter(),)
+
+    def _launch(self, block: Block) -> None:
+        self.frame_graph.replay(block.bucket, block.count)
+        block.handle = (self.stream.mark(), self.stream.end_flags(self._state.end_at[: block.bucket]))
+
+    def _collect(self, block: Block) -> None:
+        mark, read_ends = block.handle
+        ends = read_ends()
+        with self._lock:
+            made = self.scheduler.collected(block, ends)
+        for item in made:
+            song = item.song
+            # Copies out of the state on the engine's stream (replays queued later cannot overwrite them first),
+            # each with the event its caller's stream waits for (`EngineStream.hand_over`).
+            if item.frames is not None:
+                frames = self._state.ring_rows(song.place, *item.frames)
+                self._push(song, ("frames", (frames, self.stream.copied())))
+            if item.steps is not None:
+                admitted, in_place = song.marks
+                stats = SongStats(song.emitted, item.steps, self.stream.seconds(admitted, in_place),
+                                  self.stream.seconds(in_place, mark), self.capture_count, song.peers,
+                                  song.clock)
+                codes = self._state.song_codes(song.place, item.steps)
+                self._push(song, ("end", ((codes, self.stream.copied()), stats)))
+                self._state.park(song.place)
+
+    def _fail(self, error: BaseException) -> None:
+        """A round raised (a kernel that cannot launch, a device error): every song ends with the error (the caller
+        that drove raises it itself) and the engine starts afresh at the next song."""
+        with self._lock:
+            for song in self.scheduler.fail():
+                song.items.append(("error", error))
+            self._lock.notify_all()
         if self._state is not None:
-            with contextlib.suppress(Exception), self._on_stream():
-                for slot in range(self.slots):
-                    self._state.park(slot)
-            self.pool = PositionPool(self._state.pool_positions)
+            with contextlib.suppress(Exception):
+                for place in range(self.slots):
+                    self._state.park(place)
 
-    # ------------------------------------------------------------------ a song's slot (the batch calls these)
-    def bucket_for(self, songs: int) -> int:
-        return next(bucket for bucket in self.buckets if bucket >= songs)
-
-    def begin(self, slot: int, text_ids: torch.Tensor, total: int, sampling: SamplingSettings, seed: int,
-              forced: torch.Tensor, start: int, ready: object = None) -> None:
-        """Song `slot` takes its region from `start` and its settings (`total` decode steps; it then stands still).
-        Its prompt then comes from `fill` (in chunks) or `copy`, and `go` sets it running."""
+    # ------------------------------------------------------------------ a place's device values (engine's stream)
+    def _set_song(self, place: int, text_ids: torch.Tensor, sampling: SamplingSettings, seed: int,
+                  forced: torch.Tensor, ready: object = None) -> None:
         # Every launch of this song runs on this thread's current device: on another device's context they would
         # read this device's memory (an illegal access found only at a later synchronize).
         check_launch_device(self.device, "The graph engine")
-        s = self._state
-        if self.device.type == "cuda":
-            if ready is not None:  # text_ids came from the song's caller's stream (maybe not this thread's)
-                self._stream.wait_event(ready)
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            text_ids.record_stream(self._stream)
-        with self._on_stream():  # (its base, counters and end flag stay parked until `go`: it replays meanwhile)
-            s.seeds[slot].fill_(seed)
-            s.scale[slot].fill_(float(sampling.cfg_scale))
-            s.top_k[slot].fill_(sampling.top_k)
-            s.forced[slot, : forced.shape[0]].copy_(forced.to(self.device, torch.int32))
-            s.forced_steps[slot].fill_(forced.shape[0])
+        self.stream.wait_for_caller(ready, text_ids)
+        self._state.set_song(place, seed, sampling.cfg_scale, sampling.top_k, forced)
 
-    def fill(self, slot: int, text_ids: torch.Tensor, start: int, begin: int, end: int) -> None:
-        """Prefill prompt tokens [begin, end) of song `slot` (region from `start`)."""
-        with self._on_stream():
-            prefill(self._state, self, text_ids, slot, start, begin, end)
-
-    def copy(self, slot: int, start: int, source: tuple[int, int], length: int) -> None:
-        """Song `slot` (region from `start`) has the prompt of the song in slot source[0] (region from source[1])."""
-        with self._on_stream():
-            copy_prompt(self._state, source[0], source[1], slot, start, length)
-
-    def go(self, slot: int, start: int, length: int, total: int) -> None:
-        """Song `slot`, its prompt of `length` tokens in place from `start`, runs from the next replay."""
-        s = self._state
-        with self._on_stream():
-            s.base[slot].fill_(start)
-            s.end_at[slot].fill_(NO_END)
-            s.lm_hidden[2 * slot : 2 * slot + 2].copy_(s.prompt_hidden[slot])
-            s.counters[slot, 0].fill_(0)
-            s.counters[slot, 1].fill_(length)
-            s.limits[slot, 0].fill_(total)
-            s.limits[slot, 1].fill_(length + total)
-
-    def ready_mark(self) -> object:
-        """On a song's caller's thread: an event after what its stream has queued (None off CUDA)."""
-        if self.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def park(self, slot: int) -> None:
-        with self._on_stream():
-            self._state.park(slot)
-
-    def replay(self, bucket: int, count: int, record: bool = False) -> None:
-        advance = self._advance(bucket, record)
-        with self._on_stream():
-            for _ in range(count):
-                advance()
-
-    def take(self, slot: int, start: int, stop: int) -> tuple[torch.Tensor, object]:
-        """Frames [start, stop) of song `slot`, copied out of its ring on the engine's stream, so replays queued later
-        cannot overwrite them first; with the event the caller's stream waits for (`hand_over`)."""
-        ring = self._state.frames[slot]
-        with self._on_stream():
-            rows = torch.arange(start, stop, device=self.device) % ring.shape[0]
-            block = ring.index_select(0, rows)
-        return block, self._copied()
-
-    def codes(self, slot: int, steps: int) -> tuple[torch.Tensor, object]:
-        with self._on_stream():
-            codes = self._state.codes[slot, :steps].clone()
-        return codes, self._copied()
-
-    def hand_over(self, tensor: torch.Tensor, copied: object) -> torch.Tensor:
-        """On the caller's thread: its stream waits for the copy (and only for it)."""
-        if copied is not None:
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(copied)
-            tensor.record_stream(stream)
-        return tensor
-
-    def _copied(self) -> object:
-        if self.device.type != "cuda":
-            return None
-        copied = torch.cuda.Event()
-        copied.record(self._stream)
-        return copied
-
-    def end_flags(self, bucket: int) -> Callable[[], list[int]]:
-        """Snapshot the songs' end flags after the work queued so far; the returned call waits for it."""
-        flags = self._state.end_at[:bucket]
-        if self.device.type != "cuda":
-            values = flags.tolist()
-            return lambda: values
-        row = self._pinned[self._next_flags, :bucket]
-        self._next_flags = (self._next_flags + 1) % self._pinned.shape[0]
-        with self._on_stream():
-            row.copy_(flags, non_blocking=True)
-        event = torch.cuda.Event(blocking=True)
-        event.record(self._stream)
-
-        def wait() -> list[int]:
-            event.synchronize()
-            return row.tolist()
-
-        return wait
-
-    # ------------------------------------------------------------------ graphs
-    def _advance(self, bucket: int, record: bool) -> Callable[[], None]:
-        if record and self._state.record is None:
-            self._state.record = torch.zeros(256, 2, AUDIO_CODES, device=self.device, dtype=self.dtype)
-        if not self.use_graphs:
-            return lambda: self._step(bucket, record)
-        graph = self._graphs.get((bucket, record))
-        if graph is None:
-            graph = self._graphs[(bucket, record)] = self._capture(bucket, record)
-        return graph.replay
-
-    def _capture(self, bucket: int, record: bool) -> torch.cuda.CUDAGraph:
-        """Warm-up (compiles every kernel, sizes the shared split-K workspace) on a small throw-away state, so songs
-        already running are untouched, then capture on the real one."""
-        state = self._state
-        workspace = state.gemv_workspace.partials
-        with self._on_stream():
-            scratch = EngineState(self, bucket, 256, 16, shared=state)
-            if record:
-                scratch.record = torch.zeros(16, 2, AUDIO_CODES, device=self.device, dtype=self.dtype)
-            self._step(bucket, record, scratch)
-        self._stream.synchronize()
-        del scratch
-        if state.gemv_workspace.partials is not workspace:  # it grew: graphs captured before read the old one
-            self._graphs.clear()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._stream, capture_error_mode="thread_local"):
-            self._step(bucket, record)
-        self.capture_count += 1
-        return graph
-
-    # ------------------------------------------------------------------ plumbing
-    def _on_stream(self) -> contextlib.AbstractContextManager:
-        """The engine's device and stream (Triton launches on the current device's current stream)."""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        scope = contextlib.ExitStack()
-        scope.enter_context(on_device(self.device))
-        scope.enter_context(torch.cuda.stream(self._stream))
-        return scope
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            self._stream.synchronize()
-
-    def mark(self) -> object:
-        """A point on the engine's timeline (a CUDA event, or the host clock off CUDA)."""
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(self._stream)
-        return event
-
-    @staticmethod
-    def seconds(start: object, end: object) -> float:
-        if isinstance(start, float):
-            return end - start
-        return start.elapsed_time(end) / 1e3
+    def _prefill(self, place: int, text_ids: torch.Tensor, start: int, begin: int, end: int) -> None:
+        """Prompt tokens [begin, end) of the song in `place` (its region from `start`)."""
+        with self.stream.scope():
+            prefill(self._state, self.weights, self.language_model, text_ids, place, start, begin, end)

@@ -4,7 +4,7 @@ scales per output channel or per output channel and 128-column group, made at lo
 Each quantized `nn.Linear` is replaced in place by a `QuantizedLinear` that holds the 1-byte weight and its scales and
 dequantizes on forward (to the activation dtype) before F.linear. So the HF model itself, with its modules swapped,
 is the reference on exactly the weights the kernels read: the reference engine, the teacher-forcing oracle and the
-load-time self-check (`semantic/setup.py`) all compare the graph engine with the same weights, and bf16 (no swap)
+load-time self-check (`semantic/select.py`) all compare the graph engine with the same weights, and bf16 (no swap)
 stays the exact reference of the checkpoint. The graph engine (`weights.py`) fuses the modules' 1-byte weights and
 scales by rows as it fuses bf16 ones; it learns the precision from the modules it is given (`precision_of`).
 
@@ -180,6 +180,79 @@ def model_group(targets: list[tuple[nn.Module, str, nn.Linear]], group: int) -> 
     return group
 
 
+class LayerQuantizer:
+    """quantize_model_ one Linear at a time, as each weight arrives: a streaming load (weights_stream.py) hands every
+    tensor to `place(component, name, tensor)`, which quantizes the LM's and depth decoder's block weights on the
+    device the moment they exist (so the bf16 model is never whole anywhere), and `finish()` quantizes lm_head's
+    audio rows and returns the report. The models may be skeletons (parameters on `meta`) when it is made."""
+
+    def __init__(self, language_model, depth_decoder, mode: str, device: torch.device | str,
+                 scheme: Scheme | None = None) -> None:
+        self.language_model, self.depth_decoder = language_model, depth_decoder
+        self.mode, self.device = mode, torch.device(device)
+        if mode not in SUPPORTED:
+            raise ValueError(f"Unknown precision {mode!r}: choose one of {', '.join(SUPPORTED)}.")
+        self.report = QuantReport(mode)
+        self.targets: dict[tuple[str, str], tuple[nn.Module, str, nn.Linear]] = {}
+        self.seconds = 0.0
+        if mode == "bf16":
+            return
+        if mode == "fp8" and not fp8_supported(self.device):
+            raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer ({self.device} is older): "
+                             "use int8.")
+        scheme = scheme or DEFAULT_SCHEMES[mode]
+        if scheme.fmt != mode:
+            raise ValueError(f"scheme {scheme.name} is not a {mode} scheme")
+        targets = linear_targets(language_model, depth_decoder)
+        self.group = model_group(targets, scheme.group) if scheme.group else 0
+        if self.group != scheme.group:
+            self.report.notes.append(f"scale groups of {self.group} columns (every K here divides by {self.group}, "
+                                     f"not by {scheme.group})")
+        self.report.scheme, self.report.group = Scheme(mode, self.group).name, self.group
+        names = {("language_model", id(module)): name for name, module in language_model.named_modules()}
+        names |= {("rvq_depth_decoder", id(module)): name for name, module in depth_decoder.named_modules()}
+        for parent, child, linear in targets:
+            component = "language_model" if ("language_model", id(parent)) in names else "rvq_depth_decoder"
+            owner = names[(component, id(parent))]
+            self.targets[(component, f"{owner}.{child}.weight" if owner else f"{child}.weight")] = (parent, child,
+                                                                                                     linear)
+
+    def place(self, component: str, name: str, tensor: torch.Tensor) -> bool:
+        """Quantize `tensor` (on the device) into its module if it is a block weight; False for every other."""
+        target = self.targets.pop((component, name), None)
+        if target is None:
+            return False
+        parent, child, linear = target
+        started = time.perf_counter()
+        linear.weight = nn.Parameter(tensor, requires_grad=False)
+        parent._modules[child] = _swap(linear, self.mode, self.group, self.device, self.report)
+        self.seconds += time.perf_counter() - started
+        return True
+
+    def swap_all(self) -> None:
+        """Quantize every block weight still waiting (the modules already hold their weights: quantize_model_)."""
+        for (component, name), (_, _, linear) in list(self.targets.items()):
+            self.place(component, name, linear.weight.detach())
+
+    def finish(self) -> QuantReport:
+        """lm_head's audio rows quantized (the head itself stays), both models on the device; the report."""
+        started = time.perf_counter()
+        if self.targets:
+            raise ValueError(f"{len(self.targets)} weights to quantize never arrived, e.g. {next(iter(self.targets))}")
+        if self.mode != "bf16":
+            language_model = self.language_model
+            head = language_model.lm_head
+            rows = audio_head_rows(head.weight.device)
+            audio = nn.Linear(head.in_features, rows.numel(), bias=False, device="meta")
+            audio.weight = nn.Parameter(head.weight.detach()[rows], requires_grad=False)  # a copy of 16,385 rows
+            language_model.lm_head = QuantizedAudioHead(head, _swap(audio, self.mode, self.group, self.device,
+                                                                    self.report))
+        self.language_model.to(self.device)
+        self.depth_decoder.to(self.device)
+        self.report.seconds = self.seconds + time.perf_counter() - started
+        return self.report
+
+
 @torch.no_grad()
 def quantize_model_(
     language_model, depth_decoder, mode: str, device: torch.device | str, scheme: Scheme | None = None
@@ -188,35 +261,9 @@ def quantize_model_(
     and leave both models on `device`. Layer by layer: each weight is quantized on `device` and the module's own
     weight is dropped before the next, so the models may come in on the CPU or already on `device`, and two full
     copies never sit on the GPU. `scheme` overrides the mode's default (`DEFAULT_SCHEMES`)."""
-    device = torch.device(device)
-    if mode not in SUPPORTED:
-        raise ValueError(f"Unknown precision {mode!r}: choose one of {', '.join(SUPPORTED)}.")
-    report = QuantReport(mode)
-    start = time.perf_counter()
-    if mode != "bf16":
-        if mode == "fp8" and not fp8_supported(device):
-            raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer ({device} is older): "
-                             "use int8.")
-        scheme = scheme or DEFAULT_SCHEMES[mode]
-        if scheme.fmt != mode:
-            raise ValueError(f"scheme {scheme.name} is not a {mode} scheme")
-        targets = linear_targets(language_model, depth_decoder)
-        group = model_group(targets, scheme.group) if scheme.group else 0
-        if group != scheme.group:
-            report.notes.append(f"scale groups of {group} columns (every K here divides by {group}, not by "
-                                f"{scheme.group})")
-        report.scheme, report.group = Scheme(mode, group).name, group
-        for parent, name, linear in targets:
-            parent._modules[name] = _swap(linear, mode, group, device, report)
-        head = language_model.lm_head
-        rows = audio_head_rows(head.weight.device)
-        audio = nn.Linear(head.in_features, rows.numel(), bias=False, device="meta")
-        audio.weight = nn.Parameter(head.weight.detach()[rows], requires_grad=False)  # a copy of 16,385 rows
-        language_model.lm_head = QuantizedAudioHead(head, _swap(audio, mode, group, device, report))
-    language_model.to(device)
-    depth_decoder.to(device)
-    report.seconds = time.perf_counter() - start
-    return report
+    quantizer = LayerQuantizer(language_model, depth_decoder, mode, device, scheme)
+    quantizer.swap_all()
+    return quantizer.finish()
 
 
 def _swap(linear: nn.Linear, fmt: str, group: int, device: torch.device, report: QuantReport) -> QuantizedLinear:

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from .. import contract as c
 from ..events import Cancelled, check_cancel
-from . import SamplingSettings, check_prefix
+from .engine import SamplingSettings, check_prefix
 from .run import FrameRun, Occupancy, SongStats
 from .sampling import guide, reference_sample_top_k, reference_semantic_logits
 

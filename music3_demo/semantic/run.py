@@ -25,6 +25,8 @@ class SongStats:
     decode_s: float  # from the end of the prefill to the song's last step (shared with its peers)
     captures: int  # graphs the engine has captured so far (0 for eager engines)
     peers: int = 0  # the most other songs that shared the engine at any moment of this song
+    # the host's time.perf_counter() when its prefill was queued (admitted) and when its last chunk was (it ran)
+    prefill_clock: tuple[float, float] | None = None
 
     @property
     def frames_per_s(self) -> float:

@@ -1,6 +1,7 @@
-"""The graph engine's weights, prepared once at load: fused views of the modules' own storage (q|k|v by rows,
-gate|up interleaved: no second copy) and the tables a frame reads instead of running products (the LM head's audio
-rows, the depth decoder's per-code inputs). `GraphEngine` inherits `EngineWeights` and reads them as attributes.
+"""The graph engine's weights, prepared once at load into a value (`EngineWeights`, made by `prepare_weights`):
+fused views of the modules' own storage (q|k|v by rows, gate|up interleaved: no second copy), the tables a frame
+reads instead of running products (the LM head's audio rows, the depth decoder's per-code inputs) and the model's
+sizes. The frame graph and the device state read it; nothing changes it after it is made.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from .kernels.qweight import Weight, dense, rows
 from .quant import QuantizedAudioHead, QuantizedLinear, fuse_quantized, precision_of
 
 
-@dataclass
+AUDIO_CODES = c.SEMANTIC_VOCAB_SIZE + 1  # rows kept of lm_head: the 16,384 audio codes, then the end token
+
+
+@dataclass(frozen=True)
 class Block:
     """The fused weights of one transformer block (views of the modules' storage, no second copy): model-dtype
     tensors, or 1-byte `QWeight`s with their scales when the modules are `quant.QuantizedLinear`."""
@@ -50,104 +54,144 @@ def _fuse_gate_up(gate, up, dtype: torch.dtype) -> Weight:
     return fused
 
 
+@dataclass(frozen=True)
 class EngineWeights:
-    """Weight preparation for `GraphEngine` (its base class): `_load_weights` sets the attributes the frame reads."""
+    """What a graph-engine frame reads of the language model and the depth decoder: sizes, fused blocks, norms,
+    the audio slice of the LM head, embeddings and per-code tables (`Weight`: a model-dtype tensor, or a 1-byte
+    `QWeight` with its scales when the modules are quantized)."""
 
-    @torch.no_grad()
-    def _load_weights(self) -> None:
-        lm, depth = self.language_model, self.depth_decoder
-        cfg = lm.config
-        self.dtype = dtype = lm.model.embed_tokens.weight.dtype
-        # "bf16" (the model's dtype), "fp8" or "int8": what the modules hold (`quant.quantize_model_`).
-        self.precision = precision_of(lm, depth)
-        self.hidden = cfg.hidden_size
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.heads
-        self.intermediate = cfg.intermediate_size
-        self.eps = cfg.rms_norm_eps
-        self.blocks = []
-        for layer in lm.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.blocks.append(
-                Block(
-                    qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype),
-                    o=_weight(attn.o_proj, dtype),
-                    gate_up=_fuse_gate_up(mlp.gate_proj, mlp.up_proj, dtype),
-                    down=_weight(mlp.down_proj, dtype),
-                    ln1=layer.input_layernorm.weight.data,
-                    ln2=layer.post_attention_layernorm.weight.data,
-                    q_norm=attn.q_norm.weight.data,
-                    k_norm=attn.k_norm.weight.data,
-                )
-            )
-        self.final_norm = lm.model.norm.weight.data
-        # Token embeddings: the prompt's rows are read once per song (prefill), the 16,384 semantic-code rows every
-        # frame. The latter get their own device copy so the full table can leave the GPU (`text_embeddings_to_host`).
-        self.text_embed = lm.model.embed_tokens.weight.data
-        self.semantic_embed = self.text_embed[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE].clone()
-        if isinstance(lm.lm_head, QuantizedAudioHead):  # its own module holds just those rows, quantized
-            self.audio_head = lm.lm_head.audio.qweight(dtype)
-        else:
-            head = lm.lm_head.weight.data
-            # Only the audio rows and the end row of the 200k-row head: a copy, so the full head can be dropped later.
-            self.audio_head = torch.cat(
-                (head[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE],
-                 head[c.AUDIO_END_TOKEN_ID :][:1])
-            ).contiguous()
+    dtype: torch.dtype
+    precision: str  # "bf16" (the model's dtype), "fp8" or "int8": what the modules hold (`quant.quantize_model_`)
+    # the language model
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    blocks: tuple[Block, ...]
+    final_norm: torch.Tensor
+    rotary: torch.nn.Module  # the LM's rotary embedding: cos/sin of every position of the KV pool
+    audio_head: Weight  # the 16,384 audio rows and the end row of lm_head (a copy: the full head can be dropped)
+    semantic_embed: torch.Tensor  # the token embeddings of the 16,384 semantic codes (own copy, read every frame)
+    # the depth decoder
+    num_codebooks: int
+    audio_vocab: int
+    depth_heads: int
+    depth_intermediate: int
+    depth_eps: float
+    depth_blocks: tuple[Block, ...]
+    depth_norm: torch.Tensor
+    residual_heads: tuple[Weight, ...]  # one output head per residual codebook (rows of one fused weight)
+    projection: Weight
+    pos_embed: torch.Tensor
+    audio_embed: torch.Tensor
+    semantic_table: torch.Tensor  # projection(embedding) + position of every semantic code: depth position 1
+    residual_tables: torch.Tensor  # the same per residual code: depth positions 2..7
+    residual_qkv_tables: torch.Tensor  # depth block 0's q|k|v of those inputs
 
-        dcfg = depth.config
-        self.num_codebooks, self.audio_vocab = dcfg.num_codebooks, dcfg.audio_vocab_size
-        self.depth_heads = dcfg.num_attention_heads
-        self.depth_intermediate = dcfg.intermediate_size
-        if dcfg.hidden_size != self.hidden:
-            raise ValueError("the depth decoder's width must equal the language model's")
-        self.depth_eps = depth.norm.eps
-        self.depth_blocks = [
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """K and V of both CFG rows over every LM layer, one position."""
+        return len(self.blocks) * 2 * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+
+@torch.no_grad()
+def prepare_weights(lm, depth) -> EngineWeights:
+    """The engine's weights over these modules (their q|k|v and gate|up weights become views of fused tensors)."""
+    cfg = lm.config
+    dtype = lm.model.embed_tokens.weight.dtype
+    hidden = cfg.hidden_size
+    heads = cfg.num_attention_heads
+    blocks = []
+    for layer in lm.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        blocks.append(
             Block(
-                qkv=_fuse([blk.attn.to_q, blk.attn.to_k, blk.attn.to_v], dtype),
-                o=_weight(blk.attn.to_out, dtype),
-                gate_up=_fuse_gate_up(blk.gate_proj, blk.up_proj, dtype),
-                down=_weight(blk.down_proj, dtype),
-                ln1=blk.input_layernorm.weight.data,
-                ln2=blk.post_attention_layernorm.weight.data,
+                qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype),
+                o=_weight(attn.o_proj, dtype),
+                gate_up=_fuse_gate_up(mlp.gate_proj, mlp.up_proj, dtype),
+                down=_weight(mlp.down_proj, dtype),
+                ln1=layer.input_layernorm.weight.data,
+                ln2=layer.post_attention_layernorm.weight.data,
+                q_norm=attn.q_norm.weight.data,
+                k_norm=attn.k_norm.weight.data,
             )
-            for blk in depth.layers
-        ]
-        self.depth_norm = depth.norm.weight.data
-        heads = _fuse(list(depth.audio_heads), dtype)  # one head per residual codebook: rows of one fused weight
-        self.depth_heads_w = [rows(heads, i * self.audio_vocab, (i + 1) * self.audio_vocab)
-                              for i in range(self.num_codebooks - 1)]
-        self.projection = _weight(depth.projection, dtype)
-        projection = dense(self.projection)  # the tables below: the reference's products, on the same weights
-        self.pos_embed = depth.pos_embedding.weight.data
-        self.audio_embed = depth.audio_embeddings.weight.data
-        # Depth inputs at positions 1..7 depend only on a code: precompute projection(embedding) + position, with
-        # the reference's bf16 rounding of each step, instead of a 4096x4096 GEMV per pass.
-        self.semantic_table = F.linear(self.semantic_embed, projection) + self.pos_embed[1]
-        self.residual_tables = torch.stack(
-            [
-                F.linear(self.audio_embed[i * self.audio_vocab : (i + 1) * self.audio_vocab], projection)
-                + self.pos_embed[i + 2]
-                for i in range(self.num_codebooks - 2)
-            ]
         )
-        # So does block 0's q|k|v at positions 2..7 (depth attention has no rotary): the sampler copies it from a
-        # table (6 x 1024 codes x 24 KB = 151 MB) instead of a 100 MB GEMV per pass (7 x 30 us before).
-        first = depth.layers[0].input_layernorm
-        self.residual_qkv_tables = torch.stack(
-            [F.linear(first(table), dense(self.depth_blocks[0].qkv)) for table in self.residual_tables]
-        )
+    # Token embeddings: the prompt's rows are read once per song (the prefill reads the module's table wherever it
+    # is), the 16,384 semantic-code rows every frame. The latter get their own device copy so the full table can
+    # leave the GPU (`text_embeddings_to_host`).
+    text_embed = lm.model.embed_tokens.weight.data
+    semantic_embed = text_embed[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE].clone()
+    if isinstance(lm.lm_head, QuantizedAudioHead):  # its own module holds just those rows, quantized
+        audio_head = lm.lm_head.audio.qweight(dtype)
+    else:
+        head = lm.lm_head.weight.data
+        # Only the audio rows and the end row of the 200k-row head: a copy, so the full head can be dropped later.
+        audio_head = torch.cat(
+            (head[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE],
+             head[c.AUDIO_END_TOKEN_ID :][:1])
+        ).contiguous()
 
-    @torch.no_grad()
-    def text_embeddings_to_host(self) -> None:
-        """Move the language model's token-embedding table to (pinned) host memory: 1.4 GB of GPU memory for the
-        released checkpoint in bf16. Only the prefill reads it, gathering the prompt's rows on the host and copying
-        them over once per song; the per-frame feedback uses the engine's own copy of the semantic-code rows. The
-        module's weight moves too, so the model keeps no second copy (other engines on the same modules would then
-        embed on the host: pipelines call this only for the graph engine)."""
-        module = self.language_model.model.embed_tokens
-        host = module.weight.data.to("cpu")
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        module.weight.data = host
-        self.text_embed = host
+    dcfg = depth.config
+    audio_vocab = dcfg.audio_vocab_size
+    if dcfg.hidden_size != hidden:
+        raise ValueError("the depth decoder's width must equal the language model's")
+    depth_blocks = tuple(
+        Block(
+            qkv=_fuse([blk.attn.to_q, blk.attn.to_k, blk.attn.to_v], dtype),
+            o=_weight(blk.attn.to_out, dtype),
+            gate_up=_fuse_gate_up(blk.gate_proj, blk.up_proj, dtype),
+            down=_weight(blk.down_proj, dtype),
+            ln1=blk.input_layernorm.weight.data,
+            ln2=blk.post_attention_layernorm.weight.data,
+        )
+        for blk in depth.layers
+    )
+    fused_heads = _fuse(list(depth.audio_heads), dtype)  # one head per residual codebook: rows of one fused weight
+    residual_heads = tuple(rows(fused_heads, i * audio_vocab, (i + 1) * audio_vocab)
+                           for i in range(dcfg.num_codebooks - 1))
+    projection_weight = _weight(depth.projection, dtype)
+    projection = dense(projection_weight)  # the tables below: the reference's products, on the same weights
+    pos_embed = depth.pos_embedding.weight.data
+    audio_embed = depth.audio_embeddings.weight.data
+    # Depth inputs at positions 1..7 depend only on a code: precompute projection(embedding) + position, with
+    # the reference's bf16 rounding of each step, instead of a 4096x4096 GEMV per pass.
+    semantic_table = F.linear(semantic_embed, projection) + pos_embed[1]
+    residual_tables = torch.stack(
+        [
+            F.linear(audio_embed[i * audio_vocab : (i + 1) * audio_vocab], projection) + pos_embed[i + 2]
+            for i in range(dcfg.num_codebooks - 2)
+        ]
+    )
+    # So does block 0's q|k|v at positions 2..7 (depth attention has no rotary): the sampler copies it from a
+    # table (6 x 1024 codes x 24 KB = 151 MB) instead of a 100 MB GEMV per pass (7 x 30 us before).
+    first = depth.layers[0].input_layernorm
+    residual_qkv_tables = torch.stack(
+        [F.linear(first(table), dense(depth_blocks[0].qkv)) for table in residual_tables]
+    )
+    return EngineWeights(
+        dtype=dtype, precision=precision_of(lm, depth), hidden=hidden, heads=heads,
+        kv_heads=cfg.num_key_value_heads, head_dim=getattr(cfg, "head_dim", None) or hidden // heads,
+        intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps, blocks=tuple(blocks),
+        final_norm=lm.model.norm.weight.data, rotary=lm.model.rotary_emb, audio_head=audio_head,
+        semantic_embed=semantic_embed, num_codebooks=dcfg.num_codebooks, audio_vocab=audio_vocab,
+        depth_heads=dcfg.num_attention_heads, depth_intermediate=dcfg.intermediate_size, depth_eps=depth.norm.eps,
+        depth_blocks=depth_blocks, depth_norm=depth.norm.weight.data, residual_heads=residual_heads,
+        projection=projection_weight, pos_embed=pos_embed, audio_embed=audio_embed, semantic_table=semantic_table,
+        residual_tables=residual_tables, residual_qkv_tables=residual_qkv_tables,
+    )
+
+
+@torch.no_grad()
+def text_embeddings_to_host(language_model, device: torch.device) -> None:
+    """Move the language model's token-embedding table to (pinned) host memory: 1.4 GB of GPU memory for the
+    released checkpoint in bf16. Only the prefill reads it, gathering the prompt's rows on the host and copying
+    them over once per song; the per-frame feedback uses the engine's own copy of the semantic-code rows. The
+    module's weight moves (no second copy), so other engines on the same modules would then embed on the host:
+    pipelines call this only for the graph engine."""
+    module = language_model.model.embed_tokens
+    host = module.weight.data.to("cpu")
+    if device.type == "cuda":
+        host = host.pin_memory()
+    module.weight.data = host

@@ -10,6 +10,7 @@ cluster. The app's flags pick one (app.py), so a process on the local backend ne
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,6 +36,9 @@ class SongBackend(Protocol):
     def count_tokens(self, description: str, lyrics: str) -> int | None:
         """The prompt's exact length in tokens; None until the model's tokenizer is there."""
 
+    def too_long(self, prompt_tokens: int | None, frames: int) -> str | None:
+        """The refusal for a song that no loaded device's (or replica's) memory plan holds even alone, or None."""
+
     def ticket(self, request: GenerationRequest | None = None, max_frames: int | None = None,
                group: int | None = None) -> Ticket:
         """A place for `request`, not yet in line."""
@@ -51,9 +55,10 @@ class SongBackend(Protocol):
     def speed(self) -> Speed | None:
         """The slowest device's measured speed."""
 
-    def song_events(self, job: Any, tick: float) -> Iterator[Any]:
+    def song_events(self, job: Any, tick: float, wake: threading.Event | None = None) -> Iterator[Any]:
         """A `runner.Job`'s song: `Waiting`, `Phase`, `Progress`, `AudioPiece`, `Finished` and `None` every `tick`
-        s while nothing happens (so the caller can close it: that cancels the song)."""
+        s while nothing happens (so the caller can close it: that cancels the song). `wake` is set whenever an
+        event arrives (a caller of several songs polls them with `tick` 0 and sleeps on it)."""
 
     def preload(self, background: bool = True) -> object:
         """Load the model now (behind the open page when `background`)."""

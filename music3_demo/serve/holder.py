@@ -22,13 +22,17 @@ import torch
 
 from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
 from ..devices import on_device, split_devices
-from ..memory import device_memory
+from ..errors import OutOfMemory, public_message
+from ..loading import NoRoom
+from ..memory import MemoryWatch, note_process_start
+from ..request import InvalidRequest
 from ..semantic import EngineUnavailable
 from .zerogpu import WorkerClock
 from .scheduler import Scheduler, Ticket
 from .speed import Speed
 
 if TYPE_CHECKING:  # the pipeline (diffusers, transformers) is imported on first load, not when the page is built
+    from ..memory_plan import MemoryPlan
     from ..pipeline import Music3Pipeline
 
 # How a failed load tells users what to do, whatever the cause.
@@ -60,6 +64,8 @@ class HolderStatus:
     precision: str | None  # the LM / depth-decoder weights: bf16 | fp8 | int8
     precision_reason: str | None  # why (auto's sentence, or "as asked")
     memory: dict | None  # GPU -> the card's memory now (memory.DeviceMemory), for loaded CUDA devices (both of a split)
+    memory_plan: dict | None  # device -> its card's memory plan (memory_plan.MemoryPlan.as_dict), loaded devices
+    plan_summary: str | None  # the first loaded device's plan in short: precision per stage, slots, longest song
     error: str | None
     notice: str | None  # set when the loaded model is a built-in random one
     loading_for_s: float | None
@@ -99,15 +105,16 @@ class Lease:
 class ModelHolder:
     def __init__(
         self, model: str, devices: list[str] | None = None, engine: str = "auto", warmup: bool = True,
-        precision: str = "auto", lazy: bool = False, max_running: int | None = None,
+        precision: str = "auto", lazy: bool = False, max_running: int | None = None, dit_precision: str = "auto",
     ) -> None:
-        """`precision`: see precision.py. `lazy`: pipelines build their engines at their first song, in the process
-        that runs it (Space mode: zerogpu.py); the holder then learns the engine from the songs. `max_running`: songs
-        at once over all devices (None: as many as the devices' slots)."""
+        """`precision`, `dit_precision`: the LM's and the DiT's (auto: each card's memory plan). `lazy`: pipelines
+        build their engines at their first song, in the process that runs it (Space mode: zerogpu.py); the holder
+        then learns the engine from the songs. `max_running`: songs at once over all devices (None: their slots)."""
         self.model = model
         self.engine = engine
         self.warmup = warmup
         self.precision = precision
+        self.dit_precision = dit_precision
         self.lazy = lazy
         self.workers = WorkerClock()  # Space mode: what the GPU workers' set-up costs
         self._song_engine: dict[str, tuple[str, str | None]] = {}  # device -> (engine, note) of its last song
@@ -125,6 +132,7 @@ class ModelHolder:
         self.loads = 0  # completed loads (one per device in a healthy process: the status endpoint shows it)
         self._preloading = False  # preload() was asked for and has not ended: the page says "loading" at once
         self.speeds: dict[str, Speed] = {}  # device -> measured at warm-up, refined by every finished song
+        self._memory = MemoryWatch()  # the loaded CUDA devices' memory (both GPUs of a split), for status()
 
     # ---- status -------------------------------------------------------------------------------------------------
     def status(self) -> HolderStatus:
@@ -141,8 +149,8 @@ class ModelHolder:
         running = self.scheduler.running()
         first = loaded[0] if loaded else None
         seen = next(iter(self._song_engine.values()), (None, None))
-        memory = {str(gpu): figures.as_dict() for held in self._held if held.pipeline is not None and not self.lazy
-                  for gpu in split_devices(held.device) if gpu is not None and (figures := device_memory(gpu))}
+        # Sampled on the watch's thread: a status never makes a CUDA call (it could wait behind the songs' work).
+        memory = {gpu: figures.as_dict() for gpu, figures in self._memory.latest().items()}
         return HolderStatus(
             model=self.model,
             state=state,
@@ -162,11 +170,19 @@ class ModelHolder:
             precision=first.precision.mode if first else None,
             precision_reason=first.precision.reason if first else None,
             memory=memory or None,
+            memory_plan={held.device: held.pipeline.memory_plan_dict for held in self._held
+                         if held.pipeline is not None and held.pipeline.memory_plan is not None} or None,
+            plan_summary=next((p.memory_plan.summary() for p in loaded if p.memory_plan is not None), None),
             error=self._error if not loaded else None,
             notice=self._source.notice if self._source is not None else None,
             loading_for_s=time.monotonic() - min(loading.values()) if loading else None,
             loads=self.loads,
         )
+
+    def _watch_memory(self) -> None:
+        """The memory watch follows the loaded pipelines' GPUs (none for a lazy pipeline: this process has none)."""
+        self._memory.watch([str(gpu) for held in self._held if held.pipeline is not None and not self.lazy
+                            for gpu in split_devices(held.device) if gpu is not None])
 
     @property
     def has_tokenizer(self) -> bool:
@@ -236,6 +252,7 @@ class ModelHolder:
                 source = self._resolve(on_phase)
                 self._set_phase(f"{LOAD_PHASES[1]} {self.model} onto {held.device}", on_phase)
                 target = str(source.folder) if source.folder is not None else source.name
+                note_process_start()  # before on_device makes this process's first CUDA context (memory.py)
                 # this thread (preload, a request's runner) may have another current (a split: its engine's GPU)
                 with on_device(split_devices(held.device)[0]):
                     # overlap: the flow stage on its own thread (and stream) while frames are made, so songs stream
@@ -243,7 +260,7 @@ class ModelHolder:
                     # deterministic per seed but not diffusers' waveform (the CLI and Python API keep that contract).
                     pipeline = Music3Pipeline.from_pretrained(target, device=held.device, engine=self.engine,
                                                               overlap=True, precision=self.precision,
-                                                              lazy=self.lazy)
+                                                              dit_precision=self.dit_precision, lazy=self.lazy)
                     if self._tokenizer is None:
                         self._tokenizer = pipeline.tokenizer
                     if self.warmup:
@@ -260,6 +277,7 @@ class ModelHolder:
                 self._loading.pop(held.device, None)
             held.pipeline = pipeline
             self.loads += 1
+            self._watch_memory()
             self.scheduler.refresh()  # its slots are known now: songs waiting for room may join
             self._set_phase(f"ready on {', '.join(self.devices)} (loaded in {elapsed:.1f} s)", on_phase)
             return pipeline
@@ -310,9 +328,18 @@ class ModelHolder:
         """Seconds until `ticket` should start (one not in line: as if it joined the line now); None: unknown."""
         return self.scheduler.start_in(ticket, self.expected_s)
 
+    def plans(self) -> list[MemoryPlan | None]:
+        """The loaded pipelines' memory plans (None for a pipeline without one)."""
+        return [held.pipeline.memory_plan for held in self._held if held.pipeline is not None]
+
+    def too_long(self, prompt_tokens: int | None, frames: int) -> str | None:
+        """The sentence for a song that no loaded device's memory plan holds even alone (naming the longest that
+        fits), or None: it fits one, or no device is loaded yet (its placement checks again)."""
+        return too_long_on(self.plans(), prompt_tokens, frames)
+
     def _admits(self, device: str, tickets: list[Ticket]) -> bool:
-        """Whether the device's engine has memory for these songs on top of those it already holds (always, before
-        it is loaded or for an engine without a pool)."""
+        """Whether the device's engine has memory for these songs beside those it holds (always, before it is loaded
+        or without a pool); InvalidRequest for a new song no device can ever hold: it must not wait for ever."""
         pipeline = self._by_device[device].pipeline
         can_admit = getattr(getattr(pipeline, "engine", None), "can_admit", None)
         if can_admit is None:
@@ -320,6 +347,10 @@ class ModelHolder:
         for ticket in tickets:
             if ticket.prompt_tokens is None and ticket.text is not None:  # made before the tokenizer was there
                 ticket.prompt_tokens = pipeline.count_tokens(*ticket.text)
+        if all(held.pipeline is not None for held in self._held):
+            refusal = self.too_long(tickets[-1].prompt_tokens, tickets[-1].frames)
+            if refusal is not None:
+                raise InvalidRequest(refusal, field="duration")
         return bool(can_admit(sum(t.prompt_tokens or 0 for t in tickets), sum(t.frames for t in tickets)))
 
     @contextmanager
@@ -352,6 +383,7 @@ class ModelHolder:
                 if held.pipeline is not None:
                     held.pipeline.release()
                     held.pipeline = None
+        self._watch_memory()
         self._phase = "released"
 
 
@@ -361,12 +393,21 @@ def default_devices() -> list[str]:
     return [str(default_device())]
 
 
+def too_long_on(plans: list[MemoryPlan | None], prompt_tokens: int | None, frames: int) -> str | None:
+    """The refusal for a song that none of these plans holds even alone (the sentence of the one that holds the
+    longest), or None: one holds it, or there is no plan (nothing loaded, or a pipeline without one)."""
+    if prompt_tokens is None or not plans or None in plans or any(not p.too_long(prompt_tokens, frames)
+                                                                  for p in plans):
+        return None
+    return max(plans, key=lambda plan: plan.max_frames(prompt_tokens)).too_long(prompt_tokens, frames)
+
+
 def load_error_message(model: str, error: Exception) -> str:
     """One paragraph: what failed (the checkpoint code's own sentence when it has one) and how to get going. The
     "run without the Hub" hint only where the Hub is the problem: not for a local folder or a built-in model,
     whose faults the sentence itself names."""
-    why = str(error).strip() or type(error).__name__
-    if isinstance(error, EngineUnavailable):  # the weights are fine: the sentence names the engine flag to change
+    why = public_message(error)  # never a raw CUDA message (errors.py)
+    if isinstance(error, (EngineUnavailable, NoRoom, OutOfMemory)):  # their sentences name what to change
         return why
     if not isinstance(error, CheckpointError):
         why = f"Could not load {model}: {why}"

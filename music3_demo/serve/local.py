@@ -3,6 +3,7 @@ in a GPU worker process and relayed back."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,9 @@ if TYPE_CHECKING:
 class LocalBackend(ModelHolder):
     """A `backend.SongBackend`: the holder's pipelines and line, and its songs run here."""
 
-    def song_events(self, job: Job, tick: float) -> Iterator[Event | Phase | Waiting | None]:
-        if zero_gpu():  # Gradio's queue does the waiting there (one song per GPU worker)
+    def song_events(self, job: Job, tick: float, wake: threading.Event | None = None
+                    ) -> Iterator[Event | Phase | Waiting | None]:
+        if zero_gpu():  # Gradio's queue does the waiting there (one song per GPU worker; its call paces the stream)
             return relay_space_events(job, _gpu_space_events, tick)
-        return generation_events(self, job.request, job.cancel, job.record, tick, job.continue_from, job.ticket)
+        return generation_events(self, job.request, job.cancel, job.record, tick, job.continue_from, job.ticket,
+                                 wake)

@@ -28,7 +28,7 @@ from ray.serve.exceptions import RequestCancelledError
 from .. import contract as c
 from ..events import AudioPiece, Cancelled, Event
 from ..semantic.config import GraphConfig
-from .holder import HolderStatus
+from .holder import HolderStatus, too_long_on
 from .ray_worker import SongBoard, SongWorker
 from .runner import Job, Phase, Waiting, handed_back, received
 from .scheduler import Scheduler, Ticket
@@ -76,7 +76,7 @@ class RayBackend:
 
     def __init__(self, model: str, engine: str = "auto", precision: str = "auto", replica_device: str | None = None,
                  replicas: int | None = None, slots: int | None = None, warmup: bool = True, preload: bool = True,
-                 max_running: int | None = None, address: str | None = None) -> None:
+                 max_running: int | None = None, address: str | None = None, dit_precision: str = "auto") -> None:
         """`replica_device`: what each replica runs on (cuda:0, cuda:0+cuda:1 for a stage split, or cpu: the
         default is cuda:0 on a cluster with GPUs); `replicas`: how many (default: the cluster's GPUs over the GPUs
         a replica takes); `slots`: songs a replica takes at once (default: the engines' batch slots)."""
@@ -96,7 +96,7 @@ class RayBackend:
             graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S)
         log.info("starting %d SongWorker replica(s) on %s, %d song(s) each", self.replicas, device, self.slots)
         self._handle = serve.run(worker.bind(model, engine, precision, replica_device, warmup, preload,
-                                             self._board), name=APP, route_prefix=None)
+                                             self._board, dit_precision), name=APP, route_prefix=None)
         self._reports: dict[str, dict] = {}
         self._tokenizer = None
         self.scheduler = Scheduler([POOL], self._places, limit=max_running,
@@ -108,7 +108,7 @@ class RayBackend:
     @classmethod
     def from_flags(cls, args) -> RayBackend:
         return cls(args.model, args.engine, args.precision, args.replica_device, args.replicas, args.replica_slots,
-                   args.warmup, args.preload, args.concurrency, args.ray_address)
+                   args.warmup, args.preload, args.concurrency, args.ray_address, args.dit_precision)
 
     # ---- the board ------------------------------------------------------------------------------------------------
     def _read_board(self) -> None:
@@ -154,13 +154,16 @@ class RayBackend:
         running = {r["replica"]: sum(r["running"].values()) for r in reports}
         loading = [r["loading_for_s"] for r in reports if r["loading_for_s"] is not None]
         memory = {f"{r['replica']} {gpu}": figures for r in reports for gpu, figures in (r["memory"] or {}).items()}
+        plans = {f"{r['replica']} {device}": plan for r in reports for device, plan in (r["memory_plan"] or {}).items()}
         return HolderStatus(**fields | {
             "model": self.model, "state": state, "phase": phase, "devices": tuple(running),
             "busy": tuple(name for name, songs in running.items() if songs),
             "slots": {r["replica"]: self._slots_of(r) for r in reports}, "running": running,
             "waiting": self.scheduler.waiting() + sum(r["waiting"] for r in reports),
             "engine_note": next((r["engine_note"] for r in reports if r["engine_note"]), None),
-            "memory": memory or None, "error": failed[0]["error"] if failed and not ready else None,
+            "memory": memory or None, "memory_plan": plans or None,
+            "plan_summary": next((r["plan_summary"] for r in ready if r["plan_summary"]), None),
+            "error": failed[0]["error"] if failed and not ready else None,
             "loading_for_s": max(loading) if loading else None, "loads": sum(r["loads"] for r in reports),
         })
 
@@ -174,6 +177,11 @@ class RayBackend:
         from ..prompt import count_prompt_tokens
 
         return count_prompt_tokens(self._tokenizer, description, lyrics)
+
+    def too_long(self, prompt_tokens: int | None, frames: int) -> str | None:
+        """The refusal for a song that no ready replica's memory plan holds even alone, or None."""
+        return too_long_on([plan for r in self._reports.values() if r["state"] == "ready" for plan in r["plans"]],
+                           prompt_tokens, frames)
 
     # ---- the line -------------------------------------------------------------------------------------------------
     def ticket(self, request=None, max_frames: int | None = None, group: int | None = None) -> Ticket:
@@ -203,7 +211,8 @@ class RayBackend:
         return self.scheduler.start_in(ticket, self.expected_s)
 
     # ---- songs ----------------------------------------------------------------------------------------------------
-    def song_events(self, job: Job, tick: float) -> Iterator[Event | Phase | Waiting | None]:
+    def song_events(self, job: Job, tick: float, wake: threading.Event | None = None
+                    ) -> Iterator[Event | Phase | Waiting | None]:
         request = job.request.with_seed()  # a song started again elsewhere must be the same song
         live: dict = {}
 
@@ -225,7 +234,7 @@ class RayBackend:
                 self.scheduler.leave(job.ticket)
 
         try:
-            yield from handed_back(work, f"music3-job-{job.record.id}", job.cancel, tick)
+            yield from handed_back(work, f"music3-job-{job.record.id}", job.cancel, tick, wake)
         finally:
             response = live.get("response")
             if response is not None:

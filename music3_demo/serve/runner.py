@@ -24,6 +24,7 @@ from ..request import GenerationRequest
 from .zerogpu import estimate_gpu_seconds, on_gpu
 from .holder import ModelHolder
 from .scheduler import Ticket
+from .song_files import SongFiles
 
 if TYPE_CHECKING:
     from .backend import SongBackend
@@ -72,17 +73,22 @@ class JobRecord:
     variation: int | None = None  # 1..N for one of N variations of a request
     session: str | None = None  # whose job it is: a client sees only its own (never shown)
     gpu_s: int | None = None  # Space mode: the GPU time promised to ZeroGPU for it
+    song_id: str | None = None  # its song in the store, once handed over
+    files: SongFiles | None = None  # which of its song's files exist yet (the WAV first, the others after)
 
     def as_dict(self) -> dict:
-        return {key: value for key, value in self.__dict__.items() if key != "session"}
+        fields = {key: value for key, value in self.__dict__.items() if key != "session"}
+        fields["files"] = self.files.report() if self.files is not None else None
+        return fields
 
 
 def generation_events(
     holder: ModelHolder, request: GenerationRequest, cancel: threading.Event, record: JobRecord, tick: float = 0.2,
-    continue_from: SongState | None = None, ticket: Ticket | None = None,
+    continue_from: SongState | None = None, ticket: Ticket | None = None, wake: threading.Event | None = None,
 ) -> Iterator[Event | Phase | Waiting | None]:
     """Run one generation in a worker thread and yield its events in order (`None` on idle ticks; `Waiting` while
-    `ticket` waits in line).
+    `ticket` waits in line). `wake` is set whenever an event arrives (a consumer of several jobs polls them with
+    `tick` 0 and sleeps on it).
 
     A generator so that it can run under `spaces.GPU` on ZeroGPU, which streams a generator's yields back from the
     GPU process; raises what the pipeline raised. Closing it sets `cancel`.
@@ -119,14 +125,14 @@ def generation_events(
             record.error = str(error) or type(error).__name__
             raise
 
-    yield from handed_back(work, f"music3-job-{record.id}", cancel, tick)
+    yield from handed_back(work, f"music3-job-{record.id}", cancel, tick, wake)
 
 
-def handed_back(work: Callable[[Callable], None], name: str, cancel: threading.Event, tick: float
-                ) -> Iterator[object | None]:
+def handed_back(work: Callable[[Callable], None], name: str, cancel: threading.Event, tick: float,
+                wake: threading.Event | None = None) -> Iterator[object | None]:
     """`work(put)` on a thread of its own (`name`): what it puts, here in order, and `None` every `tick` s while
-    nothing came; raises what it raised. Closing this sets `cancel`."""
-    events = Handoff(work, name)
+    nothing came (`wake` is set whenever it puts one); raises what it raised. Closing this sets `cancel`."""
+    events = Handoff(work, name, wake)
     try:
         while True:
             try:
@@ -234,7 +240,8 @@ def received(job: Job, item: object) -> object | None:
     if job.cancel.is_set():
         raise Cancelled()
     if isinstance(item, RecordUpdate):
-        vars(job.record).update(item.fields)
+        # (its song's files are this process's: the other process's copy never has them)
+        vars(job.record).update({k: v for k, v in item.fields.items() if k not in ("song_id", "files")})
         return None
     if isinstance(item, Raised):
         raise item.error
@@ -283,8 +290,10 @@ class Job:
         if registry is not None:
             registry.remember(self.record)
 
-    def events(self, tick: float = 0.2) -> Iterator[Event | Phase | Waiting | None]:
-        return self.backend.song_events(self, tick)
+    def events(self, tick: float = 0.2, wake: threading.Event | None = None
+               ) -> Iterator[Event | Phase | Waiting | None]:
+        """The job's events (`backend.SongBackend.song_events`)."""
+        return self.backend.song_events(self, tick, wake)
 
     def stop(self) -> None:
         # Told apart from `cancel`, which the event stream also sets when it ends normally (to stop a worker whose
@@ -299,11 +308,13 @@ class JobRegistry:
     def __init__(self, keep: int = 64) -> None:
         self._active: dict[str, list[Job]] = {}  # a session's running jobs (N for N variations)
         self._recent: deque[JobRecord] = deque(maxlen=keep)
+        self._published: tuple[JobRecord, ...] = ()  # what `recent` reads: replaced whole, never waited for
         self._lock = threading.Lock()
 
     def remember(self, record: JobRecord) -> None:
         with self._lock:
             self._recent.append(record)
+            self._published = tuple(self._recent)
 
     def start(self, session: str | None, job: Job) -> None:
         if session:
@@ -333,6 +344,6 @@ class JobRegistry:
         return any(job.stop_requested for job in jobs)
 
     def recent(self, session: str | None) -> list[dict]:
-        """The recent jobs of one session (a browser tab or an API client); none for an unknown caller."""
-        with self._lock:
-            return [record.as_dict() for record in self._recent if session and record.session == session]
+        """The recent jobs of one session (a browser tab or an API client); none for an unknown caller. Reads the
+        published records (the job threads update them in place), so it never waits for a lock."""
+        return [record.as_dict() for record in self._published if session and record.session == session]

@@ -7,6 +7,8 @@ memory can hold it (`admits`, the engine's KV-pool check), so a song waits in li
 The line is strictly first come, first served across devices: only its head is placed, on the device with the most
 room (a variation goes where its siblings run, so they share the prefill and the batch), and nobody overtakes a song
 that waits for room. The estimate of a waiting song's start plays the line forward on the songs' expected times.
+Every change publishes the counts (songs running per device, songs waiting) as one value that `running()` and
+`waiting()` read without the lock, so the status endpoint never waits behind a song being placed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..events import Cancelled
+from ..request import InvalidRequest
 
 _ids = itertools.count(1)
 # How often a waiting song checks its cancel flag and refreshes what its user is told.
@@ -41,6 +44,7 @@ class Ticket:
     started: float | None = None
     joined: bool = False  # the engine holds its memory (its first frames came), so `admits` counts it
     left: bool = False
+    refused: Exception | None = None  # the device check's sentence for a song no device can ever hold (too long)
     peers: int = 0  # the most other songs that ran on its device at the same time as it
 
     @property
@@ -49,6 +53,7 @@ class Ticket:
 
 
 # admits(device, tickets): whether the device's memory holds these songs together with those already joined there.
+# It raises InvalidRequest for a last ticket that no device can ever hold: that song leaves the line with the sentence.
 AdmitFn = Callable[[str, list[Ticket]], bool]
 # expected_s(ticket): seconds the song will take once started; None when nothing has been measured yet.
 ExpectedFn = Callable[[Ticket], float | None]
@@ -67,6 +72,7 @@ class Scheduler:
         self._line: deque[Ticket] = deque()
         self._running: dict[str, list[Ticket]] = {device: [] for device in self.devices}
         self._changed = threading.Condition()
+        self._counts: tuple[dict[str, int], int] = ({device: 0 for device in self.devices}, 0)  # published
 
     # ---- the line ---------------------------------------------------------------------------------------------
     def enqueue(self, tickets: list[Ticket]) -> list[Ticket]:
@@ -90,6 +96,8 @@ class Scheduler:
                 self._place()
                 if ticket.placed:
                     return ticket.device
+                if ticket.refused is not None:
+                    raise ticket.refused
                 if ticket.left:  # withdrawn by its caller
                     raise Cancelled()
                 if cancel is not None and cancel.is_set():
@@ -145,7 +153,13 @@ class Scheduler:
         placed = False
         while self._line:
             head = self._line[0]
-            device = self._device_for(head)
+            try:
+                device = self._device_for(head)
+            except InvalidRequest as error:  # it never fits: it leaves, and the line moves on
+                self._line.popleft()
+                head.refused, head.left = error, True
+                placed = True
+                continue
             if device is None:
                 break
             self._line.popleft()
@@ -157,6 +171,8 @@ class Scheduler:
             placed = True
         if placed:
             self._changed.notify_all()
+        # Every change to the line or the places ends here (under the lock): publish the counts, replaced whole.
+        self._counts = ({device: len(songs) for device, songs in self._running.items()}, len(self._line))
 
     def _device_for(self, ticket: Ticket) -> str | None:
         if self.limit is not None and sum(map(len, self._running.values())) >= self.limit:
@@ -219,9 +235,9 @@ class Scheduler:
             return self._line.index(ticket) + 1 if ticket in self._line else None
 
     def waiting(self) -> int:
-        with self._changed:
-            return len(self._line)
+        """Songs in line (as last published: never waits for the lock)."""
+        return self._counts[1]
 
     def running(self) -> dict[str, int]:
-        with self._changed:
-            return {device: len(songs) for device, songs in self._running.items()}
+        """Songs running per device (as last published: never waits for the lock)."""
+        return dict(self._counts[0])

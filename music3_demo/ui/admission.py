@@ -44,11 +44,17 @@ def refusal_message(ctx: AppContext, blocks: gr.Blocks, values: tuple, variation
     description, lyrics, duration, guidance, steps, seed, lm_cfg, top_k, instrumental = values[: len(FIELDS)]
     seed = None if seed == RANDOM_SEED else seed
     try:
-        checked(ctx.backend, make_request(description, lyrics, duration, guidance, steps, seed, lm_cfg, top_k,
-                                         instrumental))
+        request = checked(ctx.backend, make_request(description, lyrics, duration, guidance, steps, seed, lm_cfg,
+                                                   top_k, instrumental))
         variations = check_variations(whole(variations))
     except InvalidRequest as error:
         return error.field or "lyrics", str(error)  # no field: the prompt's length, which the lyrics mostly make
+    # Longer than any loaded card's memory plan holds, even alone: refused now, with the longest that fits.
+    too_long = ctx.backend.too_long(ctx.backend.count_tokens(request.description, request.effective_lyrics),
+                                   request.max_frames)
+    if too_long is not None:
+        log.info("refused a request: %s", too_long)
+        return "duration", too_long
     waiting = waiting_songs(ctx, blocks)
     if ctx.max_queue is not None and waiting + variations > ctx.max_queue:
         message = (f"The server is busy: its queue of songs is full ({ctx.max_queue} waiting). Please try again in "

@@ -1,4 +1,5 @@
-"""The programmatic endpoints: `generate` (DESIGN.md's contract) and `status` (model state, queue, your jobs).
+"""The programmatic endpoints: `generate` (DESIGN.md's contract), `status` (model state, queue, your jobs) and
+`files` (a song's FLAC, MP3 and waveform picture, written after its WAV was handed over).
 
 They hang off hidden components so that the API's inputs are loosely typed (numbers as plain numbers) and
 `validate()` alone decides what is acceptable, with its own sentence; the page's sliders are a separate, private
@@ -22,6 +23,17 @@ from .core import AppContext, Failed, Outcome, check, make_request, refusal, run
 __all__ = ["GPU_GROUP", "add_api"]
 
 STOPPED_MESSAGE = "The song was stopped before it was finished."
+GONE_MESSAGE = "That song is no longer on the server (its files expire after a while)."
+
+
+def server_status(ctx: AppContext, blocks: gr.Blocks, session: str | None) -> dict:
+    """What `status` answers: the backend's state, the queue and the caller's own jobs. Every part is read from what
+    the workers published (the scheduler's counts, the sampled device memory, the job records): it never waits for
+    a lock a song holds, nor asks the GPU."""
+    return ctx.backend.status().as_dict() | {
+        "queue": {"waiting": waiting_songs(ctx, blocks), "limit": ctx.max_queue},
+        "jobs": ctx.registry.recent(session),
+    }
 
 
 def _documented(component: gr.components.Component, kind: str, text: str) -> gr.components.Component:
@@ -98,14 +110,22 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
             yield from variation_results(run_songs(ctx, variation_requests(song_request, count),
                                                    request.session_hash, progress))
 
-    def status(request: gr.Request) -> dict:
+    async def status(request: gr.Request) -> dict:
         """The server's state for anyone (model loading / ready / failed with why, devices and the busy ones, songs
-        waiting and the queue's limit) and the caller's own recent jobs (state, times, error); never other
-        people's. Answered outside the song queue, so it answers while the queue is full."""
-        return ctx.backend.status().as_dict() | {
-            "queue": {"waiting": waiting_songs(ctx, blocks), "limit": ctx.max_queue},
-            "jobs": ctx.registry.recent(request.session_hash),
-        }
+        waiting and the queue's limit) and the caller's own recent jobs (state, times, error, song_id and which of
+        its files are written); never other people's. Answered outside the song queue, so it answers while the
+        queue is full."""
+        # A coroutine: it never blocks (server_status), so it runs on the event loop without a thread hand-off.
+        return server_status(ctx, blocks, request.session_hash)
+
+    def files(song_id: str) -> tuple:
+        """A song's FLAC, MP3 and waveform picture by its report's song_id: each file once written, None while it
+        is on its way; and where each of its files stands (a name, "pending", or "failed: why")."""
+        found = ctx.store.files(song_id)
+        if found is None:
+            raise refusal(GONE_MESSAGE)
+        return (found.path("flac"), found.path("mp3"), found.path("waveform"),
+                {"song_id": song_id} | found.report())
 
     with gr.Column(visible=False):
         lo_g, hi_g = c.GUIDANCE_RANGE
@@ -150,7 +170,12 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
         status_json = gr.JSON(label="status")
         generate_trigger = gr.Button("generate")
         status_trigger = gr.Button("status")
+        song_id = _documented(gr.Textbox(label="song_id"), "string", "A song's id, from its report's song_id.")
+        file_outputs = [gr.File(label="flac"), gr.File(label="mp3"), gr.File(label="waveform"),
+                        gr.JSON(label="files")]
+        files_trigger = gr.Button("files")
     generate_trigger.click(generate, inputs, [audio, report], api_name="generate", concurrency_id=GPU_GROUP,
                            concurrency_limit=concurrency,
                            validator=admission_validator(ctx, blocks, extra=("variations",)))
     status_trigger.click(status, None, status_json, api_name="status", queue=False)
+    files_trigger.click(files, song_id, file_outputs, api_name="files", queue=False)

@@ -56,6 +56,8 @@ def banner_html(status: HolderStatus) -> str:
     else:
         line = f"💤 <b>{model}</b> loads with the first song on {devices} (that song takes longer)"
     parts = [f'<div class="m3-status m3-{status.state}" id="model-status" data-state="{status.state}">{line}</div>']
+    if status.state == "ready" and status.plan_summary:  # the card's memory plan in short
+        parts.append(f'<div class="m3-note" id="plan-note">{html.escape(status.plan_summary)}</div>')
     if status.state == "ready" and status.precision_reason:
         parts.append(f'<div class="m3-note" id="precision-note">Precision: {html.escape(status.precision_reason)}'
                      "</div>")

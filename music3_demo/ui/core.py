@@ -6,11 +6,11 @@ import io
 import itertools
 import logging
 import re
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
-from pathlib import Path
 
 import gradio as gr
 import numpy as np
@@ -18,6 +18,7 @@ import soundfile as sf
 
 from ..checkpoint import CheckpointError
 from ..continuation import SongState
+from ..errors import OutOfMemory, public_message
 from ..events import AudioPiece, Cancelled, Finished, Progress, Song
 from ..request import GenerationRequest, InvalidRequest, validate
 from ..serve.backend import SongBackend
@@ -32,6 +33,7 @@ log = logging.getLogger("music3_demo.app")
 INVALID_TITLE = "Please change the request"
 LOAD_TITLE = "The model could not be loaded"
 DISK_FULL_TITLE = "The server's disk is full"
+MEMORY_TITLE = "Not enough memory"
 # Absolute paths inside an error's text (a file name an OSError carries, a library's message).
 _PATH_RE = re.compile(r"(?<![\w.:/])/(?:[^\s/'\"]+/)+[^\s/'\"]*")
 
@@ -108,8 +110,9 @@ def refusal(message: str, title: str = INVALID_TITLE) -> gr.Error:
 
 
 def public_text(error: BaseException) -> str:
-    """An unexpected error's text for the user: its message without server paths (the log keeps the details)."""
-    text = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    """An unexpected error's text for the user: its message without server paths and never a raw CUDA message
+    (errors.public_message; the log keeps the details)."""
+    text = error.strerror if isinstance(error, OSError) and error.strerror else public_message(error)
     return _PATH_RE.sub("<path>", text).strip() or type(error).__name__
 
 
@@ -176,18 +179,28 @@ def run_songs(
     seconds = continue_from.seconds if continue_from is not None else 0.0
     trackers = trackers or [StageTracker(request.duration + seconds, request.num_steps) for request in requests]
     trackers[0].report(progress, force=True)
-    # Each stream hands control back within tick / count when idle, so a round over all of them takes one tick.
-    streams = {index: job.events(ctx.tick / count) for index, job in enumerate(jobs)}
+    # Several songs: each stream is polled without waiting and the loop sleeps on `wake`, which any of them sets when
+    # an event arrives, so a song that ends is handed over at once, not after a wait on each of the others. (Space
+    # mode: one song per GPU call, whose stream paces itself; each hands control back within tick / count.)
+    wake = threading.Event() if count > 1 and not spaces_available() else None
+    streams = {index: job.events(0.0 if wake else ctx.tick / count, wake) for index, job in enumerate(jobs)}
     songs: dict[int, Song] = {}
     errors: list[BaseException] = []
     delivered = 0
+    idle = False
     last_yield = time.monotonic()
     try:
         while streams:
+            if wake is not None:
+                if idle:
+                    wake.wait(ctx.tick)  # set by an event put since the clear below: no event waits a tick
+                wake.clear()
+            idle = True
             for index in list(streams):
                 job, tracker = jobs[index], trackers[index]
                 try:
                     event = next(streams[index], _END)
+                    idle = idle and event is None
                     if event is _END:
                         del streams[index]
                         if index not in songs:
@@ -251,6 +264,10 @@ def _failure(job: Job, error: BaseException) -> BaseException:
     if isinstance(error, CheckpointError):
         job.ended = "failed: the model could not be loaded"
         return refusal(str(error), LOAD_TITLE)
+    if isinstance(error, OutOfMemory):  # the song ended and freed what it held: the sentence says what to do
+        job.record.state, job.record.error = "failed", str(error)
+        job.ended = f"failed: {error}"
+        return refusal(str(error), MEMORY_TITLE)
     if isinstance(error, DiskFull):
         job.record.state, job.record.error = "failed", str(error)
         job.ended = f"failed: {error}"
@@ -263,13 +280,17 @@ def _failure(job: Job, error: BaseException) -> BaseException:
 
 
 def finish(ctx: AppContext, request: GenerationRequest, job: Job, song: Song) -> Outcome:
+    """Hand the song over: its WAV is written now, the other files follow on the store's writer (the report says
+    which are still on their way; `saved.files` and the job's record follow them)."""
     title = request.description.strip().splitlines()[0] if request.description.strip() else "song"
-    saved = ctx.store.save(song, title)
+    saved = ctx.store.deliver(song, title)
+    job.record.song_id, job.record.files = saved.id, saved.files
     report = song_report(song, request, job.record, ctx.backend.model)
-    # Names only: the files come back as the endpoint's output, and a server path is nobody else's business.
-    report["files"] = {"song_id": saved.id, "wav": Path(saved.wav).name, "flac": Path(saved.flac).name,
-                       "mp3": Path(saved.mp3).name}
-    report["song_id"] = saved.id  # what the `continue` endpoint takes
+    # Names only ("pending" for a file on its way): the WAV comes back as the endpoint's output, the others from
+    # the `files` endpoint once written, and a server path is nobody else's business.
+    report["files"] = {"song_id": saved.id} | saved.files.report()
+    report["song_id"] = saved.id  # what the `continue` and `files` endpoints take
+    report["handed_over_at"] = time.time()  # the WAV was ready from here (`ended_at`: the song's last piece)
     log.info("song %s: %.2f s, seed %s, %.2fx realtime", saved.id, song.duration, song.seed,
              song.timings.get("realtime_factor", 0.0))
     return Outcome(song, saved, report)

@@ -35,7 +35,8 @@ def browser_secret(root: Path) -> str:
 
 
 def add_entry(history: list[dict] | None, outcome: Outcome, limit: int) -> list[dict]:
-    report = outcome.report
+    """The song's row, added once its files are written (or failed: a file that is not there is left out)."""
+    report, files = outcome.report, outcome.saved.files
     settings = report["settings"]
     entry = {
         "id": outcome.saved.id,
@@ -44,9 +45,9 @@ def add_entry(history: list[dict] | None, outcome: Outcome, limit: int) -> list[
         "duration_s": report["duration_s"],
         "seed": report["seed"],
         "wav": outcome.saved.wav,
-        "flac": outcome.saved.flac,
-        "mp3": outcome.saved.mp3,
-        "waveform": outcome.saved.waveform,
+        "flac": files.path("flac"),
+        "mp3": files.path("mp3"),
+        "waveform": files.path("waveform"),
         "settings": settings,
         "instrumental": settings["instrumental"],
     }
@@ -56,8 +57,8 @@ def add_entry(history: list[dict] | None, outcome: Outcome, limit: int) -> list[
 def files_alive(entry: dict, root: Path) -> bool:
     """Whether the entry's files still exist in the store (and are the store's: never serve another path)."""
     for key in ("wav", "flac", "mp3", "waveform"):
-        if key == "waveform" and not entry.get(key):
-            continue  # entries from before the picture was kept
+        if key != "wav" and not entry.get(key):
+            continue  # a file that was never written (or, for the picture, an entry from before it was kept)
         path = Path(str(entry.get(key, ""))).resolve()
         if not path.is_relative_to(root.resolve()) or not path.is_file():
             return False

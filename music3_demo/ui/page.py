@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 import secrets
 import time
+from collections.abc import Iterator
 from contextlib import closing
 from functools import partial
 
@@ -39,7 +40,7 @@ from .continue_view import add_continue_api, build_continue_panel, wire_continue
 from .core import AppContext, Failed, Outcome, check, make_request, run_songs, whole
 from .history import STORAGE_KEY, add_entry, browser_secret, render_history
 from .progress import StageTracker, _seconds
-from .run_view import STOPPED_TEXT, build_run_view
+from .run_view import STOPPED_TEXT, FilesToCome, build_run_view, finished_text
 
 GENERATE_LABEL = "🎵 Generate"
 def launch_options() -> dict:
@@ -199,6 +200,20 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
                                                           trackers[index].description(semantic_eta=False))
                 return updates
 
+            to_come = FilesToCome()  # finished songs whose downloads and picture are still being written
+
+            def filled_in() -> Iterator[dict]:
+                """Updates for the files written since the last look; a song joins the history once all are."""
+                nonlocal entries
+                for index, outcome, done in to_come.arrived():
+                    update = view.files(outcome) if index == 0 else view.cards[index - 1].files(outcome)
+                    if done:
+                        entries = add_entry(entries, outcome, ctx.history_limit)
+                        update[history] = entries
+                        if index == 0 and len(requests) == 1:
+                            update[view.status] = finished_text(outcome.report, True)
+                    yield update
+
             yield view.start() | progress_updates() | {card.box: gr.update(visible=True)
                                                        for card in view.cards[: len(requests) - 1]}
             try:
@@ -206,17 +221,21 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
                     for index, item in items:
                         if ctx.registry.stopped(session):
                             # Ends the handler now (closing the run sets the cancel flag again): the worker may
-                            # still be loading the model and notices only after that, but the page is free.
-                            yield {view.status: STOPPED_TEXT, view.progress: ""}
+                            # still be loading the model and notices only after that, but the page is free. Songs
+                            # already made join the history now, with the files written so far.
+                            made = to_come.take_all()
+                            for outcome in made:
+                                entries = add_entry(entries, outcome, ctx.history_limit)
+                            yield {view.status: STOPPED_TEXT, view.progress: ""} | ({history: entries} if made else {})
                             return
                         if isinstance(item, (Outcome, Failed)):
                             running.discard(index)
-                        if isinstance(item, Outcome):
-                            entries = add_entry(entries, item, ctx.history_limit)
+                        if isinstance(item, Outcome):  # its WAV: the other files fill in as they are written
+                            to_come.add(index, item)
                             if index == 0:
-                                yield from view.finished(item, also={history: entries})
+                                yield from view.finished(item)
                             else:
-                                yield view.cards[index - 1].finished(index + 1, item) | {history: entries}
+                                yield view.cards[index - 1].finished(index + 1, item)
                         elif isinstance(item, Failed) and index == 0:
                             yield {view.status: f"⚠️ Variation 1 (seed `{requests[0].seed}`): {item.message}"}
                         elif isinstance(item, Failed):
@@ -226,6 +245,14 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
                             for update in pieces[:-1]:
                                 yield update
                             yield (pieces[-1] if pieces else {}) | progress_updates()
+                        yield from filled_in()
+                if to_come:
+                    # Every song is made: nothing is left to stop (a Stop now would cancel this handler, and with
+                    # it the history rows still to come), so the button goes while the last files are written.
+                    yield {stop_button: gr.update(visible=False)}
+                while to_come:
+                    to_come.wait(timeout=ctx.tick)
+                    yield from filled_in()
                 if len(requests) > 1:
                     yield {view.progress: "", view.status: f"✅ {len(requests)} variations made: each has its own "
                                                            "player here and a row in **Your songs** below."}
@@ -247,14 +274,14 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
             queue=False, show_progress="hidden", api_visibility="private",
         ).then(None, run_id, None, js=click_if_set("start-run"), api_visibility="private")
         run_event = start_run.click(
-            generate, [ticket, history], [*view.outputs(), history],
+            generate, [ticket, history], [*view.outputs(), history, stop_button],
             concurrency_id=GPU_GROUP, concurrency_limit=concurrency, show_progress="minimal",
             show_progress_on=[view.queue], api_visibility="private",
         )
         busy = ([generate_button, stop_button, view.status],
                 lambda: (gr.update(interactive=False, value="Generating…"), gr.update(visible=True), ""))
-        continue_event = wire_continue_panel(ctx, continue_panel, history, view.outputs(), busy, play, GPU_GROUP,
-                                             concurrency)
+        continue_event = wire_continue_panel(ctx, continue_panel, history, [*view.outputs(), stop_button], busy,
+                                             play, GPU_GROUP, concurrency)
         for event in (run_event, continue_event):
             event.then(restore, None, [generate_button, stop_button], queue=False, api_visibility="private").then(
                 refresh_banner, None, [banner, banner_timer], queue=False, api_visibility="private")

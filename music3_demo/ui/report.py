@@ -38,6 +38,7 @@ def song_report(song: Song, request: GenerationRequest, record: JobRecord, model
         "precision": song.precision,
         "precision_reason": song.precision_reason,
         "memory": song.memory,  # the device as the card saw it during the song (GB), None off CUDA
+        "memory_plan": song.memory_plan,  # what the card's plan holds (GB, slots, longest song), None off CUDA
     }
 
 
@@ -55,7 +56,7 @@ def report_markdown(report: dict) -> str:
         f"**{_clock(report['duration_s'])}** · {report['frames']} frames · {report['sample_rate'] / 1000:g} kHz "
         f"stereo · seed `{report['seed']}` · engine `{report['engine']}` with `{report.get('precision', 'bf16')}` "
         f"weights on `{report['device']}`"
-        + (f" · peak {report['memory']['device_peak_gb']:.1f} GB on the card" if report.get("memory") else "")
+        + (f" · peak {report['memory']['device_peak_gb']:.1f} GB of GPU memory" if report.get("memory") else "")
         + (f", {report['memory']['flow']['device_peak_gb']:.1f} GB on the flow stage's"
            if (report.get("memory") or {}).get("flow") else ""),
         f"Stages: {stages} · total **{timings.get('total_s', 0):.2f} s** · "

@@ -3,7 +3,8 @@ song with its waveform, downloads and report).
 
 `RunView` builds those components and turns what a run produces into page updates, so the page's handler stays a
 short loop over the job's items. The live player shows only once the first piece exists; when the song is finished
-it gives way to the finished player, which page.js starts where the live one was.
+it gives way to the finished player, which page.js starts where the live one was. The finished song's WAV comes
+first; its waveform picture and FLAC / MP3 downloads fill in as the store's writer makes them (`files`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .. import contract as c
 from ..events import AudioPiece
 from ..request import MAX_VARIATIONS
 from .core import Outcome, wav_bytes
+from ..serve.song_files import PENDING
 from .history import escape_markdown
 from .report import report_markdown
 
@@ -63,8 +65,12 @@ class VariationCard:
         return {self.title: (f"**Variation {number}** · seed `{report['seed']}` · ✅ {report['duration_s']:.1f} s, "
                              f"made in {report['timings'].get('total_s', 0):.1f} s"),
                 self.audio: gr.update(value=saved.wav, visible=True), self.downloads: gr.update(visible=True),
-                self.wav_button: saved.wav,
-                self.flac_button: saved.flac, self.mp3_button: saved.mp3}
+                self.wav_button: saved.wav} | self.files(outcome)
+
+    def files(self, outcome: Outcome) -> dict:
+        """Its downloads as far as they are written."""
+        files = outcome.saved.files
+        return {self.flac_button: download(files.path("flac")), self.mp3_button: download(files.path("mp3"))}
 
     def failed(self, number: int, seed: int, message: str) -> dict:
         return {self.title: f"**Variation {number}** · seed `{seed}` · ⚠️ {escape_markdown(message)}"}
@@ -101,10 +107,18 @@ class RunView:
                 self.live_box: gr.update(visible="hidden")} | {key: value for card in self.cards
                                                                for key, value in card.hidden().items()}
 
-    def show_song(self, wav: str, flac: str, mp3: str, waveform: str | None, report: str = "") -> dict:
-        """The one player shows this song (the one just made, or one picked from the history)."""
+    def show_song(self, wav: str, flac: str | None, mp3: str | None, waveform: str | None, report: str = "") -> dict:
+        """The one player shows this song (the one just made, or one picked from the history); a file that is not
+        written (yet) leaves its download greyed out."""
         return {self.result: gr.update(visible=True), self.final_audio: wav, self.waveform: waveform,
-                self.wav_button: wav, self.flac_button: flac, self.mp3_button: mp3, self.report: report}
+                self.wav_button: wav, self.flac_button: download(flac), self.mp3_button: download(mp3),
+                self.report: report}
+
+    def files(self, outcome: Outcome) -> dict:
+        """The finished song's picture and downloads as far as they are written."""
+        files = outcome.saved.files
+        return {self.waveform: files.path("waveform"), self.flac_button: download(files.path("flac")),
+                self.mp3_button: download(files.path("mp3"))}
 
     def song_outputs(self) -> list:
         """What play_entry() fills in, in its order."""
@@ -132,14 +146,65 @@ class RunView:
         if pad:
             yield pad
             time.sleep(STREAM_PAD_GAP_S)  # lets the encoder emit the song's tail before the last chunk is taken
-        report, saved = outcome.report, outcome.saved
+        report, files = outcome.report, outcome.saved.files
         yield pad | (also or {}) | {
-            self.status: (f"✅ Finished: a {report['duration_s']:.1f} s song in "
-                          f"{report['timings'].get('total_s', 0):.1f} s ({report['realtime_factor']:.2f}× realtime). "
-                          "It is also in **Your songs** below."),
+            self.status: finished_text(report, files.settled),
             self.progress: "",
             self.live_box: gr.update(visible="hidden"),  # one player: the finished one takes over (page.js)
-        } | self.show_song(saved.wav, saved.flac, saved.mp3, saved.waveform, report_markdown(report))
+        } | self.show_song(outcome.saved.wav, files.path("flac"), files.path("mp3"), files.path("waveform"),
+                           report_markdown(report))
+
+
+class FilesToCome:
+    """A run's finished songs whose other files (picture, FLAC, MP3, state) are still being written: which of them
+    have more to show since last asked, and which are done (then the song joins the history)."""
+
+    def __init__(self) -> None:
+        self._songs: dict[int, tuple[Outcome, tuple]] = {}  # index -> (its outcome, the files shown so far)
+
+    def add(self, index: int, outcome: Outcome) -> None:
+        self._songs[index] = (outcome, ("wav",))
+
+    def __bool__(self) -> bool:
+        return bool(self._songs)
+
+    def wait(self, timeout: float) -> None:
+        """Until the first song's files are all written, at most `timeout` (the caller then asks `arrived`)."""
+        if self._songs:
+            next(iter(self._songs.values()))[0].saved.files.wait(timeout=timeout)
+
+    def take_all(self) -> list[Outcome]:
+        """The songs still waiting for files, no longer followed (a stopped run adds them to the history as they
+        are)."""
+        outcomes = [outcome for outcome, _ in self._songs.values()]
+        self._songs.clear()
+        return outcomes
+
+    def arrived(self) -> Iterator[tuple[int, Outcome, bool]]:
+        """(index, outcome, done) for each song with a file written (or failed) since the last call."""
+        for index, (outcome, shown) in list(self._songs.items()):
+            files = outcome.saved.files
+            done = files.settled  # read first: a file written after it is shown at the next call
+            now = tuple(kind for kind in files.paths if files.state(kind) != PENDING)
+            if now != shown or done:
+                if done:
+                    del self._songs[index]
+                else:
+                    self._songs[index] = (outcome, now)
+                yield index, outcome, done
+
+
+def finished_text(report: dict, saved: bool) -> str:
+    """The status line of a finished song: said before its other files are written, then once they are."""
+    text = (f"✅ Finished: a {report['duration_s']:.1f} s song in {report['timings'].get('total_s', 0):.1f} s "
+            f"({report['realtime_factor']:.2f}× realtime). ")
+    return text + ("It is also in **Your songs** below." if saved else
+                   "The FLAC and MP3 follow in a moment; then the song joins **Your songs** below.")
+
+
+def download(path: str | None) -> dict:
+    """A download button for a file, greyed out while there is none."""
+    return gr.update(value=path, interactive=path is not None)
 
 
 def build_run_view(live_enabled: bool) -> RunView:

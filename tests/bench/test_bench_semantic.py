@@ -28,7 +28,8 @@ def test_bench_bytes_model_counts_the_engines_weights_and_cache(one_block_models
     engine.text_embeddings_to_host()  # as graph pipelines do: the model must not read the moved table
     model = bytes_model(engine)
     config = lm.config
-    kv = config.num_hidden_layers * 2 * 2 * config.num_key_value_heads * engine.head_dim * 4  # float32 here
+    kv = config.num_hidden_layers * 2 * 2 * config.num_key_value_heads * engine.weights.head_dim * 4  # float32 here
     assert model.kv_per_position == kv
     assert model.lm > sum(p.numel() for p in lm.model.layers.parameters()) * 4
-    assert model.depth > (engine.num_codebooks - 1) * sum(b.qkv.numel() for b in engine.depth_blocks) * 4
+    weights = engine.weights
+    assert model.depth > (weights.num_codebooks - 1) * sum(b.qkv.numel() for b in weights.depth_blocks) * 4

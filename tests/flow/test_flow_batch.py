@@ -11,6 +11,7 @@ tests/flow/test_flow_batch_gpu.py. Here the same test pins the contract with and
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,9 +19,10 @@ import torch
 
 from music3_demo import random_models
 from music3_demo.bench.flow_batch import hold_until_queued
-from music3_demo.flow.executor import FlowExecutor, MergePlan
+from music3_demo.flow.executor import FlowExecutor, MergePlan, tiled_vocode
 from music3_demo.flow.guidance import guided_velocity
-from music3_demo.flow.stream import FlowSettings, FlowStream
+from music3_demo.flow.stream import FlowSettings, FlowStream, full_chunk_latents
+from music3_demo.flow.worker import FirstChunks
 from music3_demo.pipeline import Music3Pipeline
 from music3_demo.request import GenerationRequest
 
@@ -161,6 +163,25 @@ def test_a_lone_song_never_waits_for_a_partner(components):
     executor.close()
 
 
+def test_a_tiled_vocoder_call_gives_the_whole_chunks_samples(modules):
+    """Where the card's plan has no room for a whole chunk's vocoder activations the executor decodes it in tiles:
+    the same samples (the halo covers what the decoder's convolutions see; in float64, so rounding cannot hide a
+    missing input); a halo too short would not."""
+    vocoder = type(modules[1]).from_config(modules[1].config)
+    vocoder.load_state_dict(modules[1].state_dict())
+    vocoder.double()
+    latents = torch.randn(1, vocoder.config.latent_channels, 300, generator=torch.Generator().manual_seed(3),
+                          dtype=torch.float64)
+    executor = FlowExecutor(modules[0], vocoder, torch.device("cpu"), vocoder_tile=64)
+    with torch.no_grad():
+        whole = vocoder(latents)
+        got = executor.vocode(latents)
+        assert got.shape == whole.shape
+        torch.testing.assert_close(got, whole, rtol=1e-9, atol=1e-12)
+        assert (tiled_vocode(vocoder, latents, 64, halo=4) - whole).abs().max() > 1e-3  # the test can fail
+    executor.close()
+
+
 def test_a_failing_call_reaches_its_song_and_the_executor_keeps_serving(modules):
     transformer, vocoder = modules
     executor = FlowExecutor(transformer, vocoder, torch.device("cpu"))
@@ -190,3 +211,109 @@ def test_merge_plan_keeps_only_buckets_measured_faster():
     assert MergePlan.lone().choose(4) == 1 and MergePlan.always().choose(3) == 4
     with pytest.raises(ValueError):
         FlowExecutor(None, None, torch.device("cpu"), mode="sometimes")
+
+
+def _wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_urgent_calls_go_ahead_of_calls_queued_before_them_and_merge_only_with_each_other(modules):
+    """A song's first chunk (`urgent`: before its first audio) is taken before other songs' later chunks queued
+    earlier, its vocoder call too; urgent calls merge with urgent ones only. Nothing else changes order."""
+    transformer, vocoder = modules
+    executor = FlowExecutor(transformer, vocoder, torch.device("cpu"), mode="always")
+    gate = threading.Event()
+    executor.submit_call(gate.wait)
+    _wait_for(lambda: executor.queued() == 0)  # the gate call is running: the rest queue behind it
+    chunk = torch.randn(1, vocoder.config.latent_channels, 11, generator=torch.Generator().manual_seed(0))
+    later = [executor.submit_velocity(*_call(transformer, 37, seed)) for seed in range(2)]
+    later_vocode = executor.submit_vocode(chunk)
+    first = [executor.submit_velocity(*_call(transformer, 37, seed), urgent=True) for seed in (2, 3)]
+    first_vocode = executor.submit_vocode(chunk, urgent=True)
+    gate.set()
+    for pending in later + [later_vocode] + first + [first_vocode]:
+        pending.result(timeout=60)
+    executor.close()
+    assert first[0].started == first[1].started < first_vocode.started < later[0].started == later[1].started
+    assert first_vocode.started < later_vocode.started
+    assert [p.partners for p in first + later] == [1, 1, 1, 1]  # the two first chunks merged, the later two too
+
+
+def test_a_first_chunk_runs_before_another_songs_later_chunk_queued_ahead_of_it(components):
+    """Two songs on one executor (as in a pipeline, the tiny model on the CPU): song A is past its first audio and
+    its last chunk's first DiT call waits in the queue; then song B's first chunk arrives behind it. B's call runs
+    first: a user who joins mid-song does not wait behind the other songs' chunks. (FIFO ran A's first.)"""
+    executor = FlowExecutor(components["transformer"], components["vocoder"], torch.device("cpu"))
+    hidden = components["condition_encoder"].config.condition_hidden_dim
+
+    def stream(seed: int) -> FlowStream:
+        return FlowStream(components, FlowSettings(STEPS, 1.7, batched_cfg=True), torch.Generator().manual_seed(seed),
+                          torch.device("cpu"), executor=executor)
+
+    def frames(count: int, seed: int) -> torch.Tensor:
+        return torch.randn(count, 8 * hidden, generator=torch.Generator().manual_seed(seed))
+
+    a, b = stream(1), stream(2)
+    assert len(a.push(frames(200, 3))) == 1  # A's first audio: it plays on
+    lengths: list[int] = []  # the latent length of each DiT call, in the order the executor ran them
+    hook = components["transformer"].register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs["hidden_states"].shape[-1]), with_kwargs=True)
+    gate = threading.Event()
+    try:
+        executor.submit_call(gate.wait)
+        _wait_for(lambda: executor.queued() == 0)
+        results = {}
+        songs = {"a": lambda: a.push(frames(50, 4)) + a.finish(),  # A's last chunk: 150 frames (a shorter call)
+                 "b": lambda: b.push(frames(200, 5))}  # B's first chunk: 200 frames
+        threads = {}
+        for count, (name, make) in enumerate(songs.items(), start=1):
+            threads[name] = threading.Thread(target=lambda name=name, make=make: results.update({name: make()}))
+            threads[name].start()
+            _wait_for(lambda count=count: executor.queued() == count)  # A's call is queued before B's
+        gate.set()
+        for thread in threads.values():
+            thread.join(timeout=120)
+    finally:
+        hook.remove()
+        gate.set()
+        executor.close()
+    assert results["a"] and results["b"]
+    full = full_chunk_latents(components)  # B's chunk; A's last one is shorter
+    assert lengths[0] == full and set(lengths) == {full, lengths[-1]} and lengths[-1] < full, lengths
+    assert lengths.count(full) == STEPS and lengths.count(lengths[-1]) == STEPS
+    first = b.timings.first_chunk  # what the song's timings report (A's is its chunk 0, made before)
+    assert first.began <= first.first_call_started <= first.denoised <= first.done and first.executor_wait_s > 0
+
+
+def test_other_songs_wait_between_blocks_while_a_first_chunk_is_denoised():
+    """`FirstChunks`, the pipeline's record of first chunks being denoised: a caller waits while one is (the
+    semantic batch then stands still), not at all otherwise, and a cancel ends the wait."""
+    chunks = FirstChunks()
+    assert chunks.wait() < 0.05
+    inside, release = threading.Event(), threading.Event()
+
+    def first_audio():
+        with chunks.denoising():
+            inside.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=first_audio)
+    holder.start()
+    inside.wait(30)
+    threading.Timer(0.3, release.set).start()
+    assert chunks.wait() >= 0.25  # until that song's first audio
+    holder.join(30)
+    assert chunks.wait() < 0.05
+    inside.clear()
+    release.clear()
+    holder = threading.Thread(target=first_audio)
+    holder.start()
+    inside.wait(30)
+    cancel = threading.Event()
+    threading.Timer(0.1, cancel.set).start()
+    assert chunks.wait(cancel) < 5  # the waiting song was cancelled
+    release.set()
+    holder.join(30)

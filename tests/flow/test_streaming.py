@@ -98,6 +98,12 @@ def test_overlapped_song_equals_its_batch_decode_and_is_deterministic(tiny_folde
     kinds = [(type(e).__name__, getattr(e, "stage", None)) for e in events]
     first_piece = kinds.index(("AudioPiece", None))
     assert ("Progress", "semantic") in kinds[first_piece:]
+    # The first audio's path, in the song's timings (seconds after its start), in the order it happens.
+    t = song.timings
+    path = ["first_frames_s", "chunk0_frames_s", "chunk0_began_s", "chunk0_first_call_s", "chunk0_denoised_s",
+            "chunk0_done_s", "first_audio_s"]
+    assert [t[name] for name in path] == sorted(t[name] for name in path)
+    assert t["held_for_first_chunks_s"] == 0.0 and t["chunk0_executor_wait_s"] >= 0.0  # alone: nobody else's
 
 
 def test_song_that_ends_early_streams_the_same_as_batch(tmp_path):

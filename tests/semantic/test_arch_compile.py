@@ -1,7 +1,8 @@
 """Every Triton kernel the graph engine launches for the full-size model (bf16 weights, and the 1-byte int8/fp8
 weights of semantic/quant.py where the architecture runs them) compiles for sm_80, 86, 89, 90, 100 and 120 with the
 configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
-tail's spin-barrier grid is resident all at once (scripts/compile_arch.py does the compiling, in two processes)."""
+tail's spin-barrier grid is resident all at once (scripts/compile_arch.py does the compiling, in two processes). The
+tiny model's kernels (small shapes: their own tiles) compile too, for sm_90 in every weight format."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from music3_demo.semantic.kernels.linear import GemvConfig
 from music3_demo.semantic.kernels.tuning import SHARED_MEMORY, shared_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
-# Two halves of about equal compile time (CI has two cores); each process builds the meta model once.
-GROUPS = (("80", "86", "89", "120"), ("90", "100"))
+# Two halves of about equal compile time (CI has two cores); each process builds the meta model once. The second also
+# compiles the tiny model's kernels for sm_90 (~30 CPU s: one compile per tile configuration, `SMALL_MINOR`).
+GROUPS = (("80", "86", "89", "120"), ("90", "100", "--tiny", "90"))
 TIMEOUT = 600  # seconds per process (about 90 on two idle cores)
 
 
@@ -37,6 +39,10 @@ def _compile(tmp_path: Path, precisions: str) -> list[dict]:
     return reports
 
 
+def _full(reports: list[dict]) -> list[dict]:
+    return [report for report in reports if report["model"] == "full"]
+
+
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     """One compile of the engine on bf16 and on 1-byte weights per architecture: the kernels both share (attention,
@@ -50,8 +56,8 @@ def reports(tmp_path_factory) -> list[dict]:
 
 
 def test_every_engine_kernel_compiles_and_fits_every_architecture(reports):
-    _check(reports)
-    for report in reports:
+    _check(_full(reports))
+    for report in _full(reports):
         assert report["precisions"] == (["bf16", "int8", "fp8"] if report["capability"] >= 89 else ["bf16", "int8"])
         bf16 = {k["kernel"] for k in report["kernels"] if not k["constants"].get("QUANT")}
         assert {"_gemv_kernel", "_block_tail_kernel"} <= bf16
@@ -60,7 +66,7 @@ def test_every_engine_kernel_compiles_and_fits_every_architecture(reports):
 def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(reports):
     """The engine on fp8/int8 weights (semantic/quant.py's default schemes): int8 on every architecture, fp8 from
     sm_89 on, each with every conversion route of kernels/qweight.py."""
-    for report in reports:
+    for report in _full(reports):
         cap = report["capability"]
         quant = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] in ("_gemv_kernel",
                                                                                        "_block_tail_kernel")}
@@ -71,6 +77,25 @@ def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(repor
         routes = {k["constants"]["CONV"] for k in report["kernels"] if k["constants"].get("QUANT")
                   and "CONV" in k["constants"]}
         assert routes == ({0, 1, 2, 3} if cap >= 89 else {0, 1, 2}), (cap, routes)
+
+
+def test_the_tiny_model_compiles_on_sm90_in_every_weight_format(reports):
+    """A small model (hidden 32, heads of 8, K of 32-64) gets configs of its own shapes: short K tiles, heads padded
+    to 16 lanes for decode attention's products; before, the tail's 256-column K tiles did not divide K=32 and, with
+    int8's 16-column tiles, decode attention's 8-lane heads did not compile. Every kernel of its frame compiles and
+    fits (as for the full-size model)."""
+    (tiny,) = [report for report in reports if report["model"] == "tiny"]
+    assert tiny["capability"] == 90 and tiny["precisions"] == ["bf16", "int8", "fp8"] and tiny["problems"] == []
+    names = {k["kernel"] for k in tiny["kernels"]}
+    assert names == {"_gemv_kernel", "_block_tail_kernel", "_decode_attn_kernel", "_depth_attn_kernel",
+                     "_cfg_sample_kernel", "_rmsnorm_kernel", "_frame_tail_kernel"}
+    assert {k["constants"]["QUANT"] for k in tiny["kernels"] if k["kernel"] == "_block_tail_kernel"} == {0, 1, 2}
+    (attention,) = [k for k in tiny["kernels"] if k["kernel"] == "_decode_attn_kernel"]
+    assert (attention["constants"]["D"], attention["constants"]["DP"]) == (8, 16)
+    for kernel in tiny["kernels"]:
+        assert kernel["shared"] <= tiny["shared_per_block"], kernel
+        if kernel["kernel"] == "_block_tail_kernel":
+            assert all(kernel["constants"][f"BK_{p}"] <= 64 for p in ("O", "GU", "D", "Q")), kernel
 
 
 def _check(reports: list[dict]) -> None:

@@ -1,8 +1,9 @@
-"""The graph engine's batch on the tiny model under Triton's interpreter (issue 16): a song's codes and frames are
-the same alone and batched (asking at the same moment as another, joining mid-song, beside a variation that copies
-its prompt's K/V, beside a song that is cancelled, with the depth decoder's first pass split as for 8 songs), its
-prompt is cut into the same prefill chunks whoever joins with it (8 songs at once), and a full KV pool admits no
-one. Few, short songs: every step of every song runs every kernel in the interpreter."""
+"""The graph engine's batch on the tiny model under Triton's interpreter: a song's codes and frames are the same
+alone and batched (asking at the same moment as another, joining mid-song, beside a variation that copies its
+prompt's K/V, beside a song that is cancelled, with the depth decoder's first pass split as for 8 songs), its prompt
+is cut into the same prefill chunks whoever joins with it, a full KV pool admits no one, and a round that runs out
+of memory frees its songs' places and regions. Few, short songs: every step of every song runs every kernel in the
+interpreter. The scheduler's decisions alone: test_batch_scheduler.py."""
 
 from __future__ import annotations
 
@@ -51,15 +52,15 @@ def models(one_block_models):
 def test_a_prompt_prefilled_in_chunks_is_the_prompt_prefilled_at_once(models):
     """Chunks after the first read the K/V before them back from the song's region of the pool (float32: equal to
     rounding)."""
-    from music3_demo.semantic.state import prefill
+    from music3_demo.semantic.prefill import prefill
 
     engine = _engine(models, slots=2)
     engine.allocate(64)
-    state = engine._state
+    state, weights, lm = engine._state, engine.weights, engine.language_model
     text_ids = torch.randint(0, 250, (2, 10), generator=torch.Generator().manual_seed(3))
-    prefill(state, engine, text_ids, 0, 16)
+    prefill(state, weights, lm, text_ids, 0, 16)
     for begin in range(0, 10, 4):
-        prefill(state, engine, text_ids, 1, 40, begin, min(10, begin + 4))
+        prefill(state, weights, lm, text_ids, 1, 40, begin, min(10, begin + 4))
     torch.testing.assert_close(state.kv[..., 40:50, :], state.kv[..., 16:26, :], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state.prompt_hidden[1], state.prompt_hidden[0], rtol=1e-5, atol=1e-5)
     assert state.kv[..., 26:40, :].abs().sum() == 0  # nothing outside the regions
@@ -92,7 +93,6 @@ def test_a_song_joining_mid_song_changes_neither(models, alone):
 def _at_once(engine, runs: list) -> list[list]:
     """Iterate the runs on a thread each, all in the waiting line before any round starts (the drive lock held until
     then): one round admits them all, in this order. Returns each run's blocks."""
-    batch = engine._batch
     results: list = [None] * len(runs)
 
     def sing(index: int) -> None:
@@ -102,10 +102,10 @@ def _at_once(engine, runs: list) -> list[list]:
             results[index] = error
 
     threads = [threading.Thread(target=sing, args=(index,)) for index in range(len(runs))]
-    with batch.drive:
+    with engine._drive:
         for count, thread in enumerate(threads, 1):
             thread.start()
-            while len(batch.waiting) < count and thread.is_alive():  # in line before the next one starts
+            while len(engine.scheduler.waiting) < count and thread.is_alive():  # in line before the next one starts
                 time.sleep(0.01)
     for thread in threads:
         thread.join()
@@ -116,10 +116,10 @@ def _at_once(engine, runs: list) -> list[list]:
 
 
 def _cuts(engine, monkeypatch) -> list[tuple[int, int, int]]:
-    """(slot, begin, end) of every prefill chunk the engine runs from now on."""
+    """(place, begin, end) of every prefill chunk the engine runs from now on."""
     cuts = []
-    fill = engine.fill
-    monkeypatch.setattr(engine, "fill", lambda slot, *args: cuts.append((slot, *args[-2:])) or fill(slot, *args))
+    fill = engine._prefill
+    monkeypatch.setattr(engine, "_prefill", lambda place, *args: cuts.append((place, *args[-2:])) or fill(place, *args))
     return cuts
 
 
@@ -130,8 +130,8 @@ def _chunks(length: int, chunk: int = 4) -> list[tuple[int, int]]:
 
 def test_songs_asking_at_once_make_what_they_make_alone(models, alone, monkeypatch):
     """The shorter prompt first (6 tokens: chunks 4 + 2), then the longer one (9): the longer is still cut 4 + 4 + 1
-    as alone, not after the 2 tokens its neighbour left of a round (issue 16: the K/V of a prompt cut elsewhere differ
-    in the last bits, and on the H200 a 1200-token song batched with 7 others made other codes late in the song)."""
+    as alone, not after the 2 tokens its neighbour left of a round (the K/V of a prompt cut elsewhere differ in the
+    last bits, and on the H200 a 1200-token song batched with 7 others made other codes late in the song)."""
     engine = _engine(models, slots=2)
     cuts = _cuts(engine, monkeypatch)
     first, other = _start(engine, FIRST), _start(engine, OTHER)
@@ -142,45 +142,19 @@ def test_songs_asking_at_once_make_what_they_make_alone(models, alone, monkeypat
     assert first.stats.peers == other.stats.peers == 1
 
 
-def test_eight_songs_at_once_each_prefill_in_its_own_chunks(models, monkeypatch):
-    """Eight prompts admitted in one round (the batch's rounds of admission and prefill only, no replay): every
-    prompt is cut at multiples of the chunk from its start, as alone, and no round prefills more than one chunk."""
-    from music3_demo.semantic.batch import Song
-
-    engine = _engine(models, slots=8)
-    batch = engine._batch
-    lengths = [6, 9, 3, 4, 1, 11, 5, 2]
-    songs = [Song(None, ids, ids, 1, SamplingSettings(), index, torch.zeros(0, 8, dtype=torch.int32))
-             for index, ids in enumerate(torch.randint(0, 250, (2, n), generator=torch.Generator().manual_seed(n))
-                                         for n in lengths)]
-    cuts = _cuts(engine, monkeypatch)
-    batch.waiting.extend(songs)
-    batch._admit()
-    assert sorted(batch.active) == list(range(8))
-    for _ in range(sum(lengths)):  # rounds (at least one token each)
-        if all(song.live for song in songs):
-            break
-        before = len(cuts)
-        batch._fill()
-        assert sum(end - begin for _, begin, end in cuts[before:]) <= 4
-    assert all(song.live for song in songs)
-    for song, length in zip(songs, lengths):
-        assert [cut[1:] for cut in cuts if cut[0] == song.slot] == _chunks(length)
-
-
 def test_variation_and_cancelled_song_beside_a_song(models, alone, monkeypatch):
     """Three songs in a bucket of 4 with the depth decoder's first pass split in two (as 8 songs run it): the
     variation copies the first song's prompt K/V instead of a prefill, the third song is cancelled (closed) after
     its first frame."""
-    from music3_demo.semantic import graph, state, step
+    from music3_demo.semantic import frame_graph, graph, prefill
 
-    monkeypatch.setattr(step, "FUSED_FIRST_PASS_ROWS", 4)  # one song's 4 rows fuse; 2 songs or more split
+    monkeypatch.setattr(frame_graph, "FUSED_FIRST_PASS_ROWS", 4)  # one song's 4 rows fuse; 2 songs or more split
     engine = _engine(models, slots=4)
     prefills = []
 
     def counted(*args):
-        prefills.append(args[3])  # the slot
-        return state.prefill(*args)
+        prefills.append(args[4])  # the place
+        return prefill.prefill(*args)
 
     monkeypatch.setattr(graph, "prefill", counted)
     first, variation, cancelled = (_start(engine, song) for song in (FIRST, VARIATION, OTHER))
@@ -192,19 +166,46 @@ def test_variation_and_cancelled_song_beside_a_song(models, alone, monkeypatch):
     first_blocks += list(first)
     _same(first, first_blocks, alone[FIRST])
     _same(variation, variation_blocks, alone[VARIATION])
-    assert prefills == [0, 0, 2, 2, 2]  # chunks of 4 tokens; the variation (slot 1) copied the first song's prompt
+    assert prefills == [0, 0, 2, 2, 2]  # chunks of 4 tokens; the variation (place 1) copied the first song's prompt
     assert first.stats.peers == 2
 
 
 def test_a_full_kv_pool_admits_no_song_until_one_leaves(models):
-    from music3_demo.semantic.state import PARKING, song_positions
+    from music3_demo.semantic.scheduler import PARKING, song_positions
 
     need = song_positions(FIRST[0], FIRST[2])
     engine = _engine(models, slots=2, pool=need + 3 + PARKING)
     assert engine.can_admit(FIRST[0], FIRST[2])
     first = _start(engine, FIRST)
     next(first)
-    assert not engine.can_admit(FIRST[0], FIRST[2])  # a slot is free, the pool is not
+    assert not engine.can_admit(FIRST[0], FIRST[2])  # a place is free, the pool is not
     assert not engine.can_admit(1, 1)  # (4 positions: 3 are left)
     first.close()
     assert engine.can_admit(FIRST[0], FIRST[2])
+
+
+def test_a_song_that_runs_out_of_memory_in_its_prefill_frees_its_slot_and_region(models, alone, monkeypatch):
+    """An out-of-memory in a round (here the song's prefill, as torch raises it on a full GPU) ends the song; its
+    slot and its region of the KV pool are free again and the next song is the same song as alone."""
+    from music3_demo.semantic import graph
+    from music3_demo.semantic.scheduler import PARKING
+
+    engine = _engine(models, slots=2)
+    prefill, calls = graph.prefill, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(graph, "prefill", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        list(_start(engine, VARIATION))
+    scheduler = engine.scheduler
+    assert not scheduler.busy and engine.occupancy.free() == 2  # no song holds a place
+    regions = scheduler.regions
+    assert regions.find(regions.positions - PARKING) == PARKING  # the whole pool is free
+    assert engine.can_admit(VARIATION[0], VARIATION[2])
+    run = _start(engine, VARIATION)  # (the shortest song: every step runs in the interpreter)
+    _same(run, list(run), alone[VARIATION])

@@ -1,4 +1,4 @@
-"""GPU: songs batched on the graph engine (issue 16) make the codes they make alone (full-size random weights, bf16).
+"""GPU: songs batched on the graph engine make the codes they make alone (full-size random weights, bf16).
 
 A seeded song alone vs the same song in a batch of 4 (joining while the other three are mid-song) and in a batch of
 8 (all eight asking at once, so the 1200-token prompt shares its prefill rounds with the prompts ahead of it; the
@@ -75,11 +75,10 @@ def _together(engine, indices: list[int], late: int | None = None, cancelled: in
         if index == cancelled:
             kwargs["cancel"] = threading.Event()
         threads.append(threading.Thread(target=_sing, args=(engine, index, results), kwargs=kwargs))
-    batch = engine._batch
-    with batch.drive if at_once else contextlib.nullcontext():
+    with engine._drive if at_once else contextlib.nullcontext():
         for count, thread in enumerate(threads, 1):
             thread.start()
-            while at_once and len(batch.waiting) < count and thread.is_alive():
+            while at_once and len(engine.scheduler.waiting) < count and thread.is_alive():
                 time.sleep(0.01)
     for thread in threads:
         thread.join()

@@ -11,7 +11,7 @@ import torch
 
 from music3_demo import random_models
 from music3_demo.semantic import make_engine
-from music3_demo.semantic.setup import SELF_CHECK_MAX_ERROR, sample_once, self_check
+from music3_demo.semantic.select import SELF_CHECK_MAX_ERROR, sample_once, self_check
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ from music3_demo.bench.semantic import random_prompt
 from music3_demo.semantic import Cancelled, SamplingSettings
 from music3_demo.semantic.config import GraphConfig
 from music3_demo.semantic.graph import GraphEngine
-from music3_demo.semantic.state import AUDIO_CODES
+from music3_demo.semantic.weights import AUDIO_CODES
 from music3_demo.semantic.kernels import cfg_sample
 from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 from music3_demo.semantic.sampling import guide, reference_semantic_logits

@@ -64,26 +64,26 @@ class _Recording:
         return self.tuning.tail(*key)
 
 
-def engine_requests(tuning: Tuning, chain: bool) -> _Recording:
-    """What the full-size graph engine asks its tuning for over one sampled and one teacher-forced frame (weights on
-    the meta device, kernel launches skipped)."""
-    from music3_demo.semantic import step
+def engine_requests(tuning: Tuning, chain: bool, model: str = "full", precision: str = "bf16") -> _Recording:
+    """What the full-size (or tiny) graph engine asks its tuning for over one sampled and one teacher-forced frame
+    (weights on the meta device, kernel launches skipped)."""
+    from music3_demo.semantic import frame_graph
 
     recording = _Recording(tuning)
-    engine = _script("compile_arch").full_size_engine(recording)
+    engine = _script("compile_arch").meta_engine(recording, precision, model)
     engine.chain = chain
     skipped = {name: (lambda *a, **k: None) for name in ("gemv", "block_tail", "decode_attention", "depth_attention",
                                                          "cfg_sample", "frame_tail", "rmsnorm")}
-    saved = {name: getattr(step, name) for name in skipped}
+    saved = {name: getattr(frame_graph, name) for name in skipped}
     try:
         for name, stub in skipped.items():
-            setattr(step, name, stub)
+            setattr(frame_graph, name, stub)
         engine.allocate(512)
         for forced in (False, True):
-            engine._advance(1, forced)()
+            engine.frame_graph.prepare(1, forced)()
     finally:
         for name, value in saved.items():
-            setattr(step, name, value)
+            setattr(frame_graph, name, value)
     return recording
 
 
@@ -171,6 +171,38 @@ def test_the_default_one_byte_formats_have_an_entry_for_every_bf16_product():
     gemv, _ = load_table(H200_TABLE)
     for scheme in DEFAULT_SCHEMES.values():
         assert all((*key, "w1", scheme.fmt, scheme.group) in gemv for key in _bf16_entries(gemv))
+
+
+ARCHITECTURES = (H200, Target("NVIDIA A100-SXM4-80GB", 80, 108), Target("NVIDIA GeForce RTX 3090", 86, 82),
+                 Target("NVIDIA GeForce RTX 4090", 89, 128), Target("NVIDIA B200", 100, 148),
+                 Target("NVIDIA GeForce RTX 5090", 120, 170))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "fp8"])
+def test_a_small_models_products_get_configs_that_fit_their_shapes_on_every_architecture(on_gpu, precision):
+    """The tiny model (hidden 32, K of 32, 48 and 64; int8 scales per 16 columns): every GEMV and chained-tail config
+    the engine asks for has K tiles (times split-K) that divide K, of at least 16 columns, within one scale group,
+    and gate|up row blocks that divide its rows. (The tail's heuristic used to give 256-column K tiles: "K=32 must
+    be a multiple of block_k=256" on every GPU, and the pipeline fell back to the reference engine.)"""
+    group = 16 if precision == "int8" else 0  # quant.model_group: the largest divisor of every K up to 128
+
+    def fits(cfg, n, k, swiglu=False):
+        return (k % (cfg.block_k * cfg.split_k) == 0 and cfg.block_k >= 16 and not (group and group % cfg.block_k)
+                and not (swiglu and n % cfg.block_n))
+
+    for target in ARCHITECTURES:
+        tuning = tuning_for_target(target)
+        asked = engine_requests(tuning, True, "tiny", precision)
+        assert asked.gemv_keys and asked.tail_keys
+        for key in asked.gemv_keys:
+            m, n, k, swiglu = key[:4]
+            assert fits(tuning.gemv(*key), n, k, swiglu), (target.capability, key)
+        for key in asked.tail_keys:
+            hidden, attn, gate_up, qkv = key[:4]
+            cfg = tuning.tail(*key)
+            shapes = ((cfg.o, hidden, attn, False), (cfg.gate_up, gate_up, hidden, True),
+                      (cfg.down, hidden, gate_up // 2, False), (cfg.qkv, qkv, hidden, False))
+            assert all(fits(c, n, k, swiglu) for c, n, k, swiglu in shapes), (target.capability, key, cfg)
 
 
 def test_a_gpu_takes_its_table_else_its_architectures_else_the_heuristic_within_its_limits(on_gpu):

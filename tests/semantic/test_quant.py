@@ -173,7 +173,7 @@ def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weig
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
     quantize_model_(lm, depth, scheme.fmt, "cpu", scheme)
     engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=chain)
-    assert engine.precision == scheme.fmt and isinstance(engine.blocks[0].qkv, QWeight)
+    assert engine.precision == scheme.fmt and isinstance(engine.weights.blocks[0].qkv, QWeight)
     generator = torch.Generator().manual_seed(20)
     text_ids = torch.randint(0, 250, (2, 10), generator=generator)
     codes = random_codes(2, generator)

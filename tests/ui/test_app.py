@@ -1,4 +1,7 @@
-"""The app through its public API: a real `python app.py --model tiny` server driven with gradio_client."""
+"""The app through its public API: a real `python app.py --model tiny` server driven with gradio_client.
+
+Its background writer waits SLOW_S after each song's hand-over before it writes the song's slower files (the
+writer's test seam), so the hand-over tests see "after" as seconds after, not a race."""
 
 from __future__ import annotations
 
@@ -17,15 +20,21 @@ from gradio_client.utils import Status
 from music3_demo import contract as c
 from music3_demo.prompt import count_prompt_tokens
 from music3_demo.request import GenerationRequest, InvalidRequest, validate
+from music3_demo.serve.writer import SLOW_FILES_ENV
 
 FRAME_S = 1 / c.FRAME_RATE
 QUICK = {"description": "bright synth-pop, 120 BPM", "lyrics": "[verse]\nhello there\n\n[chorus]\nla la la",
          "num_steps": 4}
+SLOW_S = 3.0
+# The hand-over (WAV written, the report built, Gradio's post-processing, the download) takes a fraction of a second
+# on a loaded 2-core box; waiting for even one of the delayed files takes SLOW_S or more.
+HANDOVER_BOUND_S = 2.5
+LATER = ("waveform", "state", "flac", "mp3")  # the files written after the hand-over
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    with running_app(tmp_path_factory.mktemp("app")) as server:
+    with running_app(tmp_path_factory.mktemp("app"), env={SLOW_FILES_ENV: str(SLOW_S)}) as server:
         yield server
 
 
@@ -38,6 +47,22 @@ def generate(client: Client, **values) -> tuple[str, dict]:
     return client.predict(**(QUICK | values), api_name="/generate")
 
 
+def on_disk(app, song_id: str) -> list[str]:
+    """The song's files that exist (partial ones are hidden: never counted)."""
+    return sorted(path.suffix for path in (app.output_dir / song_id).iterdir() if not path.name.startswith("."))
+
+
+def files_when_written(client: Client, job_id: int, timeout: float = 120.0) -> dict:
+    """The job's files as the status endpoint tells them, once none is on its way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = next(job for job in client.predict(api_name="/status")["jobs"] if job["id"] == job_id)
+        if "pending" not in job["files"].values():
+            return job["files"]
+        assert time.monotonic() < deadline, f"the files never came: {job['files']}"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("duration", [3.4, 9.0])  # one flow chunk, and two overlapping chunks
 def test_song_has_the_requested_duration_rate_and_channels(app, client, duration):
     wav, report = generate(client, duration=duration, seed=11)
@@ -48,13 +73,61 @@ def test_song_has_the_requested_duration_rate_and_channels(app, client, duration
     assert report["frames"] == c.max_frames_for(duration) and report["seed"] == 11
     assert report["engine"] == "reference" and report["realtime_factor"] > 0
     assert {"prompt_s", "semantic_s", "flow_s", "vocoder_s", "total_s"} <= set(report["timings"])
+    names = files_when_written(client, report["job"])  # the FLAC and MP3 follow the WAV
     files = app.output_dir / report["files"]["song_id"]  # the report names the files, never a server path
-    flac = sf.info(files / report["files"]["flac"])  # the FLAC download holds the same song
+    flac = sf.info(files / names["flac"])  # the FLAC download holds the same song
     assert (flac.frames, flac.samplerate, flac.channels) == (info.frames, info.samplerate, info.channels)
-    mp3 = sf.info(files / report["files"]["mp3"])  # and the MP3, up to the encoder's frame padding
+    mp3 = sf.info(files / names["mp3"])  # and the MP3, up to the encoder's frame padding
     assert mp3.format == "MP3" and (mp3.samplerate, mp3.channels) == (info.samplerate, info.channels)
     assert abs(mp3.duration - info.frames / info.samplerate) < 0.06
     assert report["notice"] and "noise" in report["notice"]  # a random model says so
+
+
+def test_the_wav_is_handed_over_before_the_slow_files_which_follow(app):
+    client = Client(app.url, verbose=False)
+    wav, report = client.predict(**QUICK, duration=2.0, seed=1, api_name="/generate")
+    received = time.time()
+    song_id = report["song_id"]
+    # In the client's hands while the other files are still on their way (the old order wrote all five first),
+    # and its report says so.
+    assert on_disk(app, song_id) == [".wav"], "the slower files were written before the WAV was handed over"
+    assert sf.info(wav).frames == sf.info(app.output_dir / song_id / report["files"]["wav"]).frames
+    assert {kind: report["files"].get(kind) for kind in LATER} == {kind: "pending" for kind in LATER}
+    assert received - report["ended_at"] < HANDOVER_BOUND_S, "the WAV waited for the slower files"
+    assert report["ended_at"] <= report["handed_over_at"] <= received
+
+    # They follow: the job's entry in `status` names them once written, and the `files` endpoint hands them over.
+    names = files_when_written(client, report["job"])
+    assert names == {"wav": report["files"]["wav"], "waveform": "waveform.png", "state": "continue.npz",
+                     "flac": report["files"]["wav"].replace(".wav", ".flac"),
+                     "mp3": report["files"]["wav"].replace(".wav", ".mp3")}
+    assert on_disk(app, song_id) == [".flac", ".mp3", ".npz", ".png", ".wav"]
+    flac, mp3, picture, where = client.predict(song_id=song_id, api_name="/files")
+    assert where == {"song_id": song_id} | names
+    assert sf.info(flac).frames == sf.info(wav).frames and sf.info(mp3).format == "MP3"
+    assert Path(picture).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_variations_are_each_handed_over_as_they_end(app):
+    client = Client(app.url, verbose=False)
+    job = client.submit(**QUICK, duration=1.0, seed=5, variations=2, api_name="/generate")
+    arrived: list[float] = []  # when each song was in the client's hands (its WAV downloaded)
+    deadline = time.monotonic() + 300
+    while True:
+        done = job.done()
+        songs = [output for output in job.outputs() if isinstance(output[0], str)]
+        arrived += [time.time()] * (len(songs) - len(arrived))
+        if done:
+            break
+        assert time.monotonic() < deadline, "the variations never came"
+        time.sleep(0.02)
+    assert len(songs) == 2
+    for (wav, report), at in zip(songs, arrived):
+        assert {kind: report["files"].get(kind) for kind in LATER} == {kind: "pending" for kind in LATER}
+        assert at - report["ended_at"] < HANDOVER_BOUND_S, "a variation waited for files"
+        assert sf.info(wav).channels == 2
+    for _, report in songs:
+        assert "pending" not in files_when_written(client, report["job"]).values()
 
 
 def test_same_seed_same_song(client):

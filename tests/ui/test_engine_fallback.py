@@ -26,7 +26,7 @@ from gradio_client.exceptions import AppError  # noqa: E402
 
 from music3_demo import devices, random_models  # noqa: E402
 from music3_demo.request import GenerationRequest  # noqa: E402
-from music3_demo.semantic import EngineUnavailable, SamplingSettings, make_engine, setup  # noqa: E402
+from music3_demo.semantic import EngineUnavailable, SamplingSettings, make_engine, select  # noqa: E402
 
 SHORT = GenerationRequest("lofi hip hop, 80 BPM", "[verse]\nla la", duration=1.0, num_steps=2, seed=3)
 NO_SHARED_MEMORY = "OutOfResources: out of resource: shared memory"
@@ -119,7 +119,7 @@ def test_a_failed_self_check_falls_back_and_the_holder_banner_and_report_say_why
     """The engine runs, but its logits disagree with the reference on the loaded weights: no song may come from it.
     (The one test here that runs the interpreted engine: two teacher-forced steps.)"""
     engine_faults.wrong_model(monkeypatch.setattr)
-    monkeypatch.setattr(setup, "SELF_CHECK_STEPS", 2)
+    monkeypatch.setattr(select, "SELF_CHECK_STEPS", 2)
     monkeypatch.setenv("MUSIC3_TEST_GRAPH_ON_CPU", "1")
     from music3_demo.serve.holder import ModelHolder
     from music3_demo.ui.assets import banner_html

@@ -172,7 +172,8 @@ def test_ctrl_enter_streams_then_one_player_and_history_survives_a_reload(contex
     assert players == ["result-audio"], players
     page.wait_for_function("() => { const a = document.querySelector('#result-audio audio');"
                            " return a && Math.abs(a.duration - 9.0) < 0.05; }", timeout=90_000)  # (a loaded CI box)
-    assert page.locator("#waveform img").is_visible()
+    # The picture and the FLAC / MP3 downloads are written after the song is handed over: they fill in.
+    page.wait_for_selector("#waveform img", state="visible", timeout=30_000)
     assert all(page.locator(f"#download-{kind}").is_visible() for kind in ("wav", "flac", "mp3"))
     page.wait_for_timeout(500)
     page.screenshot(path=str(ARTIFACTS / "truth-desktop-1440.png"), full_page=True)

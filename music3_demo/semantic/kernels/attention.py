@@ -15,18 +15,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import pdl_enter, pdl_launch
+from .launch import padded_lanes, pdl_enter, pdl_launch
 
 
 @triton.jit
-def _norm_rope(src, rows, valid, d, gain_ptr, cos, sin, eps, D: tl.constexpr, dtype: tl.constexpr):
-    """Per-head RMSNorm then rotary of the [R, D] heads at src + rows·D (HF's bf16 rounding at each step)."""
+def _norm_rope(src, rows, valid, d, gain_ptr, cos, sin, eps, D: tl.constexpr, DP: tl.constexpr, dtype: tl.constexpr):
+    """Per-head RMSNorm then rotary of the [R, D] heads at src + rows·D (HF's bf16 rounding at each step), on DP
+    lanes (those past D are zero)."""
+    lanes = padded_lanes(d, D, DP)
     partner = (d + D // 2) % D
-    x = tl.load(src + rows[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    x_p = tl.load(src + rows[:, None] * D + partner[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    mask = valid[:, None] & lanes[None, :]
+    x = tl.load(src + rows[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_p = tl.load(src + rows[:, None] * D + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-    xn = ((x * rstd[:, None]).to(dtype).to(tl.float32) * tl.load(gain_ptr + d).to(tl.float32)[None, :])
-    xp = ((x_p * rstd[:, None]).to(dtype).to(tl.float32) * tl.load(gain_ptr + partner).to(tl.float32)[None, :])
+    xn = ((x * rstd[:, None]).to(dtype).to(tl.float32)
+          * tl.load(gain_ptr + d, mask=lanes, other=0.0).to(tl.float32)[None, :])
+    xp = ((x_p * rstd[:, None]).to(dtype).to(tl.float32)
+          * tl.load(gain_ptr + partner, mask=lanes, other=0.0).to(tl.float32)[None, :])
     rotated = tl.where((d < D // 2)[None, :], -xp.to(dtype).to(tl.float32), xp.to(dtype).to(tl.float32))
     y = (xn.to(dtype).to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32) + (rotated * sin[None, :]).to(dtype).to(
         tl.float32)
@@ -58,12 +63,13 @@ def _decode_attn_kernel(
     part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
     stride_qkv, stride_cb, stride_ch, stride_cs, stride_out, scale, eps,
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr, POOLED: tl.constexpr,
+    DP: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr, POOLED: tl.constexpr,
 ):
     """Program (row·kv-head, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context;
     the last of the SPLITS programs to finish combines them. The heads come raw from the q|k|v GEMV: each program
     normalises and rotates its queries, and the one whose split holds the current position also writes that
-    position's key and value into the cache before reading them back."""
+    position's key and value into the cache before reading them back. Heads of D lanes run on DP (a small model's
+    D=8 on 16: the products' least side), the lanes past D zero."""
     if PDL:
         pdl_enter()
     bh = tl.program_id(0)
@@ -76,13 +82,14 @@ def _decode_attn_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, length)
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
+    lanes = padded_lanes(d, D, DP)
     j = tl.arange(0, BLOCK)
     dtype = k_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
+    cos = tl.load(cos_ptr + pos * D + d, mask=lanes, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * D + d, mask=lanes, other=0.0).to(tl.float32)
     heads = qkv_ptr + b * stride_qkv
-    q = _norm_rope(heads, h * GROUP + g, g < GROUP, d, q_norm_ptr, cos, sin, eps, D, dtype)
+    q = _norm_rope(heads, h * GROUP + g, g < GROUP, d, q_norm_ptr, cos, sin, eps, D, DP, dtype)
     if POOLED:  # the pair's region of a pool of positions: row 2s + c at [c, :, base[s]:]
         region = (b % 2) * stride_cb + h * stride_ch + tl.load(base_ptr + b // 2).to(tl.int64) * stride_cs
     else:
@@ -91,31 +98,31 @@ def _decode_attn_kernel(
     v_base = v_ptr + region
     if (start <= pos) & (pos < end):
         one = tl.zeros([1], tl.int32)
-        k_new = _norm_rope(heads, one + GROUP * KVH + h, one == 0, d, k_norm_ptr, cos, sin, eps, D, dtype)
-        v_new = tl.load(heads + (GROUP * KVH + KVH + h) * D + d)
-        tl.store(k_base + pos.to(tl.int64) * stride_cs + d[None, :], k_new)
-        tl.store(v_base + pos.to(tl.int64) * stride_cs + d, v_new)
+        k_new = _norm_rope(heads, one + GROUP * KVH + h, one == 0, d, k_norm_ptr, cos, sin, eps, D, DP, dtype)
+        v_new = tl.load(heads + (GROUP * KVH + KVH + h) * D + d, mask=lanes)
+        tl.store(k_base + pos.to(tl.int64) * stride_cs + d[None, :], k_new, mask=lanes[None, :])
+        tl.store(v_base + pos.to(tl.int64) * stride_cs + d, v_new, mask=lanes)
         tl.debug_barrier()  # the loop below reads them back from the cache
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DP], tl.float32)
     for j0 in range(start, end, BLOCK):
         cols = j0 + j
         live = cols < end
         offs = cols.to(tl.int64)[:, None] * stride_cs + d[None, :]
-        k = tl.load(k_base + offs, mask=live[:, None], other=0.0)
+        k = tl.load(k_base + offs, mask=live[:, None] & lanes[None, :], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(live[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs, mask=live[:, None], other=0.0)
+        v = tl.load(v_base + offs, mask=live[:, None] & lanes[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     row = bh * GROUP + g  # == b * H + h * GROUP + g
     keep = g < GROUP
-    tl.store(part_o_ptr + (row * SPLITS + split)[:, None] * D + d[None, :], acc, mask=keep[:, None])
+    tl.store(part_o_ptr + (row * SPLITS + split)[:, None] * D + d[None, :], acc, mask=keep[:, None] & lanes[None, :])
     tl.store(part_m_ptr + row * SPLITS + split, m_i, mask=keep)
     tl.store(part_l_ptr + row * SPLITS + split, l_i, mask=keep)
     # The split-K GEMV's semaphore pattern (kernels/linear.py): every thread's stores, a barrier, one acq_rel atomic.
@@ -130,14 +137,14 @@ def _decode_attn_kernel(
         parts = (bh * GROUP + gg)[:, None] * SPLITS + tl.arange(0, SPLITS)[None, :]
         m_all = tl.load(part_m_ptr + parts, mask=real[:, None], other=float("-inf"), cache_modifier=".cg")
         l_all = tl.load(part_l_ptr + parts, mask=real[:, None], other=0.0, cache_modifier=".cg")
-        o_all = tl.load(part_o_ptr + parts[:, :, None] * D + d[None, None, :], mask=real[:, None, None], other=0.0,
-                        cache_modifier=".cg")
+        o_all = tl.load(part_o_ptr + parts[:, :, None] * D + d[None, None, :],
+                        mask=real[:, None, None] & lanes[None, None, :], other=0.0, cache_modifier=".cg")
         m_max = tl.max(m_all, axis=1)  # split 0 always holds position 0, so every real row has a finite max
         weight = tl.where(m_all > float("-inf"), tl.exp(m_all - m_max[:, None]), 0.0)
         denominator = tl.where(real, tl.sum(l_all * weight, axis=1), 1.0)
         out = tl.sum(o_all * weight[:, :, None], axis=1) / denominator[:, None]
         tl.store(out_ptr + b * stride_out + (h * GROUP + gg)[:, None] * D + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=real[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=real[:, None] & lanes[None, :])
         tl.atomic_xchg(count_ptr + bh, 0)  # ready for the next launch (or graph replay)
 
 
@@ -162,7 +169,7 @@ def decode_attention(
         pos if base is None else base, scratch.o, scratch.m, scratch.l, scratch.counters, out,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), scale, eps,
         KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        GROUP_POW2=triton.next_power_of_2(group), D=head_dim,
+        GROUP_POW2=triton.next_power_of_2(group), D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)),
         BLOCK=block, SPLITS=splits, PDL=pdl, POOLED=base is not None, num_warps=4, **pdl_launch(pdl),
     )
 
@@ -171,21 +178,22 @@ def decode_attention(
 def _depth_attn_kernel(
     qkv_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
     stride_qkv, stride_out, stride_cb, stride_ch, scale,
-    NH: tl.constexpr, D: tl.constexpr, BASE: tl.constexpr, NEW: tl.constexpr, MAXP: tl.constexpr,
-    PDL: tl.constexpr,
+    NH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BASE: tl.constexpr, NEW: tl.constexpr,
+    MAXP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, head): NEW new positions (rows b·NEW + i of qkv) attend causally to the BASE cached ones and
     to each other; their k, v are then appended to the cache. Keys of new positions come from registers, so no
-    program reads what another one writes."""
+    program reads what another one writes. Heads of D lanes run on DP (the next power of two)."""
     if PDL:
         pdl_enter()
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.arange(0, MAXP)
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
+    lanes = padded_lanes(d, D, DP)
     cache_offs = b * stride_cb + h * stride_ch + p[:, None] * D + d[None, :]
-    cached = (p < BASE)[:, None]
-    is_new = ((p >= BASE) & (p < BASE + NEW))[:, None]
+    cached = (p < BASE)[:, None] & lanes[None, :]
+    is_new = ((p >= BASE) & (p < BASE + NEW))[:, None] & lanes[None, :]
     new_rows = (b * NEW + p - BASE)[:, None] * stride_qkv + h * D + d[None, :]
     k = tl.load(k_cache_ptr + cache_offs, mask=cached, other=0.0) + tl.load(
         qkv_ptr + NH * D + new_rows, mask=is_new, other=0.0)
@@ -195,12 +203,12 @@ def _depth_attn_kernel(
     vf = v.to(tl.float32)
     for i in tl.static_range(NEW):
         row = b * NEW + i
-        q = tl.load(qkv_ptr + row * stride_qkv + h * D + d).to(tl.float32)
+        q = tl.load(qkv_ptr + row * stride_qkv + h * D + d, mask=lanes, other=0.0).to(tl.float32)
         scores = tl.sum(kf * q[None, :], axis=1) * scale
         scores = tl.where(p <= BASE + i, scores, float("-inf"))
         w = tl.exp(scores - tl.max(scores, axis=0))
         o = tl.sum(vf * w[:, None], axis=0) / tl.sum(w, axis=0)
-        tl.store(out_ptr + row * stride_out + h * D + d, o.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + row * stride_out + h * D + d, o.to(out_ptr.dtype.element_ty), mask=lanes)
     tl.store(k_cache_ptr + cache_offs, k, mask=is_new)
     tl.store(v_cache_ptr + cache_offs, v, mask=is_new)
 
@@ -215,6 +223,7 @@ def depth_attention(
         raise ValueError(f"depth positions {base}+{new} exceed the cache ({max_pos})")
     _depth_attn_kernel[(batch, heads)](
         qkv, out, k_cache, v_cache, qkv.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1), scale,
-        NH=heads, D=head_dim, BASE=base, NEW=new, MAXP=triton.next_power_of_2(max_pos), PDL=pdl, num_warps=4,
+        NH=heads, D=head_dim, DP=triton.next_power_of_2(head_dim), BASE=base, NEW=new,
+        MAXP=triton.next_power_of_2(max_pos), PDL=pdl, num_warps=4,
         **pdl_launch(pdl),
     )

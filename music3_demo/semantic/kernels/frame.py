@@ -17,24 +17,28 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import padded_lanes
+
 NO_END = 2**31 - 1  # value of the end flag until the end token is sampled
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps, H: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps, H: tl.constexpr, HP: tl.constexpr):
     row = tl.program_id(0)
-    cols = tl.arange(0, H)
-    x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
+    cols = tl.arange(0, HP)  # H columns on HP lanes, a power of two (those past H are masked)
+    lanes = padded_lanes(cols, H, HP)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=lanes, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    y = (x * rstd).to(dtype).to(tl.float32) * tl.load(w_ptr + cols).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, y.to(dtype))
+    y = (x * rstd).to(dtype).to(tl.float32) * tl.load(w_ptr + cols, mask=lanes, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=lanes)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
     """HF/diffusers RMSNorm of each row of x [R, H] (any row stride) into out [R, H]."""
     rows, hidden = x.shape
-    _rmsnorm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), eps, H=hidden, num_warps=4)
+    _rmsnorm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), eps, H=hidden,
+                             HP=triton.next_power_of_2(hidden), num_warps=4)
     return out
 
 
@@ -310,7 +314,7 @@ def frame_tail(
     songs = lm_hidden.shape[0] // 2
     if not lm_hidden.is_contiguous() or not depth_hidden.is_contiguous() or codes.stride(-2) != ncb:
         raise ValueError("frame_tail needs contiguous hiddens and codes rows")
-    block = min(block, hidden)
+    block = min(block, hidden & -hidden)  # a power of two that divides the hidden size
     ring = frames.shape[-2]
     _frame_tail_kernel[(hidden // block, songs)](
         lm_hidden, depth_hidden, frames, frames.stride(-2), frames.stride(0) if frames.dim() == 3 else 0, ring,

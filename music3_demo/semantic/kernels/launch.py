@@ -1,4 +1,5 @@
-"""How the kernels are launched: whether Triton is interpreting on CPU, and programmatic dependent launch (PDL)."""
+"""How the kernels are launched: whether Triton is interpreting on CPU, programmatic dependent launch (PDL), and the
+mask of a dimension padded to a power of two."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 try:  # Triton >= 3.3 on CUDA; never traced unless PDL is on
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -42,3 +44,14 @@ def pdl_enter():
 def pdl_launch(pdl: bool) -> dict:
     """Launch keywords for a kernel whose PDL constexpr is `pdl`."""
     return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def padded_lanes(d, D: tl.constexpr, DP: tl.constexpr):
+    """The lanes d < D of a dimension of D elements held in DP lanes (a power of two; the decode attention's head
+    at least 16, `tl.dot`'s least side): an all-true mask when nothing is padded, which the compiler drops, so the
+    full-size model's kernels are what they were."""
+    if D == DP:
+        return tl.full(d.shape, 1, tl.int1)
+    else:
+        return d < D

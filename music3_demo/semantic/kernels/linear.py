@@ -263,9 +263,34 @@ def fit_group(cfg: GemvConfig, weight: Weight) -> GemvConfig:
     return cfg
 
 
+def fit_shape(cfg: GemvConfig, n: int, k: int, swiglu: bool = False) -> GemvConfig:
+    """`cfg` cut down to what a product of an [n, k] weight can run: K tiles (times `split_k`) that divide K, of at
+    least 16 columns (the MMA's least K: K itself must be a multiple of 16), and for a SwiGLU product (whole gate/up
+    pairs per tile) a row block that divides N. A config that fits comes back as it is: every tuned entry (tables
+    are keyed by shape) and every heuristic config of the full-size model; a small model's products take shorter
+    tiles (K=32: 32 columns), never a config that cannot run."""
+    if k % 16:
+        raise ValueError(f"the graph engine's products need K to be a multiple of 16 (K={k})")
+    split = cfg.split_k if k % (16 * cfg.split_k) == 0 else 1
+    block_k = _power_of_two_floor(math.gcd(cfg.block_k, k // split))
+    block_n = cfg.block_n
+    if swiglu:
+        block_n = math.gcd(block_n, n)
+        if block_n < 16:
+            raise ValueError(f"a SwiGLU gemv needs N={n} to be a multiple of 16")
+        block_n = _power_of_two_floor(block_n)
+    if (split, block_k, block_n) == (cfg.split_k, cfg.block_k, cfg.block_n):
+        return cfg
+    return replace(cfg, split_k=split, block_k=block_k, block_n=block_n)
+
+
+def _power_of_two_floor(value: int) -> int:
+    return 1 << (value.bit_length() - 1)
+
+
 def default_config(m: int, n: int, k: int, swiglu: bool = False) -> GemvConfig:
     """The heuristic config of a product no tuning table names (`kernels/tuning.py` holds the tables)."""
-    block_k = next(b for b in (256, 128, 64, 32, 16) if k % b == 0)
+    block_k = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), 16)  # (K % 16: fit_shape says why not)
     if interpreting():
         return GemvConfig(block_n=256, block_k=block_k)  # the CPU interpreter runs programs one by one: few, wide
     return GemvConfig(block_n=16, block_k=block_k, num_warps=4, num_stages=4)
@@ -308,7 +333,7 @@ def gemv(
         raise ValueError(
             f"gemv shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}"
         )
-    cfg = fit_group(config or default_config(m, n, k, swiglu), weight)
+    cfg = fit_group(config or fit_shape(default_config(m, n, k, swiglu), n, k, swiglu), weight)
     if cfg.tma and not tma_supported(weight.device):
         cfg = replace(cfg, tma=False)
     if swiglu:  # whole gate/up pairs per tile: the row block must divide N

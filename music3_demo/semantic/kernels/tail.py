@@ -33,7 +33,8 @@ import triton.language as tl
 
 from .launch import interpreting
 from .linear import (
-    GemvConfig, TensorDescriptor, channel_scale, dot_tile, fit_group, gemv_epilogue, prefetch_rows_l2, tma_supported,
+    GemvConfig, TensorDescriptor, channel_scale, dot_tile, fit_group, fit_shape, gemv_epilogue, prefetch_rows_l2,
+    tma_supported,
 )
 from .qweight import Weight, kernel_args
 
@@ -71,18 +72,30 @@ def default_programs(device: torch.device) -> int:
 def default_tail_config(hidden: int, attn: int, gate_up: int, qkv: int, device: torch.device) -> TailConfig:
     """The heuristic config of a shape no tuning table names (`kernels/tuning.py`): row blocks that split evenly over
     128 programs (o/down: 32 rows as tuned for the GEMV; gate|up and q|k|v: 3 blocks of the LM's or depth decoder's
-    rows each)."""
+    rows each), K tiles cut to what each product's K allows (`fit_tail_shape`: a small model's)."""
     if interpreting() or device.type != "cuda":
         def small(k: int) -> GemvConfig:
-            return GemvConfig(block_n=16, block_k=next(b for b in (64, 32, 16) if k % b == 0))
+            return GemvConfig(block_n=16, block_k=next((b for b in (64, 32, 16) if k % b == 0), 16))
 
-        return TailConfig(small(attn), small(hidden), small(gate_up // 2), small(hidden), prefetch=0)
-    return TailConfig(
-        o=GemvConfig(32, 256, 4, 5),
-        gate_up=_tile(_even_block(gate_up)),
-        down=GemvConfig(32, 256, 4, 5),
-        qkv=_tile(_even_block(qkv)),
-    )
+        cfg = TailConfig(small(attn), small(hidden), small(gate_up // 2), small(hidden), prefetch=0)
+    else:
+        cfg = TailConfig(
+            o=GemvConfig(32, 256, 4, 5),
+            gate_up=_tile(_even_block(gate_up)),
+            down=GemvConfig(32, 256, 4, 5),
+            qkv=_tile(_even_block(qkv)),
+        )
+    return fit_tail_shape(cfg, hidden, attn, gate_up, qkv)
+
+
+def fit_tail_shape(cfg: TailConfig, hidden: int, attn: int, gate_up: int, qkv: int) -> TailConfig:
+    """Each product's config cut down to its shape (`linear.fit_shape`; gate|up keeps whole gate/up pairs per row
+    block): the config itself when it fits, as every full-size one does."""
+    products = (fit_shape(cfg.o, hidden, attn), fit_shape(cfg.gate_up, gate_up, hidden, swiglu=True),
+                fit_shape(cfg.down, hidden, gate_up // 2), fit_shape(cfg.qkv, qkv, hidden))
+    if products == (cfg.o, cfg.gate_up, cfg.down, cfg.qkv):
+        return cfg
+    return replace(cfg, o=products[0], gate_up=products[1], down=products[2], qkv=products[3])
 
 
 def _tile(block_n: int) -> GemvConfig:
@@ -287,7 +300,7 @@ def block_tail(
         if t.stride(-1) != 1:
             raise ValueError("block_tail needs unit stride along the last dim")
     device = h.device
-    cfg = config or default_tail_config(d, a, g, q, device)
+    cfg = config or default_tail_config(d, a, g, q, device)  # (a config given is checked below, not changed)
     if not tma_supported(device):
         cfg = TailConfig(*(replace(c, tma=False) for c in
                            (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)), num_warps=cfg.num_warps, prefetch=cfg.prefetch)

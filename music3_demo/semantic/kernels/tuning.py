@@ -8,7 +8,8 @@ import time and nothing comes from the environment. The choice, most specific fi
 2. else a table measured on the same architecture, then on the same architecture family (major version), of which
    only the entries valid here are used (TMA only from Hopper on, shared memory within this GPU's per-block limit);
 3. else (and for every shape a table leaves out or is not valid here) the heuristic: `linear.default_config` and
-   `tail.default_tail_config`, shrunk to this GPU's shared memory.
+   `tail.default_tail_config`, shrunk to this GPU's shared memory and cut to the product's shape (`linear.fit_shape`:
+   a small model's K of 32 takes 32-column tiles; the full-size model's configs fit as they are).
 The chained tail's grid barrier needs all its programs resident at once: `Tuning.programs` is at most the device's
 SM count (read at run time, so a MIG slice or a cut-down card gets its own number).
 
@@ -189,7 +190,9 @@ class Tuning:
             cfg = one_byte_config(base, k, group)
         else:
             cfg = linear.default_config(m, n, k, swiglu)
-        return cfg if self.target is None else fit_shared(cfg, self.target.shared_per_block, x_bytes, w_bytes)
+        if self.target is not None:
+            cfg = fit_shared(cfg, self.target.shared_per_block, x_bytes, w_bytes)
+        return linear.fit_shape(cfg, n, k, swiglu)
 
     def tail(self, hidden: int, attn: int, gate_up: int, qkv: int, w_bytes: int = 2, group: int = 0,
              kind: str = "") -> TailConfig:
@@ -208,11 +211,11 @@ class Tuning:
             return tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cpu"))
         else:
             cfg = tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cuda"))
-        if self.target is None:
-            return cfg
-        limit = self.target.shared_per_block
-        return TailConfig(*(fit_shared(c, limit, 2, w_bytes) for c in _tail_products(cfg)), num_warps=cfg.num_warps,
-                          prefetch=cfg.prefetch)
+        if self.target is not None:
+            limit = self.target.shared_per_block
+            cfg = TailConfig(*(fit_shared(c, limit, 2, w_bytes) for c in _tail_products(cfg)),
+                             num_warps=cfg.num_warps, prefetch=cfg.prefetch)
+        return tail.fit_tail_shape(cfg, hidden, attn, gate_up, qkv)
 
     @property
     def programs(self) -> int:

@@ -1,4 +1,5 @@
-"""Engine choice for one device: build the fast engine, prove it on the loaded weights, or fall back and say why.
+"""Engine choice for one device: the engine names, building the fast engine, proving it on the loaded weights, or
+falling back and saying why.
 
 `make_engine` is the only place that decides which semantic engine a pipeline runs. A fast engine is used only after
 it has passed a short teacher-forced check against the eager reference computation on the very weights it will
@@ -13,16 +14,26 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
 from .. import contract as c
 from ..devices import normalize, on_device
-from . import SamplingSettings, SemanticEngine, resolve_engine_name
+from ..errors import is_cuda_message, is_out_of_memory
+from .engine import SamplingSettings, SemanticEngine
+from .scheduler import PARKING, song_positions
 
 log = logging.getLogger("music3_demo.engine")
+
+ENGINE_NAMES = ("auto", "reference", "graph")
+# Tests only: with Triton's CPU interpreter on (TRITON_INTERPRET=1), this variable set to 1 lets `auto` and `graph`
+# pick the graph engine on the CPU, so the fast engine's set-up, self-check and fallback run end to end without a GPU
+# (through the CLI and app too, which build their pipelines themselves). Very slow: tiny models, few frames.
+GRAPH_ON_CPU_ENV = "MUSIC3_TEST_GRAPH_ON_CPU"
 
 # The check's size: a short prompt and a few steps keep it cheap (the eager reference takes ~110 ms a frame on an
 # H200, the engine's own graph capture a fraction of a second), while every kernel and the KV cache's growth over
@@ -31,9 +42,29 @@ SELF_CHECK_PROMPT_TOKENS = 32
 SELF_CHECK_STEPS = 6
 # Largest relative error (per step, ||engine - reference|| / ||reference||) the check accepts, for the LM audio
 # logits, the LM's frame hidden and the depth decoder's hiddens. A correct bf16 engine sits near 2e-2 from the
-# reference (bf16 rounding over 36 layers; the float32 engine on CPU agrees to 1e-5); the wrong-model failure of
-# issue 13 gave 1.41. 0.1 leaves a 5x margin above the first and fails the second by 14x.
+# reference (bf16 rounding over 36 layers; the float32 engine on CPU agrees to 1e-5); an engine built for the wrong
+# model's layout gave 1.41. 0.1 leaves a 5x margin above the first and fails the second by 14x.
 SELF_CHECK_MAX_ERROR = 0.1
+
+
+def graph_on_cpu_allowed(allow: bool | None = None) -> bool:
+    """`allow` given: that; else the test variable. Either way only under the Triton interpreter."""
+    if allow is None:
+        allow = os.environ.get(GRAPH_ON_CPU_ENV) == "1"
+    return allow and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_engine_name(engine: str, device: torch.device, allow_interpreter: bool | None = None) -> str:
+    """`auto` means graph on CUDA and reference elsewhere; `graph` off CUDA is an error with a fix. (What runs in the
+    end is make_engine's choice: a graph engine that fails its self-check falls back.)"""
+    if engine not in ENGINE_NAMES:
+        raise ValueError(f"Unknown engine {engine!r}: choose one of {', '.join(ENGINE_NAMES)}.")
+    fast_possible = device.type == "cuda" or graph_on_cpu_allowed(allow_interpreter)
+    if engine == "auto":
+        return "graph" if fast_possible else "reference"
+    if engine == "graph" and not fast_possible:
+        raise ValueError("The graph engine needs a CUDA GPU; use --engine reference (or auto) on this machine.")
+    return engine
 
 
 class EngineUnavailable(ValueError):
@@ -62,17 +93,23 @@ def make_engine(
     *,
     allow_interpreter: bool | None = None,
     check_steps: int | None = None,
+    sizing: Callable[[str], tuple[int | None, int | None]] | None = None,
 ) -> tuple[SemanticEngine, EngineRecord]:
     """The engine for `device` and its record. A graph engine that passes its self-check also gets its memory
     trimmed: the full 168k-row lm_head is dropped and the token embeddings move to host memory, so nothing else may
-    read those modules afterwards (the reference engine would need them: it is never built after the trim)."""
+    read those modules afterwards (the reference engine would need them: it is never built after the trim).
+    `sizing(engine name)`: its batch slots and KV pool positions (the card's memory plan; None: the engine's own
+    default). The graph engine's self-check runs in a pool of its own size; the planned pool is allocated after the
+    trim, when first needed (the warm-up), so the two never sit on the card together."""
     device = normalize(device)
     name = resolve_engine_name(engine, device, allow_interpreter)
+    sizing = sizing or (lambda _name: (None, None))
     if name == "reference":
-        return _reference(language_model, depth_decoder), EngineRecord("reference", engine)
+        return _reference(language_model, depth_decoder, sizing), EngineRecord("reference", engine)
+    slots, pool_positions = sizing("graph")
     with on_device(device):
         graph, errors, check_s, failure = _try_graph(
-            language_model, depth_decoder, device, check_steps or SELF_CHECK_STEPS
+            language_model, depth_decoder, device, check_steps or SELF_CHECK_STEPS, slots
         )
     if failure is None:
         # The graph engine keeps its own copies of the audio rows it reads per frame: the full head (1.4 GB in
@@ -80,6 +117,7 @@ def make_engine(
         # on the host (another 1.24 GB of GPU memory).
         language_model.lm_head = None
         graph.text_embeddings_to_host()
+        graph.size_pool(pool_positions)
         log.info("graph engine on %s passed its self-check in %.2f s (largest relative errors %s)", device, check_s,
                  _figures(errors))
         return graph, EngineRecord("graph", engine, None, errors, check_s)
@@ -87,10 +125,11 @@ def make_engine(
         raise EngineUnavailable(f"{failure} Start with --engine auto (or reference) to use the reference engine.")
     reason = f"{failure} Songs are made by the slower reference engine instead."
     log.warning("%s", reason)
-    return _reference(language_model, depth_decoder), EngineRecord("reference", engine, reason, errors, check_s)
+    return (_reference(language_model, depth_decoder, sizing),
+            EngineRecord("reference", engine, reason, errors, check_s))
 
 
-def _try_graph(lm, depth, device: torch.device, check_steps: int):
+def _try_graph(lm, depth, device: torch.device, check_steps: int, slots: int | None = None):
     """(engine, errors, check seconds, failure sentence or None); the engine is None when it failed."""
     from .graph import GraphEngine
 
@@ -98,7 +137,9 @@ def _try_graph(lm, depth, device: torch.device, check_steps: int):
     try:
         # The CPU interpreter runs Triton programs one by one: few attention splits keep the (test-only) check fast.
         options = {} if device.type == "cuda" else {"attention_splits": 2}
-        graph = GraphEngine(lm, depth, device, **options)
+        # The check's own small KV pool (the check and one sampled frame fit it).
+        check_pool = -(-(song_positions(SELF_CHECK_PROMPT_TOKENS, check_steps) + PARKING) // 256) * 256
+        graph = GraphEngine(lm, depth, device, slots=slots, kv_pool_positions=check_pool, **options)
         started = time.perf_counter()
         try:
             errors = self_check(graph, lm, depth, check_steps)
@@ -108,6 +149,10 @@ def _try_graph(lm, depth, device: torch.device, check_steps: int):
         finally:
             check_s = time.perf_counter() - started
     except Exception as error:  # noqa: BLE001 - any failure to build or run the fast engine means: do not use it
+        if is_out_of_memory(error):  # not the engine's fault: the reference would not fit either (errors.py)
+            if graph is not None:
+                graph.release()
+            raise
         log.info("the graph engine could not start on %s", device, exc_info=True)  # the traceback, for the log
         failure = f"The fast graph engine could not start on {device} ({_one_line(error)})."
     if failure is not None and graph is not None:
@@ -169,12 +214,15 @@ def _figures(errors: dict[str, float]) -> str:
 
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split()).rstrip(".") or "no message"
+    if is_cuda_message(text):  # a raw CUDA message never reaches the banner (the log above has it)
+        text = "the GPU reported an error; the server log has the details"
     if len(text) > 300:
         text = text[:297] + "..."
     return f"{type(error).__name__}: {text}"
 
 
-def _reference(lm, depth):
-    from .reference import ReferenceEngine
+def _reference(lm, depth, sizing):
+    from .reference import REFERENCE_SLOTS, ReferenceEngine
 
-    return ReferenceEngine(lm, depth)
+    slots = sizing("reference")[0]
+    return ReferenceEngine(lm, depth, slots=slots or REFERENCE_SLOTS)

@@ -1,0 +1,232 @@
+"""The memory plan with faked figures (a pure function): what goes where, slots, the longest song and auto's pick on
+16 / 24 / 48 / 80 / 141 GB cards with and without fp8, the H200 figures it was calibrated on, the issue's targets,
+and the README's table of it."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from music3_demo import contract as c
+from music3_demo import random_models
+from music3_demo.loading import no_room_sentence
+from music3_demo.memory_plan import (
+    DIT_CALL_BYTES,
+    GB,
+    HEADROOM_FIXED,
+    HEADROOM_MAX,
+    REFERENCE_PROMPT_TOKENS,
+    RUNTIME_BYTES,
+    VOCODER_CHUNK_BYTES,
+    GiB,
+    MemoryPlan,
+    duration_text,
+    headroom_for,
+    plan_memory,
+)
+
+FULL = random_models.figures(random_models.FULL)
+README = Path(__file__).resolve().parents[1] / "README.md"
+CARDS = (16, 24, 48, 80, 141)
+SM86, SM89 = (8, 6), (8, 9)
+# (free GB, fp8 GPU) -> (LM, DiT, slots, longest song at full slots, alone in s); None: nothing fits that card.
+EXPECTED = {
+    (16, False): None, (16, True): ("fp8", "fp8", 1, 143.6, 143.6),
+    (24, False): ("int8", "bf16", 4, 126.16, 360.0), (24, True): ("fp8", "bf16", 4, 131.28, 360.0),
+    (48, False): ("bf16", "bf16", 8, 284.96, 360.0), (48, True): ("bf16", "bf16", 8, 284.96, 360.0),
+    (80, False): ("bf16", "bf16", 8, 360.0, 360.0), (80, True): ("bf16", "bf16", 8, 360.0, 360.0),
+    (141, False): ("bf16", "bf16", 8, 360.0, 360.0), (141, True): ("bf16", "bf16", 8, 360.0, 360.0),
+}
+CONTEXT = GiB // 2  # the CUDA context the process had before the plan read the free memory
+
+
+def plan(free_gb: float, capability=SM89, **asked) -> MemoryPlan:
+    return plan_memory(FULL, int(free_gb * GB), capability, **asked)
+
+
+def process_bytes(p: MemoryPlan) -> int:
+    """What the plan lets this process hold at its peak (the context it already had included)."""
+    return CONTEXT + p.weight_bytes + p.flow_working + p.runtime + (p.kv_pool_bytes or 0)
+
+
+@pytest.mark.parametrize(("free_gb", "fp8"), sorted(EXPECTED))
+def test_auto_per_card(free_gb, fp8):
+    p = plan(free_gb, SM89 if fp8 else SM86)
+    expected = EXPECTED[(free_gb, fp8)]
+    if expected is None:
+        assert not p.fits
+        return
+    assert p.fits and (p.lm.mode, p.dit.mode, p.slots, p.longest_full_s, p.longest_alone_s) == expected
+    # The pool holds what it promises: `slots` songs of the full-slot length, each in its own region.
+    need = REFERENCE_PROMPT_TOKENS + c.max_frames_for(p.longest_full_s) + 2
+    assert p.slots * need + 16 <= p.kv_pool_positions
+    assert p.kv_pool_bytes == p.kv_pool_positions * 294_912
+    # Everything the card holds stays within what it reported free, less the desktop's headroom.
+    assert process_bytes(p) - CONTEXT + p.headroom <= free_gb * GB
+    assert p.lm.requested == "auto" and f"{free_gb:.1f} GB free" in p.lm.reason
+
+
+def test_what_goes_where_matches_the_h200_figures():
+    bf16, fp8 = plan(141), plan(141, precision="fp8")
+    w = bf16.weights
+    # bf16: LM ~13.9 GB without the full head, depth 1.3, DiT (+ condition encoder) 4.9, vocoder 0.2 float32: 20.9
+    assert round(w["language_model"] / GB, 1) == 13.9 and round(w["depth_decoder"] / GB, 1) == 1.3
+    assert round((w["transformer"] + w["condition_encoder"]) / GB, 1) == 4.9 and round(w["vocoder"] / GB, 1) == 0.2
+    assert round(bf16.weight_bytes / GB, 1) == 20.9
+    # fp8: the quantized LM + depth decoder 7.6-7.7 GB (measured 7.6); KV 294,912 B a position for the CFG pair
+    assert 7.6 <= (fp8.weights["language_model"] + fp8.weights["depth_decoder"]) / GB <= 7.7
+    assert FULL.kv_bytes_per_position() == 294_912
+    # The 120-s bf16 song (a ~700-token prompt) peaked at 24.2 GB allocated: 20.9 weights, 1.1 KV, the rest the flow
+    # stage's lone calls (no merges, one song).
+    kv = (700 + c.max_frames_for(120) + 2) * 294_912
+    single = bf16.weight_bytes + kv + DIT_CALL_BYTES + VOCODER_CHUNK_BYTES
+    assert round(kv / GB, 1) == 1.1 and abs(single / GB - 24.2) < 0.3
+    # The whole-card fp8 app idled at 34 GB (the card's figure) with a 16.5 GB KV pool and the 1-, 2- and 4-song DiT
+    # graphs' pools: the plan's weights, those pools, its runtime and the context add up to it within 0.5 GB.
+    idle = fp8.weight_bytes + 16.5 * GB + (1 + 2 + 4) * DIT_CALL_BYTES + RUNTIME_BYTES + CONTEXT
+    assert abs(idle / GB - 34.0) < 0.5
+    # While loading the full head and the token embeddings are on the device too (2.75 GB in bf16).
+    assert round(bf16.load_extra / GB, 2) == 2.75
+
+
+def test_the_issues_targets_on_a_24_gb_card():
+    """23.5 GiB free before the app starts (its context then takes some): auto loads, holds a 6-minute song alone
+    and two 2-minute songs at once, and the process stays within 22.5 GiB."""
+    p = plan((23.5 * GiB - CONTEXT) / GB)
+    assert p.fits and p.lm.mode == "fp8" and p.dit.mode == "bf16"
+    assert p.longest_s(songs=1) == c.MAX_DURATION_S and p.longest_s(songs=2) >= 120
+    assert process_bytes(p) <= 22.5 * GiB and CONTEXT + p.load_peak <= 22.5 * GiB
+
+
+def test_a_16_gb_card_loads_with_1_byte_weights_and_a_tiled_vocoder():
+    """15 GiB free (a 16 GB card): fp8 LM and DiT, the vocoder in tiles, one song at a time, the process within
+    14.5 GiB. The longest song is 82 s with a 1,000-token prompt (1 min 54 s with 200 tokens), not 6 minutes: the
+    6-minute song's KV cache (3.0 GB in bf16) does not fit beside 11 GB of weights and the planned workspaces."""
+    p = plan((15 * GiB - CONTEXT) / GB)
+    assert p.fits and (p.lm.mode, p.dit.mode, p.slots, p.vocoder_tile) == ("fp8", "fp8", 1, 128)
+    assert process_bytes(p) <= 14.5 * GiB and CONTEXT + p.load_peak <= 14.5 * GiB
+    assert 80 <= p.longest_s() < 90 and 110 <= p.longest_s(200) < 120
+    assert plan(16, SM86).fits is False  # without fp8 the DiT stays bf16: 2.4 GB more than the card holds
+
+
+def test_the_vocoder_tiles_only_where_whole_chunks_leave_no_room_for_a_6_minute_song():
+    tiled, whole = plan(16), plan(24)
+    assert tiled.vocoder_tile == 128 and whole.vocoder_tile is None and tiled.vocoder_bucket == 1
+    # one tile's activations (128 latents and 16 of context each side) instead of a 689-latent chunk's
+    assert whole.flow_working - tiled.flow_working >= VOCODER_CHUNK_BYTES * 0.7
+    assert plan(20, SM86).vocoder_tile == 128 and plan(20, SM86).fits  # int8 + bf16 DiT fit a 20 GB card so
+    assert all(plan(free).vocoder_tile is None for free in (24, 48, 80, 141))
+    assert plan(16, stages=("flow",)).vocoder_tile is None  # a flow stage's own card holds whole chunks
+
+
+def test_the_h200_runs_eight_slots_and_merges_every_bucket():
+    p = plan(141)
+    assert (p.slots, p.dit_bucket, p.vocoder_bucket) == (8, 4, 4)
+    assert p.longest_full_s == c.MAX_DURATION_S  # the pool is capped there: 8 songs of the longest request
+    assert p.kv_pool_positions == (8 * (c.MAX_PROMPT_TOKENS + c.MAX_AUDIO_FRAMES + 2) + 16) // 256 * 256
+
+
+def test_merged_calls_only_where_their_working_set_fits():
+    small, big = plan(24), plan(48)
+    assert (small.dit_bucket, small.vocoder_bucket) == (1, 1)  # a 24 GB card merges nothing
+    assert big.dit_bucket == 4 and big.vocoder_bucket == 1  # 48 GB: DiT merges, not the 1.7-GB-a-chunk vocoder
+    assert big.flow_working > small.flow_working
+    for free in CARDS:
+        p = plan(free)
+        if p.fits:
+            assert p.dit_bucket <= p.slots and p.vocoder_bucket <= p.slots
+
+
+def test_the_headroom_is_a_fixed_part_plus_a_fraction_capped():
+    assert headroom_for(0) == HEADROOM_FIXED
+    assert HEADROOM_FIXED < headroom_for(24 * GB) < headroom_for(30 * GB) <= HEADROOM_MAX == headroom_for(141 * GB)
+
+
+def test_explicit_modes_are_kept_and_fp8_without_hardware_is_one_sentence():
+    p = plan(141, precision="int8", dit_precision="fp8")
+    assert (p.lm.mode, p.dit.mode) == ("int8", "fp8") and "as asked (--dit-precision fp8)" in p.dit.reason
+    assert p.weights["transformer"] < plan(141).weights["transformer"] * 0.55  # one byte a block weight, not two
+    with pytest.raises(ValueError, match=r"--dit-precision fp8 needs .* sm_89 or newer.*sm_86: use --dit-precision "
+                                         "bf16"):
+        plan(141, SM86, dit_precision="fp8")
+    with pytest.raises(ValueError, match="sm_86: use --precision int8"):
+        plan(141, SM86, precision="fp8")
+    with pytest.raises(ValueError, match="choose one of auto, bf16, fp8"):
+        plan(141, dit_precision="int8")
+
+
+def test_on_a_cpu_nothing_is_sized_and_an_fp8_dit_says_what_runs_instead():
+    p = plan_memory(FULL, None, None, dit_precision="fp8")
+    assert (p.lm.mode, p.dit.mode, p.slots, p.kv_pool_positions, p.max_frames()) == ("bf16", "bf16", None, None,
+                                                                                      None)
+    assert "needs a CUDA GPU" in p.dit.reason and "runs unquantized" in p.dit.reason
+    assert plan_memory(FULL, None, None, precision="int8").lm.mode == "int8"  # the CPU quantizes when asked
+    assert p.too_long(4000, c.MAX_AUDIO_FRAMES) is None
+
+
+def test_a_song_too_long_for_the_card_is_one_sentence_naming_the_longest_that_fits():
+    p = plan(20, precision="fp8", dit_precision="bf16")
+    most = p.max_frames(200)
+    assert 0 < most < c.MAX_AUDIO_FRAMES and p.too_long(200, most) is None
+    sentence = p.too_long(200, most + 1)
+    assert sentence == (f"On this GPU (20.0 GB free, fp8 LM, bf16 DiT) songs with this prompt can be at most "
+                        f"{duration_text(most / c.FRAME_RATE)} long; choose a shorter duration.")
+    assert p.max_frames(4000) < most  # a longer prompt leaves a shorter song
+    assert "leaves no room for a song" in plan(18, precision="fp8", dit_precision="bf16").too_long(4000, 25)
+    assert duration_text(200) == "3 min 20 s" and duration_text(45) == "45 s" and duration_text(360) == "6 min"
+
+
+def test_a_card_too_small_is_refused_with_the_free_and_needed_memory():
+    p = plan(12)
+    assert not p.fits and (p.lm.mode, p.dit.mode) == ("fp8", "fp8")  # the smallest modes were tried last
+    sentence = no_room_sentence(p, "cuda:0")
+    assert sentence.startswith("The model does not fit on cuda:0 in fp8 LM, fp8 DiT: 12.0 GB are free and it "
+                               "needs about ")
+    assert "close other programs" in sentence
+
+
+def test_the_reference_engine_keeps_the_full_head_and_pays_twice_per_position():
+    graph, reference = plan(48), plan(48, engine="reference")
+    assert "engine_tables" in graph.weights and "embeddings_and_head" in reference.weights
+    assert reference.kv_bytes_per_position == 2 * graph.kv_bytes_per_position
+    assert reference.engine_sizing() == (reference.slots, None) and graph.engine_sizing()[1] == graph.kv_pool_positions
+    again = graph.for_engine("reference")
+    assert again.lm == graph.lm and again.slots == reference.slots
+
+
+def test_a_stage_splits_cards_each_hold_their_stage():
+    semantic = plan(24, stages=("semantic",))
+    flow = plan(24, stages=("flow",))
+    assert set(semantic.weights) == {"language_model", "depth_decoder", "engine_tables"}
+    assert set(flow.weights) == {"condition_encoder", "transformer", "vocoder"} and flow.slots is None
+    assert semantic.kv_pool_positions > plan(24).kv_pool_positions  # the flow stage's room went to the pool
+
+
+def auto_table() -> str:
+    """The README's table, generated from the plan."""
+    rows = ["| free GPU memory | sm_80 / sm_86 (A100, RTX 30xx) | sm_89 and newer (RTX 40xx/50xx, L40, H100/H200) |",
+            "|---|---|---|"]
+    for free in CARDS:
+        cells = []
+        for capability in (SM86, SM89):
+            p = plan(free, capability)
+            cells.append("does not fit" if not p.fits else
+                         f"{p.lm.mode} LM, {p.dit.mode} DiT · {p.slots} slot{'s' * (p.slots > 1)} · "
+                         f"{duration_text(p.longest_full_s)}")
+        rows.append(f"| {free} GB | {' | '.join(cells)} |")
+    return "\n".join(rows)
+
+
+def test_the_readme_states_what_auto_picks():
+    """Set MUSIC3_WRITE_README=1 to write the table after changing the plan."""
+    text = README.read_text(encoding="utf-8")
+    before, table, after = text.split("<!-- precision-auto-table -->")
+    if os.environ.get("MUSIC3_WRITE_README"):
+        README.write_text(f"{before}<!-- precision-auto-table -->\n{auto_table()}\n<!-- precision-auto-table -->"
+                          f"{after}", encoding="utf-8")
+        return
+    assert table.strip() == auto_table()
+    assert re.search(r"longest song at full slots", before.split("## Precision and memory")[1])

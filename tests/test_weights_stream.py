@@ -1,0 +1,136 @@
+"""Loading tensor by tensor (weights_stream.py) gives exactly what the libraries' from_pretrained gives, the 1-byte
+modes quantize as the weights arrive exactly as quantize_model_ does after a whole load, a checkpoint whose names do
+not match falls back to the library, the fp8 DiT is the loaded DiT quantized, and a load the host has no room for is
+refused in one sentence before anything is read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from music3_demo import cli, loading, memory, random_models, weights_stream
+from music3_demo.checkpoint import load_components, resolve
+from music3_demo.errors import HostOutOfMemory
+from music3_demo.precision import PrecisionChoice
+
+WEIGHTS = random_models.WEIGHT_COMPONENTS
+
+
+def _library(folder, name, dtype):
+    import diffusers
+    import transformers
+
+    library, class_name = json.loads((folder / "modular_model_index.json").read_text())[name][:2]
+    cls = getattr({"diffusers": diffusers, "transformers": transformers}[library], class_name)
+    return cls.from_pretrained(str(folder / name), dtype=torch.float32 if name == "vocoder" else dtype).eval()
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module, name: str) -> None:
+    left, right = a.state_dict(), b.state_dict()
+    assert left.keys() == right.keys(), name
+    for key, value in left.items():
+        assert value.dtype == right[key].dtype and torch.equal(value, right[key]), f"{name}.{key}"
+    buffers = dict(b.named_buffers())
+    for key, value in a.named_buffers():  # computed ones too (rotary inverse frequencies)
+        assert value.dtype == buffers[key].dtype and torch.equal(value, buffers[key]), f"{name}.{key}"
+    assert not a.training
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_streamed_component_equals_the_librarys_from_pretrained(tiny_folder, dtype):
+    streamed = load_components(tiny_folder, torch.device("cpu"), dtype)
+    for name in WEIGHTS:
+        _same(streamed[name], _library(tiny_folder, name, dtype), name)
+    x = torch.randn(1, random_models.TINY.dit_channels, 30)  # the weight-normed vocoder's weights are recomputed
+    assert torch.equal(streamed["vocoder"](x), _library(tiny_folder, "vocoder", dtype)(x))
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_quantizing_as_the_weights_arrive_equals_quantizing_a_whole_model(tiny_folder, mode):
+    from music3_demo.semantic.quant import QuantizedLinear, quantize_model_
+
+    source = resolve("tiny")
+    streamed = loading.load_model(source, torch.device("cpu"), torch.float32, PrecisionChoice(mode, mode, "test"))
+    lm, depth = _library(tiny_folder, "language_model", torch.float32), _library(tiny_folder, "rvq_depth_decoder",
+                                                                                torch.float32)
+    whole = quantize_model_(lm, depth, mode, "cpu")
+    assert whole.modules > 0
+    _same(streamed["language_model"], lm, "language_model")
+    _same(streamed["rvq_depth_decoder"], depth, "rvq_depth_decoder")
+    swapped = [m for m in streamed["language_model"].modules() if isinstance(m, QuantizedLinear)]
+    assert len(swapped) == sum(isinstance(m, QuantizedLinear) for m in lm.modules()) > 0
+
+
+def test_a_checkpoint_whose_names_do_not_match_loads_through_the_library(tiny_folder, tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_folder, copy)
+    path = copy / "transformer" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(str(path))
+    save_file(tensors | {"an_extra_tensor": torch.zeros(3)}, str(path), metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="music3_demo.loading"):
+        streamed = load_components(copy, torch.device("cpu"), torch.float32)
+    assert "the checkpoint has an_extra_tensor" in caplog.text
+    _same(streamed["transformer"], _library(tiny_folder, "transformer", torch.float32), "transformer")
+
+
+def test_the_host_need_counts_what_stays_on_the_cpu_and_the_largest_tensor_in_flight(tiny_folder):
+    sizes = {name: weights_stream.tensor_sizes(tiny_folder / name) for name in WEIGHTS}
+    numels = [(name, shape) for name in WEIGHTS for _, shape, _ in sizes[name]]
+    largest = max(torch.Size(shape).numel() for _, shape in numels) * 4  # float32 files
+    on_cpu = sum(torch.Size(shape).numel() * 4 for _, shape in numels)
+    assert loading.host_need(tiny_folder, torch.device("cpu"), torch.float32) == on_cpu + 2 * largest
+    # Onto a GPU nothing stays on the host: only the tensors in flight.
+    assert loading.host_need(tiny_folder, torch.device("cuda", 0), torch.bfloat16) == 2 * largest
+
+
+def test_a_load_the_host_has_no_room_for_is_refused_before_a_tensor_is_read(monkeypatch, tiny_folder, capsys,
+                                                                           tmp_path):
+    from music3_demo import checkpoint
+
+    monkeypatch.setattr(memory, "host_available", lambda: 512 * 2**20)
+
+    def read(*args):
+        raise AssertionError("a tensor was read")
+
+    monkeypatch.setattr(checkpoint, "file_tensors", read)
+    with pytest.raises(HostOutOfMemory) as refused:
+        loading.load_model(resolve("tiny"), torch.device("cpu"), torch.float32, PrecisionChoice("bf16", "auto", ""))
+    assert str(refused.value).startswith("Loading tiny on the CPU in float32 needs about 0.1 GiB of host memory but "
+                                         "0.5 GiB is available: use --model tiny")
+    code = cli.main(["generate", "--model", "tiny", "--prompt", "lofi", "--instrumental", "--device", "cpu",
+                     "--out", str(tmp_path / "never.wav")])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {refused.value}"
+
+
+def test_the_host_check_uses_the_available_memory_and_lets_a_fitting_load_through(tiny_folder):
+    assert memory.host_available() > 0
+    memory.check_host_memory("tiny", 10 * 2**20, on_cpu=True)  # the real figure: tiny fits
+    with pytest.raises(HostOutOfMemory, match=r"needs about 40.0 GiB of host memory but 16.0 GiB is available: "
+                                              r"use --model tiny \(a small built-in test model\) or a machine with a "
+                                              r"CUDA GPU"):
+        memory.check_host_memory("the real model on the CPU in float32", 40 * 2**30, True, available=16 * 2**30)
+    with pytest.raises(HostOutOfMemory, match="close other programs or use a machine with more memory"):
+        memory.check_host_memory("the model onto cuda:0", 3 * 2**30, False, available=2 * 2**30)
+
+
+def test_the_fp8_dit_streamed_and_quantized_at_load_is_the_loaded_dit_quantized(tiny_folder):
+    """The fp8 DiT streams into host memory and quantize_dit puts it on the device block by block: the same modules
+    and bytes as quantizing the library's whole DiT; onto a GPU its bf16 weights count in the host's need."""
+    from music3_demo.flow.dit_fp8 import Fp8Linear, quantize_dit
+
+    streamed = loading.load_model(resolve("tiny"), torch.device("cpu"), torch.float32,
+                                  PrecisionChoice("float32", "bf16", "test"), dit="fp8")
+    whole = _library(tiny_folder, "transformer", torch.float32)
+    quantize_dit(whole, "cpu")
+    _same(streamed["transformer"], whole, "transformer")
+    assert sum(isinstance(m, Fp8Linear) for m in streamed["transformer"].modules()) > 0
+    dit = sum(torch.Size(shape).numel() * 2 for _, shape, _ in weights_stream.tensor_sizes(tiny_folder / "transformer"))
+    gpu, host = torch.device("cuda", 0), {"transformer": torch.device("cpu")}
+    assert loading.host_need(tiny_folder, gpu, torch.bfloat16, host) == dit + loading.host_need(tiny_folder, gpu,
+                                                                                               torch.bfloat16)
