@@ -135,7 +135,8 @@ def as_loaded(choice: PrecisionChoice, dtype: torch.dtype) -> PrecisionChoice:
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, choice: PrecisionChoice,
-               sizes=None, flow_device: torch.device | None = None, dit: str = "bf16") -> dict:
+               sizes=None, flow_device: torch.device | None = None, dit: str = "bf16",
+               defer_fp8_dit: bool = False) -> dict:
     """The components on `device` (a stage split: the flow stage's on `flow_device`), the LM and depth decoder in
     `choice.mode`, the DiT in `dit` (bf16 | fp8). Every tensor is read (or drawn) and placed on its device one at a
     time; in a 1-byte mode each LM and depth-decoder block weight is quantized on the device as it arrives
@@ -143,7 +144,9 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, ch
     DiT streams into host memory in bf16 and is quantized onto its device block by block (flow.dit_fp8.quantize_dit),
     so the GPU holds one block's bf16 weights beside the fp8 ones at most, whichever stage arrived first. A load from
     files is first checked against the host's available memory (`host_need`, which counts the bf16 DiT there).
-    `sizes`: a built-in model's (random-full only; the bench mutes its end token)."""
+    `sizes`: a built-in model's (random-full only; the bench mutes its end token). `defer_fp8_dit`: leave the fp8
+    DiT's bf16 weights in host memory for the caller to quantize (`place_fp8_dit`) once the semantic stage is ready:
+    the engine's self-check holds the full lm_head and token embeddings, which the fp8 DiT need not sit beside."""
     flow = flow_device or device
     devices = {name: flow for name in FLOW_COMPONENTS} if flow_device is not None else {}
     if dit == "fp8":
@@ -172,13 +175,19 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, ch
         report = quantizers[0].finish()
         log.info("quantized the language model and depth decoder to %s on %s as they loaded: %s", choice.mode,
                  device, report.as_dict())
-    if dit == "fp8":
-        from .flow.dit_fp8 import quantize_dit
-
-        quantize_dit(components["transformer"], flow)  # block by block onto the device: fp8 weights and scales
-        release_cached(flow)
+    if dit == "fp8" and not defer_fp8_dit:
+        place_fp8_dit(components, flow)
     release_cached(device)  # what loading left in the allocator's cache (conversions)
     return components
+
+
+def place_fp8_dit(components: dict, device: torch.device) -> None:
+    """Quantize the DiT from its bf16 weights in host memory onto `device`, block by block (fp8 weights and
+    scales), and give the conversions' cache back."""
+    from .flow.dit_fp8 import quantize_dit
+
+    quantize_dit(components["transformer"], device)
+    release_cached(device)
 
 
 def host_need(folder, device: torch.device, dtype: torch.dtype, devices: dict | None = None) -> int | None:

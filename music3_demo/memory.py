@@ -99,7 +99,15 @@ _NVML = _Nvml()
 def note_process_start() -> None:
     """Before this process's first CUDA context: the card's use by everything else, per visible GPU (the
     "card-minus-others" method). Called by the first memory query; a no-op once torch has initialised CUDA."""
-    if _NVML.start_used or not torch.cuda.is_available() or torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
+        return
+    # Expandable segments: the allocator grows one mapped segment instead of caching blocks of every size it was
+    # asked for, so what a song frees is reused by the next request of another size rather than held beside it (the
+    # plan's sizes are live bytes plus a small slack). Only before torch's first CUDA allocation, and only where the
+    # user has not configured the allocator.
+    if not any(os.environ.get(name) for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if _NVML.start_used or not torch.cuda.is_available():
         return
     for index in range(torch.cuda.device_count()):
         used = _NVML.card_used(index)
@@ -294,6 +302,9 @@ class PeakSampler:
         if self.end is not None:
             figures |= {"device_end_gb": _gb(self.end.process), "reserved_end_gb": _gb(self.end.reserved),
                         "card_used_end_gb": _gb(self.end.card_used)}
+        if not self.peak_counters_reset:  # the allocator's own peaks since the process started
+            figures |= {"reserved_peak_since_start_gb": _gb(torch.cuda.max_memory_reserved(self.device)),
+                        "allocated_peak_since_start_gb": _gb(torch.cuda.max_memory_allocated(self.device))}
         if self.peak_counters_reset:
             figures |= {"reserved_peak_gb": _gb(torch.cuda.max_memory_reserved(self.device)),
                         "allocated_peak_gb": _gb(torch.cuda.max_memory_allocated(self.device))}

@@ -289,10 +289,11 @@ def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, eng
     budget = free - headroom
     load_extra = 2 * f.trimmed if semantic and engine == "graph" else 0
     # Every weight streams onto the device as it is read, the 1-byte LM's quantized as it arrives; the fp8 DiT is
-    # quantized onto the device block by block from its bf16 weights in host memory (loading.load_model): one
-    # block's bf16 weights at a time (0.13 GB at full size) beside what is loaded, within RUNTIME_BYTES, which the
-    # load does not use yet.
-    load_peak = total + load_extra + RUNTIME_BYTES + CHECK_BYTES
+    # quantized onto the device block by block from its bf16 weights in host memory once the engine's self-check
+    # has dropped what only loading needs (Music3Pipeline.ensure_stages): one block's bf16 weights at a time (0.13
+    # GB at full size) beside what is loaded, within RUNTIME_BYTES, which the load does not use yet.
+    deferred = weights["transformer"] if flow and dit == "fp8" else 0
+    load_peak = max(total - deferred + load_extra + CHECK_BYTES, total) + RUNTIME_BYTES
     runtime = RUNTIME_BYTES
     if semantic:
         runtime += PREFILL_BYTES + (QUANTIZED_PREFILL_BYTES if lm in QUANTIZED else 0)

@@ -16,7 +16,7 @@ from . import contract as c
 from .checkpoint import CheckpointError, ModelSource, default_device, default_dtype, resolve
 from .continuation import SongState, check_continuation
 from .devices import normalize, on_device, split_devices
-from .loading import as_loaded, getting_ready, load_model, modes_text, plan_for
+from .loading import as_loaded, getting_ready, load_model, modes_text, place_fp8_dit, plan_for
 from .memory import PeakSampler, note_process_start, release_cached, song_guard
 from .memory_plan import WARM_UP, MemoryPlan
 from .precision import PrecisionChoice, check_dit_precision, check_precision
@@ -52,6 +52,7 @@ class Music3Pipeline:
         flow_device: torch.device | str | None = None,
         memory_plan: MemoryPlan | None = None,
         flow_memory_plan: MemoryPlan | None = None,
+        fp8_dit_on_host: bool = False,
     ) -> None:
         """`overlap`: run the flow stage while semantic frames are still being made (default: when the engine draws
         from its own generator). With the reference engine it switches to separate per-stage generators, so results
@@ -63,7 +64,9 @@ class Music3Pipeline:
         not on `device`: a stage split over two GPUs, so one song's frames and its audio are made side by side.
         `memory_plan`: the card's plan (memory_plan.py; from_pretrained's): the engine's slots and KV pool, the flow
         stage's largest merged calls and the longest song come from it (None: the engines' own defaults, no limit);
-        `flow_memory_plan`: the flow card's, in a stage split."""
+        `flow_memory_plan`: the flow card's, in a stage split. `fp8_dit_on_host`: the DiT in `components` still holds
+        its bf16 weights in host memory and is quantized onto the flow device when the stages are built, after the
+        engine's self-check (from_pretrained's order: the load's peak is then the larger of the two, not their sum)."""
         self.components = components
         self.source = source
         self.device = normalize(device)
@@ -82,6 +85,7 @@ class Music3Pipeline:
         self.stages_pid: int | None = None  # the process whose CUDA context holds the engine's graphs and buffers
         self.setup_s: float | None = None  # what building the stages took (self-check and captures included)
         self._stages_lock = threading.Lock()
+        self._fp8_dit_on_host = fp8_dit_on_host
         self.first_chunks = FirstChunks()  # songs waiting for their first audio: the others' frames wait meanwhile
         if not lazy:
             self.ensure_stages()
@@ -105,6 +109,10 @@ class Music3Pipeline:
                 self.requested_engine, allow_interpreter=self._allow_interpreter, sizing=self._engine_sizing,
             )
             self.engine_name = self.engine_record.name
+            if self._fp8_dit_on_host:  # the self-check's full head and embeddings have left the card
+                self.release_caches()
+                place_fp8_dit(self.components, self.flow_device)
+                self._fp8_dit_on_host = False
             self.overlap = self.engine.separate_flow_rng if self._overlap is None else self._overlap
             self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
             # Every song's DiT and vocoder calls go through the one executor (several songs may share this
@@ -169,10 +177,12 @@ class Music3Pipeline:
             plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device)
             plan = replace(plan, lm=as_loaded(plan.lm, dtype), dit=as_loaded(plan.dit, dtype))
             with getting_ready(device, plan, flow_device=flow_device):
-                components = load_model(source, device, dtype, plan.lm, flow_device=flow_device, dit=plan.dit.mode)
+                defer = plan.dit.mode == "fp8"
+                components = load_model(source, device, dtype, plan.lm, flow_device=flow_device, dit=plan.dit.mode,
+                                        defer_fp8_dit=defer)
                 return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
                            precision=plan.lm, lazy=lazy, flow_device=flow_device, memory_plan=plan,
-                           flow_memory_plan=flow_plan)
+                           flow_memory_plan=flow_plan, fp8_dit_on_host=defer)
 
     @property
     def split(self) -> bool:

@@ -14,6 +14,7 @@ from music3_demo import contract as c
 from music3_demo import random_models
 from music3_demo.loading import no_room_sentence
 from music3_demo.memory_plan import (
+    CHECK_BYTES,
     DIT_CALL_BYTES,
     GB,
     HEADROOM_FIXED,
@@ -230,3 +231,14 @@ def test_the_readme_states_what_auto_picks():
         return
     assert table.strip() == auto_table()
     assert re.search(r"longest song at full slots", before.split("## Precision and memory")[1])
+
+
+def test_the_fp8_dit_arrives_after_the_self_check_so_the_load_peak_is_the_larger_phase_not_their_sum():
+    """The fp8 DiT waits in host memory until the engine's self-check has dropped the full head and the token
+    embeddings (Music3Pipeline.ensure_stages): on a 16 GB card that is what lets the load fit at all."""
+    p = plan(15.0, dit_precision="fp8", precision="fp8")
+    semantic_phase = p.weight_bytes - p.weights["transformer"] + p.load_extra + CHECK_BYTES + RUNTIME_BYTES
+    assert p.load_peak == max(semantic_phase, p.weight_bytes + RUNTIME_BYTES)
+    assert p.load_peak < p.weight_bytes + p.load_extra  # the two phases never sit on the card together
+    bf16 = plan(15.0, dit_precision="bf16", precision="fp8")  # a bf16 DiT streams in with the rest
+    assert bf16.load_peak == bf16.weight_bytes + bf16.load_extra + CHECK_BYTES + RUNTIME_BYTES

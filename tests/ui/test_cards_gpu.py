@@ -15,10 +15,13 @@ itself never touches CUDA (its context would count against the simulated card).
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +46,7 @@ class Card:
     ready_s: float = 90.0
 
 
+ARTIFACTS_ENV = "MUSIC3_ARTIFACTS"  # a folder that receives each card's app log
 CARDS = [Card("24GB", 23.5, 22.5, 2.5, True, True), Card("16GB", 15.0, 14.5, 3.0, False, False)]
 
 
@@ -75,8 +79,12 @@ def card_app(request, tmp_path_factory):
             status = Client(server.url, verbose=False).predict(api_name="/status")
             print(f"\n{card.name}: ready in {ready_s:.0f} s: {status['precision']} ({status['precision_reason']}), "
                   f"slots {status['slots']}, memory {status['memory']}")
-            yield CardApp(card, simulated, server, ready_s, status)
-            print(f"{card.name}: this process's peak seen by the card {simulated.peak_bytes() / GIB:.2f} GiB")
+            try:
+                yield CardApp(card, simulated, server, ready_s, status)
+            finally:
+                print(f"{card.name}: this process's peak seen by the card {simulated.peak_bytes() / GIB:.2f} GiB")
+                if os.environ.get(ARTIFACTS_ENV):  # the app's own log, for a device run's record
+                    shutil.copy(server.log_path, Path(os.environ[ARTIFACTS_ENV]) / f"app-{card.name}.log")
 
 
 def _client(app: CardApp):
