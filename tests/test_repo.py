@@ -41,6 +41,7 @@ LAYERS = [
     {"semantic", "flow"},
     {"loading"},
     {"pipeline"},
+    {"serve"},
     {"bench", "ui"},
     {"cli", "app"},
     {"__main__"},
@@ -247,3 +248,42 @@ def test_tests_mirror_the_package_and_gpu_tests_sit_beside_them():
         assert marked == path.stem.endswith("_gpu"), f"{path.relative_to(ROOT)}: gpu marker and file name disagree"
     names = [path.name for path in (ROOT / "tests").rglob("*.py") if path.name != "conftest.py"]
     assert len(names) == len(set(names)), "test modules need unique basenames (pytest imports them by name)"
+
+
+def _external_imports(path: Path) -> set[str]:
+    """Top-level names of the packages outside music3_demo that a file imports (lazy imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found - {"music3_demo"}
+
+
+def test_the_serving_layer_has_no_gradio_in_it():
+    """serve/ is what a Ray replica or another front runs: no module of it imports Gradio, directly or through any
+    module of the package it imports (ui/ is the only place for the page and the API wiring)."""
+    modules = _modules()
+
+    def package_module(module: str, imported: str | None) -> str | None:
+        for name in (f"{module}.{imported}" if imported else None, module):
+            if name in modules:
+                return name
+        return None
+
+    def reached(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo += [target for module, imported, _ in _imports(name, modules[name])
+                         if (target := package_module(module, imported)) is not None]
+        return seen
+
+    serve = [name for name in modules if name.startswith("music3_demo.serve")]
+    assert "music3_demo.serve.backend" in serve
+    wrong = {f"{name} (through {other})" for name in serve for other in reached(name)
+             if "gradio" in _external_imports(modules[other])}
+    assert not wrong, "\n".join(sorted(wrong))
