@@ -24,7 +24,8 @@ def test_ci_runs_exactly_the_readme_test_command():
     test_blocks = [block.strip() for block in blocks if "pytest" in block]
     assert len(test_blocks) == 1, "the README shows one test command"
     ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
-    assert ci_lines[-1] == test_blocks[0] == "pip install -r requirements-dev.txt && python -m pytest -n 2 --dist loadfile"
+    assert ci_lines[-1] == test_blocks[0]
+    assert test_blocks[0] == "pip install -r requirements-dev.txt && python -m pytest -n 2 --dist loadfile"
 
 
 def test_requirements_pin_the_cpu_torch_available_locally():
