@@ -82,7 +82,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         log = open(Path(work) / "app.log", "w")
         # One torch thread: Chromium renders the page on the same cores, and torch's spinning worker threads slowed
-        # the tiny model's decode about 6-fold beside it on a 2-core machine (2 against 13 frames/s for a 10-s song).
+        # the tiny model's decode about 6-fold beside it on a 2-core machine (2 against 13 frames/s).
         env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         server = subprocess.Popen([sys.executable, "app.py", "--model", "tiny", "--port", str(port),
                                    "--output-dir", str(Path(work) / "songs")], cwd=ROOT, stdout=log,
