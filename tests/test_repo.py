@@ -8,7 +8,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 170
@@ -122,17 +121,12 @@ def _package_text_files() -> list[Path]:
                                       if path.suffix in (".py", ".json", ".md", ".txt"))
 
 
-@pytest.mark.xfail(strict=True, reason="the package still cites runs by number (semantic/kernels/linear.py, tail.py, "
-                   "tuning/nvidia-h200.sm90.json's source): flip this once they are scrubbed")
 def test_the_package_names_no_issue_run_or_commit():
     """Comments and docstrings state conclusions (with numbers where they matter), never where they came from."""
     wrong = [f"{path.relative_to(ROOT)}:{hit}" for path in _package_text_files() for hit in _history(path.read_text())]
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.xfail(strict=True, reason="flow/dit_fused.py, semantic/config.py, semantic/kernels/linear.py, tail.py "
-                   "and tuning/nvidia-h200.sm90.json point at docs/PERFORMANCE_LOG.md, now the archive "
-                   "docs/runs/LOG.md: flip this once they are scrubbed")
 def test_every_doc_the_package_names_exists():
     wrong = [f"{path.relative_to(ROOT)}: {doc}" for path in _package_text_files()
              for doc in re.findall(r"\bdocs/[\w./-]*\w", path.read_text()) if not (ROOT / doc).exists()]

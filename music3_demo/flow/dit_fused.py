@@ -9,7 +9,7 @@ diffusers' bf16 rounding of each product and sum.
 Attention itself still goes through diffusers' `dispatch_attention_fn`.
 
 Block: per layer and step, `gate_states * silu(gate)` on the two strided halves of the ff_in output ran as two
-non-vectorised elementwise kernels (docs/PERFORMANCE_LOG.md), and the residual
+non-vectorised elementwise kernels (docs/runs/LOG.md), and the residual
 add before norm2 and the LayerNorm as two more (4.5 + 7.9 us). Here they are one launch each (`silu_mul`,
 `add_layer_norm`), with diffusers' rounding: each op's result rounded to the activations' dtype.
 """

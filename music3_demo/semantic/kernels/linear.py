@@ -10,7 +10,7 @@ Fused on the way:
 - SWIGLU: out = silu(gate) · up from a gate|up weight whose rows are interleaved (gate row j at 2j, up row j at
   2j+1), so each tile's accumulator holds matching gate and up rows and one weight tile per stage suffices. (With
   the halves stacked, a program needed two weight tiles per stage: 2.0-2.6 TB/s; formed on the down product's
-  load instead, it stalled the activation stream: 1.5 TB/s; see docs/PERFORMANCE_LOG.md runs 2-4.)
+  load instead, it stalled the activation stream: 1.5 TB/s.)
 - RESIDUAL: out = residual + y (in place when out is the residual); with a bf16 residual, HF's rounding of each step.
 - PDL (Hopper, programmatic dependent launch): a product's weights never depend on the previous kernel, so its
   programs are released while that kernel still runs: they pull their first weight tile into L2, wait for the

@@ -2,9 +2,9 @@
 o (+ residual) -> gate|up (+ RMSNorm, SwiGLU) -> down (+ residual) [-> next block's q|k|v (+ RMSNorm)].
 
 Why: as separate launches each product pays ~4 us of launch, ramp and tail (the LM o product: 11.8 us for 33.6 MB,
-8 us at copy bandwidth). PDL could not hide it (runs #2, #8, #9 in docs/PERFORMANCE_LOG.md). Here one grid of
+8 us at copy bandwidth). PDL could not hide it (tried three ways; docs/runs/LOG.md). Here one grid of
 `programs` (<= the SM count, so all are resident together) runs the products in turn with a grid barrier between
-two: ~2 us per boundary saved, +1.5-2% frames/s (run #12c; a barrier still waits for the slowest program). Each
+two: ~2 us per boundary saved, +1.5-2% frames/s (a barrier still waits for the slowest program). Each
 program owns row blocks pid, pid + programs, ... of every product, walked as one flattened k-loop so the pipeline
 does not drain between its row blocks. `TailConfig.prefetch` can pull each program's next weight rows into L2
 before a barrier; measured, it only cost time, so it is off.
@@ -57,7 +57,7 @@ class TailConfig:
     down: GemvConfig
     qkv: GemvConfig
     num_warps: int = 4
-    prefetch: int = 0  # bytes per weight row pulled into L2 before each barrier (run #12b: 1-8 KB only cost)
+    prefetch: int = 0  # bytes per weight row pulled into L2 before each barrier (measured: 1-8 KB only cost time)
 
 
 @functools.lru_cache(maxsize=None)
