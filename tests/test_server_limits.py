@@ -1,5 +1,5 @@
 """What a public server must survive, below the HTTP layer: huge or odd text, non-boolean booleans, a full disk,
-crash leftovers, damaged checkpoints, and the CLI's one-sentence errors (issue 18)."""
+crash leftovers, damaged checkpoints, and the CLI's one-sentence errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fast engine proves itself at load or is not used, and the user is told why (issue 13 parts 1, 2 and 4).
+"""The fast engine proves itself at load or is not used, and the user is told why.
 
 On CPU the graph engine runs under Triton's interpreter with the tiny model (allowed for tests only), so every failure
 is forced here: a kernel that cannot be launched (Triton's out-of-shared-memory error), an engine that disagrees with
@@ -38,7 +38,7 @@ def _tiny_models():
 
 
 def test_a_launch_from_another_device_is_refused_with_a_sentence(monkeypatch):
-    """A thread whose current device is not the engine's would run Triton kernels in the wrong context (issue 13:
+    """A thread whose current device is not the engine's would run Triton kernels in the wrong context (an
     illegal memory access on cuda:1). The engine checks before it launches anything for a song."""
     lm, depth = _tiny_models()
     from music3_demo.semantic.graph import GraphEngine

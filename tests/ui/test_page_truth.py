@@ -1,4 +1,4 @@
-"""The page tells the truth (issue 17), in a real headless Chromium against a real `app.py --model tiny` server:
+"""The page tells the truth, in a real headless Chromium against a real `app.py --model tiny` server:
 refusals next to Generate, a Stop that is not an error, one player, Ctrl+Enter, the phone layout, history that
 survives a reload, and songs that stream on the CPU. Screenshots at both widths go to test-artifacts/."""
 
