@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -26,7 +26,7 @@ from .prompt import count_prompt_tokens
 from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import make_engine, resolve_engine_name
 from .song_run import Overlap, SongRun, Stages, overlap_rule
-from .variations import make_together
+from .variations import make_together, stream_song
 
 __all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest", "SongState"]
 
@@ -245,6 +245,17 @@ class Music3Pipeline:
         and batch. Returns them in seed order. `on_event(index, event)` hears every song's events, on the caller's
         thread. The first error (a `Cancelled` when `cancel` is set) stops the others and is raised."""
         return make_together(self, request, count, on_event, cancel)
+
+    def stream(
+        self,
+        request: GenerationRequest,
+        cancel: threading.Event | None = None,
+        continue_from: SongState | None = None,
+    ) -> Iterator[Event]:
+        """`generate()` as an iterator of its events, on the caller's thread (the song runs on a thread of its own):
+        progress, audio pieces, and last `Finished(song)`; the song's error is raised here after the events before
+        it. Closing the iterator (or `cancel`) stops the song."""
+        return stream_song(self, request, cancel, continue_from)
 
     def generate(
         self,

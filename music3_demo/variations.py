@@ -1,10 +1,12 @@
-"""Several songs' events merged into one stream (`fan_in`), and a request's variations made together on one pipeline
-with it (`make_together`): each song on its own thread, up to the pipeline's slots at once (so they share the
-engine's prefill and batch), their events heard on the caller's thread, the first error stopping the others."""
+"""Several songs' events merged into one stream on the caller's thread, each song on a thread of its own (`fan_in`);
+through it, a request's variations made together on one pipeline (`make_together`: up to the pipeline's slots at
+once, so they share the engine's prefill and batch, the first error stopping the others) and one song's events as an
+iterator (`stream_song`)."""
 
 from __future__ import annotations
 
 import contextlib
+from contextlib import closing
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -92,15 +94,31 @@ def make_together(pipeline, request: GenerationRequest, count: int,
 
     songs: list[Song | None] = [None] * len(requests)
     errors: list[BaseException] = []
-    for index, item in fan_in([song(variation) for variation in requests], cancel, at_once=pipeline.slots):
-        if isinstance(item, Ended):
-            if item.error is not None:
-                errors.append(item.error)
-            continue
-        if isinstance(item, Finished):
-            songs[index] = item.song
-        if on_event is not None:
-            on_event(index, item)
+    with closing(fan_in([song(variation) for variation in requests], cancel, at_once=pipeline.slots)) as items:
+        for index, item in items:
+            if isinstance(item, Ended):
+                if item.error is not None:
+                    errors.append(item.error)
+                continue
+            if isinstance(item, Finished):
+                songs[index] = item.song
+            if on_event is not None:
+                on_event(index, item)
     if errors:
         raise next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
     return songs
+
+
+def stream_song(pipeline, request: GenerationRequest, cancel: threading.Event | None = None,
+                continue_from=None) -> Iterator[Event]:
+    """One song's events as an iterator (Music3Pipeline.stream says the rest)."""
+    def song(put: Callable[[Event], None], stop: threading.Event) -> Song:
+        return pipeline.generate(request, put, stop, continue_from)
+
+    with closing(fan_in([song], cancel)) as items:
+        for _, item in items:
+            if isinstance(item, Ended):
+                if item.error is not None:
+                    raise item.error
+            else:
+                yield item
