@@ -11,7 +11,7 @@ the mode needs, what to do. The sentences are pure functions of plain numbers (`
 
 Other one-sentence errors live where they are raised: `loading.NoRoom` (the memory plan finds the card too small
 before anything is loaded), `checkpoint.CheckpointError` (a model that cannot be resolved or read),
-`semantic.EngineUnavailable`, `ui.store.DiskFull`.
+`semantic.EngineUnavailable`, `serve.store.DiskFull`.
 
 `is_out_of_memory` recognises an out-of-memory however torch, cuBLAS, Triton or the driver raised it;
 `public_message` is what a user may see of any error: its own sentence, or for a raw CUDA / driver message a

@@ -1,4 +1,4 @@
-"""Many users on the app's API at once (issue 16), one device call: `python app.py --model random-full` driven by
+"""Many users on the app's API at once, one device call: `python app.py --model random-full` driven by
 concurrent gradio_client clients.
 
 Phases (each after the last, on one loaded server): `alone` (one user, a SECONDS song), `four` and `eight` (that many

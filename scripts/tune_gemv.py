@@ -42,7 +42,7 @@ CANDIDATES = [
     GemvConfig(16, 256, 4, 6, 1, True), GemvConfig(32, 128, 4, 6, 1, True), GemvConfig(32, 256, 4, 4, 1, True),
     GemvConfig(32, 256, 4, 5, 1, True), GemvConfig(64, 128, 4, 4, 1, True), GemvConfig(64, 256, 4, 3, 1, True),
     GemvConfig(128, 128, 4, 3, 1, True), GemvConfig(64, 64, 4, 8, 1, True),
-    # Not yet swept (added after run #11): deeper TMA pipelines of narrower tiles for the o/down products, which stay
+    # Not yet swept: deeper TMA pipelines of narrower tiles for the o/down products, which stay
     # at 2.8-3.6 TB/s on cp.async, and a deeper one for gate|up.
     GemvConfig(16, 128, 4, 8, 1, True), GemvConfig(16, 256, 4, 5, 1, True), GemvConfig(32, 128, 4, 8, 1, True),
     GemvConfig(32, 64, 4, 12, 1, True), GemvConfig(64, 64, 4, 10, 1, True), GemvConfig(128, 64, 4, 6, 1, True),
@@ -85,7 +85,7 @@ def main() -> None:
         copies = max(2, -(-(512 << 20) // nbytes))
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
         # Dtypes as in the engine: residual products update the float32 stream in place; RMSNorm products read its
-        # bf16 copy (run #7: a float32 input tile per stage made them 10-15% slower); the rest is bf16.
+        # bf16 copy (a float32 input tile per stage made them 10-15% slower); the rest is bf16.
         swiglu, normed_input = epilogue == "swiglu", epilogue in ("norm", "swiglu")
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         gain = torch.rand(k, device=device, dtype=torch.bfloat16) + 0.5

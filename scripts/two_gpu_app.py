@@ -1,4 +1,4 @@
-"""The app on two GPUs under concurrent API clients (issue 13; run on nvidia-h200-x2).
+"""The app on two GPUs under concurrent API clients (needs two GPUs).
 
 Starts `python app.py --model random-full --devices cuda:0,cuda:1` on a free port, waits until both devices hold
 the model (loaded, self-checked, warmed up), sends REQUESTS concurrent `generate` calls through gradio_client and

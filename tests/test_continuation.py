@@ -1,4 +1,4 @@
-"""Continue a song (issue 17, item 13) on the CPU: the reference engine through the pipeline, the graph engine's forced
+"""Continue a song on the CPU: the reference engine through the pipeline, the graph engine's forced
 prefix under Triton's interpreter, the saved state, and the CLI round trip."""
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def test_a_split_songs_report_names_both_cards(tiny_pipeline):
 
     from music3_demo.request import GenerationRequest
     from music3_demo.ui.report import report_markdown, song_report
-    from music3_demo.ui.runner import JobRecord
+    from music3_demo.serve.runner import JobRecord
 
     request = GenerationRequest("x", "[verse]\nla", duration=1.0, num_steps=1, seed=2)
     song = replace(tiny_pipeline.generate(request),

@@ -36,6 +36,11 @@ assert np.isfinite(song.audio).all() and np.abs(song.audio).max() > 0
 import app  # noqa: E402 - the Gradio entry point and the page builder it uses
 from music3_demo.ui import build_ui  # noqa: E402, F401
 
+# The app on its default (local) backend, page built: a Space or a single machine never imports Ray either.
+served = app.build(app.parse_args(["--model", "tiny", "--lazy-load", "--output-dir", sys.argv[1]]))
+assert type(served.backend).__name__ == "LocalBackend", served.backend
+assert not [name for name in sys.modules if name == "ray" or name.startswith("ray.")], "the local app imported Ray"
+
 print("engine", pipe.engine_name, "samples", song.audio.shape[1])
 """
 
@@ -49,9 +54,9 @@ def no_triton_env(tmp_path_factory) -> dict:
     return env
 
 
-def test_python_api_and_app_import_without_triton(no_triton_env, tiny_folder):
-    result = subprocess.run([sys.executable, "-c", API_AND_UI], capture_output=True, text=True, env=no_triton_env,
-                            cwd=ROOT, timeout=600)
+def test_python_api_and_app_import_without_triton(no_triton_env, tiny_folder, tmp_path):
+    result = subprocess.run([sys.executable, "-c", API_AND_UI, str(tmp_path)], capture_output=True, text=True,
+                            env=no_triton_env, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "engine reference" in result.stdout
 

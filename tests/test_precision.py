@@ -33,9 +33,9 @@ def test_a_quantized_load_of_the_tiny_model_runs_songs_and_every_surface_names_i
     from music3_demo.request import GenerationRequest
     from music3_demo.semantic.quant import QuantizedLinear
     from music3_demo.ui.assets import banner_html
-    from music3_demo.ui.holder import ModelHolder
+    from music3_demo.serve.holder import ModelHolder
     from music3_demo.ui.report import report_markdown, song_report
-    from music3_demo.ui.runner import JobRecord
+    from music3_demo.serve.runner import JobRecord
 
     holder = ModelHolder("tiny", ["cpu"], "reference", warmup=False, precision="int8")
     holder.preload(background=False)
@@ -57,7 +57,7 @@ def test_unquantized_weights_on_a_cpu_are_named_float32_on_every_surface(tiny_fo
     """A CPU runs unquantized weights in float32: the banner, the song and the CLI's note must not say bf16."""
     from music3_demo.pipeline import Music3Pipeline
     from music3_demo.ui.assets import banner_html
-    from music3_demo.ui.holder import ModelHolder
+    from music3_demo.serve.holder import ModelHolder
 
     holder = ModelHolder("tiny", ["cpu"], "reference", warmup=False)
     holder.preload(background=False)

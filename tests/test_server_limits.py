@@ -153,8 +153,8 @@ def _files(root: Path) -> list[str]:
 
 
 def test_a_wav_that_fails_leaves_nothing_and_a_later_file_that_fails_says_why(tmp_path, monkeypatch):
-    from music3_demo.ui import store as store_module
-    from music3_demo.ui.store import DISK_FULL_MESSAGE, DiskFull, SongStore
+    from music3_demo.serve import store as store_module
+    from music3_demo.serve.store import DISK_FULL_MESSAGE, DiskFull, SongStore
 
     store = SongStore(tmp_path)
     real_write = store_module.write_audio
@@ -184,7 +184,7 @@ def test_a_wav_that_fails_leaves_nothing_and_a_later_file_that_fails_says_why(tm
 
 
 def test_a_really_full_disk(tiny_disk):
-    from music3_demo.ui.store import DiskFull, SongStore
+    from music3_demo.serve.store import DiskFull, SongStore
 
     store = SongStore(tiny_disk, reserve_bytes=0)
     with pytest.raises(DiskFull):
@@ -201,7 +201,7 @@ def test_a_really_full_disk(tiny_disk):
 
 
 def test_start_up_removes_what_a_killed_process_left_and_makes_its_missing_files(tmp_path, caplog):
-    from music3_demo.ui.store import SongStore
+    from music3_demo.serve.store import SongStore
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -236,14 +236,14 @@ def test_start_up_removes_what_a_killed_process_left_and_makes_its_missing_files
 def test_a_job_whose_song_cannot_be_saved_is_failed_and_the_next_one_succeeds(tiny_folder, tmp_path, monkeypatch):
     import gradio as gr
 
-    from music3_demo.ui.holder import ModelHolder
-    from music3_demo.ui import store as store_module
+    from music3_demo.serve import store as store_module
+    from music3_demo.serve.local import LocalBackend
     from music3_demo.ui.core import AppContext, Outcome, run
-    from music3_demo.ui.runner import JobRegistry
-    from music3_demo.ui.store import DISK_FULL_MESSAGE, SongStore
+    from music3_demo.serve.runner import JobRegistry
+    from music3_demo.serve.store import DISK_FULL_MESSAGE, SongStore
 
-    holder = ModelHolder("tiny", ["cpu"], engine="reference", warmup=False)
-    ctx = AppContext(holder, SongStore(tmp_path / "songs"), JobRegistry(), tick=0.05)
+    backend = LocalBackend("tiny", ["cpu"], engine="reference", warmup=False)
+    ctx = AppContext(backend, SongStore(tmp_path / "songs"), JobRegistry(), tick=0.05)
     request = validate(GenerationRequest("pop", "la la", duration=1.0, num_steps=1, seed=3))
 
     def song(session: str) -> list:
@@ -284,7 +284,7 @@ def test_a_job_whose_song_cannot_be_saved_is_failed_and_the_next_one_succeeds(ti
     assert [job["state"] for job in ctx.registry.recent("a")] == ["failed", "finished", "finished"]
     assert ctx.registry.recent("b") == [] and ctx.registry.recent(None) == []  # nobody sees another's jobs
     assert all(str(tmp_path) not in str(value) for value in outcome.report.values())
-    holder.release()
+    backend.release()
 
 
 # ---- checkpoints: the right file blamed, the Hub hint only where it helps -------------------------------------
@@ -311,7 +311,7 @@ def test_a_truncated_weight_file_is_named(damaged_copy):
     import torch
 
     from music3_demo.checkpoint import CheckpointError, load_components
-    from music3_demo.ui.holder import FIX_HINT, load_error_message
+    from music3_demo.serve.holder import FIX_HINT, load_error_message
 
     weights = damaged_copy / "language_model" / "model.safetensors"
     with open(weights, "r+b") as file:

@@ -15,6 +15,7 @@ BENCHES = {
     "formats": ("formats", "how much each 1-byte weight format changes the model's logits (teacher-forced, float32)"),
     "split": ("stage_split", "a 120-s song on one GPU vs the stage split over two (nvidia-h200-x2)"),
     "profile": ("kernel_profile", "kernel by kernel (CUPTI): one graph-engine frame, or one flow chunk"),
+    "ray": ("cluster", "a song through the Ray backend (one SongWorker replica) vs in-process: wall, first audio"),
     "dit-fp8": ("dit_fp8", "the fp8 DiT against bf16: chunk time, errors, per-product timings, bytes"),
     "memory": ("memory", "memory per simulated card, per forced precision, and loading from disk (host peak, ready)"),
 }

@@ -1,5 +1,4 @@
-"""The Gradio front end: page (layout + wiring), API endpoints, job runner, song store, history, and the holder of
-loaded pipelines per device."""
+"""The Gradio front end: the page (layout + wiring) and the API endpoints, over one backend (serve/backend.py)."""
 
 from .core import AppContext
 from .page import build_ui, launch_options

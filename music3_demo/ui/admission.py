@@ -16,7 +16,7 @@ import gradio as gr
 
 from ..request import InvalidRequest, check_variations
 from .core import AppContext, whole, checked, make_request
-from .store import DiskFull
+from ..serve.store import DiskFull
 
 log = logging.getLogger("music3_demo.app")
 
@@ -30,12 +30,12 @@ GRADIO_QUEUE_HEADROOM = 64
 
 
 def waiting_songs(ctx: AppContext, blocks: gr.Blocks) -> int:
-    """Songs not yet started: those in the holder's line for a device, plus any still in Gradio's queue of the
+    """Songs not yet started: those in the backend's line for a place, plus any still in Gradio's queue of the
     generation events (the page's and the API's together: they share one concurrency group)."""
     queue = getattr(blocks, "_queue", None)
     groups = getattr(queue, "event_queue_per_concurrency_id", {}) or {}
     group = groups.get(GPU_GROUP)
-    return ctx.holder.scheduler.waiting() + (len(group.queue) if group is not None else 0)
+    return ctx.backend.scheduler.waiting() + (len(group.queue) if group is not None else 0)
 
 
 def refusal_message(ctx: AppContext, blocks: gr.Blocks, values: tuple, variations: object = 1
@@ -44,13 +44,13 @@ def refusal_message(ctx: AppContext, blocks: gr.Blocks, values: tuple, variation
     description, lyrics, duration, guidance, steps, seed, lm_cfg, top_k, instrumental = values[: len(FIELDS)]
     seed = None if seed == RANDOM_SEED else seed
     try:
-        request = checked(ctx.holder, make_request(description, lyrics, duration, guidance, steps, seed, lm_cfg,
+        request = checked(ctx.backend, make_request(description, lyrics, duration, guidance, steps, seed, lm_cfg,
                                                    top_k, instrumental))
         variations = check_variations(whole(variations))
     except InvalidRequest as error:
         return error.field or "lyrics", str(error)  # no field: the prompt's length, which the lyrics mostly make
     # Longer than any loaded card's memory plan holds, even alone: refused now, with the longest that fits.
-    too_long = ctx.holder.too_long(ctx.holder.count_tokens(request.description, request.effective_lyrics),
+    too_long = ctx.backend.too_long(ctx.backend.count_tokens(request.description, request.effective_lyrics),
                                    request.max_frames)
     if too_long is not None:
         log.info("refused a request: %s", too_long)

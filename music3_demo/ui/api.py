@@ -27,10 +27,10 @@ GONE_MESSAGE = "That song is no longer on the server (its files expire after a w
 
 
 def server_status(ctx: AppContext, blocks: gr.Blocks, session: str | None) -> dict:
-    """What `status` answers: the holder's state, the queue and the caller's own jobs. Every part is read from what
+    """What `status` answers: the backend's state, the queue and the caller's own jobs. Every part is read from what
     the workers published (the scheduler's counts, the sampled device memory, the job records): it never waits for
     a lock a song holds, nor asks the GPU."""
-    return ctx.holder.status().as_dict() | {
+    return ctx.backend.status().as_dict() | {
         "queue": {"waiting": waiting_songs(ctx, blocks), "limit": ctx.max_queue},
         "jobs": ctx.registry.recent(session),
     }
@@ -98,7 +98,7 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
         finishes (`job.outputs()` holds them all). A bad request is refused when it arrives, with one sentence naming
         the parameter to change."""
         seed = None if seed == RANDOM_SEED else seed
-        song_request = check(ctx.holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
+        song_request = check(ctx.backend, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
                                                       lm_cfg_scale, top_k, instrumental))
         try:
             count = check_variations(whole(variations))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import contract as c
-from .holder import HolderStatus
+from ..serve.holder import HolderStatus
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 

@@ -31,7 +31,7 @@ def prepare(ctx: AppContext, song_id: object, seconds: object, lyrics: object,
         raise gr.Error("Pick one of your songs to continue first.", title=INVALID_TITLE)
     try:
         state = ctx.store.load_state(song_id)
-        request = check(ctx.holder, extension_request(state, seconds, lyrics if isinstance(lyrics, str) else "",
+        request = check(ctx.backend, extension_request(state, seconds, lyrics if isinstance(lyrics, str) else "",
                                                       seed))
         check_continuation(request, state)
     except (InvalidRequest, ValueError) as error:

@@ -12,7 +12,7 @@ from .. import contract as c
 from ..prompt import build_prompt, lint_lyrics
 from ..request import MAX_VARIATIONS
 from .assets import DESCRIPTION_HELP, LYRICS_HELP, SECTION_TAGS
-from .holder import ModelHolder
+from ..serve.backend import SongBackend
 
 DEFAULTS = {
     "duration": c.DEFAULT_DURATION_S,
@@ -152,10 +152,10 @@ def settings_values(settings: dict) -> tuple:
             settings["top_k"])
 
 
-def token_counter_markdown(holder: ModelHolder, description: str, lyrics: str, instrumental: bool) -> str:
+def token_counter_markdown(backend: SongBackend, description: str, lyrics: str, instrumental: bool) -> str:
     """`Prompt: n / 5000 tokens`, exact with the model's tokenizer (≈ before it is fetched), plus lyric warnings."""
     lyrics_sent = c.INSTRUMENTAL_LYRICS if instrumental else (lyrics or "")
-    count = holder.count_tokens(description or "", lyrics_sent)
+    count = backend.count_tokens(description or "", lyrics_sent)
     exact = count is not None
     if count is None:
         count = len(build_prompt(description or "", lyrics_sent).encode("utf-8")) // 3

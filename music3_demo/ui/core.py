@@ -21,12 +21,12 @@ from ..continuation import SongState
 from ..errors import OutOfMemory, public_message
 from ..events import AudioPiece, Cancelled, Finished, Progress, Song
 from ..request import GenerationRequest, InvalidRequest, validate
-from .holder import ModelHolder
+from ..serve.backend import SongBackend
 from .progress import ProgressFn, StageTracker
 from .report import song_report
-from .gpu import spaces_available
-from .runner import Job, JobRegistry, Phase, Waiting
-from .store import DiskFull, SavedSong, SongStore
+from ..serve.zerogpu import spaces_available
+from ..serve.runner import Job, JobRegistry, Phase, Waiting
+from ..serve.store import DiskFull, SavedSong, SongStore
 
 log = logging.getLogger("music3_demo.app")
 
@@ -40,7 +40,7 @@ _PATH_RE = re.compile(r"(?<![\w.:/])/(?:[^\s/'\"]+/)+[^\s/'\"]*")
 
 @dataclass
 class AppContext:
-    holder: ModelHolder
+    backend: SongBackend
     store: SongStore
     registry: JobRegistry
     live_audio: bool = True  # streaming playback needs ffmpeg (Gradio encodes the stream to AAC with it)
@@ -86,17 +86,17 @@ def whole(value: object) -> object:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def check(holder: ModelHolder, request: GenerationRequest) -> GenerationRequest:
+def check(backend: SongBackend, request: GenerationRequest) -> GenerationRequest:
     """validate() with the model's tokenizer when it is available; its sentence becomes a gr.Error."""
     try:
-        return checked(holder, request)
+        return checked(backend, request)
     except InvalidRequest as error:
         raise refusal(str(error)) from None
 
 
-def checked(holder: ModelHolder, request: GenerationRequest) -> GenerationRequest:
+def checked(backend: SongBackend, request: GenerationRequest) -> GenerationRequest:
     """validate() with the model's tokenizer when it is available; logs one line for a refusal."""
-    counter = holder.count_tokens if holder.has_tokenizer else None
+    counter = backend.count_tokens if backend.has_tokenizer else None
     try:
         return validate(request, counter)
     except InvalidRequest as error:
@@ -166,12 +166,12 @@ def run_songs(
         raise refusal(str(error), DISK_FULL_TITLE) from None
     added = continue_from.frames if continue_from is not None else 0
     group = next(_groups) if count > 1 else None
-    tickets = [ctx.holder.ticket(request, request.max_frames + added, group) for request in requests]
+    tickets = [ctx.backend.ticket(request, request.max_frames + added, group) for request in requests]
     if not spaces_available():
         # In line now, together: nobody else's song lands between them. (On ZeroGPU each song runs in its own GPU
         # process, where only its own place exists: it takes it there.)
-        ctx.holder.enqueue(tickets)
-    jobs = [Job(ctx.holder, request, ctx.registry, session, continue_from, ticket,
+        ctx.backend.enqueue(tickets)
+    jobs = [Job(ctx.backend, request, ctx.registry, session, continue_from, ticket,
                 variation=index + 1 if count > 1 else None) for index, (request, ticket) in enumerate(zip(requests,
                                                                                                           tickets))]
     for job in jobs:
@@ -239,7 +239,7 @@ def run_songs(
             stream = streams.get(index)
             if stream is not None:
                 stream.close()  # a closed handler must stop the worker now, not when the generator is collected
-            ctx.holder.scheduler.withdraw(job.ticket)  # a song that never started gives its place in line back
+            ctx.backend.scheduler.withdraw(job.ticket)  # a song that never started gives its place in line back
             ctx.registry.finish(session, job)
             if job.ended != "delivered":  # one line per job that did not end in a song
                 log.info("job %s %s", job.record.id, job.ended)
@@ -285,7 +285,7 @@ def finish(ctx: AppContext, request: GenerationRequest, job: Job, song: Song) ->
     title = request.description.strip().splitlines()[0] if request.description.strip() else "song"
     saved = ctx.store.deliver(song, title)
     job.record.song_id, job.record.files = saved.id, saved.files
-    report = song_report(song, request, job.record, ctx.holder.model)
+    report = song_report(song, request, job.record, ctx.backend.model)
     # Names only ("pending" for a file on its way): the WAV comes back as the endpoint's output, the others from
     # the `files` endpoint once written, and a server path is nobody else's business.
     report["files"] = {"song_id": saved.id} | saved.files.report()

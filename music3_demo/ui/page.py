@@ -55,12 +55,12 @@ def refusal_html(sentence: str) -> str:
 
 def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
     """`concurrency`: Gradio's limit on songs handled at once (None: every admitted song's handler runs and waits in
-    the holder's line, which shows its place; ZeroGPU sets one per device)."""
-    holder = ctx.holder
+    the backend's line, which shows its place; ZeroGPU sets one per device)."""
+    backend = ctx.backend
     # No delete_cache: the song store is the app's Gradio cache and its cleaner owns every file's lifetime.
     with gr.Blocks(title="MiniMax Music 3") as demo:
         gr.Markdown(assets.read_text("header.md"), elem_id="header")
-        banner = gr.HTML(assets.banner_html(holder.status()), elem_id="banner")
+        banner = gr.HTML(assets.banner_html(backend.status()), elem_id="banner")
         banner_timer = gr.Timer(1.0)
         with gr.Row(equal_height=False):
             with gr.Column(scale=5, min_width=360, elem_id="form"):
@@ -106,7 +106,7 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
 
         # ---- model banner: polled while a load is pending, refreshed on page load and after every run ----------
         def refresh_banner() -> tuple:
-            state = holder.status()
+            state = backend.status()
             return assets.banner_html(state), gr.Timer(active=state.state in ("loading", "idle"))
 
         banner_timer.tick(refresh_banner, None, [banner, banner_timer], queue=False, show_progress="hidden",
@@ -121,7 +121,7 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
         # ---- controls ---------------------------------------------------------------------------------------
         count_inputs = [controls.description, controls.lyrics, controls.instrumental]
         gr.on([controls.description.change, controls.lyrics.change, controls.instrumental.change, demo.load],
-              partial(token_counter_markdown, holder), count_inputs, controls.token_counter,
+              partial(token_counter_markdown, backend), count_inputs, controls.token_counter,
               queue=False, show_progress="hidden", trigger_mode="always_last", api_visibility="private")
         controls.instrumental.change(
             lambda on: [gr.update(interactive=not on)] * (1 + len(controls.tag_buttons)), controls.instrumental,
@@ -140,7 +140,7 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
             if random_seed:
                 seed = new_seed()
             try:
-                request = check(holder, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
+                request = check(backend, make_request(description, lyrics, duration, guidance_scale, num_steps, seed,
                                                      lm_cfg_scale, top_k, instrumental))
             except gr.Error as error:
                 return (gr.skip(),) * 5 + (refusal_html(error.message), gr.skip(), "")
@@ -155,10 +155,10 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
 
         def waiting_text(request: GenerationRequest, count: int) -> str:
             """What the user is told before the song starts: the songs ahead in line and when theirs should start,
-            from the speeds the holder measured (the progress line then follows its place as it moves)."""
-            ahead = holder.scheduler.waiting()
-            start = holder.start_in(holder.ticket(request))
-            own = holder.estimate_s(request.max_frames, request.num_steps)
+            from the speeds the backend measured (the progress line then follows its place as it moves)."""
+            ahead = backend.scheduler.waiting()
+            start = backend.start_in(backend.ticket(request))
+            own = backend.estimate_s(request.max_frames, request.num_steps)
             songs = "your song" if count == 1 else f"your {count} variations"
             if not ahead and start == 0:
                 text = f"⏳ Starting {songs}"
@@ -170,7 +170,7 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
         def generate(ticket_value: dict | None, entries: list[dict], request: gr.Request):
             if not ticket_value:
                 return
-            song_request = check(holder, GenerationRequest(**ticket_value["request"]))
+            song_request = check(backend, GenerationRequest(**ticket_value["request"]))
             requests = variation_requests(song_request, ticket_value.get("variations", 1))
             yield from play(requests, ticket_value["at"], entries, request.session_hash)
 
@@ -182,7 +182,7 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
             so."""
             requests = song_requests if isinstance(song_requests, list) else [song_requests]
             added = continue_from.seconds if continue_from is not None else 0.0
-            speed = next(iter(holder.speeds.values()), None)
+            speed = backend.speed()
             trackers = [StageTracker(r.duration + added, r.num_steps, speed=speed) for r in requests]
             running = set(range(len(requests)))
             status_shown = [None]  # the status line this run last set (None: still the click's sentence)

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from .. import contract as c
 from ..events import Progress
-from .speed import Speed, flowed_frames
-from .holder import LOAD_PHASES
-from .runner import Phase, Waiting
+from ..serve.speed import Speed, flowed_frames
+from ..serve.holder import LOAD_PHASES
+from ..serve.runner import Phase, Waiting
 
 # gr.Progress signature: (progress, desc=None, total=None, unit="steps")
 ProgressFn = Callable[..., None]

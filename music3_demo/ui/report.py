@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..events import Song
 from ..request import GenerationRequest
-from .runner import JobRecord
+from ..serve.runner import JobRecord
 
 STAGE_LABELS = (("prompt_s", "prompt"), ("semantic_s", "semantic"), ("flow_s", "flow"), ("vocoder_s", "vocoder"))
 

@@ -20,7 +20,7 @@ from .. import contract as c
 from ..events import AudioPiece
 from ..request import MAX_VARIATIONS
 from .core import Outcome, wav_bytes
-from .song_files import PENDING
+from ..serve.song_files import PENDING
 from .history import escape_markdown
 from .report import report_markdown
 

@@ -1,4 +1,4 @@
-"""Songs sharing one pipeline's flow stage (issue 16): the pipeline's FlowExecutor runs every song's DiT and vocoder
+"""Songs sharing one pipeline's flow stage: the pipeline's FlowExecutor runs every song's DiT and vocoder
 calls; merged calls equal per-song calls; concurrent songs equal the same songs made alone; a lone song never waits
 for a partner.
 

@@ -1,4 +1,4 @@
-"""GPU: songs sharing one pipeline's flow stage (issue 16), on the full-size random model in bf16.
+"""GPU: songs sharing one pipeline's flow stage, on the full-size random model in bf16.
 
 Each song runs as the pipeline runs it: its own FlowStream, FlowWorker thread and CUDA stream, its own generator, and
 the pipeline's shared flow machinery from `flow.prepare`. Before the executor that machinery was the captured DiT

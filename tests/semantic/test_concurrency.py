@@ -1,4 +1,4 @@
-"""Several songs on one engine at once (issue 16): the reference engine's concurrent callers, the slot limit, a run's
+"""Several songs on one engine at once: the reference engine's concurrent callers, the slot limit, a run's
 codes and statistics. The graph engine's batch is tested in test_batch.py."""
 
 from __future__ import annotations

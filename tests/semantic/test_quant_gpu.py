@@ -2,7 +2,7 @@
 
 Kernel correctness, apart from how lossy the format is: each mode's output is compared with the float32 product on
 the *same dequantized weights*, and must stay within 2x the bf16 kernel's own error against float32 on the bf16
-weights (issue 15, "Quality 1"). Weights carry injected outlier input columns (x30), as real checkpoints do.
+weights. Weights carry injected outlier input columns (x30), as real checkpoints do.
 """
 
 from __future__ import annotations

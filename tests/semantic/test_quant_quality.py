@@ -1,4 +1,4 @@
-"""The default weight schemes' effect on the model, pinned (issue 15, "Quality 2"): float32 reference with the
+"""The default weight schemes' effect on the model, pinned: float32 reference with the
 dequantized weights vs float32 reference with the original weights, teacher-forced on a small random model with
 injected outlier columns (`bench/formats.py`). The bounds sit just above what was measured when the defaults were
 chosen, so a change to the formats, the scale rule or the default schemes that makes the model's logits or sampling

@@ -33,8 +33,9 @@ def compile_error(set_attr: SetAttr) -> None:
 
 
 def wrong_model(set_attr: SetAttr) -> None:
-    """The engine disagrees with the reference about the model (issue 13's failure mode): its own copy of lm_head's
-    audio rows is negated, so its logits are off by a relative error of 2 while its hidden states stay right."""
+    """The engine disagrees with the reference about the model (what the self-check exists for): its own copy of
+    lm_head's audio rows is negated, so its logits are off by a relative error of 2 while its hidden states stay
+    right."""
     from music3_demo.semantic.graph import GraphEngine
 
     build = GraphEngine.__init__

@@ -20,7 +20,7 @@ from gradio_client.utils import Status
 from music3_demo import contract as c
 from music3_demo.prompt import count_prompt_tokens
 from music3_demo.request import GenerationRequest, InvalidRequest, validate
-from music3_demo.ui.writer import SLOW_FILES_ENV
+from music3_demo.serve.writer import SLOW_FILES_ENV
 
 FRAME_S = 1 / c.FRAME_RATE
 QUICK = {"description": "bright synth-pop, 120 BPM", "lyrics": "[verse]\nhello there\n\n[chorus]\nla la la",
@@ -235,7 +235,7 @@ def test_unloadable_model_still_opens_the_page_and_says_why(tmp_path):
 
 
 def test_concurrent_first_requests_load_the_model_once():
-    from music3_demo.ui.holder import ModelHolder
+    from music3_demo.serve.holder import ModelHolder
 
     holder = ModelHolder("tiny", ["cpu"], engine="reference", warmup=False)
     holder.preload()  # start-up load in the background, racing the first requests below
@@ -261,7 +261,7 @@ def test_finished_songs_expire_after_the_ttl(tmp_path):
     import numpy as np
 
     from music3_demo.events import Song
-    from music3_demo.ui.store import SongStore
+    from music3_demo.serve.store import SongStore
 
     store = SongStore(tmp_path, ttl_s=3600)
     song = Song(np.zeros((2, 4410), dtype=np.float32), c.SAMPLE_RATE, frames=2, seed=1)
@@ -276,7 +276,7 @@ def test_progress_line_follows_overlapping_stages():
     """On a GPU the flow stage runs while frames are still being made: the line shows both, the bar the frames."""
     from music3_demo.events import Progress
     from music3_demo.ui.progress import StageTracker
-    from music3_demo.ui.runner import Phase
+    from music3_demo.serve.runner import Phase
 
     sent = []
     tracker = StageTracker(duration_s=20.0, steps=30, min_interval=0.0)  # 500 frames, 4 chunks
@@ -298,7 +298,7 @@ def test_progress_line_follows_overlapping_stages():
 def test_status_line_says_while_the_song_waits_for_a_device():
     """What the click said stands until the line tells; then the place and start; cleared once the song has a device."""
     from music3_demo.ui.progress import StageTracker
-    from music3_demo.ui.runner import Phase, Waiting
+    from music3_demo.serve.runner import Phase, Waiting
 
     tracker = StageTracker(duration_s=3.0, steps=8)
     assert tracker.status_text() is None

@@ -15,14 +15,14 @@ from gradio_client import Client
 
 @contextmanager
 def in_process_app(tmp_path):
-    """The real page and API over a holder that has not loaded its model, served in this process (so the test can
-    hold the server's locks)."""
+    """The real page and API over an in-process backend that has not loaded its model, served in this process (so
+    the test can hold the server's locks)."""
     from music3_demo.ui import AppContext, build_ui
-    from music3_demo.ui.holder import ModelHolder
-    from music3_demo.ui.runner import JobRegistry
-    from music3_demo.ui.store import SongStore
+    from music3_demo.serve.local import LocalBackend
+    from music3_demo.serve.runner import JobRegistry
+    from music3_demo.serve.store import SongStore
 
-    ctx = AppContext(ModelHolder("tiny", ["cpu"], warmup=False), SongStore(tmp_path / "songs"), JobRegistry())
+    ctx = AppContext(LocalBackend("tiny", ["cpu"], warmup=False), SongStore(tmp_path / "songs"), JobRegistry())
     demo = build_ui(ctx)
     port = free_port()
     demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
@@ -41,7 +41,7 @@ def test_status_answers_while_a_song_holds_the_servers_locks(tmp_path):
         def hold() -> None:
             # What a song does while it is placed (the line's lock, across the engine's room check) and while its
             # job is registered (the registry's lock), held here for far longer than any song holds them.
-            with ctx.holder.scheduler._changed, ctx.registry._lock:
+            with ctx.backend.scheduler._changed, ctx.registry._lock:
                 held.set()
                 release.wait(10)
 
@@ -68,8 +68,8 @@ def test_the_writer_never_waits_runs_below_the_songs_and_refuses_past_its_bound(
     import numpy as np
 
     from music3_demo.events import Song
-    from music3_demo.ui.store import BUSY_MESSAGE, SongStore
-    from music3_demo.ui.writer import NICE, BackgroundWriter
+    from music3_demo.serve.store import BUSY_MESSAGE, SongStore
+    from music3_demo.serve.writer import NICE, BackgroundWriter
 
     writer = BackgroundWriter(threads=1, max_songs=1)
     gate, niceness = threading.Event(), []

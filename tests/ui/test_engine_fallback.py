@@ -121,10 +121,10 @@ def test_a_failed_self_check_falls_back_and_the_holder_banner_and_report_say_why
     engine_faults.wrong_model(monkeypatch.setattr)
     monkeypatch.setattr(select, "SELF_CHECK_STEPS", 2)
     monkeypatch.setenv("MUSIC3_TEST_GRAPH_ON_CPU", "1")
-    from music3_demo.ui.holder import ModelHolder
+    from music3_demo.serve.holder import ModelHolder
     from music3_demo.ui.assets import banner_html
     from music3_demo.ui.report import report_markdown, song_report
-    from music3_demo.ui.runner import JobRecord
+    from music3_demo.serve.runner import JobRecord
 
     holder = ModelHolder("tiny", ["cpu"], engine="auto", warmup=False)
     holder.preload(background=False)

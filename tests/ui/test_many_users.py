@@ -1,4 +1,4 @@
-"""Many users on one server (issue 16), through its HTTP API with gradio_client: variations of one request arrive
+"""Many users on one server, through its HTTP API with gradio_client: variations of one request arrive
 as separate songs, a waiting user's progress and status say their place in line and when their song should start,
 Stop takes out only that user's song, and the queue's bound counts variations."""
 

@@ -74,7 +74,7 @@ def test_a_song_waiting_in_line_that_no_card_holds_leaves_the_line_with_the_sent
     turn comes it leaves the line with the sentence, and the line moves on, instead of holding everyone for ever."""
     from music3_demo.request import GenerationRequest, InvalidRequest
     from music3_demo.ui.assets import banner_html
-    from music3_demo.ui.holder import ModelHolder
+    from music3_demo.serve.holder import ModelHolder
 
     monkeypatch.setenv(FREE_BYTES_ENV, str(FREE))
     holder = ModelHolder("tiny", ["cpu"], "reference", warmup=False, **ASKED)
@@ -119,7 +119,7 @@ def test_the_cli_exits_2_with_the_sentence(monkeypatch, tmp_path, tiny_folder):
 
 
 def test_a_card_too_small_for_the_model_fails_the_load_with_one_sentence(monkeypatch, tiny_folder):
-    from music3_demo.ui.holder import ModelHolder
+    from music3_demo.serve.holder import ModelHolder
 
     monkeypatch.setenv(FREE_BYTES_ENV, str(2 * 10**9))
     holder = ModelHolder("tiny", ["cpu"], "reference", warmup=False)

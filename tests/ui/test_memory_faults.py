@@ -37,7 +37,7 @@ def test_the_app_says_a_sentence_for_a_load_and_a_song_that_ran_out_of_memory_an
     """Songs 1 and 3 of the process run out of memory in the vocoder: the warm-up (the load fails), then, after the
     next request's retried load and warm-up, that request's song; the song after it is whole."""
     from music3_demo.ui.assets import banner_html
-    from music3_demo.ui.holder import HolderStatus
+    from music3_demo.serve.holder import HolderStatus
 
     for key, value in engine_faults.subprocess_env("oom-songs", graph=False).items():
         monkeypatch.setenv(key, value)

@@ -223,7 +223,7 @@ def test_the_app_pipeline_streams_on_the_cpu():
     comes while frames are still being made, and the pieces make the whole song."""
     import numpy as np
 
-    from music3_demo.ui.holder import ModelHolder
+    from music3_demo.serve.holder import ModelHolder
 
     holder = ModelHolder("tiny", ["cpu"], warmup=False)
     events = []

@@ -1,4 +1,4 @@
-"""A public server under load, through its HTTP API (issue 18): requests checked on arrival, status outside the
+"""A public server under load, through its HTTP API: requests checked on arrival, status outside the
 song queue, private jobs, files that really expire, no uploads, one log line per refusal, and a CI-sized soak."""
 
 from __future__ import annotations

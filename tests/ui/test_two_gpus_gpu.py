@@ -20,7 +20,7 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
 
 @TWO_GPUS
 def test_same_song_on_two_gpus_at_once_is_the_song_made_alone_on_cuda0():
-    from music3_demo.ui.holder import ModelHolder
+    from music3_demo.serve.holder import ModelHolder
 
     holder = ModelHolder("random-full", ["cuda:0", "cuda:1"], engine="auto", warmup=True)
     holder.preload(background=False)
@@ -70,7 +70,7 @@ def test_a_stage_split_song_is_the_song_made_on_one_gpu():
     encoder, DiT graphs, vocoder) on cuda:1; the seeded song is the one a single GPU makes, and the report says where
     the flow stage's memory went. (`python -m music3_demo.bench split` times the two.)"""
     from music3_demo.pipeline import Music3Pipeline
-    from music3_demo.ui.holder import ModelHolder
+    from music3_demo.serve.holder import ModelHolder
 
     request = GenerationRequest("dreamy synth-pop", "[verse]\nhello", duration=12.0, num_steps=8, seed=1234)
     one = Music3Pipeline.from_pretrained("random-full", device="cuda:0")

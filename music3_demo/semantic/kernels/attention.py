@@ -130,7 +130,7 @@ def _decode_attn_kernel(
     arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLITS - 1:
         # Every split's partials in one load each: a loop over the splits made SPLITS dependent trips to L2 (4.2 of
-        # the launch's 11.2 us with 16 splits, run #19's probe). The sum over splits is one reduction of fixed
+        # the launch's 11.2 us with 16 splits, as probed). The sum over splits is one reduction of fixed
         # shape, so the result still does not depend on which program came last.
         gg = tl.arange(0, GROUP_POW2)
         real = gg < GROUP

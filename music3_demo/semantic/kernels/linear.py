@@ -15,12 +15,12 @@ Fused on the way:
 - PDL (Hopper, programmatic dependent launch): a product's weights never depend on the previous kernel, so its
   programs are released while that kernel still runs: they pull their first weight tile into L2, wait for the
   previous kernel (`gdc_wait`), and only then release their own dependents, so at most one kernel waits resident
-  behind a running one; only one tile per row is prefetched, which the running stream has no time to evict. (Run #8
-  released the dependents before waiting, which let a cascade of waiting kernels fill the SMs, and prefetched every
-  row whole, which the running stream evicted: -26%; docs/PERFORMANCE_LOG.md.)
+  behind a running one; only one tile per row is prefetched, which the running stream has no time to evict. (Releasing
+  the dependents before waiting, which let a cascade of waiting kernels fill the SMs, and prefetching every row
+  whole, which the running stream evicted, cost 26%.)
 TMA (`GemvConfig.tma`, Hopper): weight tiles arrive by one bulk tensor copy each instead of 16-byte copies from every
 thread, so more pipeline stages stay in flight with 4 warps; the sweep picks it for the gate|up, depth q|k|v and
-audio-head products (+4% per frame, docs/PERFORMANCE_LOG.md run #11). Older GPUs fall back to cp.async tiles.
+audio-head products (+4% per frame). Older GPUs fall back to cp.async tiles.
 Split-K (`GemvConfig.split_k` > 1): products with few row blocks (q|k|v: 96 programs, o/down: 128, the depth heads:
 64, on 132 SMs) leave SMs idle; splitting K multiplies the programs. Each program stores its fp32 partial (and its
 partial sum of squares for NORM) in a workspace and bumps its row block's counter; the last to arrive adds the
@@ -323,7 +323,7 @@ def gemv(
     With `swiglu`, `weight` is a row-interleaved gate|up (`interleave_rows`) and `out` is [M, N/2].
     `out_copy` (out's shape and strides, another dtype) receives out rounded to its dtype: the graph engine keeps a
     bf16 copy of each float32 residual stream, which the next RMSNorm product reads (a float32 activation tile per
-    pipeline stage cost those products 10-15%: docs/PERFORMANCE_LOG.md, run #7).
+    pipeline stage cost those products 10-15%).
     """
     m = x.shape[0]
     n, k = weight.shape

@@ -7,7 +7,7 @@ Why: as separate launches each product pays ~4 us of launch, ramp and tail (the 
 two: ~2 us per boundary saved, +1.5-2% frames/s (run #12c; a barrier still waits for the slowest program). Each
 program owns row blocks pid, pid + programs, ... of every product, walked as one flattened k-loop so the pipeline
 does not drain between its row blocks. `TailConfig.prefetch` can pull each program's next weight rows into L2
-before a barrier; it only cost so far (run #12), so it is off.
+before a barrier; measured, it only cost time, so it is off.
 
 The products are the GEMV's with the same roundings, except that an RMSNorm product's input arrives normalised: the
 product before it writes bf16(h) ⊙ gain and its programs' partial sums of squares, so the NORM product's k-loop is
@@ -147,7 +147,7 @@ def _product(
 
     NORM: x already holds bf16(bf16(h) ⊙ gain), written by the previous product, and the RMSNorm's 1/rms comes from
     the per-program partial sums of squares in part_ptr (a scale of each output row, applied in the epilogue): the
-    k-loop is a plain product, with no per-tile reduction (which made 16-32-row tiles 2-3x slower, run #12).
+    k-loop is a plain product, with no per-tile reduction (which made 16-32-row tiles 2-3x slower).
     RESIDUAL: out (float32) += y; with NEXT, also next = bf16(bf16(out) ⊙ gain) for the next NORM product and this
     program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s, and so is the
     handling of 1-byte weights (QUANT, GROUP, DOT, CONV, WSCALE: `linear.dot_tile`; per-channel scales at each row

@@ -14,8 +14,8 @@ import torch
 from music3_demo.events import Cancelled
 from music3_demo.request import GenerationRequest
 from music3_demo.semantic import SamplingSettings
-from music3_demo.ui.holder import ModelHolder
-from music3_demo.ui.speed import Speed
+from music3_demo.serve.holder import ModelHolder
+from music3_demo.serve.speed import Speed
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_a_stopped_waiting_song_leaves_the_line_and_the_others_keep_their_songs(
 def test_a_full_engine_holds_the_line_instead_of_failing(holder):
     """Songs that the engine runs for someone else (its slots all taken outside the holder): can_admit says no, so a
     request waits in line (no EngineBusy) and starts as soon as the engine has room."""
-    pipeline = next(slot.pipeline for slot in holder._slots)
+    pipeline = next(held.pipeline for held in holder._held)
     ids = torch.tensor([[1, 2, 3, 4], [1, 0, 0, 4]])
     runs = [pipeline.engine.frames(ids, 40, SamplingSettings(), torch.Generator().manual_seed(seed))
             for seed in range(4)]

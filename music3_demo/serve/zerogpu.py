@@ -13,7 +13,7 @@ and its GPU stayed free, otherwise a new one is forked. What this app does about
   the job record, the song to continue) and yields the song's events plus snapshots of the job record, which the main
   process applies, folding the finished song's speed into its own holder (the worker's copy is lost with it);
 - the duration is estimated from the request (song length, steps) with the speeds measured on earlier songs
-  (`ui/speed.py`), plus the set-up a new worker pays (weights onto the GPU, engine self-check and graph capture,
+  (`serve/speed.py`), plus the set-up a new worker pays (weights onto the GPU, engine self-check and graph capture,
   measured on the last song that paid it), plus a margin. A call that outlives its duration may be aborted, one
   that ends early only frees the GPU early (the quota is charged for the time used).
 """

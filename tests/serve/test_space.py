@@ -13,12 +13,12 @@ import pytest
 from music3_demo import contract as c
 from music3_demo.events import AudioPiece, Cancelled, Finished
 from music3_demo.request import GenerationRequest, InvalidRequest
-from music3_demo.ui import gpu
-from music3_demo.ui.gpu import MAX_GPU_S, WorkerClock, estimate_gpu_seconds
-from music3_demo.ui.holder import ModelHolder
-from music3_demo.ui.runner import Job, JobRegistry, _space_duration, register_holder, relay_space_events, \
+from music3_demo.serve import zerogpu as gpu
+from music3_demo.serve.zerogpu import MAX_GPU_S, WorkerClock, estimate_gpu_seconds
+from music3_demo.serve.holder import ModelHolder
+from music3_demo.serve.runner import Job, JobRegistry, _space_duration, register_holder, relay_space_events, \
     space_generation_events
-from music3_demo.ui.speed import Speed
+from music3_demo.serve.speed import Speed
 
 H200 = Speed(frames_per_s=100.0, flow_s_per_frame_step=0.42 / 30 / 200, vocoder_s_per_frame=0.036 / 200,
              overlapped=True)
@@ -109,7 +109,7 @@ def space_holder(tiny_folder):
 
 
 def test_a_space_song_builds_its_engine_in_the_worker_and_reports_back_to_the_main_process(space_holder):
-    pipeline = space_holder._slots[0].pipeline
+    pipeline = space_holder._held[0].pipeline
     assert pipeline.stages_pid is None and space_holder.status().state == "ready"  # nothing built at start-up
     request = GenerationRequest("lofi", "[verse]\nla la", duration=1.0, num_steps=2, seed=5)
     for attempt in range(2):  # each call forks a new worker, which builds (captures) its engine again

@@ -15,15 +15,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..continuation import SongState
 from ..events import Cancelled, Event, Finished, Progress
 from ..handoff import END, Handoff
 from ..request import GenerationRequest
-from .gpu import estimate_gpu_seconds, on_gpu, zero_gpu
+from .zerogpu import estimate_gpu_seconds, on_gpu
 from .holder import ModelHolder
 from .scheduler import Ticket
 from .song_files import SongFiles
+
+if TYPE_CHECKING:
+    from .backend import SongBackend
 
 _ids = itertools.count(1)
 
@@ -121,7 +125,14 @@ def generation_events(
             record.error = str(error) or type(error).__name__
             raise
 
-    events = Handoff(work, f"music3-job-{record.id}", wake)
+    yield from handed_back(work, f"music3-job-{record.id}", cancel, tick, wake)
+
+
+def handed_back(work: Callable[[Callable], None], name: str, cancel: threading.Event, tick: float,
+                wake: threading.Event | None = None) -> Iterator[object | None]:
+    """`work(put)` on a thread of its own (`name`): what it puts, here in order, and `None` every `tick` s while
+    nothing came (`wake` is set whenever it puts one); raises what it raised. Closing this sets `cancel`."""
+    events = Handoff(work, name, wake)
     try:
         while True:
             try:
@@ -136,7 +147,7 @@ def generation_events(
         cancel.set()  # no-op after a normal end; stops the worker when the consumer went away
 
 
-# Space mode (ui/gpu.py): the holder a ZeroGPU worker uses is its copy of this process's, found by key (a holder
+# Space mode (serve/zerogpu.py): the holder a ZeroGPU worker uses is its copy of this process's, found by key (a holder
 # cannot be pickled; the worker, a fork, has the same registry).
 _HOLDERS: dict[int, ModelHolder] = {}
 
@@ -164,13 +175,22 @@ def space_generation_events(
     holder_key: int, request: GenerationRequest, record: JobRecord, tick: float,
     continue_from: SongState | None,
 ) -> Iterator[Event | Phase | RecordUpdate | Raised | None]:
-    """The GPU part of a job in Space mode, run in a ZeroGPU worker (under `spaces.GPU`): the song's events with
-    snapshots of the record whenever it changed, and its exception as a `Raised` value. Closing it (the main process
-    closed its side) cancels the song."""
+    """The GPU part of a job in Space mode, run in a ZeroGPU worker (under `spaces.GPU`): `relayed_events` on the
+    worker's copy of the holder."""
     holder = _HOLDERS.get(holder_key)
     if holder is None:
         raise RuntimeError("the GPU worker has no model holder: register_holder() before the first GPU call")
-    cancel = threading.Event()
+    yield from relayed_events(holder, request, record, tick, continue_from)
+
+
+def relayed_events(
+    holder: ModelHolder, request: GenerationRequest, record: JobRecord, tick: float,
+    continue_from: SongState | None, cancel: threading.Event | None = None,
+) -> Iterator[Event | Phase | RecordUpdate | Raised | None]:
+    """A job's song for another process to relay (a ZeroGPU worker's, a Ray replica's): its events with snapshots of
+    the record whenever it changed, and its exception as a `Raised` value. Closing it (or setting `cancel`) cancels
+    the song."""
+    cancel = cancel or threading.Event()
     seen = record.as_dict()
     events = generation_events(holder, request, cancel, record, tick, continue_from)
     try:
@@ -213,26 +233,35 @@ def _space_duration(holder_key: int, request: GenerationRequest, record: JobReco
 _gpu_space_events = on_gpu(space_generation_events, duration=_space_duration)
 
 
+def received(job: Job, item: object) -> object | None:
+    """One item of a song relayed from another process (`relayed_events`), on the job's side: a record snapshot is
+    applied to the job's record (None comes back), a carried exception is raised as itself, anything else returned;
+    `Cancelled` once the job is stopped."""
+    if job.cancel.is_set():
+        raise Cancelled()
+    if isinstance(item, RecordUpdate):
+        # (its song's files are this process's: the other process's copy never has them)
+        vars(job.record).update({k: v for k, v in item.fields.items() if k not in ("song_id", "files")})
+        return None
+    if isinstance(item, Raised):
+        raise item.error
+    return item
+
+
 def relay_space_events(
     job: Job, gpu_events: Callable[..., Iterator], tick: float
 ) -> Iterator[Event | Phase | None]:
     """The main process's side of a Space-mode job: runs `gpu_events` (the GPU call) and passes its events on,
     applies the record snapshots, raises the worker's exception as itself, notes the finished song in this
     process's holder, and closes the call when the job is stopped (which stops the worker's song)."""
-    key = register_holder(job.holder)
+    key = register_holder(job.backend)
     call = gpu_events(key, job.request, job.record, tick, job.continue_from)
     try:
         for item in call:
-            if job.cancel.is_set():
-                raise Cancelled()
-            if isinstance(item, RecordUpdate):
-                # (its song's files are this process's: the worker's copy never has them)
-                vars(job.record).update({k: v for k, v in item.fields.items() if k not in ("song_id", "files")})
+            if (item := received(job, item)) is None:
                 continue
-            if isinstance(item, Raised):
-                raise item.error
             if isinstance(item, Finished) and job.record.device is not None:
-                job.holder.record_finished(job.record.device, item.song, job.request.num_steps)
+                job.backend.record_finished(job.record.device, item.song, job.request.num_steps)
             yield item
     finally:
         call.close()
@@ -244,16 +273,16 @@ def relay_space_events(
 class Job:
     """One request's generation, its cancel flag and its record."""
 
-    def __init__(self, holder: ModelHolder, request: GenerationRequest, registry: JobRegistry | None = None,
+    def __init__(self, backend: SongBackend, request: GenerationRequest, registry: JobRegistry | None = None,
                  session: str | None = None, continue_from: SongState | None = None,
                  ticket: Ticket | None = None, variation: int | None = None) -> None:
         """`ticket`: its place, when the caller put it in line already (variations, together); else it takes one
         when its events start."""
-        self.holder = holder
+        self.backend = backend
         self.request = request
         self.continue_from = continue_from  # the song this job extends (continuation.py), if any
         frames = request.max_frames + (continue_from.frames if continue_from is not None else 0)
-        self.ticket = ticket or holder.ticket(request, frames)
+        self.ticket = ticket or backend.ticket(request, frames)
         self.cancel = threading.Event()
         self.stop_requested = False
         self.ended = "stopped before it finished (a Stop press, a cancel or a closed connection)"  # for the log
@@ -263,12 +292,8 @@ class Job:
 
     def events(self, tick: float = 0.2, wake: threading.Event | None = None
                ) -> Iterator[Event | Phase | Waiting | None]:
-        """The job's events (see generation_events; `wake` is not used in Space mode, where the GPU call's own
-        stream paces them)."""
-        if zero_gpu():  # Gradio's queue does the waiting there (one song per GPU worker)
-            return relay_space_events(self, _gpu_space_events, tick)
-        return generation_events(self.holder, self.request, self.cancel, self.record, tick, self.continue_from,
-                                 self.ticket, wake)
+        """The job's events (`backend.SongBackend.song_events`)."""
+        return self.backend.song_events(self, tick, wake)
 
     def stop(self) -> None:
         # Told apart from `cancel`, which the event stream also sets when it ends normally (to stop a worker whose

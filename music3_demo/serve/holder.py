@@ -27,11 +27,12 @@ from ..loading import NoRoom
 from ..memory import MemoryWatch, note_process_start
 from ..request import InvalidRequest
 from ..semantic import EngineUnavailable
-from .gpu import WorkerClock
+from .zerogpu import WorkerClock
 from .scheduler import Scheduler, Ticket
 from .speed import Speed
 
 if TYPE_CHECKING:  # the pipeline (diffusers, transformers) is imported on first load, not when the page is built
+    from ..memory_plan import MemoryPlan
     from ..pipeline import Music3Pipeline
 
 # How a failed load tells users what to do, whatever the cause.
@@ -75,8 +76,8 @@ class HolderStatus:
                     running=dict(self.running))
 
 
-class _Slot:
-    """One device: its pipeline (once loaded) and a lock for loading it."""
+class _HeldDevice:
+    """One device: its pipeline (once loaded) and a lock for loading it (its batch places: `songs_at_once`)."""
 
     def __init__(self, device: str) -> None:
         self.device = device
@@ -107,7 +108,7 @@ class ModelHolder:
         precision: str = "auto", lazy: bool = False, max_running: int | None = None, dit_precision: str = "auto",
     ) -> None:
         """`precision`, `dit_precision`: the LM's and the DiT's (auto: each card's memory plan). `lazy`: pipelines
-        build their engines at their first song, in the process that runs it (Space mode: ui/gpu.py); the holder
+        build their engines at their first song, in the process that runs it (Space mode: zerogpu.py); the holder
         then learns the engine from the songs. `max_running`: songs at once over all devices (None: their slots)."""
         self.model = model
         self.engine = engine
@@ -118,8 +119,8 @@ class ModelHolder:
         self.workers = WorkerClock()  # Space mode: what the GPU workers' set-up costs
         self._song_engine: dict[str, tuple[str, str | None]] = {}  # device -> (engine, note) of its last song
         self.devices = devices or default_devices()
-        self._slots = [_Slot(device) for device in self.devices]
-        self._by_device = {slot.device: slot for slot in self._slots}
+        self._held = [_HeldDevice(device) for device in self.devices]
+        self._by_device = {held.device: held for held in self._held}
         self.scheduler = Scheduler(self.devices, lambda d: self._by_device[d].songs_at_once, self._admits,
                                    limit=max_running, loaded=lambda d: self._by_device[d].pipeline is not None)
         self._source: ModelSource | None = None
@@ -135,7 +136,7 @@ class ModelHolder:
 
     # ---- status -------------------------------------------------------------------------------------------------
     def status(self) -> HolderStatus:
-        loaded = [slot.pipeline for slot in self._slots if slot.pipeline is not None]
+        loaded = [held.pipeline for held in self._held if held.pipeline is not None]
         loading = dict(self._loading)
         if loading or (self._preloading and not loaded and self._error is None):
             state = "loading"
@@ -156,7 +157,7 @@ class ModelHolder:
             phase=self._phase,
             devices=tuple(self.devices),
             busy=tuple(device for device, songs in running.items() if songs),
-            slots={slot.device: slot.songs_at_once for slot in self._slots},
+            slots={held.device: held.songs_at_once for held in self._held},
             running=running,
             waiting=self.scheduler.waiting(),
             # A lazy pipeline (Space mode) has no engine in this process: its songs say which one ran.
@@ -169,8 +170,8 @@ class ModelHolder:
             precision=first.precision.mode if first else None,
             precision_reason=first.precision.reason if first else None,
             memory=memory or None,
-            memory_plan={slot.device: slot.pipeline.memory_plan_dict for slot in self._slots
-                         if slot.pipeline is not None and slot.pipeline.memory_plan is not None} or None,
+            memory_plan={held.device: held.pipeline.memory_plan_dict for held in self._held
+                         if held.pipeline is not None and held.pipeline.memory_plan is not None} or None,
             plan_summary=next((p.memory_plan.summary() for p in loaded if p.memory_plan is not None), None),
             error=self._error if not loaded else None,
             notice=self._source.notice if self._source is not None else None,
@@ -180,12 +181,17 @@ class ModelHolder:
 
     def _watch_memory(self) -> None:
         """The memory watch follows the loaded pipelines' GPUs (none for a lazy pipeline: this process has none)."""
-        self._memory.watch([str(gpu) for slot in self._slots if slot.pipeline is not None and not self.lazy
-                            for gpu in split_devices(slot.device) if gpu is not None])
+        self._memory.watch([str(gpu) for held in self._held if held.pipeline is not None and not self.lazy
+                            for gpu in split_devices(held.device) if gpu is not None])
 
     @property
     def has_tokenizer(self) -> bool:
         return self._tokenizer is not None
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, None until fetched (the Ray backend's front counts tokens with a replica's)."""
+        return self._tokenizer
 
     def count_tokens(self, description: str, lyrics: str) -> int | None:
         """Exact prompt length with the model's own tokenizer; None until the tokenizer has been fetched."""
@@ -201,8 +207,8 @@ class ModelHolder:
 
         def load_all() -> None:
             try:
-                for slot in self._slots:
-                    self._ensure_loaded(slot, None)
+                for held in self._held:
+                    self._ensure_loaded(held, None)
             except Exception:  # noqa: BLE001 - remembered in status and raised again to the next request
                 return
             finally:
@@ -232,27 +238,27 @@ class ModelHolder:
                     self._tokenizer = _load_tokenizer(self._source)
             return self._source
 
-    def _ensure_loaded(self, slot: _Slot, on_phase: PhaseCallback | None):
-        if slot.pipeline is not None:
-            return slot.pipeline
-        with slot.load_lock:  # concurrent first requests: one loads, the others wait here and reuse it
-            if slot.pipeline is not None:
-                return slot.pipeline
+    def _ensure_loaded(self, held: _HeldDevice, on_phase: PhaseCallback | None):
+        if held.pipeline is not None:
+            return held.pipeline
+        with held.load_lock:  # concurrent first requests: one loads, the others wait here and reuse it
+            if held.pipeline is not None:
+                return held.pipeline
             from ..pipeline import Music3Pipeline
 
-            self._loading[slot.device] = started = time.monotonic()
+            self._loading[held.device] = started = time.monotonic()
             self._error = None
             try:
                 source = self._resolve(on_phase)
-                self._set_phase(f"{LOAD_PHASES[1]} {self.model} onto {slot.device}", on_phase)
+                self._set_phase(f"{LOAD_PHASES[1]} {self.model} onto {held.device}", on_phase)
                 target = str(source.folder) if source.folder is not None else source.name
                 note_process_start()  # before on_device makes this process's first CUDA context (memory.py)
                 # this thread (preload, a request's runner) may have another current (a split: its engine's GPU)
-                with on_device(split_devices(slot.device)[0]):
+                with on_device(split_devices(held.device)[0]):
                     # overlap: the flow stage on its own thread (and stream) while frames are made, so songs stream
                     # on the CPU too. With the reference engine that means per-stage generators: the app's songs are
                     # deterministic per seed but not diffusers' waveform (the CLI and Python API keep that contract).
-                    pipeline = Music3Pipeline.from_pretrained(target, device=slot.device, engine=self.engine,
+                    pipeline = Music3Pipeline.from_pretrained(target, device=held.device, engine=self.engine,
                                                               overlap=True, precision=self.precision,
                                                               dit_precision=self.dit_precision, lazy=self.lazy)
                     if self._tokenizer is None:
@@ -260,16 +266,16 @@ class ModelHolder:
                     if self.warmup:
                         # The first song on a fresh pipeline pays one-off costs (kernel selection, graph capture,
                         # allocator growth); a one-second song here keeps them away from the first user.
-                        self._set_phase(f"{LOAD_PHASES[2]} up on {slot.device}", on_phase)
-                        self.record_song(slot.device, pipeline, pipeline.warm(), steps=1)
+                        self._set_phase(f"{LOAD_PHASES[2]} up on {held.device}", on_phase)
+                        self.record_song(held.device, pipeline, pipeline.warm(), steps=1)
             except Exception as error:
                 self._error = load_error_message(self.model, error)
                 self._phase = "failed to load"
                 raise CheckpointError(self._error) from error
             finally:
                 elapsed = time.monotonic() - started
-                self._loading.pop(slot.device, None)
-            slot.pipeline = pipeline
+                self._loading.pop(held.device, None)
+            held.pipeline = pipeline
             self.loads += 1
             self._watch_memory()
             self.scheduler.refresh()  # its slots are known now: songs waiting for room may join
@@ -287,7 +293,7 @@ class ModelHolder:
 
     def record_finished(self, device: str, song, steps: int) -> None:
         """A song made elsewhere (a Space's GPU worker) on `device`'s pipeline: its speed, engine and set-up."""
-        pipeline = next((slot.pipeline for slot in self._slots if slot.device == device), None)
+        pipeline = next((held.pipeline for held in self._held if held.device == device), None)
         if pipeline is not None:
             self.record_song(device, pipeline, song, steps)
         self._song_engine[device] = (song.engine, song.engine_note)
@@ -322,14 +328,14 @@ class ModelHolder:
         """Seconds until `ticket` should start (one not in line: as if it joined the line now); None: unknown."""
         return self.scheduler.start_in(ticket, self.expected_s)
 
+    def plans(self) -> list[MemoryPlan | None]:
+        """The loaded pipelines' memory plans (None for a pipeline without one)."""
+        return [held.pipeline.memory_plan for held in self._held if held.pipeline is not None]
+
     def too_long(self, prompt_tokens: int | None, frames: int) -> str | None:
         """The sentence for a song that no loaded device's memory plan holds even alone (naming the longest that
         fits), or None: it fits one, or no device is loaded yet (its placement checks again)."""
-        plans = [slot.pipeline.memory_plan for slot in self._slots if slot.pipeline is not None]
-        if prompt_tokens is None or not plans or None in plans or any(not p.too_long(prompt_tokens, frames)
-                                                                      for p in plans):
-            return None
-        return max(plans, key=lambda plan: plan.max_frames(prompt_tokens)).too_long(prompt_tokens, frames)
+        return too_long_on(self.plans(), prompt_tokens, frames)
 
     def _admits(self, device: str, tickets: list[Ticket]) -> bool:
         """Whether the device's engine has memory for these songs beside those it holds (always, before it is loaded
@@ -341,7 +347,7 @@ class ModelHolder:
         for ticket in tickets:
             if ticket.prompt_tokens is None and ticket.text is not None:  # made before the tokenizer was there
                 ticket.prompt_tokens = pipeline.count_tokens(*ticket.text)
-        if all(slot.pipeline is not None for slot in self._slots):
+        if all(held.pipeline is not None for held in self._held):
             refusal = self.too_long(tickets[-1].prompt_tokens, tickets[-1].frames)
             if refusal is not None:
                 raise InvalidRequest(refusal, field="duration")
@@ -372,11 +378,11 @@ class ModelHolder:
 
     def release(self) -> None:
         """Free every loaded pipeline (shutdown); later requests load again."""
-        for slot in self._slots:
-            with slot.load_lock:
-                if slot.pipeline is not None:
-                    slot.pipeline.release()
-                    slot.pipeline = None
+        for held in self._held:
+            with held.load_lock:
+                if held.pipeline is not None:
+                    held.pipeline.release()
+                    held.pipeline = None
         self._watch_memory()
         self._phase = "released"
 
@@ -385,6 +391,15 @@ def default_devices() -> list[str]:
     if torch.cuda.is_available():
         return [f"cuda:{index}" for index in range(torch.cuda.device_count())]
     return [str(default_device())]
+
+
+def too_long_on(plans: list[MemoryPlan | None], prompt_tokens: int | None, frames: int) -> str | None:
+    """The refusal for a song that none of these plans holds even alone (the sentence of the one that holds the
+    longest), or None: one holds it, or there is no plan (nothing loaded, or a pipeline without one)."""
+    if prompt_tokens is None or not plans or None in plans or any(not p.too_long(prompt_tokens, frames)
+                                                                  for p in plans):
+        return None
+    return max(plans, key=lambda plan: plan.max_frames(prompt_tokens)).too_long(prompt_tokens, frames)
 
 
 def load_error_message(model: str, error: Exception) -> str:

@@ -9,8 +9,8 @@ import pytest
 
 from music3_demo.events import Finished, Progress
 from music3_demo.request import GenerationRequest, InvalidRequest
-from music3_demo.ui.holder import ModelHolder
-from music3_demo.ui.runner import JobRecord, generation_events
+from music3_demo.serve.holder import ModelHolder
+from music3_demo.serve.runner import JobRecord, generation_events
 
 
 @pytest.fixture(scope="module")
