@@ -7,35 +7,28 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
 from . import contract as c
+from . import flow as flow_stage
 from .checkpoint import CheckpointError, ModelSource, default_device, default_dtype, resolve
-from .continuation import SongState, check_continuation
+from .continuation import SongState
 from .devices import normalize, on_device, split_devices
+from .events import Cancelled, Event, Song
+from .flow.worker import FirstChunks
 from .loading import as_loaded, getting_ready, load_model, modes_text, place_fp8_dit, plan_for
 from .memory import PeakSampler, note_process_start, release_cached, song_guard
 from .memory_plan import WARM_UP, MemoryPlan
 from .precision import PrecisionChoice, check_dit_precision, check_precision
-from .events import AudioPiece, Cancelled, Event, Finished, Progress, Song, check_cancel
-from .first_audio import first_audio_path
-from . import flow as flow_stage
-from .flow.stream import FlowSettings, FlowStream, Piece
-from .flow.worker import FirstChunks, FlowWorker, progress_from_step
-from .prompt import count_prompt_tokens, tokenize
+from .prompt import count_prompt_tokens
 from .request import GenerationRequest, InvalidRequest, validate
-from .semantic import SamplingSettings, make_engine, resolve_engine_name
-from .variations import make_together
+from .semantic import make_engine, resolve_engine_name
+from .song_run import Overlap, SongRun, Stages, overlap_rule
+from .variations import make_together, stream_song
 
 __all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest", "SongState"]
-
-
-# The flow stage's generator on the fast engines is seeded apart from the semantic one, so overlap cannot change
-# results run to run.
-FLOW_SEED_OFFSET = 0x9E3779B9
 
 
 class Music3Pipeline:
@@ -113,8 +106,7 @@ class Music3Pipeline:
                 self.release_caches()
                 place_fp8_dit(self.components, self.flow_device)
                 self._fp8_dit_on_host = False
-            self.overlap = self.engine.separate_flow_rng if self._overlap is None else self._overlap
-            self.separate_flow_rng = self.engine.separate_flow_rng or self.overlap
+            self.overlap, self.separate_flow_rng = overlap_rule(self._overlap, self.engine.separate_flow_rng)
             # Every song's DiT and vocoder calls go through the one executor (several songs may share this
             # pipeline); it holds the captured DiT graphs on CUDA, and its thread belongs to this process too.
             flow_plan = self.flow_memory_plan or self.memory_plan  # (merged calls only where they fit)
@@ -254,24 +246,16 @@ class Music3Pipeline:
         thread. The first error (a `Cancelled` when `cancel` is set) stops the others and is raised."""
         return make_together(self, request, count, on_event, cancel)
 
-    def _generators(self, seed: int) -> tuple[torch.Generator, torch.Generator]:
-        if not self.separate_flow_rng:
-            # diffusers' convention: one CPU generator shared by every stage (device-independent results).
-            shared = torch.Generator("cpu").manual_seed(seed)
-            return shared, shared
-        semantic = torch.Generator(self.device).manual_seed(seed)
-        flow = torch.Generator(self.flow_device).manual_seed((seed + FLOW_SEED_OFFSET) % 2**64)
-        return semantic, flow
-
-    def _resumed_flow_generator(self, state: SongState, seed: int) -> torch.Generator:
-        """The flow generator as it was before the song's last chunk, so the continuation decodes as the whole song
-        would have. A state from another kind of device (a GPU song continued on a CPU) cannot be restored there:
-        the re-rendered chunks then take fresh noise (the audio before them is kept either way)."""
-        kind = self.flow_device if self.separate_flow_rng else torch.device("cpu")
-        restored = state.flow.generator(kind)
-        if restored is not None:
-            return restored
-        return torch.Generator(kind).manual_seed((seed + FLOW_SEED_OFFSET) % 2**64)
+    def stream(
+        self,
+        request: GenerationRequest,
+        cancel: threading.Event | None = None,
+        continue_from: SongState | None = None,
+    ) -> Iterator[Event]:
+        """`generate()` as an iterator of its events, on the caller's thread (the song runs on a thread of its own):
+        progress, audio pieces, and last `Finished(song)`; the song's error is raised here after the events before
+        it. Closing the iterator (or `cancel`) stops the song."""
+        return stream_song(self, request, cancel, continue_from)
 
     def generate(
         self,
@@ -291,157 +275,11 @@ class Music3Pipeline:
             built = self.ensure_stages()  # a lazy pipeline's first song (in this process) builds the engine
             flow_sampler = PeakSampler(self.flow_device) if self.split else contextlib.nullcontext()
             with PeakSampler(self.device) as memory, flow_sampler as flow_memory:
-                return self._generate(request, on_event, cancel, continue_from, memory, flow_memory,
-                                      self.setup_s if built else None)
+                run = SongRun(self._stages(), self.validate(request), on_event, cancel, continue_from)
+                return run.run(memory, flow_memory, self.setup_s if built else None)
 
-    @torch.no_grad()
-    def _generate(
-        self,
-        request: GenerationRequest,
-        on_event: Callable[[Event], None] | None,
-        cancel: threading.Event | None,
-        continue_from: SongState | None,
-        memory: PeakSampler,
-        flow_memory: PeakSampler | None,
-        setup_s: float | None,
-    ) -> Song:
-        emit = on_event or (lambda event: None)
-        request = self.validate(request)
-        max_frames = request.max_frames
-        if continue_from is not None:
-            max_frames = check_continuation(request, continue_from)
-        started = time.perf_counter()
-        timings: dict[str, float] = {}
-
-        emit(Progress("prompt", 0, 1))
-        text_ids = tokenize(self.tokenizer, request.description, request.effective_lyrics).to(self.device)
-        # A song longer than the card's plan holds even alone: one sentence naming the longest that fits.
-        if self.memory_plan is not None and (refusal := self.memory_plan.too_long(text_ids.shape[1], max_frames)):
-            raise InvalidRequest(refusal, field="duration")
-        timings["prompt_s"] = time.perf_counter() - started
-        emit(Progress("prompt", 1, 1))
-
-        semantic_generator, flow_generator = self._generators(request.seed)
-        if continue_from is not None:
-            flow_generator = self._resumed_flow_generator(continue_from, request.seed)
-        expected_chunks = len(c.chunk_starts(max_frames))
-        flow_settings = FlowSettings(request.num_steps, request.guidance_scale, batched_cfg=self.separate_flow_rng)
-        flow = FlowStream(
-            self.components, flow_settings, flow_generator, self.flow_device, cancel=cancel,
-            executor=self.flow_executor,
-        )
-        prefix = None
-        if continue_from is not None:
-            flow.resume(continue_from.flow)
-            prefix = torch.from_numpy(continue_from.codes).long()
-        worker = FlowWorker(flow, self.flow_device)
-        pieces: list[np.ndarray] = []
-
-        def deliver(piece: Piece) -> None:
-            timings.setdefault("first_audio_s", time.perf_counter() - started)
-            pieces.append(piece.samples)
-            emit(AudioPiece(piece.samples, piece.start_sample))
-
-        def publish(wait: bool, until_audio: bool = False) -> None:
-            for item in worker.results(wait, until_audio):
-                if isinstance(item, tuple):
-                    emit(progress_from_step(item, expected_chunks))
-                    continue
-                for piece in item:
-                    deliver(piece)
-
-        if continue_from is not None and continue_from.head.shape[-1]:
-            deliver(Piece(continue_from.head, 0))  # final already: the listener hears it while the rest is made
-
-        frames = 0
-        held: list[torch.Tensor] = []
-        blocks = None
-        try:
-            semantic_started = time.perf_counter()
-            paused = held_s = 0.0  # time the semantic stage stood still for chunks 0 (not semantic work)
-            blocks = self.engine.frames(text_ids, max_frames, sampling_for(request), semantic_generator, cancel,
-                                        prefix=prefix)
-            for block in blocks:
-                timings.setdefault("first_frames_s", time.perf_counter() - started)
-                frames += block.shape[0]
-                elapsed = time.perf_counter() - semantic_started
-                rate = frames / max(elapsed, 1e-9)
-                emit(Progress("semantic", frames, max_frames, rate, (max_frames - frames) / rate))
-                if self.overlap:
-                    worker.submit(block)
-                    # Time to first audio matters more than the last half second of a song: while any song's chunk 0
-                    # is denoised, the songs already playing stop enqueueing frames (this one waits for its audio,
-                    # they at `first_chunks.wait`) instead of sharing the GPU with it (with a GPU of its own, the flow
-                    # stage shares nothing). Songs still before their own first audio go on: they would wait in turn.
-                    first_chunk = not pieces and frames >= c.CHUNK_FRAMES and not self.split
-                    waited = time.perf_counter()
-                    if first_chunk:
-                        timings.setdefault("chunk0_frames_s", waited - started)
-                        with self.first_chunks.denoising():
-                            publish(wait=False, until_audio=True)
-                        paused += time.perf_counter() - waited
-                    else:
-                        publish(wait=False)
-                        if pieces and not self.split:
-                            held_s += self.first_chunks.wait(cancel)
-                else:
-                    held.append(block)
-            timings["semantic_s"] = time.perf_counter() - semantic_started - paused - held_s
-            timings["held_for_first_chunks_s"] = held_s
-            if frames == 0:
-                raise InvalidRequest("The model ended the song before its first frame; try another seed.")
-            if continue_from is not None and frames <= continue_from.frames:
-                raise InvalidRequest("The model ended the song where it already ended; try another seed.")
-            codes = blocks.codes()[: frames + 1].to("cpu", torch.int32).numpy()
-            check_cancel(cancel)
-            if held:
-                worker.submit(torch.cat(held))
-            worker.finish()
-            publish(wait=True)
-            check_cancel(cancel)
-        finally:
-            if blocks is not None:
-                blocks.close()  # a cancelled or failed song leaves the engine now (its slot is free for another)
-            worker.close()
-        emit(Progress("vocoder", flow.timings.chunks, flow.timings.chunks))
-
-        timings["flow_s"] = flow.timings.denoise_s
-        timings["vocoder_s"] = flow.timings.vocoder_s
-        timings["flow_shared_calls"] = flow.timings.shared_calls  # DiT calls merged with other songs' (0 alone)
-        timings |= first_audio_path(blocks.stats, flow.timings.first_chunk, started)
-        timings["total_s"] = time.perf_counter() - started
-        audio = np.concatenate(pieces, axis=-1)
-        timings["realtime_factor"] = (audio.shape[-1] / c.SAMPLE_RATE) / timings["total_s"]
-        if self.engine_record.check_s is not None:
-            timings["engine_check_s"] = self.engine_record.check_s  # paid once at load, not by this song
-        if setup_s is not None:
-            timings["setup_s"] = setup_s  # this song built the engine first (a lazy pipeline in a new process)
-        memory.stop()
-        figures = memory.as_dict()
-        if flow_memory is not None:
-            flow_memory.stop()
-            figures = {**(figures or {}), "flow_device": str(self.flow_device), "flow": flow_memory.as_dict()}
-        resume = flow.resume_point
-        state = SongState(request, codes, resume, audio[:, : resume.boundary])
-        song = Song(
-            audio=audio,
-            sample_rate=c.SAMPLE_RATE,
-            frames=frames,
-            seed=request.seed,
-            timings=timings,
-            engine=self.engine_name,
-            model_notice=self.source.notice,
-            engine_note=self.engine_record.fallback_reason,
-            state=state,
-            precision=self.precision.mode,
-            precision_reason=self.precision.reason,
-            memory=figures,
-            peers=blocks.stats.peers if blocks.stats is not None else None,
-            memory_plan=self.memory_plan_dict,
-        )
-        emit(Finished(song))
-        return song
-
-
-def sampling_for(request: GenerationRequest) -> SamplingSettings:
-    return SamplingSettings(request.lm_cfg_scale, request.top_k)
+    def _stages(self) -> Stages:
+        """The built stages as a song runs on them (ensure_stages first)."""
+        return Stages(self.components, self.device, self.flow_device, self.engine, self.engine_record,
+                      self.flow_executor, Overlap(self.overlap, self.separate_flow_rng), self.first_chunks,
+                      self.memory_plan, self.memory_plan_dict, self.precision, self.source.notice)

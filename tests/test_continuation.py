@@ -33,7 +33,7 @@ def overlap_pipeline(tiny_pipeline):
 
 
 def test_continued_song_keeps_the_audio_before_the_last_chunk_and_equals_the_whole_decode(overlap_pipeline):
-    from music3_demo.pipeline import FLOW_SEED_OFFSET
+    from music3_demo.song_run import FLOW_SEED_OFFSET
 
     original = overlap_pipeline.generate(SONG)
     state = original.state

@@ -10,7 +10,7 @@ import torch
 
 from music3_demo.bench.song import full_size_pipeline
 from music3_demo.continuation import SongState, extension_request
-from music3_demo.pipeline import FLOW_SEED_OFFSET
+from music3_demo.song_run import FLOW_SEED_OFFSET
 from music3_demo.request import GenerationRequest
 
 pytestmark = pytest.mark.gpu

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -142,6 +143,27 @@ def test_cancel_stops_within_one_denoise_step(tiny_pipeline):
     # The pipeline still works afterwards.
     song = tiny_pipeline.generate(GenerationRequest("pop", "hi", duration=1.0, num_steps=1, seed=1))
     assert song.frames == 25
+
+
+def test_stream_yields_the_songs_events_and_closing_it_stops_the_song(tiny_pipeline):
+    request = GenerationRequest("pop", "hi", duration=1.0, num_steps=1, seed=1)
+    heard = []
+    song = tiny_pipeline.generate(request, heard.append)
+    caller = threading.current_thread()
+    streamed = [(event, threading.current_thread() is caller) for event in tiny_pipeline.stream(request)]
+    assert all(on_caller for _, on_caller in streamed)
+    events = [event for event, _ in streamed]
+    assert [type(e) for e in events] == [type(e) for e in heard] and isinstance(events[-1], Finished)
+    assert np.array_equal(events[-1].song.audio, song.audio)
+    assert np.array_equal(np.concatenate([e.samples for e in events if isinstance(e, AudioPiece)], -1), song.audio)
+
+    long = tiny_pipeline.stream(GenerationRequest("pop", "hi", duration=20.0, num_steps=2, seed=1))
+    next(event for event in long if isinstance(event, Progress) and event.stage == "semantic")
+    long.close()  # the song's thread is told to stop: it ends within a frame block, not after 500 frames
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("music3-song-") or t.name == "music3-flow" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the streamed song went on after its iterator was closed"
+        time.sleep(0.01)
 
 
 

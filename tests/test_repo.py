@@ -141,7 +141,7 @@ LAYERS = [
      "checkpoint", "handoff", "versions", "devices", "continuation", "precision", "memory", "memory_plan",
      "weights_stream", "first_audio", "variations"},
     {"semantic", "flow"},
-    {"loading"},
+    {"loading", "song_run"},
     {"pipeline"},
     {"serve"},
     {"bench", "ui"},

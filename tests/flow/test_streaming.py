@@ -11,7 +11,8 @@ import torch
 from music3_demo import contract as c
 from music3_demo.events import AudioPiece, Cancelled, Progress
 from music3_demo.flow.stream import FlowSettings, FlowStream
-from music3_demo.pipeline import FLOW_SEED_OFFSET, Music3Pipeline, sampling_for
+from music3_demo.pipeline import Music3Pipeline
+from music3_demo.song_run import FLOW_SEED_OFFSET, sampling_for
 from music3_demo.prompt import tokenize
 from music3_demo.request import GenerationRequest
 
