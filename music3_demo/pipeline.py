@@ -20,6 +20,7 @@ from .events import Cancelled, Event, Song
 from .flow.worker import FirstChunks
 from .loading import as_loaded, getting_ready, load_model, modes_text, place_fp8_dit, plan_for
 from .memory import PeakSampler, note_process_start, release_cached, song_guard
+from .memory_map import start_recording, write_if_asked
 from .memory_plan import WARM_UP, MemoryPlan
 from .precision import PrecisionChoice, check_dit_precision, check_precision
 from .prompt import count_prompt_tokens
@@ -157,6 +158,7 @@ class Music3Pipeline:
         __init__ (a `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1). An out-of-memory while
         loading, self-checking or capturing leaves as one sentence (loading.getting_ready)."""
         note_process_start()  # the card's use by the others, before this process's CUDA context (memory.py)
+        start_recording()  # allocation stacks for a memory map, where one is asked for (memory_map.py)
         device, flow_device = split_devices(device, flow_device)
         device = device if device is not None else normalize(default_device())
         resolve_engine_name(engine, device, allow_interpreter)  # fail before a long load
@@ -231,6 +233,7 @@ class Music3Pipeline:
                                                    instrumental=True))
             if self.velocity_graphs is not None:
                 self.flow_calibration = self.flow_executor.calibrate(flow_stage.full_chunk_latents(self.components))
+            write_if_asked(self.device, "ready")
             return song
 
     def generate_variations(
@@ -276,7 +279,9 @@ class Music3Pipeline:
             flow_sampler = PeakSampler(self.flow_device) if self.split else contextlib.nullcontext()
             with PeakSampler(self.device) as memory, flow_sampler as flow_memory:
                 run = SongRun(self._stages(), self.validate(request), on_event, cancel, continue_from)
-                return run.run(memory, flow_memory, self.setup_s if built else None)
+                song = run.run(memory, flow_memory, self.setup_s if built else None)
+            write_if_asked(self.device, "song")
+            return song
 
     def _stages(self) -> Stages:
         """The built stages as a song runs on them (ensure_stages first)."""

@@ -1,0 +1,93 @@
+"""Where this process's device memory sits, for finding what a memory plan under-counts: torch's segments grouped by
+pool (the general pool and each CUDA graph's private pool), with the live and the cached bytes of each, and the
+largest live allocations with where they were made (when recording is on).
+
+Off by default. `MUSIC3_MEMORY_MAP=DIR` (the app, the CLI, a bench) records allocation stacks from the load on and
+writes one JSON file per call point into DIR: `ready` after the warm-up, `song` after each song. Recording costs a
+stack capture per allocation, so it is for diagnosis runs only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+MAP_ENV = "MUSIC3_MEMORY_MAP"
+TOP_ALLOCATIONS = 25
+FRAMES_KEPT = 4  # the innermost frames of ours (or the libraries') that made an allocation
+_counter = itertools.count()
+_recording = False
+
+
+def asked() -> Path | None:
+    folder = os.environ.get(MAP_ENV)
+    return Path(folder) if folder else None
+
+
+def start_recording() -> None:
+    """Record allocation stacks from now on, where a map is asked for and CUDA is present (once)."""
+    global _recording
+    if _recording or asked() is None or not torch.cuda.is_available():
+        return
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    _recording = True
+
+
+def _where(frames: list[dict]) -> list[str]:
+    ours = [f for f in frames if "music3_demo" in f.get("filename", "")] or [
+        f for f in frames if "site-packages" in f.get("filename", "") and "torch/" not in f.get("filename", "")]
+    return [f"{Path(f['filename']).name}:{f.get('line')} {f.get('name')}" for f in ours[:FRAMES_KEPT]]
+
+
+def summarize(segments: list[dict], device_index: int | None = None) -> dict:
+    """Pools and the largest live blocks of a `torch.cuda.memory_snapshot()`'s segments (one device's when
+    `device_index` is given). A pool id of (0, 0) is the general pool; any other is a CUDA graph's private pool."""
+    pools: dict[str, dict] = {}
+    live = []
+    for segment in segments:
+        if device_index is not None and segment.get("device") != device_index:
+            continue
+        pool_id = tuple(segment.get("segment_pool_id") or (0, 0))
+        name = "general" if pool_id == (0, 0) else f"graph pool {pool_id[0]}.{pool_id[1]}"
+        pool = pools.setdefault(name, {"reserved_bytes": 0, "allocated_bytes": 0, "segments": 0})
+        pool["reserved_bytes"] += segment.get("total_size", 0)
+        pool["allocated_bytes"] += segment.get("allocated_size", 0)
+        pool["segments"] += 1
+        for block in segment.get("blocks", []):
+            if block.get("state") == "active_allocated":
+                live.append((block.get("size", 0), name, _where(block.get("frames", []))))
+    for pool in pools.values():
+        pool["cached_bytes"] = pool["reserved_bytes"] - pool["allocated_bytes"]
+    live.sort(key=lambda item: -item[0])
+    return {
+        "reserved_bytes": sum(p["reserved_bytes"] for p in pools.values()),
+        "allocated_bytes": sum(p["allocated_bytes"] for p in pools.values()),
+        "pools": dict(sorted(pools.items(), key=lambda item: -item[1]["reserved_bytes"])),
+        "largest_live": [{"bytes": size, "pool": pool, "where": where} for size, pool, where in
+                         live[:TOP_ALLOCATIONS]],
+    }
+
+
+def memory_map(device: torch.device | str) -> dict | None:
+    """This process's segments on `device`, summarized (None off CUDA)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return summarize(torch.cuda.memory_snapshot(), index)
+
+
+def write_if_asked(device: torch.device | str, label: str) -> Path | None:
+    """Write the map of `device` as DIR/<label>-<pid>-<n>.json where MUSIC3_MEMORY_MAP asks for one."""
+    folder = asked()
+    figures = memory_map(device) if folder is not None else None
+    if figures is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{label}-{os.getpid()}-{next(_counter)}.json"
+    path.write_text(json.dumps({"label": label, "device": str(device)} | figures, indent=1))
+    return path

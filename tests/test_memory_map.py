@@ -1,0 +1,46 @@
+"""The memory map's summary of torch's segments (memory_map.py): pools told apart, live and cached bytes, the largest
+live blocks with the frames of ours that made them; nothing written unless asked, nothing off CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from music3_demo import memory_map
+
+# The shape of torch.cuda.memory_snapshot()'s segments (torch/cuda/memory.py documents it), two pools on device 0.
+SEGMENTS = [
+    {"device": 0, "segment_pool_id": (0, 0), "total_size": 8 << 20, "allocated_size": 6 << 20, "blocks": [
+        {"size": 4 << 20, "state": "active_allocated", "frames": [
+            {"filename": "/x/torch/nn/modules/linear.py", "line": 1, "name": "forward"},
+            {"filename": "/x/music3_demo/flow/executor.py", "line": 99, "name": "vocode"}]},
+        {"size": 2 << 20, "state": "active_allocated", "frames": []},
+        {"size": 2 << 20, "state": "inactive", "frames": []}]},
+    {"device": 0, "segment_pool_id": (1, 3), "total_size": 2 << 20, "allocated_size": 0, "blocks": [
+        {"size": 2 << 20, "state": "inactive", "frames": []}]},
+    {"device": 1, "segment_pool_id": (0, 0), "total_size": 64 << 20, "allocated_size": 64 << 20, "blocks": []},
+]
+
+
+def test_the_summary_tells_the_general_pool_from_a_graphs_and_names_where_live_blocks_came_from():
+    figures = memory_map.summarize(SEGMENTS, device_index=0)
+    assert (figures["reserved_bytes"], figures["allocated_bytes"]) == (10 << 20, 6 << 20)
+    assert figures["pools"]["general"] == {"reserved_bytes": 8 << 20, "allocated_bytes": 6 << 20, "segments": 1,
+                                           "cached_bytes": 2 << 20}
+    assert figures["pools"]["graph pool 1.3"]["cached_bytes"] == 2 << 20  # a captured graph's pool: all cached
+    largest = figures["largest_live"]
+    assert [block["bytes"] for block in largest] == [4 << 20, 2 << 20]
+    assert largest[0]["where"] == ["executor.py:99 vocode"]  # our frame, not torch's
+
+
+def test_nothing_is_recorded_or_written_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.delenv(memory_map.MAP_ENV, raising=False)
+    assert memory_map.write_if_asked("cpu", "ready") is None
+    monkeypatch.setenv(memory_map.MAP_ENV, str(tmp_path))
+    assert memory_map.write_if_asked("cpu", "ready") is None  # off CUDA there is no map
+    assert memory_map.memory_map("cpu") is None
+    if torch.cuda.is_available():  # (a GPU machine: the map of a real allocation)
+        kept = torch.empty(1 << 20, device="cuda")
+        path = memory_map.write_if_asked("cuda", "ready")
+        assert json.loads(path.read_text())["allocated_bytes"] >= kept.numel() * 4
