@@ -53,13 +53,16 @@ TYPICAL = {80: ("NVIDIA A100-SXM4-80GB", 108), 86: ("NVIDIA GeForce RTX 3090", 8
 
 class _StandInDriver:
     """What Triton's launcher asks the active driver before compiling, for a GPU that is not here. The device id is
-    the capability, so each architecture gets its own binder (and target) in a kernel's per-device caches."""
+    the capability (recording: RECORDING + the capability), so each architecture gets its own binder (and target)
+    in a kernel's per-device caches, and recording launches never meets a kernel compiled earlier in the process
+    (a cache hit would launch it)."""
 
-    def __init__(self, capability: int) -> None:
+    def __init__(self, capability: int, device: int | None = None) -> None:
         self.capability = capability
+        self.device = capability if device is None else device
 
     def get_current_device(self) -> int:
-        return self.capability
+        return self.device
 
     def get_current_stream(self, device: int) -> int:
         return 0
@@ -193,7 +196,7 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None) -
     fused_tails = functools.partial(tail.block_tail, fused=True)  # as on a GPU (fused by default there)
     with _patched(knobs.runtime, jit_cache_hook=hook), _patched(linear, tma_supported=lambda device: tma), \
             _patched(tail, tma_supported=lambda device: tma), _patched(frame_graph, block_tail=fused_tails), \
-            _stand_in(target.capability):
+            _stand_in(target.capability, RECORDING + target.capability):
         engine.allocate(512)
         for forced in (False, True):
             engine.frame_graph.prepare(1, forced)()
@@ -235,10 +238,13 @@ def ci_set(launches: list[Launch], capability: int, small: bool = False) -> list
     return chosen
 
 
+RECORDING = 1000  # device ids of the recording stand-ins: apart from the compiling ones
+
+
 @contextlib.contextmanager
-def _stand_in(capability: int):
+def _stand_in(capability: int, device: int | None = None):
     saved = driver._active
-    driver.set_active(_StandInDriver(capability))
+    driver.set_active(_StandInDriver(capability, device))
     try:
         yield
     finally:

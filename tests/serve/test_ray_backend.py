@@ -165,10 +165,14 @@ def test_four_songs_run_at_once_a_fifth_waits_and_a_stop_frees_its_place_within_
         assert [(job["state"], job["position"]) for job in waiter.predict(api_name="/status")["jobs"]] == [
             ("queued", 1)]
 
+        # What one look at the status costs this client now (on a busy 2-core box, a few hundred ms): the wait below
+        # sees the change up to one look late, so that much is not the server's.
+        look = max(wait_until(lambda: waiter.predict(api_name="/status") is not None, 10, "no status")
+                   for _ in range(3))
         jobs[0].cancel()  # Stop: that song's replica place goes to the fifth song
         took = wait_until(lambda: waiter.predict(api_name="/status")["jobs"][0]["state"] != "queued", 10,
                           "the waiting song never got the freed place")
-        assert took < 1.0, f"the freed place took {took:.2f} s to reach the waiting song"
+        assert took - look < 1.0, f"the freed place took {took:.2f} s to reach the waiting song ({look:.2f} s a look)"
         assert fifth.result(timeout=120)[1]["seed"] == SONG["seed"]
         assert runners[0].predict(api_name="/status")["jobs"][0]["state"] == "cancelled"
     finally:
