@@ -190,6 +190,12 @@ def place_fp8_dit(components: dict, device: torch.device) -> None:
     release_cached(device)
 
 
+def fp8_dit_waiting(components: dict, plan: MemoryPlan | None) -> bool:
+    """Whether the plan's fp8 DiT still waits in host memory for `place_fp8_dit` (load_model's `defer_fp8_dit`)."""
+    return (plan is not None and plan.dit.mode == "fp8"
+            and next(components["transformer"].parameters()).device.type == "cpu")
+
+
 def host_need(folder, device: torch.device, dtype: torch.dtype, devices: dict | None = None) -> int | None:
     """Host bytes a load from `folder` needs, from the safetensors headers: the components that stay on a CPU in
     their load dtype (the vocoder float32; the fp8 DiT's bf16 weights until they are quantized onto the GPU), plus

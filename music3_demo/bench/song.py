@@ -46,7 +46,7 @@ def full_size_pipeline(engine: str, device: torch.device, precision: str = "bf16
     planned = "reference" if engine == "reference" else "graph"
     plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device)
     components = load_model(source, device, torch.bfloat16, plan.lm, sizes=sizes, flow_device=flow_device,
-                            dit=plan.dit.mode)
+                            dit=plan.dit.mode, defer_fp8_dit=True)  # placed after the self-check, as the app does
     return Music3Pipeline(components, source, device, engine, precision=plan.lm, flow_device=flow_device,
                           memory_plan=plan, flow_memory_plan=flow_plan)
 
