@@ -9,6 +9,7 @@ chunks, every piece delivered) and `song` (the one place a `Song` is built).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -176,15 +177,24 @@ class SongRun:
         semantic_started = time.perf_counter()
         self.blocks = stages.engine.frames(text_ids, self.max_frames, sampling_for(request), self.semantic_generator,
                                            self.cancel, prefix=prefix)
-        for block in self.blocks:
-            self.timings.setdefault("first_frames_s", time.perf_counter() - self.started)
-            self.frames += block.shape[0]
-            rate = self.frames / max(time.perf_counter() - semantic_started, 1e-9)
-            self.emit(Progress("semantic", self.frames, self.max_frames, rate, (self.max_frames - self.frames) / rate))
-            if stages.overlap.overlap:
-                self._beside(block)
-            else:
-                held.append(block)
+        # Until its first chunk's frames exist, other songs' later chunks wait (their listeners have audio ahead):
+        # the batch makes these frames at its full speed (a song continued here has audio playing already).
+        gathering = contextlib.ExitStack()
+        if stages.overlap.overlap and not stages.split and self.continue_from is None:
+            gathering.enter_context(stages.flow_executor.gathering())
+        with gathering:
+            for block in self.blocks:
+                self.timings.setdefault("first_frames_s", time.perf_counter() - self.started)
+                self.frames += block.shape[0]
+                if self.frames >= c.CHUNK_FRAMES:
+                    gathering.close()
+                rate = self.frames / max(time.perf_counter() - semantic_started, 1e-9)
+                self.emit(Progress("semantic", self.frames, self.max_frames, rate,
+                                   (self.max_frames - self.frames) / rate))
+                if stages.overlap.overlap:
+                    self._beside(block)
+                else:
+                    held.append(block)
         self.timings["semantic_s"] = time.perf_counter() - semantic_started - self._paused - self._held_s
         self.timings["held_for_first_chunks_s"] = self._held_s
         if self.frames == 0:

@@ -9,29 +9,15 @@ being written, or already freed). Two songs at once would read each other's inpu
 executor's thread, in order, on its one stream (high priority, like the flow workers'); songs hand their inputs over
 with an event and get results back with one.
 
-Order. A song's first chunk (the calls before its first audio: its DiT steps and its vocoder call, `urgent`) goes
-ahead of every other song's later chunks: the executor takes the oldest urgent call, else the oldest call. A song's
-own calls come one after another (each waits for the one before), so the order between songs is all that changes,
-and nothing about a song's numbers depends on it (an unmerged call is its lone call whenever it runs). A joining
-user's first audio then waits for at most the calls already on the GPU, not for the others' queued chunks.
-
-Merging. A guided DiT call (one song's CFG pair) is a request; when the executor takes the next request, it also takes
-the other songs' requests already queued with the same shape and urgency and runs them as one DiT call of 2n rows
-(each song its own latents, timestep, condition and guidance scale; the model has no attention mask, so only equal
-lengths merge), then splits the result. Nothing waits for a partner: the executor takes what is queued when it is
-free. It keeps at most `IN_FLIGHT` calls queued on the GPU, so requests accumulate while the GPU is busy instead of
-being launched one by one far ahead of it (the host enqueues a step in well under a millisecond, the GPU takes ~14
-ms), while a lone song still always has its next call queued behind the running one. Full chunks replay a captured
-graph per bucket (1, 2 or 4 songs; 3 ready songs fill a bucket of 4 whose spare row computes on stale inputs and is
-ignored); other lengths and the CPU run eagerly with exactly the rows queued. Vocoder calls of equal length merge the
-same way; on a card whose memory plan has no room for a whole chunk's vocoder activations, each chunk is decoded in
-tiles instead (`vocoder_tile`: the same samples, see `tiled_vocode`).
-
-Which merges run: a `MergePlan` per kind of call (graphed DiT, eager DiT, vocoder) from seconds per call per bucket:
-a ready group takes the bucket with the least time per song served. `calibrate()` (the pipeline's warm-up on CUDA)
-measures the graphed buckets and the vocoder's and keeps a bucket only where it beats as many lone calls by
-`MERGE_GAIN`; before that, and for eager DiT calls (not measured), nothing merges. `set_mode("always" | "off" |
-"auto")` overrides (tests, the timing script).
+Order and merges: `call_queue.py` (a song's first chunk ahead of later chunks, the earliest-begun first; later chunks
+held while a song gathers its first chunk's frames; which queued calls of one shape merge into one call, from the
+buckets measured here by `calibrate()`). It keeps at most `IN_FLIGHT` calls queued on the GPU, so requests
+accumulate while the GPU is busy instead of being launched one by one far ahead of it (the host enqueues a step in
+well under a millisecond, the GPU takes ~14 ms), while a lone song still always has its next call queued behind the
+running one. Full chunks replay a captured graph per bucket (1, 2 or 4 songs; 3 ready songs fill a bucket of 4 whose
+spare row computes on stale inputs and is ignored); other lengths and the CPU run eagerly with exactly the rows
+queued. Vocoder calls of equal length merge the same way; on a card whose memory plan has no room for a whole chunk's
+vocoder activations, each chunk is decoded in tiles instead (`vocoder_tile`: the same samples, see `tiled_vocode`).
 
 Results. A merged call's row for a song equals its lone call up to the products' rounding: the row count can change
 the matrix kernels' choice and tiling, so in bf16 a song's velocity may differ from its lone call by bf16 roundings
@@ -48,51 +34,18 @@ import contextlib
 import math
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..devices import on_device
 from ..memory_plan import VOCODER_HALO
+from .call_queue import BUCKETS, LATER, CallQueue, Order
 from .dit_graph import VelocityGraphs
 from .guidance import guided_velocity
 
-BUCKETS = (1, 2, 4)  # songs per graphed DiT call
-MERGE_GAIN = 0.97  # a bucket of b songs is used only if one call costs < 97% of b lone calls (measured)
 IN_FLIGHT = 2  # calls queued on the GPU at once: the running one and the next
 IDLE_EXIT_S = 10.0  # an idle executor's thread ends (a later call starts another): no thread outlives its use
-MODES = ("auto", "always", "off")
-
-
-class MergePlan:
-    """Which buckets a kind of call may merge into, from seconds per call (bucket 1 always present)."""
-
-    def __init__(self, seconds: dict[int, float]) -> None:
-        if 1 not in seconds:
-            raise ValueError("a merge plan needs the lone call's time")
-        self.seconds = dict(sorted(seconds.items()))
-
-    @classmethod
-    def lone(cls) -> "MergePlan":
-        return cls({1: 1.0})
-
-    @classmethod
-    def always(cls) -> "MergePlan":
-        return cls({bucket: 1.0 for bucket in BUCKETS})
-
-    @classmethod
-    def measured(cls, seconds: dict[int, float]) -> "MergePlan":
-        """Keep bucket b only where one b-song call beats b lone calls by MERGE_GAIN."""
-        lone = seconds[1]
-        return cls({b: s for b, s in seconds.items() if b == 1 or s < b * lone * MERGE_GAIN})
-
-    def choose(self, ready: int) -> int:
-        """The bucket for `ready` queued calls that can merge: least seconds per song served, the smaller on ties."""
-        return min(self.seconds, key=lambda bucket: (self.seconds[bucket] / min(bucket, ready), bucket))
-
-    @property
-    def buckets(self) -> list[int]:
-        return list(self.seconds)
 
 
 class Pending:
@@ -100,8 +53,9 @@ class Pending:
     (CUDA), or raises what the call raised. `partners`: how many other songs' calls ran in the same call."""
 
     def __init__(self, kind: str, key: tuple | None, payload: tuple, device: torch.device,
-                 urgent: bool = False) -> None:
-        self.kind, self.key, self.payload, self.urgent = kind, key, payload, urgent
+                 order: Order = LATER) -> None:
+        self.kind, self.key, self.payload, self.order = kind, key, payload, order
+        self.urgent = order.urgent
         self.consumer = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.ready = None
         if self.consumer is not None:
@@ -152,7 +106,7 @@ class FlowExecutor:
         self.graphs = graphs
         # High priority like the flow workers' streams: a chunk's calls go before the semantic stage's frames.
         self._stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
-        self._queue: list[Pending] = []
+        self._queue = CallQueue(self.buckets)
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -165,51 +119,61 @@ class FlowExecutor:
     def set_mode(self, mode: str) -> None:
         """`auto`: merge where `calibrate()` measured it faster (nothing before); `always`: every bucket (tests,
         timing); `off`: never (each call exactly its lone numbers)."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self._queue.set_mode(mode, self.calibration)
         self.mode = mode
-        if mode == "always":
-            self.plans = {kind: MergePlan(dict.fromkeys(buckets, 1.0)) for kind, buckets in self.buckets.items()}
-        elif mode == "auto" and self.calibration is not None:
-            self.plans = {"graph": MergePlan.measured(self.calibration["dit_call_s"]), "eager": MergePlan.lone(),
-                          "vocode": MergePlan.measured(self.calibration["vocoder_call_s"])}
-        else:
-            self.plans = {kind: MergePlan.lone() for kind in ("graph", "eager", "vocode")}
+
+    @property
+    def plans(self) -> dict:
+        """The merge plan per kind of call (`call_queue.MergePlan`; first chunks have their own)."""
+        return self._queue.plans
 
     # -- what songs call (from their own threads) ---------------------------------------------------------------
     def submit_velocity(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor,
-                        scale: float, urgent: bool = False) -> Pending:
+                        scale: float, order: Order = LATER) -> Pending:
         """One song's guided DiT call (batch-2 CFG): `latents` [1, C, L], `timestep` [1], `condition` [1, L, D].
-        `urgent`: a call of the song's first chunk (before its first audio), taken before the others' calls."""
+        `order`: where it stands (a first chunk's calls are taken before the others')."""
         graphed = self.graphs is not None and self.graphs.supports(latents)
         key = ("velocity", "graph" if graphed else "eager", tuple(latents.shape[1:]), tuple(condition.shape[1:]),
                latents.dtype)
         return self._submit(Pending("velocity", key, (latents, timestep, condition, float(scale)), self.device,
-                                    urgent))
+                                    order))
 
-    def submit_vocode(self, latents: torch.Tensor, urgent: bool = False) -> Pending:
+    def submit_vocode(self, latents: torch.Tensor, order: Order = LATER) -> Pending:
         """One chunk's vocoder call: `latents` [1, C, L] in the vocoder's dtype -> waveform [1, 2, samples]."""
         return self._submit(Pending("vocode", ("vocode", "vocode", tuple(latents.shape[1:]), latents.dtype),
-                                    (latents,), self.device, urgent))
+                                    (latents,), self.device, order))
 
-    def submit_call(self, fn: Callable, *args, urgent: bool = False) -> Pending:
+    def submit_call(self, fn: Callable, *args, order: Order = LATER) -> Pending:
         """Any other call on the shared modules (diffusers' two-pass guidance, unguided steps): run alone, in
-        order with the rest (urgent ones first)."""
-        return self._submit(Pending("call", None, (fn, *args), self.device, urgent))
+        order with the rest."""
+        return self._submit(Pending("call", None, (fn, *args), self.device, order))
 
-    def velocity(self, latents, timestep, condition, scale: float, urgent: bool = False) -> torch.Tensor:
-        return self.submit_velocity(latents, timestep, condition, scale, urgent).result()
+    def velocity(self, latents, timestep, condition, scale: float, order: Order = LATER) -> torch.Tensor:
+        return self.submit_velocity(latents, timestep, condition, scale, order).result()
 
-    def vocode(self, latents: torch.Tensor, urgent: bool = False) -> torch.Tensor:
-        return self.submit_vocode(latents, urgent).result()
+    def vocode(self, latents: torch.Tensor, order: Order = LATER) -> torch.Tensor:
+        return self.submit_vocode(latents, order).result()
 
-    def call(self, fn: Callable, *args, urgent: bool = False) -> Any:
-        return self.submit_call(fn, *args, urgent=urgent).result()
+    def call(self, fn: Callable, *args, order: Order = LATER) -> Any:
+        return self.submit_call(fn, *args, order=order).result()
+
+    @contextlib.contextmanager
+    def gathering(self) -> Iterator[None]:
+        """Held by a song's caller while its first chunk's frames are being made: other songs' later chunks wait
+        meanwhile (while their listeners have HOLD_UNTIL_S of audio left)."""
+        with self._cv:
+            self._queue.gathering += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._queue.gathering -= 1
+                self._cv.notify_all()
 
     def queued(self) -> int:
         """Calls waiting to run (not counting the one running)."""
         with self._cv:
-            return len(self._queue)
+            return len(self._queue.calls)
 
     def calibrate(self, length: int, repeats: int = 5) -> dict:
         """CUDA: time the graphed guided call for 1, 2 and 4 songs of `length` latents and the vocoder for 1, 2 and
@@ -227,7 +191,7 @@ class FlowExecutor:
         """Fail what is queued, stop the thread (after the running call) and wait for the stream to be idle."""
         with self._cv:
             self._closed = True
-            queued, self._queue = self._queue, []
+            queued, self._queue.calls = self._queue.calls, []
             thread = self._thread
             self._cv.notify_all()
         for pending in queued:
@@ -246,7 +210,7 @@ class FlowExecutor:
         with self._cv:
             if self._closed:
                 raise RuntimeError("The flow stage was shut down (the pipeline was released).")
-            self._queue.append(pending)
+            self._queue.calls.append(pending)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
                 self._thread.start()
@@ -258,34 +222,19 @@ class FlowExecutor:
         with on_device(self.device), context, torch.no_grad():
             while True:
                 with self._cv:
-                    self._cv.wait_for(lambda: self._queue or self._closed, timeout=IDLE_EXIT_S)
-                    if not self._queue:
+                    self._cv.wait_for(lambda: self._queue.calls or self._closed, timeout=IDLE_EXIT_S)
+                    if not self._queue.calls:
                         self._thread = None  # idle or closed; a later submit starts a new thread
                         return
                 # Wait for the GPU to get through all but the last call launched: songs' requests gather meanwhile.
                 while len(self._in_flight) >= IN_FLIGHT:
                     self._in_flight.popleft().synchronize()
                 with self._cv:
-                    group, bucket = self._take()
+                    group, bucket = self._queue.take()  # ([], 0) if close() emptied it meanwhile
+                    if not group and self._queue.calls:  # all held for a gathering song: until one is due or it ends
+                        self._cv.wait(self._queue.held_for())
                 if group:
                     self._execute(group, bucket)
-
-    def _take(self) -> tuple[list[Pending], int]:
-        """The oldest urgent call (a song's first chunk), else the oldest call, and, if it can merge, the other
-        queued calls of its shape and urgency (oldest first), as many as its plan's best bucket serves. Called with
-        the lock held."""
-        if not self._queue:  # close() emptied it while the thread waited for the GPU
-            return [], 0
-        first = next((pending for pending in self._queue if pending.urgent), self._queue[0])
-        if first.key is None:
-            self._queue.remove(first)
-            return [first], 1
-        same = [pending for pending in self._queue if pending.key == first.key and pending.urgent == first.urgent]
-        bucket = self.plans[first.key[1]].choose(len(same))
-        group = same[:bucket]
-        for pending in group:
-            self._queue.remove(pending)
-        return group, bucket
 
     def _execute(self, group: list[Pending], bucket: int) -> None:
         started = time.perf_counter()

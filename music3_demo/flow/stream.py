@@ -23,6 +23,7 @@ import torch
 from .. import contract as c
 from ..continuation import FlowResume
 from ..events import check_cancel
+from .call_queue import LATER, Order
 from .executor import FlowExecutor
 from .guidance import guided_velocity
 
@@ -97,8 +98,8 @@ class ChunkDenoiser:
 
     With an `executor` (the pipeline's), every DiT call goes through it: guided batch-2 calls may merge with other
     songs', anything else runs there alone; the executor owns the captured graphs. Without one (a lone stream in a
-    test), calls run here, eagerly. `urgent` (set by the stream for its first chunk): the calls go ahead of other
-    songs' later chunks, and `first` records their time in the executor."""
+    test), calls run here, eagerly. `order` (set by the stream per chunk): where the calls stand in the executor's
+    order (a first chunk's go ahead of other songs' later chunks); `first` records a first chunk's time there."""
 
     def __init__(self, transformer, scheduler, settings: FlowSettings, executor: FlowExecutor | None = None) -> None:
         self.transformer = transformer
@@ -106,7 +107,7 @@ class ChunkDenoiser:
         self.settings = settings
         self.executor = executor
         self.shared_calls = 0
-        self.urgent = False
+        self.order = LATER
         self.first: FirstChunk | None = None
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
@@ -114,9 +115,9 @@ class ChunkDenoiser:
             return self._velocity_here(latents, timestep, condition)
         if _cfg_enabled(self.settings.guidance_scale) and self.settings.batched_cfg:
             pending = self.executor.submit_velocity(latents, timestep, condition, self.settings.guidance_scale,
-                                                    urgent=self.urgent)
+                                                    order=self.order)
         else:
-            pending = self.executor.submit_call(self._velocity_here, latents, timestep, condition, urgent=self.urgent)
+            pending = self.executor.submit_call(self._velocity_here, latents, timestep, condition, order=self.order)
         velocity = pending.result()
         self.shared_calls += pending.partners > 0
         self.note(pending)
@@ -262,9 +263,11 @@ class FlowStream:
             self.generator.get_state(), self.generator.device.type,
         )
         began = time.perf_counter()
-        # Before the first audio: its calls go ahead of other songs' later chunks in the executor (`urgent`).
+        # Before the first audio its calls go ahead of other songs' later chunks in the executor; a later chunk says
+        # until when its listener has audio (the executor may hold it back meanwhile).
         first = FirstChunk(began) if self._emitted_samples == 0 else None
-        self.denoiser.urgent, self.denoiser.first = first is not None, first
+        self.denoiser.first = first
+        self.denoiser.order = Order(first_chunk=began) if first is not None else Order(audio_until=self._audio_until())
         with torch.no_grad():
             latents = self._denoise_chunk(chunk_index, start, length)
             self._sync()
@@ -318,10 +321,18 @@ class FlowStream:
     def _vocode(self, latents: torch.Tensor) -> torch.Tensor:
         if self.executor is None:
             return self.vocoder(latents)
-        pending = self.executor.submit_vocode(latents, urgent=self.denoiser.urgent)
+        pending = self.executor.submit_vocode(latents, order=self.denoiser.order)
         waveform = pending.result()
         self.denoiser.note(pending)
         return waveform
+
+    def _audio_until(self) -> float | None:
+        """When a listener who began at this stream's first audio runs out of the audio made so far (None before the
+        first audio, or for a continued song, whose listener's start this stream does not know)."""
+        first = self.timings.first_chunk
+        if first is None or first.done is None:
+            return None
+        return first.done + self._emitted_samples / c.SAMPLE_RATE
 
     def _release_tail(self) -> list[Piece]:
         tail, self._held_tail = self._held_tail, None

@@ -24,7 +24,7 @@ from ..checkpoint import CheckpointError, ModelSource, default_device, resolve
 from ..devices import on_device, split_devices
 from ..errors import OutOfMemory, public_message
 from ..loading import NoRoom
-from ..memory import MemoryWatch, note_process_start
+from ..memory import MemoryWatch, freeze_loaded_objects, note_process_start, thaw_loaded_objects
 from ..request import InvalidRequest
 from ..semantic import EngineUnavailable
 from .zerogpu import WorkerClock
@@ -276,6 +276,7 @@ class ModelHolder:
                 elapsed = time.monotonic() - started
                 self._loading.pop(held.device, None)
             held.pipeline = pipeline
+            freeze_loaded_objects()  # the collector's full passes no longer walk the loaded model (status answers)
             self.loads += 1
             self._watch_memory()
             self.scheduler.refresh()  # its slots are known now: songs waiting for room may join
@@ -383,6 +384,7 @@ class ModelHolder:
                 if held.pipeline is not None:
                     held.pipeline.release()
                     held.pipeline = None
+        thaw_loaded_objects()
         self._watch_memory()
         self._phase = "released"
 

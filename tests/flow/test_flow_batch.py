@@ -19,7 +19,8 @@ import torch
 
 from music3_demo import random_models
 from music3_demo.bench.flow_batch import hold_until_queued
-from music3_demo.flow.executor import FlowExecutor, MergePlan, tiled_vocode
+from music3_demo.flow.call_queue import HOLD_UNTIL_S, MergePlan, Order
+from music3_demo.flow.executor import FlowExecutor, tiled_vocode
 from music3_demo.flow.guidance import guided_velocity
 from music3_demo.flow.stream import FlowSettings, FlowStream, full_chunk_latents
 from music3_demo.flow.worker import FirstChunks
@@ -231,8 +232,8 @@ def test_urgent_calls_go_ahead_of_calls_queued_before_them_and_merge_only_with_e
     chunk = torch.randn(1, vocoder.config.latent_channels, 11, generator=torch.Generator().manual_seed(0))
     later = [executor.submit_velocity(*_call(transformer, 37, seed)) for seed in range(2)]
     later_vocode = executor.submit_vocode(chunk)
-    first = [executor.submit_velocity(*_call(transformer, 37, seed), urgent=True) for seed in (2, 3)]
-    first_vocode = executor.submit_vocode(chunk, urgent=True)
+    first = [executor.submit_velocity(*_call(transformer, 37, seed), order=Order(first_chunk=0.0)) for seed in (2, 3)]
+    first_vocode = executor.submit_vocode(chunk, order=Order(first_chunk=0.0))
     gate.set()
     for pending in later + [later_vocode] + first + [first_vocode]:
         pending.result(timeout=60)
@@ -240,6 +241,83 @@ def test_urgent_calls_go_ahead_of_calls_queued_before_them_and_merge_only_with_e
     assert first[0].started == first[1].started < first_vocode.started < later[0].started == later[1].started
     assert first_vocode.started < later_vocode.started
     assert [p.partners for p in first + later] == [1, 1, 1, 1]  # the two first chunks merged, the later two too
+
+
+def test_first_chunks_run_one_song_after_another_in_the_order_they_began(modules):
+    """Songs that reach their first chunk together get their first audio one after another: the chunk that began
+    first has its calls taken first, even when another song's call was queued before them (FIFO alternated the
+    songs' steps, so every song waited for the last one's chunk)."""
+    transformer, _ = modules
+    executor = FlowExecutor(transformer, modules[1], torch.device("cpu"), mode="off")
+    gate = threading.Event()
+    executor.submit_call(gate.wait)
+    _wait_for(lambda: executor.queued() == 0)
+    a, b = Order(first_chunk=2.0), Order(first_chunk=1.0)  # b's chunk began first
+    calls = [(name, executor.submit_velocity(*_call(transformer, 37, seed), order=order))
+             for seed, (name, order) in enumerate([("a", a), ("b", b), ("a", a), ("b", b)])]
+    gate.set()
+    for _, pending in calls:
+        pending.result(timeout=60)
+    executor.close()
+    ran = [name for name, pending in sorted(calls, key=lambda item: item[1].started)]
+    assert ran == ["b", "b", "a", "a"], ran
+
+
+def test_first_chunks_merge_only_where_it_lowers_the_mean_wait():
+    """A merged call of b first chunks makes all b wait for it; one after another they wait (b + 1) / 2 lone calls
+    on average. On a compute-bound GPU (the H200's DiT: 4 songs in 3.9 lone calls) first chunks do not merge, later
+    chunks still do."""
+    compute_bound = {1: 0.37, 2: 0.70, 4: 1.43}
+    assert MergePlan.measured(compute_bound).buckets == [1, 2, 4]
+    assert MergePlan.for_first_chunks(compute_bound).buckets == [1]
+    assert MergePlan.for_first_chunks({1: 1.0, 2: 1.2, 4: 1.8}).buckets == [1, 2, 4]
+
+
+def test_later_chunks_wait_while_a_song_gathers_its_first_frames(modules):
+    """While a song's caller gathers its first chunk's frames, other songs' later chunks wait, unless their listener
+    has less than HOLD_UNTIL_S of audio left; calls that say nothing about a listener are never held."""
+    transformer, _ = modules
+    executor = FlowExecutor(transformer, modules[1], torch.device("cpu"), mode="off")
+    now = time.perf_counter()
+    try:
+        with executor.gathering():
+            far = executor.submit_velocity(*_call(transformer, 37, 1), order=Order(audio_until=now + 60.0))
+            due = executor.submit_velocity(*_call(transformer, 37, 2),
+                                           order=Order(audio_until=now + HOLD_UNTIL_S / 2))
+            plain = executor.submit_call(lambda: "ran")
+            due.result(timeout=60)
+            assert plain.result(timeout=60) == "ran"
+            time.sleep(0.2)
+            assert far.started is None  # still held: its listener has a minute of audio
+            released = time.perf_counter()
+        far.result(timeout=60)
+        assert far.started >= released
+    finally:
+        executor.close()
+
+
+def test_a_later_chunk_says_until_when_its_listener_has_audio(components):
+    """A stream's first chunk is urgent (when it began); each later chunk's calls carry when a listener who began at
+    the first audio runs out of what was made so far."""
+    executor = FlowExecutor(components["transformer"], components["vocoder"], torch.device("cpu"))
+    orders: list[Order] = []
+    submit = executor._submit
+    executor._submit = lambda pending: (orders.append(pending.order), submit(pending))[1]
+    hidden = components["condition_encoder"].config.condition_hidden_dim
+    stream = FlowStream(components, FlowSettings(STEPS, 1.7, batched_cfg=True), torch.Generator().manual_seed(1),
+                        torch.device("cpu"), executor=executor)
+    try:
+        first = stream.push(torch.randn(200, 8 * hidden, generator=torch.Generator().manual_seed(2)))
+        assert orders and all(order.urgent and order.first_chunk == stream.timings.first_chunk.began
+                              for order in orders)
+        count = len(orders)
+        stream.push(torch.randn(100, 8 * hidden, generator=torch.Generator().manual_seed(3)))
+    finally:
+        executor.close()
+    made_s = first[0].samples.shape[-1] / 44100
+    later = orders[count:]
+    assert later and all(not order.urgent for order in later)
+    assert all(order.audio_until == pytest.approx(stream.timings.first_chunk.done + made_s) for order in later)
 
 
 def test_a_first_chunk_runs_before_another_songs_later_chunk_queued_ahead_of_it(components):

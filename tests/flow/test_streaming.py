@@ -81,8 +81,17 @@ def _overlap_pipeline(tiny_folder) -> Music3Pipeline:
 def test_overlapped_song_equals_its_batch_decode_and_is_deterministic(tiny_folder):
     pipeline = _overlap_pipeline(tiny_folder)
     request = GenerationRequest("ambient", "[verse]\nhello", duration=9.0, num_steps=STEPS, seed=21)
-    events = []
-    song = pipeline.generate(request, on_event=events.append)
+    events, gathering = [], []  # (frames made, songs gathering their first chunk's frames) at each semantic event
+
+    def on_event(event):
+        events.append(event)
+        if getattr(event, "stage", None) == "semantic":
+            gathering.append((event.done, pipeline.flow_executor._queue.gathering))
+
+    song = pipeline.generate(request, on_event=on_event)
+    # Until its first chunk's frames exist, the song holds other songs' later chunks back; from then on, not.
+    assert all(count == (done < c.CHUNK_FRAMES) for done, count in gathering) and gathering[0][1] == 1
+    assert pipeline.flow_executor._queue.gathering == 0
     again = pipeline.generate(request)
     assert np.array_equal(song.audio, again.audio)
 

@@ -217,3 +217,16 @@ def test_a_song_whose_caller_went_away_gives_back_its_place_in_line_but_not_on_t
     for user in users:
         user.done()
     assert holder.status().running == {"cpu": 0} and holder.status().waiting == 0
+
+
+def test_a_loaded_model_is_out_of_the_collectors_full_passes():
+    """Once a model is loaded, what is alive is frozen out of the garbage collector's view (its full passes would
+    walk the whole model and the libraries, stalling the server's threads); a release gives it back."""
+    import gc
+
+    holder = ModelHolder("tiny", ["cpu"], engine="reference", warmup=False)
+    gc.unfreeze()
+    holder.preload(background=False)
+    frozen = gc.get_freeze_count()
+    holder.release()
+    assert frozen > 10_000 and gc.get_freeze_count() == 0
