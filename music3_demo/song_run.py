@@ -277,7 +277,8 @@ class SongRun:
             engine=stages.engine_record.name,
             model_notice=stages.model_notice,
             engine_note=stages.engine_record.fallback_reason,
-            state=SongState(self.request, codes, resume, audio[:, : resume.boundary]),
+            # in host memory: a kept Song holds nothing on the device (its views would keep whole chunks there)
+            state=SongState(self.request, codes, resume, audio[:, : resume.boundary]).on_host(),
             precision=stages.precision.mode,
             precision_reason=stages.precision.reason,
             memory=figures,
