@@ -18,10 +18,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${TUNE:-0}" = 1 ]; then
-  timeout "${TUNE_TIMEOUT:-420}" python3 scripts/tune_gemv.py "$OUT/tuning.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -v '^SKIP'
+  timeout "${TUNE_TIMEOUT:-420}" python3 -m music3_demo.semantic.kernels.tune_gemv "$OUT/tuning.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -v '^SKIP'
 fi
-if [ "${TAIL:-0}" = 1 ]; then  # the chained block tail's sweep (scripts/tune_tail.py), after the GEMV's if both run
-  timeout "${TAIL_TIMEOUT:-300}" python3 scripts/tune_tail.py "$OUT/tuning.json" 2>&1 | tee "$OUT/tail.log" | grep -v '^  '
+if [ "${TAIL:-0}" = 1 ]; then  # the chained block tail's sweep (kernels/tune_tail.py), after the GEMV's if both run
+  timeout "${TAIL_TIMEOUT:-300}" python3 -m music3_demo.semantic.kernels.tune_tail "$OUT/tuning.json" 2>&1 | tee "$OUT/tail.log" | grep -v '^  '
 fi
 # a tuning run's table (kernels/tuning.py's format) is what the bench then launches with
 if [ "${TESTS:-}" != none ]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (<= 9.5 min on an H200: tuning <= 225 s, bench <= 160 s, tests <= 170 s): sweep the 1-byte kernels (scripts/tune_onebyte.py: conversion routes x tiles,
+# One device call (<= 9.5 min on an H200: tuning <= 225 s, bench <= 160 s, tests <= 170 s): sweep the 1-byte kernels (semantic/kernels/tune_onebyte.py: conversion routes x tiles,
 # GEMVs and chained tails), bench bf16/fp8/int8 with the table it wrote, then the 1-byte GPU tests with that table
 # as this GPU's packaged one (the device's copy of the checkout only). Files in $OUT:
 # gpu.txt onebyte.json onebyte.rows.json tune.log bench.json bench.log pytest.log summary.txt
@@ -15,7 +15,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
-timeout "${TUNE_TIMEOUT:-225}" python3 scripts/tune_onebyte.py "$OUT/onebyte.json" --budget "${BUDGET:-190}" \
+timeout "${TUNE_TIMEOUT:-225}" python3 -m music3_demo.semantic.kernels.tune_onebyte "$OUT/onebyte.json" --budget "${BUDGET:-190}" \
   --formats "${FORMATS:-fp8/channel,int8/g128,fp8/g128,int8/channel}" 2>&1 | tee "$OUT/tune.log" \
   | grep -v '^SKIP\|^  tail' | tail -n 60
 TUNING=()

@@ -18,6 +18,7 @@ BENCHES = {
     "ray": ("cluster", "a song through the Ray backend (one SongWorker replica) vs in-process: wall, first audio"),
     "dit-fp8": ("dit_fp8", "the fp8 DiT against bf16: chunk time, errors, per-product timings, bytes"),
     "memory": ("memory", "memory per simulated card, per forced precision, and loading from disk (host peak, ready)"),
+    "users": ("users", "many users on the app's API at once (python app.py, gradio_client): wall, first audio, status"),
 }
 DEFAULT = "semantic"  # flags without a benchmark name are its flags: `python -m music3_demo.bench --engine graph`
 

@@ -1,8 +1,8 @@
 """Every Triton kernel the graph engine launches for the full-size model (bf16 weights, and the 1-byte int8/fp8
 weights of semantic/quant.py where the architecture runs them) compiles for sm_80, 86, 89, 90, 100 and 120 with the
 configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
-tail's spin-barrier grid is resident all at once (scripts/compile_arch.py does the compiling, in two processes). The
-tiny model's kernels (small shapes: their own tiles) compile too, for sm_90 in every weight format."""
+tail's spin-barrier grid is resident all at once (semantic/arch_compile.py does the compiling, in two processes).
+The tiny model's kernels (small shapes: their own tiles) compile too, for sm_90 in every weight format."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ TIMEOUT = 600  # seconds per process (about 90 on two idle cores)
 def _compile(tmp_path: Path, precisions: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # really compile: nothing from an earlier run
-    runs = [subprocess.Popen([sys.executable, str(ROOT / "scripts" / "compile_arch.py"), *group, "--precisions",
-                              precisions], env=env,
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    runs = [subprocess.Popen([sys.executable, "-m", "music3_demo.semantic.arch_compile", *group, "--precisions",
+                              precisions], env=env, cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for group in GROUPS]
     reports = []
     for run in runs:

@@ -1,22 +1,19 @@
 """Tuning data as data (kernels/tuning.py): every packaged table loads and holds only configurations the kernels
 accept for their shapes on that table's GPU; the H200's table answers the products the engine launches, other GPUs
-get tables of their architecture or the heuristic within their limits, and what the tuning scripts write is what the
-engine loads."""
+get tables of their architecture or the heuristic within their limits (what the sweeps write: test_kernel_sweeps.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from music3_demo.semantic.arch_compile import meta_engine
 from music3_demo.semantic.kernels import linear, tail
 from music3_demo.semantic.kernels.linear import GemvConfig as G
-from music3_demo.semantic.kernels.tail import TailConfig
 from music3_demo.semantic.kernels.tuning import (
     TABLES,
     Target,
@@ -37,15 +34,6 @@ H200_TABLE = TABLES / "nvidia-h200.sm90.json"
 def _bf16_entries(table: dict) -> dict:
     return {key: cfg for key, cfg in table.items() if "w1" not in key}
 
-
-def _script(name: str):
-    if name in sys.modules:  # loaded once: compile_arch keeps the full-size modules it builds
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 class _Recording:
@@ -70,7 +58,7 @@ def engine_requests(tuning: Tuning, chain: bool, model: str = "full", precision:
     from music3_demo.semantic import frame_graph
 
     recording = _Recording(tuning)
-    engine = _script("compile_arch").meta_engine(recording, precision, model)
+    engine = meta_engine(recording, precision, model)  # the full-size modules are built once per process
     engine.chain = chain
     skipped = {name: (lambda *a, **k: None) for name in ("gemv", "block_tail", "decode_attention", "depth_attention",
                                                          "cfg_sample", "frame_tail", "rmsnorm")}
@@ -237,20 +225,6 @@ def test_another_gpus_table_is_used_only_where_valid(tmp_path, monkeypatch, on_g
     assert tuning.gemv(2, 4096, 12288) == G(16, 256, 4, 4)  # the heuristic
     assert tuning.gemv(2, 6144, 4096) == G(16, 256, 4, 4)
     assert tuning_for_target(Target("NVIDIA H200", 90, 132)).source == "heuristic"  # no sm_9x table in tmp_path
-
-
-def test_tuning_scripts_write_the_table_format_the_engine_loads(tmp_path, monkeypatch):
-    gemv_tune, tail_tune = _script("tune_gemv"), _script("tune_tail")
-    cfg = G(32, 128, 4, 6, 1, True)
-    tail_cfg = TailConfig(cfg, G(64, 256, 4, 3), cfg, cfg, prefetch=1024)
-    path = tmp_path / "tuning.json"
-    monkeypatch.setattr(sys, "argv", ["tune", str(path)])
-    assert gemv_tune.save("TUNED", {(2, 64, 128, "swiglu"): cfg}, H200) == path
-    assert tail_tune.save("TAIL_TUNED", {(64, 64, 192, 96): tail_cfg}, H200) == path  # adds its section
-    assert load_table(path) == ({(2, 64, 128, "swiglu"): cfg}, {(64, 64, 192, 96): tail_cfg})
-    assert json.loads(path.read_text())["gpu"] == "NVIDIA H200"
-    tuning = tuning_for_target(H200, path)  # an explicit file (a tuning run's output) instead of the packaged ones
-    assert tuning.gemv(2, 64, 128, True) == cfg and tuning.tail(64, 64, 192, 96) == tail_cfg
 
 
 def test_tables_are_packaged():

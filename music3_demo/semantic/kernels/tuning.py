@@ -1,7 +1,7 @@
 """Which tile configs the GEMV and chained-tail kernels launch with on a given GPU: tuning data as data.
 
 The measured tables live in `kernels/tuning/<gpu>.sm<capability>.json` (e.g. `nvidia-h200.sm90.json`), written by
-scripts/tune_gemv.py (its "gemv" section) and scripts/tune_tail.py (its "tail" section) on that GPU. The engine asks
+tune_gemv.py (its "gemv" section) and tune_tail.py (its "tail" section) on that GPU. The engine asks
 `tuning_for(device)` once, for the device it runs on, and passes the result to its launches; nothing is read at
 import time and nothing comes from the environment. The choice, most specific first:
 1. the table measured on this GPU model (its name as the driver reports it, and its architecture);
@@ -115,9 +115,9 @@ def one_byte_config(cfg: GemvConfig, k: int, group: int) -> GemvConfig:
     255 registers on sm_90). Per-channel scales: K tiles twice as long where the tile stays within 8K elements (and K
     allows), else twice the stages; per-group scales: K tiles within one group (<= 128 columns), stages doubled (for
     a halved tile, quadrupled), at most 8. `fit_shared` then bounds it by the GPU's shared memory.
-    What to sweep on a GPU (scripts/tune_gemv.py / tune_tail.py with 1-byte weights, keys ending in "w1"): block_k
+    What to sweep on a GPU (tune_gemv.py / tune_tail.py with 1-byte weights, keys ending in "w1"): block_k
     128-512 x stages 3-8 per-channel, stages 6-10 at block_k 128 per-group, block_n 32-128, TMA on/off, 4 or 8 warps
-    (int8 -> bf16 conversion is more instructions than fp8's), checking registers in scripts/compile_arch.py."""
+    (int8 -> bf16 conversion is more instructions than fp8's), checking registers with semantic/arch_compile.py."""
     if group:
         block_k = math.gcd(cfg.block_k, group)
         return replace(cfg, block_k=block_k, num_stages=min(8, cfg.num_stages * 2 * cfg.block_k // block_k))

@@ -4,7 +4,8 @@ with cuBLAS.
 Each candidate is timed inside a CUDA graph of 24 launches that rotate over enough weight copies to defeat the L2
 (as in the engine, where ~22 GB pass between two uses of a weight), checked against torch, and reported in TB/s of
 weight bytes. Prints the table and writes its "gemv" section (kernels/tuning.py's format) to the given file, else to
-this GPU's packaged table (kernels/tuning/<gpu>.sm<capability>.json). Run: python scripts/tune_gemv.py [tuning.json]
+this GPU's packaged table (kernels/tuning/<gpu>.sm<capability>.json).
+Run: python -m music3_demo.semantic.kernels.tune_gemv [tuning.json]
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from music3_demo.semantic.kernels.linear import GemvConfig, GemvWorkspace, gemv  # noqa: E402
-from music3_demo.semantic.kernels.tuning import TABLES, Target, write_section  # noqa: E402
+from .linear import GemvConfig, GemvWorkspace, gemv
+from .tuning import TABLES, Target, write_section
 
 # (rows, N, K, epilogue) of one frame: LM (36x), depth decoder (4 blocks x 7 passes), heads.
 # "swiglu": the gate|up products (interleaved rows, RMSNorm in, silu(gate)·up out).

@@ -15,7 +15,8 @@ disk cache), so the timing loop only loads kernels.
 Writes the table file given (default tuning-onebyte.json): this GPU's packaged table with the 1-byte entries added,
 keys ending ("w1", kind, group), which `--tuning` of the bench takes. Prints per shape the best 1-byte time against
 bf16's tuned config and the bandwidth reached, then the routes' totals.
-Run: python scripts/tune_onebyte.py [out.json] [--formats fp8/channel,int8/g128] [--budget 300] [--dry]
+Run: python -m music3_demo.semantic.kernels.tune_onebyte [out.json] [--formats fp8/channel,int8/g128] [--budget 300]
+[--dry]
 """
 
 from __future__ import annotations
@@ -25,21 +26,17 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from music3_demo.semantic.kernels.linear import GemvConfig, GemvWorkspace, gemv  # noqa: E402
-from music3_demo.semantic.kernels.qweight import CONVERSIONS  # noqa: E402
-from music3_demo.semantic.kernels.tail import TailConfig, TailScratch, block_tail  # noqa: E402
-from music3_demo.semantic.kernels.tuning import Target, Tuning, load_table, shared_bytes, tuning_for  # noqa: E402
-from tune_gemv import SHAPES, time_graph  # noqa: E402
+from .linear import GemvConfig, GemvWorkspace, gemv
+from .qweight import CONVERSIONS
+from .tail import TailConfig, TailScratch, block_tail
+from .tune_gemv import SHAPES, time_graph
+from .tuning import Target, Tuning, load_table, shared_bytes, tuning_for
 
 FORMATS = {"fp8/channel": ("fp8", 0), "int8/g128": ("int8", 128), "fp8/g128": ("fp8", 128),
            "int8/channel": ("int8", 0)}
@@ -87,7 +84,7 @@ _CACHE: dict = {}
 def gemv_case(fmt: str, shape: tuple, copies: int = 1) -> dict:
     """Tensors of one product (cached per process): `copies` 1-byte weights (to defeat the L2), the input, the
     torch reference on the dequantized first copy, bf16 copies for the bf16 baseline."""
-    from music3_demo.semantic.quant import quantize_weight
+    from ..quant import quantize_weight
 
     key = (fmt, shape, copies)
     if key in _CACHE:
@@ -151,8 +148,8 @@ def warm(job: tuple) -> str:
 
 # ---------------------------------------------------------------------------------------------- one tail family
 def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
-    from music3_demo.semantic.kernels.linear import interleave_rows
-    from music3_demo.semantic.quant import quantize_weight
+    from .linear import interleave_rows
+    from ..quant import quantize_weight
 
     key = ("tail", fmt, family, layers)
     if key in _CACHE:
@@ -415,7 +412,7 @@ def measure(fmt: str, shape: tuple, cfg: GemvConfig) -> float | None:
 
 def write_table(path: Path, tuning: Tuning, gemv_table: dict, tail_table: dict, target: Target) -> Path:
     """This GPU's packaged table (its bf16 entries) plus the 1-byte winners, in kernels/tuning.py's format."""
-    from music3_demo.semantic.kernels.tuning import write_section
+    from .tuning import write_section
 
     packaged = Path(tuning.source) if tuning.source != "heuristic" else None
     if packaged is not None and packaged.resolve() == path.resolve():

@@ -9,19 +9,23 @@ with random cancels (songs still running when the soak ends are cancelled then).
 song: the client's wall time (submit to result), the server's start/end, the hand-over (`handover_s`: the song's end
 on the server, its report's `ended_at`, to the client having its WAV downloaded; `server_handover_s`: to the server's
 `handed_over_at`), the report's first audio after the song started, how many songs shared its GPU, and whether the
-WAV is valid (44.1 kHz stereo, finite, not silent, as long as the report says). Prints one JSON object (also
-$OUT/multi_user.json) with each phase's figures and the issue's targets (4 users within 2.2x one song's wall time, 8
+WAV is valid (44.1 kHz stereo, finite, not silent, as long as the report says); for every phase, the devices its
+songs ran on and the largest overlap of two songs on different devices. Prints one JSON object (also
+$OUT/users.json) with each phase's figures and the targets (4 users within 2.2x one song's wall time, 8
 within 4x, first audio <= 3 s, 4 variations within 2.2x, hand-over <= 0.5 s for a song alone and for each variation,
 status <= 200 ms at every sample and during the soak, no memory growth after its first quarter). Exits 1 when a song
-failed or was invalid (the targets are reported, not enforced). The server's log: $OUT/multi_user_app.log.
+failed or was invalid, the server died, or, on several devices, no phase of several users had songs on every device
+at the same time (`spread`); the targets are reported, not enforced. The server's log: $OUT/users_app.log. The app
+on two GPUs under concurrent clients: `--devices cuda:0,cuda:1 --phases four --seconds 20 --steps 8`.
 
-Usage (repo root): python scripts/multi_user.py [--devices cuda:0,cuda:1] [--seconds 60] [--steps 30] [--model M]
-    [--phases alone,four,eight,join,variations] [--soak 420] [--ready-timeout 600] [--status-every 0.5]
+Usage (repo root): python -m music3_demo.bench users [--devices cuda:0,cuda:1] [--seconds 60] [--steps 30]
+    [--model M] [--phases alone,four,eight,join,variations] [--soak 420] [--ready-timeout 600] [--status-every 0.5]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -34,7 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from app_process import running_app
+from .app_process import running_app
 
 PHASES = ("alone", "four", "eight", "join", "variations")
 REQUEST = {"description": "dreamy synth-pop, 110 BPM, female vocals, warm pads",
@@ -188,7 +192,8 @@ def ask(url: str, name: str, seconds: float, steps: int, seed: int, variations: 
                       "files_at_handover": report.get("files"),
                       "first_audio_s": report["timings"].get("first_audio_s"),
                       "total_s": report["timings"].get("total_s"), "shared_gpu_with": report["shared_gpu_with"],
-                      "engine": report["engine"], "invalid": valid_wav(wav, report["duration_s"]),
+                      "engine": report["engine"], "semantic_frames_per_s": report.get("semantic_frames_per_s"),
+                      "invalid": valid_wav(wav, report["duration_s"]),
                       "path": {key: report["timings"][key] for key in PATH if key in report["timings"]}})
     return result | {"songs": songs}
 
@@ -204,12 +209,17 @@ def phase_summary(results: list[dict]) -> dict:
     first_audio = [song["first_audio_s"] for song in songs if song["first_audio_s"] is not None]
     handovers = sorted(song["handover_s"] for song in songs)
     audio_s = sum(song["duration_s"] for song in songs)
+    overlaps = [min(a["ended_at"], b["ended_at"]) - max(a["started_at"], b["started_at"])
+                for a, b in itertools.combinations(songs, 2) if a["device"] != b["device"]]
     return {"users": len(results), "songs": len(songs), "max_wall_s": max(walls, default=None),
             "song_s_per_s": round(audio_s / max(walls), 3) if walls else None,
             "max_first_audio_s": max(first_audio, default=None),
             "handover_s": {"median": round(statistics.median(handovers), 3), "max": handovers[-1]}
             if handovers else None,
             "max_shared_gpu_with": max((song["shared_gpu_with"] or 0 for song in songs), default=None),
+            "devices_used": sorted({song["device"] for song in songs}),
+            # the longest time two songs on different devices ran at once (None: every song on one device)
+            "max_overlap_s": round(max(overlaps), 3) if overlaps else None,
             # where the slowest first audio's time went (the `join` phase's joining user, as a rule)
             "slowest_first_audio": max(({"user": result.get("user"), **song.get("path", {}),
                                          "first_audio_s": song["first_audio_s"]} for result in results
@@ -235,8 +245,8 @@ def soak(url: str, seconds: float, steps: int, rng: random.Random) -> list[dict]
         return [result for results in pool.map(client_loop, range(8)) for result in results]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m music3_demo.bench users", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random-full", help="the app's --model (random-full; tiny on a CPU)")
     parser.add_argument("--devices", default=None, help="the app's --devices (default: every GPU)")
     parser.add_argument("--seconds", type=float, default=60.0, help="song length of the timed phases (60)")
@@ -247,7 +257,7 @@ def main() -> int:
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--status-every", type=float, default=0.5, help="seconds between status samples (0.5)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     phases = [phase for phase in args.phases.split(",") if phase]
     unknown = set(phases) - set(PHASES)
     if unknown:
@@ -261,9 +271,10 @@ def main() -> int:
     rng = random.Random(16)
     started = time.monotonic()
     summary: dict = {"seconds": args.seconds, "steps": args.steps, "devices": args.devices, "phases": {}}
-    with running_app(app_args, devices, out / "multi_user_app.log", args.ready_timeout) as (url, server, ready):
+    with running_app(app_args, devices, out / "users_app.log", args.ready_timeout) as (url, server, ready):
         summary |= {"ready_s": round(time.monotonic() - started, 1), "engine": ready["engine"],
-                    "engine_note": ready.get("engine_note"), "slots": ready.get("slots")}
+                    "engine_note": ready.get("engine_note"), "engine_check_s": ready.get("engine_check_s"),
+                    "slots": ready.get("slots")}
         song = {"seconds": args.seconds, "steps": args.steps}
         plans = {
             "alone": [song | {"name": "u0", "seed": 1}],
@@ -296,18 +307,32 @@ def main() -> int:
                                                                                  watcher.client_status)]
         summary["server_alive"] = server.poll() is None
     summary["targets"] = targets(summary)
+    summary["spread"] = spread(summary["phases"], devices)
     text = json.dumps(summary, indent=1)
-    (out / "multi_user.json").write_text(text)
+    (out / "users.json").write_text(text)
     print(json.dumps({key: value for key, value in summary.items()
                       if key not in ("phases", "memory_mib", "status_samples")} |
                      {"phases": {name: {k: v for k, v in phase.items() if k != "results"}
                                  for name, phase in summary["phases"].items()}}, indent=1))
     bad = any(phase["failed"] or phase["invalid"] for phase in summary["phases"].values())
-    return 1 if bad or not summary["server_alive"] else 0
+    unspread = summary["spread"] is not None and not summary["spread"]["met"]
+    return 1 if bad or unspread or not summary["server_alive"] else 0
+
+
+def spread(phases: dict, devices: int) -> dict | None:
+    """On several devices: whether some phase of several users had songs on every device at the same time (the most
+    devices one such phase used, its largest overlap of two songs on different devices). None on one device, or
+    where no phase had several users."""
+    crowded = [phase for phase in phases.values() if phase["users"] > 1]
+    if devices < 2 or not crowded:
+        return None
+    met = any(len(phase["devices_used"]) >= devices and (phase["max_overlap_s"] or 0.0) > 0 for phase in crowded)
+    return {"devices": devices, "devices_used": max(len(phase["devices_used"]) for phase in crowded),
+            "max_overlap_s": max(phase["max_overlap_s"] or 0.0 for phase in crowded), "met": met}
 
 
 def targets(summary: dict) -> dict:
-    """The issue's targets against what was measured (None where the phase did not run)."""
+    """The targets against what was measured (None where the phase did not run)."""
     phases = summary["phases"]
     alone = phases.get("alone", {}).get("max_wall_s")
 
@@ -332,7 +357,3 @@ def targets(summary: dict) -> dict:
         growth = max(max(series[settled:]) - series[settled] for series in zip(*soak_memory))
         report["soak_memory_growth_mib"] = {"value": growth, "target": 1024, "met": growth <= 1024}
     return report
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,8 +9,9 @@ launch is recorded instead of run (Triton's `jit_cache_hook`) and compiled after
 `GPUTarget("cuda", capability, 32)`. The configs are those `kernels/tuning.py` chooses for that architecture.
 tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
 
-Run (TRITON_INTERPRET must be unset): python scripts/compile_arch.py 86 90 [--sms 82] [--name "NVIDIA H200"]
-[--precisions bf16,int8,fp8] [--tiny 90] (the tiny model's kernels too, for these architectures)
+Run (TRITON_INTERPRET must be unset): python -m music3_demo.semantic.arch_compile 86 90 [--sms 82]
+[--name "NVIDIA H200"] [--precisions bf16,int8,fp8] [--tiny 90] (the tiny model's kernels too, for these
+architectures)
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import os
 import re
 import resource
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,10 +33,8 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from music3_demo.semantic.kernels import linear, tail  # noqa: E402
-from music3_demo.semantic.kernels.tuning import (  # noqa: E402
+from .kernels import linear, tail
+from .kernels.tuning import (
     BLOCK_RESERVED_SHARED,
     REGISTERS_PER_SM,
     Target,
@@ -95,9 +93,9 @@ def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full"):
     with its weights in `precision` (bf16, or fp8/int8 in their default schemes)."""
     import copy
 
-    from music3_demo import random_models
-    from music3_demo.semantic import graph
-    from music3_demo.semantic.quant import quantize_model_
+    from .. import random_models
+    from . import graph
+    from .quant import quantize_model_
 
     if (model, "bf16") not in _MODELS:  # built once per process (the engine fuses their weights again per target)
         with torch.device("meta"):
@@ -167,8 +165,8 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
     """The down product's GEMV once per conversion route of 1-byte tiles (`qweight.CONVERSIONS`; the native fp16
     conversion only for fp8) in `kind`'s default scheme, on meta tensors: every route compiles everywhere the format
     runs, whichever the tuning picks today."""
-    from music3_demo.semantic.kernels.qweight import CONVERSIONS, NATIVE_F16, QWeight
-    from music3_demo.semantic.quant import DEFAULT_SCHEMES
+    from .kernels.qweight import CONVERSIONS, NATIVE_F16, QWeight
+    from .quant import DEFAULT_SCHEMES
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
     group, n, k = DEFAULT_SCHEMES[kind].group, 4096, 12288
@@ -190,7 +188,7 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None) -
         launches.setdefault(compile["specialization_data"], Launch(fn.jit_function, compile["specialization_data"]))
         return True  # recorded, not launched
 
-    from music3_demo.semantic import frame_graph
+    from . import frame_graph
 
     tma = target.tma
     fused_tails = functools.partial(tail.block_tail, fused=True)  # as on a GPU (fused by default there)
@@ -331,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
                         "fp8 only from sm_89 on)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # kernels defined under it are the interpreter's
-        raise SystemExit("compile_arch.py compiles for a GPU: unset TRITON_INTERPRET")
+        raise SystemExit("arch_compile compiles for a GPU: unset TRITON_INTERPRET")
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     runs = [(cap, "full") for cap in args.capabilities] + [(int(cap), "tiny") for cap in args.tiny.split(",") if cap]
     for capability, model in runs:

@@ -7,7 +7,7 @@ Every variant is a CUDA graph of one launch per layer over as many weight copies
 nothing stays in L2 between uses, as in a frame), checked against the separate launches, and reported in us per
 layer and TB/s of weight bytes. Prints the table and writes its "tail" section (kernels/tuning.py's format) to the
 given file (its "gemv" section, e.g. from tune_gemv.py, is kept and used), else to this GPU's packaged table.
-Run: python scripts/tune_tail.py [tuning.json]
+Run: python -m music3_demo.semantic.kernels.tune_tail [tuning.json]
 """
 
 from __future__ import annotations
@@ -19,13 +19,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from music3_demo.semantic.kernels.tail import TailScratch, TailConfig, block_tail  # noqa: E402
-from music3_demo.semantic.kernels.linear import GemvConfig, gemv  # noqa: E402
-from music3_demo.semantic.kernels.tuning import Target, Tuning, tuning_for  # noqa: E402
-from tune_gemv import show_and_save, time_graph  # noqa: E402
+from .linear import GemvConfig, gemv
+from .tail import TailConfig, TailScratch, block_tail
+from .tune_gemv import show_and_save, time_graph
+from .tuning import Target, Tuning, tuning_for
 
 # The random-full model's (hidden, attention width, gate|up rows, q|k|v rows, blocks run per frame).
 FAMILIES = {"lm": (4096, 4096, 24576, 6144, 36), "depth": (4096, 4096, 12288, 12288, 28)}

@@ -1,5 +1,6 @@
-"""The app as a separate process for the GPU scripts (two_gpu_app.py, multi_user.py): start `python app.py` on a free
-port with its log in a file, wait until every device holds the model (loaded, self-checked, warmed up), stop it."""
+"""The app as a separate process for the benches that drive it through its API (users.py): start the checkout's
+`python app.py` on a free port with its log in a file, wait until every device holds the model (loaded,
+self-checked, warmed up), stop it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout, where app.py is
 
 
 def free_port() -> int:

@@ -1,0 +1,64 @@
+"""The tuning sweeps (kernels/tune_gemv.py, tune_tail.py, tune_onebyte.py) run only on a lent GPU, where a broken
+import costs device time: their CPU-side parts are checked here. Every packaged table's entry comes from a shape they
+sweep, and what they write is the table format the engine loads."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from music3_demo.semantic.kernels import tune_gemv, tune_onebyte, tune_tail
+from music3_demo.semantic.kernels.linear import GemvConfig as G
+from music3_demo.semantic.kernels.tail import TailConfig
+from music3_demo.semantic.kernels.tuning import TABLES, Target, load_table, tuning_for_target
+
+H200 = Target("NVIDIA H200", 90, 132)
+
+
+def _packaged_tables():
+    tables = [load_table(path) for path in sorted(TABLES.glob("*.json"))]
+    assert tables
+    return tables
+
+
+def _one_byte_suffixes() -> set[tuple]:
+    """The key suffixes tune_onebyte writes: ("w1", kind, group) per weight format it sweeps."""
+    return {("w1", kind, group) for kind, group in tune_onebyte.FORMATS.values()}
+
+
+def _split_key(key: tuple, base_len: int) -> tuple[tuple, tuple]:
+    return key[:base_len], key[base_len:]
+
+
+def test_every_tuned_gemv_config_comes_from_a_swept_product():
+    swept = {(rows, n, k, "swiglu") if epilogue == "swiglu" else (rows, n, k)
+             for rows, n, k, epilogue in tune_gemv.SHAPES}
+    suffixes = {()} | _one_byte_suffixes()
+    for gemv_table, _ in _packaged_tables():
+        for key in gemv_table:
+            base_len = 4 if len(key) > 3 and key[3] == "swiglu" else 3
+            base, suffix = _split_key(key, base_len)
+            assert base in swept and suffix in suffixes, key
+
+
+def test_every_tuned_tail_config_comes_from_a_swept_shape():
+    """(That each entry is a config the kernels accept: test_kernel_tuning.py.)"""
+    swept = {family[:4] for family in tune_tail.FAMILIES.values()}
+    suffixes = {()} | _one_byte_suffixes()
+    for key, cfg in (item for _, table in _packaged_tables() for item in table.items()):
+        shape, suffix = _split_key(key, 4)
+        assert shape in swept and suffix in suffixes, key
+        assert suffix or tune_tail.fits(cfg)
+
+
+def test_the_sweeps_write_the_table_format_the_engine_loads(tmp_path, monkeypatch):
+    cfg = G(32, 128, 4, 6, 1, True)
+    tail_cfg = TailConfig(cfg, G(64, 256, 4, 3), cfg, cfg, prefetch=1024)
+    path = tmp_path / "tuning.json"
+    monkeypatch.setattr(sys, "argv", ["tune", str(path)])
+    assert tune_gemv.save("TUNED", {(2, 64, 128, "swiglu"): cfg}, H200) == path
+    assert tune_tail.save("TAIL_TUNED", {(64, 64, 192, 96): tail_cfg}, H200) == path  # adds its section
+    assert load_table(path) == ({(2, 64, 128, "swiglu"): cfg}, {(64, 64, 192, 96): tail_cfg})
+    assert json.loads(path.read_text())["gpu"] == "NVIDIA H200"
+    tuning = tuning_for_target(H200, path)  # an explicit file (a tuning run's output) instead of the packaged ones
+    assert tuning.gemv(2, 64, 128, True) == cfg and tuning.tail(64, 64, 192, 96) == tail_cfg
