@@ -4,9 +4,8 @@ stream.py: the chunk stream (frames in, final pieces out) and its Euler denoiser
 guided DiT call; dit_graph.py: that call captured as a CUDA graph for full chunks; dit_fused.py: the DiT's fused fast
 path (q|k|v, rotary, SwiGLU, add + LayerNorm) installed on diffusers' modules; dit_fp8.py and fp8_kernels.py: the
 fp8 DiT (e4m3 weights, activations quantized by the step before each product); worker.py: a song's stage on its own
-thread and CUDA stream; executor.py: the pipeline's one owner of DiT and vocoder calls; call_queue.py: the order in which songs' calls run
-and which of them merge.
-`prepare` sets the stage up for a pipeline.
+thread and CUDA stream; executor.py: the pipeline's one owner of DiT and vocoder calls; call_queue.py: the order in
+which songs' calls run and which of them merge. `prepare` sets the stage up for a pipeline.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ wait, as long as their listeners have `HOLD_UNTIL_S` of audio left: the semantic
 the GPU to itself (the DiT calls' stream has the higher priority, so they would slow it), and a user who joins
 mid-song waits for one chunk's frames at the batch's full speed. A song's own calls come one after another (each
 waits for the one before), so the order between songs is all that changes, and nothing about a song's numbers
-depends on it (an unmerged call is its lone call whenever it runs).
+depends on it (an unmerged call is its lone call whenever it runs). Its next call is queued a moment after the last
+one is launched, by its own thread, which with a dozen busy threads may wait longer for the interpreter than the GPU
+takes for a step: so between the calls of a first chunk the queue keeps the turn for that song up to `TURN_S` (the
+GPU still has the launched call to run) before another first chunk's call goes, and gives it up at its vocoder call.
 
 Merging. A guided DiT call (one song's CFG pair) is a request; when the executor takes the next request, it also takes
 the other songs' requests already queued with the same shape and urgency and runs them as one DiT call of 2n rows
@@ -36,6 +39,7 @@ from typing import Protocol
 BUCKETS = (1, 2, 4)  # songs per graphed DiT call
 MERGE_GAIN = 0.97  # a bucket of b songs is used only if one call costs < 97% of b lone calls (measured)
 HOLD_UNTIL_S = 3.0  # a later chunk held for a gathering song runs once its listener has less audio left than this
+TURN_S = 0.02  # how long a first chunk keeps its turn for its next call (a DiT step takes ~12 ms on an H200)
 MODES = ("auto", "always", "off")
 KINDS = ("graph", "eager", "vocode")  # the kinds of mergeable call (graphed DiT, eager DiT, vocoder)
 
@@ -110,6 +114,7 @@ class CallQueue:
         self.buckets = buckets
         self.calls: list[Call] = []
         self.gathering = 0  # songs whose callers are gathering their first chunk's frames
+        self._turn: tuple[float, float] | None = None  # (the first chunk whose turn it is, when its call was taken)
         self.set_mode("auto", None)
 
     def set_mode(self, mode: str, calibration: dict | None) -> None:
@@ -138,6 +143,8 @@ class CallQueue:
         urgent = [call for call in self.calls if call.order.urgent]
         if urgent:
             candidates = sorted(urgent, key=lambda call: call.order.first_chunk)  # stable: then the oldest
+            if self._turn_kept(candidates, time.perf_counter()):
+                return [], 0
             plans = self.first_plans
         else:
             now = time.perf_counter()
@@ -154,13 +161,30 @@ class CallQueue:
         group = same[:bucket]
         for call in group:
             self.calls.remove(call)
+        if first.order.urgent:  # its turn until its vocoder call (a chunk's last), if it merged with no other
+            alone = len(group) == 1 and first.key[0] != "vocode"
+            self._turn = (first.order.first_chunk, time.perf_counter()) if alone else None
         return group, bucket
+
+    def _turn_kept(self, urgent: list[Call], now: float) -> bool:
+        """Whether the first chunk whose turn it is has its next call on the way (within TURN_S) while only other
+        first chunks' calls are queued."""
+        if self._turn is None:
+            return False
+        song, since = self._turn
+        if any(call.order.first_chunk == song for call in urgent) or now - since > TURN_S:
+            if now - since > TURN_S:
+                self._turn = None
+            return False
+        return True
 
     def held_for(self) -> float:
         """Seconds until the first held call is due (a gathering song's end or a new call comes sooner, as a rule)."""
         now = time.perf_counter()
         due = [call.order.audio_until - HOLD_UNTIL_S - now for call in self.calls
                if call.order.audio_until is not None]
+        if self._turn is not None:
+            due.append(self._turn[1] + TURN_S - now)
         return max(0.001, min(due, default=1.0))
 
     def _held(self, call: Call, now: float) -> bool:

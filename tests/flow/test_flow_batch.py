@@ -395,3 +395,35 @@ def test_other_songs_wait_between_blocks_while_a_first_chunk_is_denoised():
     assert chunks.wait(cancel) < 5  # the waiting song was cancelled
     release.set()
     holder.join(30)
+
+
+def test_a_first_chunk_keeps_its_turn_between_its_calls():
+    """Between two calls of a first chunk, the song's next call comes from its own thread a moment later: the queue
+    keeps the turn for it (up to TURN_S) instead of giving the GPU to another song's first chunk, and gives it up
+    at the chunk's vocoder call. (Without the turn, songs starting together alternated step by step.)"""
+    from dataclasses import dataclass as _dataclass
+
+    from music3_demo.flow.call_queue import TURN_S, CallQueue
+
+    @_dataclass(eq=False)
+    class Call:
+        order: Order
+        key: tuple
+
+    queue = CallQueue({"graph": (1, 2, 4), "eager": (1, 2, 4), "vocode": (1, 2, 4)})
+    a, b = Order(first_chunk=1.0), Order(first_chunk=2.0)
+    step = ("velocity", "graph", (8, 689), (689, 16), "bf16")
+    queue.calls += [Call(a, step), Call(b, step)]
+    assert queue.take()[0][0].order is a
+    assert queue.take() == ([], 0)  # a's next step is on its way: b waits
+    assert 0 < queue.held_for() <= TURN_S
+    queue.calls.append(Call(a, step))
+    assert queue.take()[0][0].order is a
+    queue.calls.append(Call(a, ("vocode", "vocode", (64, 689), "f32")))
+    assert queue.take()[0][0].order is a
+    assert queue.take()[0][0].order is b  # a's chunk is done: no turn kept
+    c = Order(first_chunk=3.0)
+    queue.calls.append(Call(c, step))
+    assert queue.take() == ([], 0)  # b's turn
+    time.sleep(TURN_S * 1.5)
+    assert queue.take()[0][0].order is c  # b's next call did not come within TURN_S: the turn passes on
