@@ -17,7 +17,7 @@ from .checkpoint import CheckpointError, ModelSource, default_device, default_dt
 from .continuation import SongState
 from .devices import normalize, on_device, split_devices
 from .events import Cancelled, Event, Song
-from .flow.worker import FirstChunks
+from .flow.worker import FirstChunks, StreamPool
 from .loading import as_loaded, fp8_dit_waiting, getting_ready, load_model, modes_text, place_fp8_dit, plan_for
 from .memory import PeakSampler, note_process_start, release_cached, song_guard
 from .memory_map import start_recording, write_if_asked
@@ -80,6 +80,7 @@ class Music3Pipeline:
         self._stages_lock = threading.Lock()
         self._fp8_dit_on_host = fp8_dit_waiting(components, memory_plan)
         self.first_chunks = FirstChunks()  # songs waiting for their first audio: the others' frames wait meanwhile
+        self.flow_streams = StreamPool()  # the songs' flow-worker streams, reused (their cached memory with them)
         if not lazy:
             self.ensure_stages()
 
@@ -285,4 +286,4 @@ class Music3Pipeline:
         """The built stages as a song runs on them (ensure_stages first)."""
         return Stages(self.components, self.device, self.flow_device, self.engine, self.engine_record,
                       self.flow_executor, Overlap(self.overlap, self.separate_flow_rng), self.first_chunks,
-                      self.memory_plan, self.memory_plan_dict, self.precision, self.source.notice)
+                      self.flow_streams, self.memory_plan, self.memory_plan_dict, self.precision, self.source.notice)

@@ -63,9 +63,13 @@ def test_overlapped_song_is_deterministic_and_pieces_are_the_song(pipeline):
     request = GenerationRequest("synth-pop", "[verse]\nla la", duration=30.0, num_steps=4, seed=9)
     events = []
     first = pipeline.generate(request, on_event=events.append)
+    reserved = torch.cuda.memory_reserved(DEVICE)
     second = pipeline.generate(request)
     assert first.frames == 750
     assert np.array_equal(first.audio, second.audio)
+    # The second song's flow worker reuses the first's stream and so its cached blocks: nothing new is reserved (a
+    # stream per song left each one's cache behind, and the process grew song after song).
+    assert pipeline.flow_streams.created == 1 and torch.cuda.memory_reserved(DEVICE) <= reserved
     pieces = [e.samples for e in events if isinstance(e, AudioPiece)]
     assert np.array_equal(np.concatenate(pieces, axis=-1), first.audio)
     kinds = [type(e).__name__ + (":" + e.stage if isinstance(e, Progress) else "") for e in events]
