@@ -21,7 +21,8 @@ from music3_demo.semantic.quant import (
 )
 from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 
-SCHEMES = [Scheme("fp8", 0), Scheme("fp8", 32), Scheme("int8", 0), Scheme("int8", 32)]
+SCHEMES = [Scheme("fp8", 0), Scheme("fp8", 32), Scheme("int8", 0), Scheme("int8", 32), Scheme("int4", 32),
+           Scheme("int4", 64)]
 IDS = [s.name for s in SCHEMES]
 
 
@@ -271,7 +272,36 @@ def test_int4_packs_two_columns_per_byte_low_nibble_first_and_dequantizes_to_the
         quantize_weight(w, "int4", 0)
 
 
-def test_int4_mode_keeps_the_depth_decoder_at_int8():
+def test_int4_gemv_with_unit_scales_equals_the_fp16_gemv_on_the_same_values_bit_for_bit():
+    """Every nibble value at every position of a word (N not a multiple of the row block, split-K, TMA tiles), in
+    fp16 and float32 models: the unpacking by magic numbers gives each weight exactly its value."""
+    rows, k, n = 2, 128, 40
+    values = torch.randint(-8, 8, (n, k), generator=torch.Generator().manual_seed(12)).float()
+    nibbles = (values + 8).to(torch.uint8)
+    for dtype in (torch.float16, torch.float32):
+        q = QWeight(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), torch.ones(n, k // 32), 32, dtype)
+        assert torch.equal(q.dequantize(torch.float32), values)
+        x = rand(rows, k, dtype=dtype, seed=13)
+        for cfg in (GemvConfig(16, 32), GemvConfig(16, 32, split_k=2), GemvConfig(32, 32, tma=True)):
+            ours = gemv(x, q, torch.empty(rows, n, dtype=dtype), config=cfg, workspace=GemvWorkspace("cpu"))
+            plain = gemv(x, values.to(dtype), torch.empty(rows, n, dtype=dtype), config=cfg,
+                         workspace=GemvWorkspace("cpu"))
+            assert torch.equal(ours, plain), (dtype, cfg)
+
+
+def test_int4_bf16_magic_numbers_give_every_nibble_pair_its_value():
+    """The bf16 route's integer ops and one subtraction (`linear.unpack_int4`) in torch, for every byte (the
+    interpreter cannot do bf16 arithmetic): (w >> 4s) & 0x000F000F | 0x43004300 is bf16 128 + u in each half."""
+    words = torch.arange(256, dtype=torch.int32) * 0x01010101  # every byte value in every byte of a word
+    for s in range(4):
+        pair = ((words >> (4 * s)) & 0x000F000F) | 0x43004300
+        low = (pair & 0xFFFF).to(torch.int16).view(torch.bfloat16) - 136.0
+        high = (pair >> 16).to(torch.int16).view(torch.bfloat16) - 136.0
+        assert torch.equal(low.float(), ((words >> (4 * s)) & 0xF).float() - 8)
+        assert torch.equal(high.float(), ((words >> (4 * s + 16)) & 0xF).float() - 8)
+
+
+def test_int4_mode_keeps_the_depth_decoder_at_int8_and_the_chained_tail_refuses_int4():
     from music3_demo import random_models
 
     components = random_models.build_components(random_models.TINY, seed=0)
@@ -285,3 +315,9 @@ def test_int4_mode_keeps_the_depth_decoder_at_int8():
     assert layer.qdata.dtype == torch.uint8 and layer.qdata.shape == (layer.out_features, layer.in_features // 2)
     y = rand(2, layer.in_features, seed=10)
     assert torch.equal(layer(y), F.linear(y, layer.qweight(torch.float32).dequantize()))
+    d = 64
+    weights = [quantize_weight(_outlier_weight(*shape, seed=seed).half(), "int4", 16)
+               for seed, shape in enumerate([(d, 48), (192, d), (d, 96), (80, d)])]
+    with pytest.raises(ValueError, match="does not read packed int4"):
+        block_tail(rand(2, 48, dtype=torch.float16), rand(2, d), rand(2, d).half(), torch.zeros(2, 96).half(),
+                   *weights[:3], rand(d).half(), 1e-6, TailScratch("cpu", 3))

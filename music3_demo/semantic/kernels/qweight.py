@@ -1,6 +1,6 @@
 """A quantized weight as the GEMV and chained-tail kernels read it: int8 or fp8 (e4m3) values plus float32 scales,
 one per output row ("per-channel") or one per output row and group of `group` input columns ("per-group"); or packed
-int4 values (two per byte, per-group scales only; `dequantize` reads them, the kernels not yet).
+int4 values (two per byte, per-group scales only; the GEMV reads them, the chained tail not yet).
 
 Packed int4 (`data` uint8 [N, K / 2]): byte j of a row holds column 2j in its low nibble and column 2j + 1 in its
 high nibble, each as q + 8 for q in [-7, 7] (offset binary: nibble 8 is zero, 0 is never written). Read as
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
 
 ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
@@ -38,6 +39,8 @@ PER_CHANNEL, PER_GROUP, PACKED_INT4 = 1, 2, 3
 # The fp16 routes round the bf16 activations to fp16: exact inside fp16's range (|x| < 65504; bf16's 8 significant
 # bits fit fp16's 11), flushed towards zero below 6e-5 (a negligible share of a sum), infinite above: they are for
 # products whose activations are known to stay in range.
+# Packed int4 always takes the magic-number route of its MMA dtype, two nibbles per 32-bit operation
+# (`unpack_int4`); the route only picks that dtype: BITS_F16 / NATIVE_F16 fp16, else the model's.
 CAST, BITS_BF16, BITS_F16, NATIVE_F16 = 0, 1, 2, 3
 CONVERSIONS = {"cast": CAST, "bits_bf16": BITS_BF16, "bits_f16": BITS_F16, "native_f16": NATIVE_F16}
 
@@ -149,3 +152,30 @@ def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torc
         data = weight.data.view(torch.int32) if weight.int4 else weight.data
         return data, weight.scale, weight.quant, weight.group or 1, dot, convert, wscale
     return weight, weight, 0, 1, TL_DTYPES.get(weight.dtype, tl.float32), CAST, 1.0
+
+
+@triton.jit
+def _nibble_pair(w, s: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
+    """Nibbles s and s + 4 of each word as HALF values 2^k + u, joined: [BN, BW, 2] (the new axis: bit 2 of the
+    column within the word)."""
+    pair = ((w >> (4 * s)) & 0x000F000F) | MAGIC
+    return tl.join(pair.to(tl.int16).to(HALF, bitcast=True), (pair >> 16).to(tl.int16).to(HALF, bitcast=True))
+
+
+@triton.jit
+def unpack_int4(w, DOT: tl.constexpr):
+    """A tile of packed int4 words (int32 [BN, BK / 8], nibble i of word j = column 8j + i, stored as q + 8) as DOT
+    values [BN, BK] (fp16 or bf16), by magic numbers two nibbles per 32-bit operation: (w >> 4s) & 0x000F000F |
+    0x64006400 is two fp16 values 1024 + u (nibbles s and s + 4 of each word, u in [0, 15]), minus 1032 is q
+    exactly; bf16 the same with 0x43004300 (128 + u) and 136. The eight planes are put back in column order by joins
+    (a new minor axis each: the last join picks bit 0 of the column within the word) and one reshape."""
+    BN: tl.constexpr = w.shape[0]
+    BW: tl.constexpr = w.shape[1]
+    if DOT == tl.bfloat16:
+        t = tl.join(tl.join(_nibble_pair(w, 0, 0x43004300, tl.bfloat16), _nibble_pair(w, 2, 0x43004300, tl.bfloat16)),
+                    tl.join(_nibble_pair(w, 1, 0x43004300, tl.bfloat16), _nibble_pair(w, 3, 0x43004300, tl.bfloat16)))
+        return tl.reshape(t, [BN, BW * 8]) - 136.0
+    else:
+        t = tl.join(tl.join(_nibble_pair(w, 0, 0x64006400, tl.float16), _nibble_pair(w, 2, 0x64006400, tl.float16)),
+                    tl.join(_nibble_pair(w, 1, 0x64006400, tl.float16), _nibble_pair(w, 3, 0x64006400, tl.float16)))
+        return tl.reshape(t, [BN, BW * 8]) - 1032.0
