@@ -67,9 +67,11 @@ FLOW_SONG_BYTES = 50_000_000  # per running song: condition encoder activations,
 REFERENCE_WORKING_BYTES = int(3 * GB)  # the eager reference engine's activations (whole-prompt passes)
 MERGE_SHARE = 0.10
 BUCKETS = (1, 2, 4)  # songs per merged DiT / vocoder call (flow/executor.py)
-# Bytes per weight of the 1-byte formats: the byte, plus the float32 scales (per output row for fp8, per 128
-# columns for int8; the DiT's fp8 scales are per output row).
-BYTES_PER_WEIGHT = {"fp8": 1 + 4 / 1024, "int8": 1 + 4 / 128}
+# Bytes per weight of the quantized formats: the values, plus the float32 scales (per output row for fp8, per 128
+# columns for int8, per 64 for int4; the DiT's fp8 scales are per output row). An int4 LM keeps its depth decoder
+# at int8 (DEPTH_MODE, semantic/quant.DEPTH_SCHEMES).
+BYTES_PER_WEIGHT = {"fp8": 1 + 4 / 1024, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 64}
+DEPTH_MODE = {"int4": "int8"}
 STAGES = ("semantic", "flow")
 
 
@@ -275,7 +277,7 @@ def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, eng
     weights: dict[str, int] = {}
     if semantic:
         weights["language_model"] = _stored(f.lm_blocks, lm, 2) + 2 * f.lm_other
-        weights["depth_decoder"] = _stored(f.depth_blocks, lm, 2) + 2 * f.depth_other
+        weights["depth_decoder"] = _stored(f.depth_blocks, DEPTH_MODE.get(lm, lm), 2) + 2 * f.depth_other
         if engine == "graph":
             weights["engine_tables"] = f.engine_tables_bytes()
         else:  # the reference reads the full head and the token embeddings at every step
@@ -357,10 +359,12 @@ def plan_memory(
     dit_precision: str = "auto",
     engine: str = "graph",
     stages: tuple[str, ...] = STAGES,
+    four_bit: bool = False,
 ) -> MemoryPlan:
     """The plan for one card. `free_bytes` / `capability` None: not a GPU (auto keeps the weights as they are;
     an fp8 DiT asked for runs unquantized, and the plan says so). `figures` None on a GPU: the checkpoint does not
-    say (its load then names the fault); the plan keeps the asked modes and sizes nothing."""
+    say (its load then names the fault); the plan keeps the asked modes and sizes nothing. `four_bit` (internal, no
+    flag sets it: the graph engine does not run int4 yet) lets auto try an int4 LM after the 1-byte ones."""
     check_precision(precision)
     check_dit_precision(dit_precision)
     lm_auto, dit_auto = precision == "auto", dit_precision == "auto"
@@ -377,7 +381,7 @@ def plan_memory(
             if dit_precision == "fp8" and free_bytes is None else f"The DiT runs in {dit_mode}."))
         return MemoryPlan(lm, dit, engine, stages, free_bytes, capability, why=lm.reason)
     one_byte = "fp8" if fp8_capable(capability) else "int8"
-    lms = ["bf16", one_byte] if lm_auto else [precision]
+    lms = ["bf16", one_byte] + ["int4"] * four_bit if lm_auto else [precision]
     dits = (["bf16", "fp8"] if fp8_capable(capability) else ["bf16"]) if dit_auto else [dit_precision]
     # bf16 LM with an fp8 DiT only when asked: auto quantizes the LM before the DiT.
     pairs = [(lm, dit) for lm in lms for dit in dits if not (lm_auto and dit_auto and lm == "bf16" and dit != "bf16")]

@@ -242,3 +242,27 @@ def test_the_fp8_dit_arrives_after_the_self_check_so_the_load_peak_is_the_larger
     assert p.load_peak < p.weight_bytes + p.load_extra  # the two phases never sit on the card together
     bf16 = plan(15.0, dit_precision="bf16", precision="fp8")  # a bf16 DiT streams in with the rest
     assert bf16.load_peak == bf16.weight_bytes + bf16.load_extra + CHECK_BYTES + RUNTIME_BYTES
+
+
+def test_int4_lm_is_tried_only_behind_the_internal_switch_where_8_bit_does_not_fit():
+    """`four_bit` (no flag sets it) puts an int4 LM (its depth decoder int8: 0.5625 and 1.03 bytes per weight) after
+    the 1-byte modes in auto's order: a 16 GB sm_86 card, where int8 does not fit, runs it with one slot and a
+    3 min 45 s song; a 20 GB one, where int8 holds 4 min 57 s alone, too; a 24 GB one keeps int8. Without the
+    switch auto is unchanged, and int4 cannot be asked for."""
+    from music3_demo.memory_plan import BYTES_PER_WEIGHT, DEPTH_MODE
+    from music3_demo.semantic.quant import DEFAULT_SCHEMES, DEPTH_SCHEMES
+
+    assert BYTES_PER_WEIGHT["int4"] == 0.5 + 4 / DEFAULT_SCHEMES["int4"].group
+    assert DEPTH_MODE == {mode: scheme.fmt for mode, scheme in DEPTH_SCHEMES.items()}
+    assert not plan(16, SM86).fits
+    p = plan(16, SM86, four_bit=True)
+    assert p.fits and (p.lm.mode, p.dit.mode, p.slots) == ("int4", "bf16", 1) and 225 <= p.longest_alone_s < 226
+    int8 = plan(24, SM86)
+    assert p.weights["language_model"] < 0.55 * int8.weights["language_model"]
+    assert p.weights["depth_decoder"] == int8.weights["depth_decoder"]
+    assert plan(20, SM86).lm.mode == "int8" and plan(20, SM86, four_bit=True).lm.mode == "int4"
+    assert plan(24, SM86, four_bit=True).lm.mode == "int8"
+    small = plan(12, four_bit=True)
+    assert small.fits and (small.lm.mode, small.dit.mode) == ("int4", "fp8") and not plan(12).fits
+    with pytest.raises(ValueError, match="Unknown precision 'int4'"):
+        plan(16, SM86, precision="int4")

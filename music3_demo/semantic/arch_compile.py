@@ -7,6 +7,7 @@ No GPU and no weights: the engine is built over the random-full (or tiny) model'
 runs one frame (sampled and teacher-forced) with Triton's launcher pointed at a stand-in driver for the target; each
 launch is recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with Triton's own compiler for
 `GPUTarget("cuda", capability, 32)`. The configs are those `kernels/tuning.py` chooses for that architecture.
+With int8 weights, the GEMV on packed int4 weights (which the engine does not run yet) is compiled once too.
 tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
 
 Run (TRITON_INTERPRET must be unset): python -m music3_demo.semantic.arch_compile 86 90 [--sms 82]
@@ -181,6 +182,21 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
                         config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
 
 
+def _int4_launch(tuning: Tuning) -> None:
+    """The down product's GEMV on packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group) on meta tensors: the
+    engine does not run int4 yet (its chained tail refuses it), but the GEMV that reads it compiles everywhere."""
+    from .kernels.qweight import QWeight
+    from .quant import DEFAULT_SCHEMES
+
+    meta, bf16 = torch.device("meta"), torch.bfloat16
+    group, n, k = DEFAULT_SCHEMES["int4"].group, 4096, 12288
+    weight = QWeight(torch.empty(n, k // 2, dtype=torch.uint8, device=meta),
+                     torch.empty(n, k // group, device=meta), group, bf16)
+    out = torch.empty(2, n, device=meta)
+    linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
+                config=tuning.gemv(2, n, k, False, 2, 1, group, "int4"), workspace=linear.GemvWorkspace(meta))
+
+
 def _record(engine, target: Target, launches: dict, routes: str | None = None) -> None:
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         if is_manual_warmup:
@@ -200,6 +216,8 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None) -
             engine.frame_graph.prepare(1, forced)()
         if routes is not None:
             _route_launches(engine.tuning, routes)
+        if routes == "int8":  # (int8 runs on every architecture)
+            _int4_launch(engine.tuning)
 
 
 # Kernels whose launch configuration no tuning changes: their code differs between architectures only through

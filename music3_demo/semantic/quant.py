@@ -1,5 +1,8 @@
 """Weight-only quantization of the language model and the RVQ depth decoder: fp8 (e4m3) or int8 values with float32
-scales per output channel or per output channel and 128-column group, made at load from the bf16 checkpoint.
+scales per output channel or per output channel and 128-column group, made at load from the bf16 checkpoint; and
+int4 (two values per byte, `kernels/qweight.py` says which nibble is which column, scales per 64-column group) for
+the LM with the depth decoder kept at int8 (`DEPTH_SCHEMES`). int4 is an internal mode: no flag offers it until the
+graph engine's chained tail reads it.
 
 Each quantized `nn.Linear` is replaced in place by a `QuantizedLinear` that holds the 1-byte weight and its scales and
 dequantizes on forward (to the activation dtype) before F.linear. So the HF model itself, with its modules swapped,
@@ -27,16 +30,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import contract as c
-from .kernels.qweight import QWeight
+from .kernels.qweight import INT4_ZERO, QWeight
 
-SUPPORTED = ("bf16", "fp8", "int8")
-FP8_MAX, INT8_MAX = 448.0, 127.0
+SUPPORTED = ("bf16", "fp8", "int8", "int4")
+FP8_MAX, INT8_MAX, INT4_MAX = 448.0, 127.0, 7.0
+QMAX = {"fp8": FP8_MAX, "int8": INT8_MAX, "int4": INT4_MAX}
 
 
 @dataclass(frozen=True)
 class Scheme:
-    """A weight format: `fmt` "fp8" or "int8", `group` 0 for one scale per output channel, else one per output
-    channel and `group` input columns (the model-wide group is the largest divisor of every K up to this)."""
+    """A weight format: `fmt` "fp8", "int8" or "int4", `group` 0 for one scale per output channel (not int4), else
+    one per output channel and `group` input columns (the model-wide group is the largest divisor of every K up to
+    this)."""
 
     fmt: str
     group: int = 0
@@ -50,7 +55,10 @@ class Scheme:
 # docs/PERFORMANCE.md "Weight formats"; tests/semantic/test_quant_quality.py pins its figures). fp8 is a float format:
 # a few x30 input columns raise a row's scale but the other weights keep their 3 mantissa bits, so one scale per
 # channel loses almost nothing; int8's uniform steps would grow with that scale, so int8 scales per 128 columns.
-DEFAULT_SCHEMES = {"fp8": Scheme("fp8", 0), "int8": Scheme("int8", 128)}
+DEFAULT_SCHEMES = {"fp8": Scheme("fp8", 0), "int8": Scheme("int8", 128), "int4": Scheme("int4", 64)}
+# The depth decoder's scheme where a mode's differs from its LM's: a 4-bit depth decoder loses the vocal band, and
+# its weights are 1.3 of the model's 15.3 GB (bf16), so it stays at 8 bits beside an int4 LM.
+DEPTH_SCHEMES = {"int4": Scheme("int8", 128)}
 
 
 def fp8_supported(device: torch.device | str) -> bool:
@@ -64,29 +72,39 @@ def fp8_supported(device: torch.device | str) -> bool:
 
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor, fmt: str, group: int = 0) -> QWeight:
-    """A [N, K] weight as a QWeight standing in for weight.dtype: scale = max|w| / (448 or 127) per row or group;
-    fp8 rounds to nearest (saturating), int8 to the nearest integer in [-127, 127]."""
-    if fmt not in ("fp8", "int8"):
+    """A [N, K] weight as a QWeight standing in for weight.dtype: scale = max|w| / (448, 127 or 7) per row or group;
+    fp8 rounds to nearest (saturating), int8 and int4 to the nearest integer in [-127, 127] / [-7, 7] (int4: packed
+    two per byte as q + 8, `qweight.py`; per-group scales only)."""
+    if fmt not in QMAX:
         raise ValueError(f"unknown weight format {fmt!r}")
+    if fmt == "int4" and not group:
+        raise ValueError("int4 weights need scale groups (one scale per channel loses too much at 4 bits)")
     n, k = weight.shape
     blocks = weight.float().view(n, k // (group or k), group or k)
-    qmax = FP8_MAX if fmt == "fp8" else INT8_MAX
+    qmax = QMAX[fmt]
     scale = (blocks.abs().amax(-1) / qmax).clamp_min(torch.finfo(torch.float32).tiny)
     scaled = (blocks / scale[..., None]).clamp(-qmax, qmax)
     del blocks
-    data = scaled.to(torch.float8_e4m3fn) if fmt == "fp8" else scaled.round_().to(torch.int8)
-    return QWeight(data.view(n, k).contiguous(), (scale if group else scale[:, 0]).contiguous(), group, weight.dtype)
+    if fmt == "fp8":
+        data = scaled.to(torch.float8_e4m3fn).view(n, k)
+    elif fmt == "int8":
+        data = scaled.round_().to(torch.int8).view(n, k)
+    else:
+        nibbles = (scaled.round_() + INT4_ZERO).to(torch.uint8).view(n, k)
+        data = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # the even column in the low nibble
+    return QWeight(data.contiguous(), (scale if group else scale[:, 0]).contiguous(), group, weight.dtype)
 
 
 class QuantizedLinear(nn.Module):
-    """A bias-free nn.Linear's replacement holding a 1-byte weight and its float32 scales; forward dequantizes to the
-    input's dtype and calls F.linear. fp8 values are kept as their bytes (uint8) so a dtype cast of the model
-    (`.float()`, `.to(bf16)`) cannot convert them; the scales are cast back to float32 where they are read."""
+    """A bias-free nn.Linear's replacement holding a quantized weight and its float32 scales; forward dequantizes to
+    the input's dtype and calls F.linear. fp8 values are kept as their bytes (uint8, as packed int4 is) so a dtype
+    cast of the model (`.float()`, `.to(bf16)`) cannot convert them; the scales are cast back to float32 where they
+    are read."""
 
     def __init__(self, weight: QWeight) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.fmt = "fp8" if weight.data.dtype == torch.float8_e4m3fn else "int8"
+        self.fmt = weight.kind
         self.group = weight.group
         self.register_buffer("qdata", weight.data.view(torch.uint8) if self.fmt == "fp8" else weight.data)
         self.register_buffer("scale", weight.scale)
@@ -149,7 +167,8 @@ class QuantReport:
 
 
 def precision_of(language_model, depth_decoder=None) -> str:
-    """"bf16" (or the model's float dtype), "fp8" or "int8": what the modules hold."""
+    """"bf16" (or the model's float dtype), "fp8", "int8" or "int4" (the LM's: an int4 LM's depth decoder is int8):
+    what the modules hold."""
     for model in (language_model, depth_decoder):
         for module in ([] if model is None else model.modules()):
             if isinstance(module, QuantizedLinear):
@@ -184,10 +203,12 @@ class LayerQuantizer:
     """quantize_model_ one Linear at a time, as each weight arrives: a streaming load (weights_stream.py) hands every
     tensor to `place(component, name, tensor)`, which quantizes the LM's and depth decoder's block weights on the
     device the moment they exist (so the bf16 model is never whole anywhere), and `finish()` quantizes lm_head's
-    audio rows and returns the report. The models may be skeletons (parameters on `meta`) when it is made."""
+    audio rows and returns the report. The models may be skeletons (parameters on `meta`) when it is made.
+    `scheme` is the LM's (default `DEFAULT_SCHEMES[mode]`), `depth_scheme` the depth decoder's (default
+    `DEPTH_SCHEMES`, else the LM's); lm_head's audio rows take the LM's."""
 
     def __init__(self, language_model, depth_decoder, mode: str, device: torch.device | str,
-                 scheme: Scheme | None = None) -> None:
+                 scheme: Scheme | None = None, depth_scheme: Scheme | None = None) -> None:
         self.language_model, self.depth_decoder = language_model, depth_decoder
         self.mode, self.device = mode, torch.device(device)
         if mode not in SUPPORTED:
@@ -201,21 +222,28 @@ class LayerQuantizer:
             raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer ({self.device} is older): "
                              "use int8.")
         scheme = scheme or DEFAULT_SCHEMES[mode]
+        depth_scheme = depth_scheme or DEPTH_SCHEMES.get(mode, scheme)
         if scheme.fmt != mode:
             raise ValueError(f"scheme {scheme.name} is not a {mode} scheme")
-        targets = linear_targets(language_model, depth_decoder)
-        self.group = model_group(targets, scheme.group) if scheme.group else 0
-        if self.group != scheme.group:
-            self.report.notes.append(f"scale groups of {self.group} columns (every K here divides by {self.group}, "
-                                     f"not by {scheme.group})")
-        self.report.scheme, self.report.group = Scheme(mode, self.group).name, self.group
         names = {("language_model", id(module)): name for name, module in language_model.named_modules()}
         names |= {("rvq_depth_decoder", id(module)): name for name, module in depth_decoder.named_modules()}
+        targets = linear_targets(language_model, depth_decoder)
         for parent, child, linear in targets:
             component = "language_model" if ("language_model", id(parent)) in names else "rvq_depth_decoder"
             owner = names[(component, id(parent))]
             self.targets[(component, f"{owner}.{child}.weight" if owner else f"{child}.weight")] = (parent, child,
                                                                                                      linear)
+        self.formats = {}  # (fmt, group) per component; lm_head's audio rows take the LM's
+        for component, chosen in (("language_model", scheme), ("rvq_depth_decoder", depth_scheme)):
+            group = model_group(targets, chosen.group) if chosen.group else 0
+            note = f"scale groups of {group} columns (every K here divides by {group}, not by {chosen.group})"
+            if group != chosen.group and note not in self.report.notes:
+                self.report.notes.append(note)
+            self.formats[component] = (chosen.fmt, group)
+        self.group = self.formats["language_model"][1]
+        names_used = [Scheme(*self.formats[c]).name for c in self.formats]
+        self.report.scheme = names_used[0] + (f", depth {names_used[1]}" if names_used[1] != names_used[0] else "")
+        self.report.group = self.group
 
     def place(self, component: str, name: str, tensor: torch.Tensor) -> bool:
         """Quantize `tensor` (on the device) into its module if it is a block weight; False for every other."""
@@ -225,7 +253,7 @@ class LayerQuantizer:
         parent, child, linear = target
         started = time.perf_counter()
         linear.weight = nn.Parameter(tensor, requires_grad=False)
-        parent._modules[child] = _swap(linear, self.mode, self.group, self.device, self.report)
+        parent._modules[child] = _swap(linear, *self.formats[component], self.device, self.report)
         self.seconds += time.perf_counter() - started
         return True
 
@@ -245,8 +273,8 @@ class LayerQuantizer:
             rows = audio_head_rows(head.weight.device)
             audio = nn.Linear(head.in_features, rows.numel(), bias=False, device="meta")
             audio.weight = nn.Parameter(head.weight.detach()[rows], requires_grad=False)  # a copy of 16,385 rows
-            language_model.lm_head = QuantizedAudioHead(head, _swap(audio, self.mode, self.group, self.device,
-                                                                    self.report))
+            language_model.lm_head = QuantizedAudioHead(head, _swap(audio, *self.formats["language_model"],
+                                                                    self.device, self.report))
         self.language_model.to(self.device)
         self.depth_decoder.to(self.device)
         self.report.seconds = self.seconds + time.perf_counter() - started
@@ -255,13 +283,14 @@ class LayerQuantizer:
 
 @torch.no_grad()
 def quantize_model_(
-    language_model, depth_decoder, mode: str, device: torch.device | str, scheme: Scheme | None = None
+    language_model, depth_decoder, mode: str, device: torch.device | str, scheme: Scheme | None = None,
+    depth_scheme: Scheme | None = None,
 ) -> QuantReport:
     """Swap the LM's and depth decoder's Linear modules for `QuantizedLinear` ones in `mode` ("bf16" changes nothing)
     and leave both models on `device`. Layer by layer: each weight is quantized on `device` and the module's own
     weight is dropped before the next, so the models may come in on the CPU or already on `device`, and two full
-    copies never sit on the GPU. `scheme` overrides the mode's default (`DEFAULT_SCHEMES`)."""
-    quantizer = LayerQuantizer(language_model, depth_decoder, mode, device, scheme)
+    copies never sit on the GPU. `scheme` / `depth_scheme` override the mode's defaults (`LayerQuantizer`)."""
+    quantizer = LayerQuantizer(language_model, depth_decoder, mode, device, scheme, depth_scheme)
     quantizer.swap_all()
     return quantizer.finish()
 

@@ -21,7 +21,8 @@ from music3_demo.semantic.quant import (
 )
 from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 
-SCHEMES = [Scheme("fp8", 0), Scheme("fp8", 32), Scheme("int8", 0), Scheme("int8", 32)]
+SCHEMES = [Scheme("fp8", 0), Scheme("fp8", 32), Scheme("int8", 0), Scheme("int8", 32), Scheme("int4", 32),
+           Scheme("int4", 64)]
 IDS = [s.name for s in SCHEMES]
 
 
@@ -36,9 +37,10 @@ def _err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
-def test_gemv_on_one_byte_weights_is_as_close_to_float32_as_on_fp16_weights(scheme):
+def test_gemv_on_quantized_weights_is_as_close_to_float32_as_on_fp16_weights(scheme):
     """Every epilogue the engine uses (plain, RMSNorm, residual, SwiGLU) and split-K, fp16 activations: the error
-    against the float32 product on the dequantized weights stays within 2x the fp16-weight kernel's own error."""
+    against the float32 product on the dequantized weights stays within 2x the fp16-weight kernel's own error
+    (packed int4 too: the same kernel reading its words)."""
     rows, k, n = 2, 256, 80
     x = rand(rows, k, dtype=torch.float16, seed=1)
     g = rand(k, dtype=torch.float16, seed=3, scale=0.1) + 1
@@ -154,8 +156,8 @@ def test_fp8_needs_capability_8_9_and_bad_modes_get_one_sentence(monkeypatch):
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
     with pytest.raises(ValueError, match=r"fp8 weights need a GPU of compute capability 8.9 .* use int8\."):
         quantize_model_(lm, depth, "fp8", torch.device("cuda", 0))
-    with pytest.raises(ValueError, match="Unknown precision 'int4'"):
-        quantize_model_(lm, depth, "int4", "cpu")
+    with pytest.raises(ValueError, match="Unknown precision 'int3'"):
+        quantize_model_(lm, depth, "int3", "cpu")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     assert fp8_supported(torch.device("cuda", 0))
 
@@ -249,3 +251,73 @@ def test_fp16_routes_give_the_cast_route_results_bit_for_bit(fmt, group):
     cast = gemv(x, q, torch.empty(2, n), config=GemvConfig(16, 32))
     for route in (BITS_F16, NATIVE_F16):
         assert torch.equal(gemv(x, q, torch.empty(2, n), config=GemvConfig(16, 32, convert=route)), cast), route
+
+
+def test_int4_packs_two_columns_per_byte_low_nibble_first_and_dequantizes_to_the_rounded_weight():
+    """Byte j of a row: column 2j in the low nibble, 2j + 1 in the high one, each q + 8 with q in [-7, 7]; the
+    dequantized weight is q x the group's max|w| / 7, within half a step of the original; no scale groups: refused."""
+    w = _outlier_weight(8, 128, 11)
+    q = quantize_weight(w, "int4", 64)
+    assert q.data.dtype == torch.uint8 and q.data.shape == (8, 64) and q.shape == (8, 128) and q.kind == "int4"
+    scale = w.view(8, 2, 64).abs().amax(-1) / 7
+    assert torch.equal(q.scale, scale)
+    expected = (w.view(8, 2, 64) / scale[..., None]).round().view(8, 128)
+    assert torch.equal((q.data & 0xF).float() - 8, expected[:, 0::2])
+    assert torch.equal((q.data >> 4).float() - 8, expected[:, 1::2])
+    assert ((q.data & 0xF) >= 1).all() and ((q.data >> 4) >= 1).all()
+    step = scale.repeat_interleave(64, dim=1)
+    assert ((q.dequantize(torch.float32) - w).abs() <= step / 2 + 1e-6).all()
+    assert q.nbytes() == 8 * 64 + 8 * 2 * 4
+    with pytest.raises(ValueError, match="int4 weights need scale groups"):
+        quantize_weight(w, "int4", 0)
+
+
+def test_int4_gemv_with_unit_scales_equals_the_fp16_gemv_on_the_same_values_bit_for_bit():
+    """Every nibble value at every position of a word (N not a multiple of the row block, split-K, TMA tiles), in
+    fp16 and float32 models: the unpacking by magic numbers gives each weight exactly its value."""
+    rows, k, n = 2, 128, 40
+    values = torch.randint(-8, 8, (n, k), generator=torch.Generator().manual_seed(12)).float()
+    nibbles = (values + 8).to(torch.uint8)
+    for dtype in (torch.float16, torch.float32):
+        q = QWeight(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), torch.ones(n, k // 32), 32, dtype)
+        assert torch.equal(q.dequantize(torch.float32), values)
+        x = rand(rows, k, dtype=dtype, seed=13)
+        for cfg in (GemvConfig(16, 32), GemvConfig(16, 32, split_k=2), GemvConfig(32, 32, tma=True)):
+            ours = gemv(x, q, torch.empty(rows, n, dtype=dtype), config=cfg, workspace=GemvWorkspace("cpu"))
+            plain = gemv(x, values.to(dtype), torch.empty(rows, n, dtype=dtype), config=cfg,
+                         workspace=GemvWorkspace("cpu"))
+            assert torch.equal(ours, plain), (dtype, cfg)
+
+
+def test_int4_bf16_magic_numbers_give_every_nibble_pair_its_value():
+    """The bf16 route's integer ops and one subtraction (`linear.unpack_int4`) in torch, for every byte (the
+    interpreter cannot do bf16 arithmetic): (w >> 4s) & 0x000F000F | 0x43004300 is bf16 128 + u in each half."""
+    words = torch.arange(256, dtype=torch.int32) * 0x01010101  # every byte value in every byte of a word
+    for s in range(4):
+        pair = ((words >> (4 * s)) & 0x000F000F) | 0x43004300
+        low = (pair & 0xFFFF).to(torch.int16).view(torch.bfloat16) - 136.0
+        high = (pair >> 16).to(torch.int16).view(torch.bfloat16) - 136.0
+        assert torch.equal(low.float(), ((words >> (4 * s)) & 0xF).float() - 8)
+        assert torch.equal(high.float(), ((words >> (4 * s + 16)) & 0xF).float() - 8)
+
+
+def test_int4_mode_keeps_the_depth_decoder_at_int8_and_the_chained_tail_refuses_int4():
+    from music3_demo import random_models
+
+    components = random_models.build_components(random_models.TINY, seed=0)
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    report = quantize_model_(lm, depth, "int4", "cpu")
+    assert report.scheme == "int4/g16, depth int8/g16" and report.group == 16  # tiny's K: 32, 48, 64
+    lm_formats = {m.fmt for m in lm.modules() if isinstance(m, QuantizedLinear)}
+    depth_formats = {m.fmt for m in depth.modules() if isinstance(m, QuantizedLinear)}
+    assert lm_formats == {"int4"} and depth_formats == {"int8"} and lm.lm_head.audio.fmt == "int4"
+    layer = lm.model.layers[0].mlp.down_proj
+    assert layer.qdata.dtype == torch.uint8 and layer.qdata.shape == (layer.out_features, layer.in_features // 2)
+    y = rand(2, layer.in_features, seed=10)
+    assert torch.equal(layer(y), F.linear(y, layer.qweight(torch.float32).dequantize()))
+    d = 64
+    weights = [quantize_weight(_outlier_weight(*shape, seed=seed).half(), "int4", 16)
+               for seed, shape in enumerate([(d, 48), (192, d), (d, 96), (80, d)])]
+    with pytest.raises(ValueError, match="does not read packed int4"):
+        block_tail(rand(2, 48, dtype=torch.float16), rand(2, d), rand(2, d).half(), torch.zeros(2, 96).half(),
+                   *weights[:3], rand(d).half(), 1e-6, TailScratch("cpu", 3))

@@ -18,6 +18,8 @@ Fused on the way:
   behind a running one; only one tile per row is prefetched, which the running stream has no time to evict. (Releasing
   the dependents before waiting, which let a cascade of waiting kernels fill the SMs, and prefetching every row
   whole, which the running stream evicted, cost 26%.)
+Weights: the model's dtype, or a `qweight.QWeight` converted in registers (`dot_tile`): 1-byte tiles by route,
+packed int4 words (QUANT 3: K / 8 words per row) unpacked by magic numbers (`qweight.unpack_int4`).
 TMA (`GemvConfig.tma`, Hopper): weight tiles arrive by one bulk tensor copy each instead of 16-byte copies from every
 thread, so more pipeline stages stay in flight with 4 warps; the sweep picks it for the gate|up, depth q|k|v and
 audio-head products (+4% per frame). Older GPUs fall back to cp.async tiles.
@@ -44,7 +46,7 @@ except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
 from .launch import interpreting, pdl_enter, pdl_launch
-from .qweight import QWeight, Weight, kernel_args
+from .qweight import QWeight, Weight, kernel_args, unpack_int4
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,10 @@ def prefetch_rows_l2(row_ptrs, nbytes: tl.constexpr):
 def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr):
     """A 1-byte weight tile (int8 or fp8 e4m3) as DOT values, by route CONV (`qweight.CAST` ...: what each does and
     why). The bit routes are integer ops on the sign-extended bytes; the fp8 ones leave a power of two in the values
-    (`qweight.kernel_args`' WSCALE), which the scales take back."""
-    if CONV == 0:
+    (`qweight.kernel_args`' WSCALE), which the scales take back. Packed int4 words: `qweight.unpack_int4`."""
+    if w.dtype == tl.int32:
+        return unpack_int4(w, DOT if DOT != tl.float32 else tl.float16).to(DOT)
+    elif CONV == 0:
         return w.to(DOT)
     elif CONV == 3:
         return w.to(tl.float16)
@@ -189,6 +193,7 @@ def _gemv_kernel(
     WSCALE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
+    PACK: tl.constexpr = 8 if QUANT == 3 else 1  # weights per element of w (packed int4: 8 per int32 word)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     k_len = K // SPLIT_K
@@ -197,19 +202,20 @@ def _gemv_kernel(
     offs_k = split * k_len + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    w_ptrs = (w_ptr + offs_n.to(tl.int64)[:, None] * (K // PACK)
+              + (split * k_len // PACK + tl.arange(0, BLOCK_K // PACK))[None, :])
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     if PDL:  # SPLIT_K is 1 under PDL: the first tile is at K offset 0
-        prefetch_rows_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * K,
-                          BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        prefetch_rows_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (K // PACK),
+                          BLOCK_K // PACK * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
         pdl_enter()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
         if TMA:  # rows past N arrive as zeros
-            w = w_desc.load([pid * BLOCK_N, split * k_len + k0])
+            w = w_desc.load([pid * BLOCK_N, (split * k_len + k0) // PACK])
         else:
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0 // PACK, mask=n_mask[:, None], other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
@@ -317,10 +323,10 @@ def gemv(
 ) -> torch.Tensor:
     """out[m] = epilogue(W · prologue(x[m])) for each of the M <= 16 rows of x ([M, K], unit stride along K).
 
-    `weight` is [N, K], a model-dtype tensor or a 1-byte `QWeight`; `out` is [M, N] with any row stride; `residual`
-    is [M, N] or [1, N] expanded to M rows
-    (stride 0), and may be `out` itself. A split-K config needs a `workspace` (without one it runs unsplit).
-    With `swiglu`, `weight` is a row-interleaved gate|up (`interleave_rows`) and `out` is [M, N/2].
+    `weight` is [N, K], a model-dtype tensor or a 1-byte or packed int4 `QWeight`; `out` is [M, N] with any row
+    stride; `residual` is [M, N] or [1, N] expanded to M rows (stride 0), and may be `out` itself. A split-K config
+    needs a `workspace` (without one it runs unsplit). With `swiglu`, `weight` is a row-interleaved gate|up
+    (`interleave_rows`) and `out` is [M, N/2].
     `out_copy` (out's shape and strides, another dtype) receives out rounded to its dtype: the graph engine keeps a
     bf16 copy of each float32 residual stream, which the next RMSNorm product reads (a float32 activation tile per
     pipeline stage cost those products 10-15%).
@@ -356,7 +362,8 @@ def gemv(
     else:
         partials, counters = x, x  # never read
     data, scales, quant, group, dot, conv, wscale = kernel_args(weight, cfg.convert)
-    w_desc = TensorDescriptor.from_tensor(data, [cfg.block_n, cfg.block_k]) if cfg.tma else data
+    pack = k // data.shape[1]  # weights per element of data: 8 for packed int4's words
+    w_desc = TensorDescriptor.from_tensor(data, [cfg.block_n, cfg.block_k // pack]) if cfg.tma else data
     _gemv_kernel[(blocks, split)](
         x, data, w_desc, scales, out, res, out if out_copy is None else out_copy,
         x if norm_weight is None else norm_weight,

@@ -1,5 +1,10 @@
-"""A 1-byte weight as the GEMV and chained-tail kernels read it: int8 or fp8 (e4m3) values plus float32 scales, one
-per output row ("per-channel") or one per output row and group of `group` input columns ("per-group").
+"""A quantized weight as the GEMV and chained-tail kernels read it: int8 or fp8 (e4m3) values plus float32 scales,
+one per output row ("per-channel") or one per output row and group of `group` input columns ("per-group"); or packed
+int4 values (two per byte, per-group scales only; the GEMV reads them, the chained tail not yet).
+
+Packed int4 (`data` uint8 [N, K / 2]): byte j of a row holds column 2j in its low nibble and column 2j + 1 in its
+high nibble, each as q + 8 for q in [-7, 7] (offset binary: nibble 8 is zero, 0 is never written). Read as
+little-endian int32 words, nibble i (bits 4i..4i+3) of word j is column 8j + i (`kernel_args`: [N, K / 8] words).
 
 The kernels load the 1-byte tile, convert it to `dtype` (the model's dtype, which the weight stands in for) in
 registers, take the product with fp32 accumulation and apply the scales: per-channel once per output row in the
@@ -13,11 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
 
 ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
+INT4 = torch.uint8  # packed int4: two columns per byte
+INT4_ZERO = 8  # the nibble of q = 0
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-PER_CHANNEL, PER_GROUP = 1, 2  # the kernels' QUANT constexpr; 0 is a plain (model-dtype) weight
+# The kernels' QUANT constexpr; 0 is a plain (model-dtype) weight; PACKED_INT4: int4 words with per-group scales.
+PER_CHANNEL, PER_GROUP, PACKED_INT4 = 1, 2, 3
 # How a 1-byte tile becomes MMA operands in registers (the kernels' CONV constexpr, `GemvConfig.convert`):
 # CAST: Triton's conversion to the model dtype (fp8 -> bf16 on sm_90 goes through f16 and f32; int8 -> bf16 is an
 #   I2F, quarter rate, plus an F2F);
@@ -30,30 +39,43 @@ PER_CHANNEL, PER_GROUP = 1, 2  # the kernels' QUANT constexpr; 0 is a plain (mod
 # The fp16 routes round the bf16 activations to fp16: exact inside fp16's range (|x| < 65504; bf16's 8 significant
 # bits fit fp16's 11), flushed towards zero below 6e-5 (a negligible share of a sum), infinite above: they are for
 # products whose activations are known to stay in range.
+# Packed int4 always takes the magic-number route of its MMA dtype, two nibbles per 32-bit operation
+# (`unpack_int4`); the route only picks that dtype: BITS_F16 / NATIVE_F16 fp16, else the model's.
 CAST, BITS_BF16, BITS_F16, NATIVE_F16 = 0, 1, 2, 3
 CONVERSIONS = {"cast": CAST, "bits_bf16": BITS_BF16, "bits_f16": BITS_F16, "native_f16": NATIVE_F16}
 
 
 @dataclass(frozen=True)
 class QWeight:
-    data: torch.Tensor  # [N, K] int8 or float8_e4m3fn, contiguous
+    data: torch.Tensor  # [N, K] int8 or float8_e4m3fn, or [N, K / 2] uint8 (packed int4), contiguous
     scale: torch.Tensor  # float32 [N] (per-channel) or [N, K // group] (per-group)
     group: int = 0  # 0: per-channel
     dtype: torch.dtype = torch.bfloat16  # the model dtype: the products run in it, dequantize() returns it
 
     def __post_init__(self) -> None:
-        n, k = self.data.shape
+        n, k = self.shape
         expected = (n,) if not self.group else (n, k // self.group)
-        if self.data.dtype not in ONE_BYTE or self.scale.dtype != torch.float32 or tuple(self.scale.shape) != expected:
-            raise ValueError(f"a QWeight needs int8/fp8 data and float32 scales {expected}, got "
-                             f"{self.data.dtype} {tuple(self.data.shape)} and {self.scale.dtype} "
+        if (self.data.dtype not in ONE_BYTE + (INT4,) or self.scale.dtype != torch.float32
+                or tuple(self.scale.shape) != expected or (self.int4 and not self.group)):
+            raise ValueError(f"a QWeight needs int8/fp8 data (or packed int4 with scale groups) and float32 scales "
+                             f"{expected}, got {self.data.dtype} {tuple(self.data.shape)} and {self.scale.dtype} "
                              f"{tuple(self.scale.shape)}")
         if self.group and k % self.group:
             raise ValueError(f"K={k} is not a multiple of the scale group {self.group}")
 
     @property
+    def int4(self) -> bool:
+        return self.data.dtype == INT4
+
+    @property
+    def kind(self) -> str:
+        """"int4", "fp8" or "int8"."""
+        return "int4" if self.int4 else "fp8" if self.data.dtype == torch.float8_e4m3fn else "int8"
+
+    @property
     def shape(self) -> torch.Size:
-        return self.data.shape
+        n, k = self.data.shape
+        return torch.Size((n, 2 * k)) if self.int4 else self.data.shape
 
     @property
     def device(self) -> torch.device:
@@ -61,10 +83,10 @@ class QWeight:
 
     @property
     def quant(self) -> int:
-        return PER_GROUP if self.group else PER_CHANNEL
+        return PACKED_INT4 if self.int4 else PER_GROUP if self.group else PER_CHANNEL
 
     def element_size(self) -> int:
-        return 1
+        return 1  # (int4: half a byte; `nbytes` counts it)
 
     def stride(self, dim: int) -> int:
         return self.data.stride(dim)
@@ -73,14 +95,21 @@ class QWeight:
         return self.data.is_contiguous() and self.scale.is_contiguous()
 
     def expanded_scale(self) -> torch.Tensor:
-        """The scales as a float32 [N, K] (per-channel: [N, 1]) multiplier of the 1-byte values."""
+        """The scales as a float32 [N, K] (per-channel: [N, 1]) multiplier of the values."""
         if not self.group:
             return self.scale[:, None]
         return self.scale.repeat_interleave(self.group, dim=1)
 
+    def values(self) -> torch.Tensor:
+        """The quantized values as float32 [N, K] (int4: the nibbles unpacked, q = nibble - 8)."""
+        if not self.int4:
+            return self.data.float()
+        nibbles = torch.stack((self.data & 0xF, self.data >> 4), dim=-1).flatten(-2)  # low nibble: the even column
+        return nibbles.float() - INT4_ZERO
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense weight (values x scales in float32, rounded once to `dtype`, default the model dtype)."""
-        return (self.data.float() * self.expanded_scale()).to(dtype or self.dtype)
+        return (self.values() * self.expanded_scale()).to(dtype or self.dtype)
 
     def rows(self, start: int, stop: int) -> "QWeight":
         """Rows [start, stop) as views of the same storage."""
@@ -99,11 +128,12 @@ def dense(weight: Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def weight_format(weight: Weight) -> tuple[int, ...]:
-    """The tuning's extra arguments for a weight: (1 byte, scale group: 0 per-channel, "fp8"/"int8") for a QWeight,
-    none for a model-dtype weight (whose lookups stay exactly what they were)."""
+    """The tuning's extra arguments for a weight: (1 byte, scale group: 0 per-channel, "fp8"/"int8"/"int4") for a
+    QWeight, none for a model-dtype weight (whose lookups stay exactly what they were). int4 takes the 1-byte
+    heuristic until a GPU sweeps its own entries."""
     if not isinstance(weight, QWeight):
         return ()
-    return 1, weight.group, "fp8" if weight.data.dtype == torch.float8_e4m3fn else "int8"
+    return 1, weight.group, weight.kind
 
 
 def rows(weight: Weight, start: int, stop: int) -> Weight:
@@ -114,10 +144,38 @@ def rows(weight: Weight, start: int, stop: int) -> Weight:
 def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torch.Tensor, int, int, object, int, float]:
     """(data, scales, QUANT, GROUP, DOT, CONV, WSCALE) for a kernel launch: a plain weight passes itself as its
     (unread) scales. DOT is the MMA's operand dtype, WSCALE the power of two the conversion `convert` leaves in the
-    weights (folded into the scales)."""
+    weights (folded into the scales). Packed int4 passes its bytes as int32 words ([N, K / 8])."""
     if isinstance(weight, QWeight):
         dot = tl.float16 if convert in (BITS_F16, NATIVE_F16) else TL_DTYPES[weight.dtype]
         fp8 = weight.data.dtype == torch.float8_e4m3fn
         wscale = {BITS_BF16: 2.0**120, BITS_F16: 2.0**8}.get(convert, 1.0) if fp8 else 1.0
-        return weight.data, weight.scale, weight.quant, weight.group or 1, dot, convert, wscale
+        data = weight.data.view(torch.int32) if weight.int4 else weight.data
+        return data, weight.scale, weight.quant, weight.group or 1, dot, convert, wscale
     return weight, weight, 0, 1, TL_DTYPES.get(weight.dtype, tl.float32), CAST, 1.0
+
+
+@triton.jit
+def _nibble_pair(w, s: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
+    """Nibbles s and s + 4 of each word as HALF values 2^k + u, joined: [BN, BW, 2] (the new axis: bit 2 of the
+    column within the word)."""
+    pair = ((w >> (4 * s)) & 0x000F000F) | MAGIC
+    return tl.join(pair.to(tl.int16).to(HALF, bitcast=True), (pair >> 16).to(tl.int16).to(HALF, bitcast=True))
+
+
+@triton.jit
+def unpack_int4(w, DOT: tl.constexpr):
+    """A tile of packed int4 words (int32 [BN, BK / 8], nibble i of word j = column 8j + i, stored as q + 8) as DOT
+    values [BN, BK] (fp16 or bf16), by magic numbers two nibbles per 32-bit operation: (w >> 4s) & 0x000F000F |
+    0x64006400 is two fp16 values 1024 + u (nibbles s and s + 4 of each word, u in [0, 15]), minus 1032 is q
+    exactly; bf16 the same with 0x43004300 (128 + u) and 136. The eight planes are put back in column order by joins
+    (a new minor axis each: the last join picks bit 0 of the column within the word) and one reshape."""
+    BN: tl.constexpr = w.shape[0]
+    BW: tl.constexpr = w.shape[1]
+    if DOT == tl.bfloat16:
+        t = tl.join(tl.join(_nibble_pair(w, 0, 0x43004300, tl.bfloat16), _nibble_pair(w, 2, 0x43004300, tl.bfloat16)),
+                    tl.join(_nibble_pair(w, 1, 0x43004300, tl.bfloat16), _nibble_pair(w, 3, 0x43004300, tl.bfloat16)))
+        return tl.reshape(t, [BN, BW * 8]) - 136.0
+    else:
+        t = tl.join(tl.join(_nibble_pair(w, 0, 0x64006400, tl.float16), _nibble_pair(w, 2, 0x64006400, tl.float16)),
+                    tl.join(_nibble_pair(w, 1, 0x64006400, tl.float16), _nibble_pair(w, 3, 0x64006400, tl.float16)))
+        return tl.reshape(t, [BN, BW * 8]) - 1032.0

@@ -36,7 +36,7 @@ from .linear import (
     GemvConfig, TensorDescriptor, channel_scale, dot_tile, fit_group, fit_shape, gemv_epilogue, prefetch_rows_l2,
     tma_supported,
 )
-from .qweight import Weight, kernel_args
+from .qweight import PACKED_INT4, Weight, kernel_args
 
 class TailScratch:
     """The grid barrier's arrival count and each program's partial sums of squares (one row per program, 16 columns
@@ -311,6 +311,8 @@ def block_tail(
     packed = [kernel_args(w, c.convert) for w, c in zip((o, gate_up, down, wq), products)]
     if len({p[2:4] for p in packed}) > 1:
         raise ValueError("block_tail needs its four weights in one format")
+    if packed[0][2] == PACKED_INT4:
+        raise ValueError("block_tail does not read packed int4 weights yet: run their products through gemv")
     for c, k in ((cfg.o, a), (cfg.gate_up, d), (cfg.down, g // 2), (cfg.qkv, d)):
         if k % c.block_k:
             raise ValueError(f"K={k} must be a multiple of block_k={c.block_k}")
