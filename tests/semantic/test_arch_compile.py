@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Two halves of about equal compile time (CI has two cores); each process builds the meta model once. The second also
 # compiles the tiny model's kernels for sm_90 (~30 CPU s: one compile per tile configuration, `SMALL_MINOR`).
 GROUPS = (("80", "86", "89", "120"), ("90", "100", "--tiny", "90"))
-TIMEOUT = 600  # seconds per process (about 90 on two idle cores)
+TIMEOUT = 1200  # seconds per process: a guard against a hang (about 90 on two idle cores, over 600 on a shared one)
 
 
 def _compile(tmp_path: Path, precisions: str) -> list[dict]:

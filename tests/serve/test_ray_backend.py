@@ -172,7 +172,9 @@ def test_four_songs_run_at_once_a_fifth_waits_and_a_stop_frees_its_place_within_
         jobs[0].cancel()  # Stop: that song's replica place goes to the fifth song
         took = wait_until(lambda: waiter.predict(api_name="/status")["jobs"][0]["state"] != "queued", 10,
                           "the waiting song never got the freed place")
-        assert took - look < 1.0, f"the freed place took {took:.2f} s to reach the waiting song ({look:.2f} s a look)"
+        # Promptly, not when the stopped song would have ended: within 2 s on a 2-core box running the rest of the
+        # suite beside the cluster (1.07 s was seen there; the stop crosses the front, the handle and the replica).
+        assert took - look < 2.0, f"the freed place took {took:.2f} s to reach the waiting song ({look:.2f} s a look)"
         assert fifth.result(timeout=120)[1]["seed"] == SONG["seed"]
         assert runners[0].predict(api_name="/status")["jobs"][0]["state"] == "cancelled"
     finally:
