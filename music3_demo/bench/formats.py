@@ -38,7 +38,10 @@ MID = ModelSizes(
     depth_heads=8, depth_intermediate=768, dit_channels=8, dit_condition_dim=16, dit_layers=2, dit_heads=2,
     dit_head_dim=8, dit_ff=32, dit_rotary_dim=4, dit_fourier_dim=16, vocoder_input_dim=16, vocoder_hidden_dim=16,
 )
-SCHEMES = (Scheme("fp8", 0), Scheme("fp8", 128), Scheme("int8", 0), Scheme("int8", 128))
+# int4 runs with its mode's int8 depth decoder (quant.DEPTH_SCHEMES); the last pair, an int4 depth decoder too, is
+# what that choice avoids.
+SCHEMES = (Scheme("fp8", 0), Scheme("fp8", 128), Scheme("int8", 0), Scheme("int8", 128), Scheme("int4", 64),
+           Scheme("int4", 128), (Scheme("int4", 64), Scheme("int4", 64)))
 OUTLIER_COLUMNS, OUTLIER_GAIN = 4, 30.0  # per 4,096 input columns (at least one per Linear)
 
 
@@ -108,9 +111,10 @@ def densify_(model: torch.nn.Module) -> None:
 
 
 def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: int = 64, seed: int = 0,
-                    schemes: tuple[Scheme, ...] = SCHEMES) -> dict:
-    """Figures of each scheme for float32 models (outliers already injected), teacher-forced on `frames` frames of
-    random codes after a random prompt: {scheme name: figures, ..., "bytes_per_weight": {...}}."""
+                    schemes: tuple[Scheme | tuple[Scheme, Scheme], ...] = SCHEMES) -> dict:
+    """Figures of each scheme (or pair: the LM's, the depth decoder's) for float32 models (outliers already
+    injected), teacher-forced on `frames` frames of random codes after a random prompt: {scheme name: figures with
+    their "bytes_per_weight"}."""
     device = language_model.lm_head.weight.device
     generator = torch.Generator().manual_seed(seed)
     text_ids = torch.randint(0, 250, (2, prompt_tokens), generator=generator).to(device)
@@ -119,8 +123,9 @@ def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: i
     hidden = language_model.config.hidden_size
     results: dict = {}
     for scheme in schemes:
+        scheme, depth_scheme = scheme if isinstance(scheme, tuple) else (scheme, None)
         lm_q, depth_q = copy.deepcopy(language_model), copy.deepcopy(depth_decoder)
-        report = quantize_model_(lm_q, depth_q, scheme.fmt, device, scheme)
+        report = quantize_model_(lm_q, depth_q, scheme.fmt, device, scheme, depth_scheme)
         densify_(lm_q)
         densify_(depth_q)
         figures = summarize(reference, reference_teacher_forced(lm_q, depth_q, text_ids, codes), hidden)
@@ -128,6 +133,11 @@ def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: i
         results[report.scheme] = figures
         del lm_q, depth_q
     return results
+
+
+def _name(scheme: Scheme | tuple[Scheme, Scheme]) -> str:
+    """A SCHEMES entry's name on the command line: "int4/g64", or "int4/g64+int4/g64" for an LM / depth pair."""
+    return "+".join(s.name for s in scheme) if isinstance(scheme, tuple) else scheme.name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--schemes", help="comma list of scheme names to measure (default: all of SCHEMES)")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -149,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     inject_outliers(lm, depth, seed=args.seed)
-    results = measure_formats(lm, depth, args.frames, args.prompt_tokens, args.seed, SCHEMES)
+    schemes = SCHEMES if not args.schemes else tuple(s for s in SCHEMES if _name(s) in args.schemes.split(","))
+    results = measure_formats(lm, depth, args.frames, args.prompt_tokens, args.seed, schemes)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(), "size": args.size,
         "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
