@@ -158,7 +158,8 @@ def test_the_default_one_byte_formats_have_an_entry_for_every_bf16_product():
 
     gemv, _ = load_table(H200_TABLE)
     for scheme in DEFAULT_SCHEMES.values():
-        assert all((*key, "w1", scheme.fmt, scheme.group) in gemv for key in _bf16_entries(gemv))
+        if scheme.fmt in ("fp8", "int8"):  # int4 borrows the 1-byte entries until a GPU sweep gives it its own
+            assert all((*key, "w1", scheme.fmt, scheme.group) in gemv for key in _bf16_entries(gemv))
 
 
 ARCHITECTURES = (H200, Target("NVIDIA A100-SXM4-80GB", 80, 108), Target("NVIDIA GeForce RTX 3090", 86, 82),
