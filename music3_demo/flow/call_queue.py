@@ -172,11 +172,10 @@ class CallQueue:
         if self._turn is None:
             return False
         song, since = self._turn
-        if any(call.order.first_chunk == song for call in urgent) or now - since > TURN_S:
-            if now - since > TURN_S:
-                self._turn = None
+        if now - since > TURN_S:
+            self._turn = None
             return False
-        return True
+        return not any(call.order.first_chunk == song for call in urgent)
 
     def held_for(self) -> float:
         """Seconds until the first held call is due (a gathering song's end or a new call comes sooner, as a rule)."""
