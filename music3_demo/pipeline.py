@@ -17,7 +17,7 @@ from .checkpoint import CheckpointError, ModelSource, default_device, default_dt
 from .continuation import SongState
 from .devices import normalize, on_device, split_devices
 from .events import Cancelled, Event, Song
-from .flow.worker import FirstChunks, StreamPool
+from .flow.worker import FLOW_PRIORITY, FirstChunks, StreamPool
 from .loading import as_loaded, fp8_dit_waiting, getting_ready, load_model, modes_text, place_fp8_dit, plan_for
 from .memory import PeakSampler, note_process_start, release_cached, song_guard
 from .memory_map import start_recording, write_if_asked
@@ -80,7 +80,8 @@ class Music3Pipeline:
         self._stages_lock = threading.Lock()
         self._fp8_dit_on_host = fp8_dit_waiting(components, memory_plan)
         self.first_chunks = FirstChunks()  # songs waiting for their first audio: the others' frames wait meanwhile
-        self.flow_streams = StreamPool()  # the songs' flow-worker streams, reused (their cached memory with them)
+        self.flow_streams = StreamPool(FLOW_PRIORITY)  # flow workers' streams, reused (their cache too)
+        self.caller_streams = StreamPool()  # each song's caller runs on one of these, never on the default stream
         if not lazy:
             self.ensure_stages()
 
@@ -276,7 +277,8 @@ class Music3Pipeline:
         with on_device(self.device), song_guard(self.device, modes, self.release_caches):
             built = self.ensure_stages()  # a lazy pipeline's first song (in this process) builds the engine
             flow_sampler = PeakSampler(self.flow_device) if self.split else contextlib.nullcontext()
-            with PeakSampler(self.device) as memory, flow_sampler as flow_memory:
+            caller_stream = self.caller_streams.lent(self.device)
+            with PeakSampler(self.device) as memory, flow_sampler as flow_memory, caller_stream:
                 run = SongRun(self._stages(), self.validate(request), on_event, cancel, continue_from)
                 song = run.run(memory, flow_memory, self.setup_s if built else None)
             write_if_asked(self.device, "song")

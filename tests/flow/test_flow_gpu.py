@@ -24,6 +24,15 @@ def pipeline():
     pipe.release()
 
 
+def _sleep_cycles_per_ms() -> float:
+    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    began.record()
+    torch.cuda._sleep(10**8)
+    ended.record()
+    ended.synchronize()
+    return 10**8 / began.elapsed_time(ended)
+
+
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -89,6 +98,22 @@ def test_cancel_during_overlap_stops_worker_and_frees_the_gpu(pipeline):
     assert not [t for t in threading.enumerate() if t.name == "music3-flow" and t.is_alive()]
     song = pipeline.generate(GenerationRequest("rock", "[verse]\nyeah", duration=2.0, num_steps=2, seed=3))
     assert song.frames == 50
+
+
+def test_a_song_starting_does_not_wait_for_work_other_threads_queued(pipeline):
+    # The songs already playing keep waits for their next frames queued on their callers' streams; a song that starts
+    # must not copy its prompt behind them (on the device's default stream, shared by every caller, a joining song's
+    # prefill began ~0.7 s late). Two seconds of sleep on the default stream stand in for them.
+    request = GenerationRequest("rock", "[verse]\nyeah", duration=2.0, num_steps=2, seed=4)
+    pipeline.generate(request)
+    songs = []
+    torch.cuda._sleep(int(2000 * _sleep_cycles_per_ms()))
+    thread = threading.Thread(target=lambda: songs.append(pipeline.generate(request)))
+    thread.start()
+    thread.join()
+    torch.cuda.synchronize()
+    assert songs[0].frames == 50
+    assert songs[0].timings["prefill_started_s"] < 0.5
 
 
 def test_graph_pipeline_keeps_only_the_audio_rows_of_head_and_embeddings_on_the_gpu(pipeline):
