@@ -18,6 +18,7 @@ from .. import contract as c
 from ..events import AudioPiece, Cancelled
 from .admission import GPU_GROUP, RANDOM_SEED, admission_validator, waiting_songs
 from ..request import MAX_VARIATIONS, InvalidRequest, check_variations, variation_requests
+from .loop_watch import watch_loop
 from .core import AppContext, Failed, Outcome, check, make_request, refusal, run, run_songs, whole
 
 __all__ = ["GPU_GROUP", "add_api"]
@@ -116,6 +117,7 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
         its files are written); never other people's. Answered outside the song queue, so it answers while the
         queue is full."""
         # A coroutine: it never blocks (server_status), so it runs on the event loop without a thread hand-off.
+        watch_loop()
         return server_status(ctx, blocks, request.session_hash)
 
     def files(song_id: str) -> tuple:

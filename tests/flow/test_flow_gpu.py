@@ -76,9 +76,11 @@ def test_overlapped_song_is_deterministic_and_pieces_are_the_song(pipeline):
     second = pipeline.generate(request)
     assert first.frames == 750
     assert np.array_equal(first.audio, second.audio)
-    # The second song's flow worker reuses the first's stream and so its cached blocks: nothing new is reserved (a
-    # stream per song left each one's cache behind, and the process grew song after song).
-    assert pipeline.flow_streams.created == 1 and torch.cuda.memory_reserved(DEVICE) <= reserved
+    # The second song's flow worker and caller reuse the first's streams and so their cached blocks (a stream per
+    # song left each one's cache behind, and the process grew song after song). What is still new is small: a
+    # cuBLAS workspace for a new thread's handle on a stream, the cache's blocks split another way.
+    assert pipeline.flow_streams.created == 1 and pipeline.caller_streams.created == 1
+    assert torch.cuda.memory_reserved(DEVICE) <= reserved + 64 * 2**20
     pieces = [e.samples for e in events if isinstance(e, AudioPiece)]
     assert np.array_equal(np.concatenate(pieces, axis=-1), first.audio)
     kinds = [type(e).__name__ + (":" + e.stage if isinstance(e, Progress) else "") for e in events]
