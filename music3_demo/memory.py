@@ -20,7 +20,7 @@ import gc
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -297,8 +297,14 @@ class PeakSampler:
         self._note(self.end.process)
 
     def _sample(self) -> None:
+        # Where NVML counts this process, only NVML is asked (through ctypes, which lets go of the interpreter while
+        # it waits). torch's counters take the caching allocator's lock while holding the interpreter: every song's
+        # sampler asking 20 times a second put every thread of the server behind whichever allocation held it.
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        pid, nvml = os.getpid(), self.start.method == "nvml-process"
         while not self._stop.wait(self.interval_s):
-            self._note(device_memory(self.device).process)
+            used = _NVML.process_used(index, pid) if nvml else None
+            self._note(used if used is not None else device_memory(self.device).process)
 
     def _note(self, used: int) -> None:
         self.sampled_peak = max(self.sampled_peak, used)
@@ -337,6 +343,8 @@ class MemoryWatch:
     a reader (the status endpoint) takes the latest figures without a CUDA call of its own. Off CUDA it samples
     nothing and starts no thread."""
 
+    COUNTERS_EVERY = 10
+
     def __init__(self, every_s: float = 1.0) -> None:
         self.every_s = every_s
         self._devices: tuple[str, ...] = ()
@@ -357,22 +365,36 @@ class MemoryWatch:
         """card -> its memory at the last sample (at most `every_s` old)."""
         return dict(self._latest)
 
-    def _sample(self) -> None:
+    def _sample(self, counters: bool = True) -> None:
+        """`counters`: torch's allocator counters too (they wait for the allocator's lock while holding the
+        interpreter, so they are read every `COUNTERS_EVERY` samples; between, NVML's process and card figures)."""
         figures = {}
         for device in self._devices:
             try:
-                figures[device] = device_memory(device)
+                last = self._latest.get(device)
+                quick = not counters and last is not None and last.method == "nvml-process"
+                figures[device] = (quick and _nvml_update(last, device)) or device_memory(device)
             except RuntimeError:  # a card in trouble: its song says so; the status keeps its last figures
                 if device in self._latest:
                     figures[device] = self._latest[device]
         self._latest = figures
 
     def _loop(self) -> None:
+        count = 0
         while not self._wake.wait(self.every_s):
-            self._sample()
+            count += 1
+            self._sample(counters=count % self.COUNTERS_EVERY == 0)
 
     def stop(self) -> None:
         self._wake.set()
+
+
+def _nvml_update(last: DeviceMemory, device: str) -> DeviceMemory | None:
+    """`last` with NVML's figures now for this process and the card (None where NVML does not answer)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    own, card = _NVML.process_used(index, os.getpid()), _NVML.card_used(index)
+    return None if own is None or card is None else replace(last, process=own, card_used=card)
 
 
 def _gb(value: int) -> float:
