@@ -389,6 +389,11 @@ class MemoryWatch:
         self._wake.set()
 
 
+def process_memory_now(index: int = 0) -> int | None:
+    """This process's bytes on CUDA device `index` by NVML, without touching torch (None where NVML cannot say)."""
+    return _NVML.process_used(index, os.getpid()) if torch.cuda.is_initialized() else None
+
+
 def _nvml_update(last: DeviceMemory, device: str) -> DeviceMemory | None:
     """`last` with NVML's figures now for this process and the card (None where NVML does not answer)."""
     device = torch.device(device)

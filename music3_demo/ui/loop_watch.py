@@ -17,10 +17,13 @@ import threading
 import time
 import traceback
 
+from ..memory import process_memory_now
+
 ENV = "MUSIC3_LOOP_STALLS"
 STALL_S = 0.1  # a loop that has not run its heartbeat for this long is stalled
 BEAT_S = 0.01  # the heartbeat's period, and the watching thread's
 FRAMES = 8  # innermost frames kept per thread
+MEMORY_EVERY = 10  # heartbeats between two readings of the process's device memory
 
 
 class LoopWatch:
@@ -43,7 +46,8 @@ class LoopWatch:
         self._loop.call_later(BEAT_S, self._tick)
 
     def _watch(self) -> None:
-        stall = None  # (the last beat before it, the wall time then, the stacks, the watcher's worst lateness)
+        stall = None  # (the last beat before it, the wall time then, the stacks, the watcher's worst lateness, memory)
+        memory, count = None, 0
         while True:
             asked = time.monotonic()
             time.sleep(BEAT_S)
@@ -51,13 +55,22 @@ class LoopWatch:
             late = now - asked - BEAT_S
             quiet = now - self._beat
             if stall is None and quiet > STALL_S:
-                stall = [self._beat, time.time() - quiet, _stacks(), late]
+                stall = [self._beat, time.time() - quiet, _stacks(), late, memory]
             elif stall is not None and quiet > STALL_S:
                 stall[3] = max(stall[3], late)
             elif stall is not None:
                 self._write({"began": round(stall[1], 3), "stalled_s": round(self._beat - stall[0] - BEAT_S, 3),
-                             "watch_late_s": round(stall[3], 3), "threads": stall[2]})
+                             "watch_late_s": round(stall[3], 3), "process_mib_before": stall[4],
+                             "process_mib_after": self._memory(), "threads": stall[2]})
                 stall = None
+            count += 1
+            if stall is None and count % MEMORY_EVERY == 0:
+                memory = self._memory()
+
+    def _memory(self) -> int | None:
+        """This process's device memory (NVML, first CUDA device) in MiB: does a stall come with the card growing?"""
+        used = process_memory_now()
+        return None if used is None else used // 2**20
 
     def _write(self, record: dict) -> None:
         try:
