@@ -162,12 +162,14 @@ def test_fp8_needs_capability_8_9_and_bad_modes_get_one_sentence(monkeypatch):
     assert fp8_supported(torch.device("cuda", 0))
 
 
-@pytest.mark.parametrize("scheme,chain", [(Scheme("int8", 16), False), (Scheme("fp8", 0), True)],
-                         ids=["int8-g16-gemv", "fp8-channel-tail"])
+@pytest.mark.parametrize("scheme,chain", [(Scheme("int8", 16), False), (Scheme("fp8", 0), True),
+                                          (Scheme("int4", 16), True)],
+                         ids=["int8-g16-gemv", "fp8-channel-tail", "int4-g16-tail"])
 def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weights(scheme, chain):
     """Teacher forcing on the tiny model (float32 activations, interpreter): the engine built from the swapped
     modules (fused q|k|v and gate|up rows with their scales, the audio head, depth heads and tables) computes what
-    the HF modules compute on the dequantized weights."""
+    the HF modules compute on the dequantized weights; int4: the int4 mode (an int8 depth decoder), whose LM blocks
+    run their chained tails on packed int4 words."""
     from music3_demo import random_models
     from music3_demo.semantic.graph import GraphEngine
 
