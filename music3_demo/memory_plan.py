@@ -364,7 +364,7 @@ def plan_memory(
     """The plan for one card. `free_bytes` / `capability` None: not a GPU (auto keeps the weights as they are;
     an fp8 DiT asked for runs unquantized, and the plan says so). `figures` None on a GPU: the checkpoint does not
     say (its load then names the fault); the plan keeps the asked modes and sizes nothing. `four_bit` (internal, no
-    flag sets it: the graph engine does not run int4 yet) lets auto try an int4 LM after the 1-byte ones."""
+    flag sets it until a GPU measures the graph engine on int4) lets auto try an int4 LM after the 1-byte ones."""
     check_precision(precision)
     check_dit_precision(dit_precision)
     lm_auto, dit_auto = precision == "auto", dit_precision == "auto"

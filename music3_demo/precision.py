@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 PRECISIONS = ("auto", "bf16", "fp8", "int8")
 DIT_PRECISIONS = ("auto", "bf16", "fp8")  # the flow transformer's (fp8: weights and scales, flow/dit_fp8.py)
-QUANTIZED = ("fp8", "int8", "int4")  # int4: internal (not in PRECISIONS) until the graph engine runs it
+QUANTIZED = ("fp8", "int8", "int4")  # int4: internal (not in PRECISIONS) until a GPU measures the engine on it
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper, Blackwell: e4m3 conversions in hardware
 
 

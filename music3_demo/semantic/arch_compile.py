@@ -7,7 +7,8 @@ No GPU and no weights: the engine is built over the random-full (or tiny) model'
 runs one frame (sampled and teacher-forced) with Triton's launcher pointed at a stand-in driver for the target; each
 launch is recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with Triton's own compiler for
 `GPUTarget("cuda", capability, 32)`. The configs are those `kernels/tuning.py` chooses for that architecture.
-With int8 weights, the GEMV on packed int4 weights (which the engine does not run yet) is compiled once too.
+With int8 weights, the GEMV and the chained tail on packed int4 weights (the int4 mode's LM, which no flag offers
+yet) are compiled once each too, in the configs the tuning gives them.
 tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
 
 Run (TRITON_INTERPRET must be unset): python -m music3_demo.semantic.arch_compile 86 90 [--sms 82]
@@ -83,7 +84,9 @@ class Compiled:
     registers: int
     seconds: float
     x_bytes: int  # element size of the activation operand (x_ptr), where the kernel has one
-    w_bytes: int = 2  # element size of the weights (1: fp8/int8 weights, `semantic/quant.py`)
+    # element size of the weights (1: fp8/int8 weights, `semantic/quant.py`, and packed int4's int32 words, which
+    # the tuning counts as 1-byte weights: an upper bound of their shared memory)
+    w_bytes: int = 2
 
 
 MODELS = ("full", "tiny")  # random_models.FULL (the released checkpoint's sizes) and TINY
@@ -182,19 +185,33 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
                         config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
 
 
-def _int4_launch(tuning: Tuning) -> None:
-    """The down product's GEMV on packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group) on meta tensors: the
-    engine does not run int4 yet (its chained tail refuses it), but the GEMV that reads it compiles everywhere."""
+def _int4_launches(tuning: Tuning, weights) -> None:
+    """On packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group), meta tensors: the down product's GEMV and an LM
+    block's chained tail with the next block's q|k|v (fused, as on a GPU), in the configs the engine's int4 LM takes
+    (`Tuning.gemv` / `Tuning.tail`). One launch each instead of recording an int4 engine's frame, which would add the
+    tail without a next block and the first q|k|v and audio-head GEMVs (variants of the same code) for about 2.5x
+    the compile time."""
     from .kernels.qweight import QWeight
     from .quant import DEFAULT_SCHEMES
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
-    group, n, k = DEFAULT_SCHEMES["int4"].group, 4096, 12288
-    weight = QWeight(torch.empty(n, k // 2, dtype=torch.uint8, device=meta),
-                     torch.empty(n, k // group, device=meta), group, bf16)
+    group = DEFAULT_SCHEMES["int4"].group
+
+    def int4(n: int, k: int) -> QWeight:
+        return QWeight(torch.empty(n, k // 2, dtype=torch.uint8, device=meta),
+                       torch.empty(n, k // group, device=meta), group, bf16)
+
+    n, k = 4096, 12288
     out = torch.empty(2, n, device=meta)
-    linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
+    linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), int4(n, k), out, residual=out,
                 config=tuning.gemv(2, n, k, False, 2, 1, group, "int4"), workspace=linear.GemvWorkspace(meta))
+    block = weights.blocks[0]
+    d, a, g, q = weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0]
+    h, xn, ln = torch.empty(2, d, device=meta), torch.empty(2, d, dtype=bf16, device=meta), block.ln2
+    tail.block_tail(torch.empty(2, a, dtype=bf16, device=meta), h, xn, torch.empty(2, g // 2, dtype=bf16, device=meta),
+                    int4(d, a), int4(g, d), int4(d, g // 2), ln, weights.eps, tail.TailScratch(meta, tuning.programs),
+                    next_qkv=(int4(q, d), ln, torch.empty(2, q, dtype=bf16, device=meta)),
+                    config=tuning.tail(d, a, g, q, 1, group, "int4"), fused=True)
 
 
 def _record(engine, target: Target, launches: dict, routes: str | None = None) -> None:
@@ -217,7 +234,7 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None) -
         if routes is not None:
             _route_launches(engine.tuning, routes)
         if routes == "int8":  # (int8 runs on every architecture)
-            _int4_launch(engine.tuning)
+            _int4_launches(engine.tuning, engine.weights)
 
 
 # Kernels whose launch configuration no tuning changes: their code differs between architectures only through
@@ -277,7 +294,7 @@ def compile_launch(launch: Launch, capability: int) -> Compiled:
     w_type = signature.get("w_ptr", signature.get("wo_ptr", ""))
     return Compiled(launch.name, launch.constants, kernel.metadata.num_warps, kernel.metadata.num_stages,
                     kernel.metadata.shared, registers(kernel.asm["cubin"]), seconds, 4 if x_type == "*fp32" else 2,
-                    1 if w_type in ("*i8", "*u8", "*fp8e4nv") else 2)
+                    1 if w_type in ("*i8", "*u8", "*fp8e4nv", "*i32") else 2)
 
 
 def _cpu_seconds() -> float:

@@ -61,7 +61,7 @@ class EngineWeights:
     `QWeight` with its scales when the modules are quantized)."""
 
     dtype: torch.dtype
-    precision: str  # "bf16" (the model's dtype), "fp8" or "int8": what the modules hold (`quant.quantize_model_`)
+    precision: str  # "bf16" (the model's dtype), "fp8", "int8" or "int4": what the modules hold (`quantize_model_`)
     # the language model
     hidden: int
     heads: int

@@ -2,7 +2,8 @@
 weights of semantic/quant.py where the architecture runs them) compiles for sm_80, 86, 89, 90, 100 and 120 with the
 configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
 tail's spin-barrier grid is resident all at once (semantic/arch_compile.py does the compiling, in two processes);
-so does the GEMV on packed int4 weights (~1 CPU s per architecture).
+so do the GEMV and the chained tail on packed int4 weights, in the configs the int4 LM takes (~8 CPU s per
+architecture).
 The tiny model's kernels (small shapes: their own tiles) compile too, for sm_90 in every weight format."""
 
 from __future__ import annotations
@@ -67,14 +68,17 @@ def test_every_engine_kernel_compiles_and_fits_every_architecture(reports):
 
 def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(reports):
     """The engine on fp8/int8 weights (semantic/quant.py's default schemes): int8 on every architecture, fp8 from
-    sm_89 on, each with every conversion route of kernels/qweight.py; and the GEMV on packed int4 (QUANT 3)."""
+    sm_89 on, each with every conversion route of kernels/qweight.py; and the GEMV and the chained tail (fused, with
+    the next block's q|k|v) on packed int4 (QUANT 3)."""
     for report in _full(reports):
         cap = report["capability"]
         quant = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] in ("_gemv_kernel",
                                                                                        "_block_tail_kernel")}
         assert quant == ({0, 1, 2, 3} if cap >= 89 else {0, 2, 3}), (cap, quant)
         tails = [k for k in report["kernels"] if k["kernel"] == "_block_tail_kernel"]
+        assert {k["constants"]["QUANT"] for k in tails} == quant, (cap, tails)
         assert all((k["w_bytes"] == 1) == bool(k["constants"]["QUANT"]) for k in tails)
+        assert any(k["constants"]["QUANT"] == 3 and k["constants"]["HAS_NEXT"] for k in tails)
         # every conversion route of 1-byte tiles (kernels/qweight.CONVERSIONS), the native fp16 one with fp8 only
         routes = {k["constants"]["CONV"] for k in report["kernels"] if k["constants"].get("QUANT")
                   and "CONV" in k["constants"]}

@@ -10,19 +10,30 @@ import torch
 from music3_demo.semantic.kernels import GemvConfig, gemv
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# The weights' formats: the model's dtype (float32, fp16), or packed int4 (scales per 32 columns) with fp16
+# activations (the interpreter's tl.dot is wrong on bf16).
+FORMATS = [(dtype, None) for dtype in DTYPES] + [(torch.float16, "int4")]
+
+
+@pytest.mark.parametrize("dtype,fmt", FORMATS, ids=["float32", "float16", "int4"])
 @pytest.mark.parametrize("rows", [2, 4])
 @pytest.mark.parametrize("following", [True, False], ids=["next_qkv", "last_block"])
 @pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
-def test_block_tail_runs_the_blocks_products_as_the_gemvs_do(dtype, rows, following, tma):
+def test_block_tail_runs_the_blocks_products_as_the_gemvs_do(dtype, fmt, rows, following, tma):
     """The chained tail (here one launch per product: the interpreter cannot hold a grid barrier) against the same
     products through `gemv` with RMSNorm on the bf16 copy of the stream: row blocks shared unevenly by 3 programs,
-    SwiGLU pairs, each RMSNorm product's input and sums of squares handed over by the product before it."""
+    SwiGLU pairs, each RMSNorm product's input and sums of squares handed over by the product before it. On packed
+    int4 weights both read the same words through the same tile code: act and q|k|v come out equal, h (float32)
+    within rounding of the RMSNorm's sum of squares, added in another order."""
     from music3_demo.semantic.kernels.tail import TailConfig, TailScratch, block_tail
+    from music3_demo.semantic.quant import quantize_weight
 
-    d, a, i, q = 64, 48, 96, 80
+    # int4: K tiles of 32 columns (a TMA block row is 16 bytes at least: 4 words) and every K a multiple of them
+    d, a, i, q = 64, 48 if fmt is None else 64, 96, 80
     weights = [rand(*shape, dtype=dtype, seed=seed, scale=shape[1] ** -0.5)
                for seed, shape in enumerate([(d, a), (2 * i, d), (d, i), (q, d)])]
+    if fmt == "int4":
+        weights = [quantize_weight(w, "int4", 32) for w in weights]
     ln1, ln2 = (rand(d, dtype=dtype, seed=seed, scale=0.1) + 1 for seed in (5, 6))
     attn, start = rand(rows, a, dtype=dtype, seed=7), rand(rows, d, seed=8)
     outputs = []
@@ -30,7 +41,7 @@ def test_block_tail_runs_the_blocks_products_as_the_gemvs_do(dtype, rows, follow
         h, h16 = start.clone(), start.to(dtype, copy=True)
         act, qkv = torch.zeros(rows, i, dtype=dtype), torch.zeros(rows, q, dtype=dtype)
         if chained:
-            tile = GemvConfig(16, 16, tma=tma)
+            tile = GemvConfig(16, 16 if fmt is None else 32, tma=tma)
             block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, TailScratch("cpu", 3),
                        next_qkv=(weights[3], ln1, qkv) if following else None, config=TailConfig(*[tile] * 4))
         else:
@@ -41,7 +52,9 @@ def test_block_tail_runs_the_blocks_products_as_the_gemvs_do(dtype, rows, follow
                 gemv(h16, weights[3], qkv, norm_weight=ln1)
         outputs.append((h, act, qkv))
     for chained, separate in zip(outputs[1], outputs[0]):
-        assert_close(chained, separate, dtype)
+        assert_close(chained, separate, torch.float32 if fmt == "int4" else dtype)
+    if fmt == "int4":
+        assert torch.equal(outputs[1][1], outputs[0][1]) and torch.equal(outputs[1][2], outputs[0][2])
     assert outputs[1][2].any() == following  # the last block of a stack leaves q|k|v to the next launch
 
 

@@ -89,6 +89,26 @@ def prefetch_rows_l2(row_ptrs, nbytes: tl.constexpr):
 
 
 @triton.jit
+def weight_ptrs(w_ptr, offs_n, k, K, BLOCK_K: tl.constexpr, QUANT: tl.constexpr):
+    """Where the weight tile of rows offs_n and columns k .. k + BLOCK_K lies: model-dtype or 1-byte elements, or for
+    packed int4 (QUANT 3) BLOCK_K / 8 int32 words of rows of K / 8."""
+    PACK: tl.constexpr = 8 if QUANT == 3 else 1
+    return w_ptr + offs_n.to(tl.int64)[:, None] * (K // PACK) + (k // PACK + tl.arange(0, BLOCK_K // PACK))[None, :]
+
+
+@triton.jit
+def weight_tile(w_ptrs, w_desc, n_mask, row0, k, TMA: tl.constexpr, QUANT: tl.constexpr):
+    """The weight tile as stored (`weight_ptrs`; `dot_tile` converts it): by TMA, the descriptor's block at row row0
+    and column k, else loaded from w_ptrs. Rows past N are zeros (masked; TMA tiles arrive so)."""
+    PACK: tl.constexpr = 8 if QUANT == 3 else 1
+    if TMA:
+        w = w_desc.load([row0, k // PACK])
+    else:
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+    return w
+
+
+@triton.jit
 def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr):
     """A 1-byte weight tile (int8 or fp8 e4m3) as DOT values, by route CONV (`qweight.CAST` ...: what each does and
     why). The bit routes are integer ops on the sign-extended bytes; the fp8 ones leave a power of two in the values
@@ -202,8 +222,7 @@ def _gemv_kernel(
     offs_k = split * k_len + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    w_ptrs = (w_ptr + offs_n.to(tl.int64)[:, None] * (K // PACK)
-              + (split * k_len // PACK + tl.arange(0, BLOCK_K // PACK))[None, :])
+    w_ptrs = weight_ptrs(w_ptr, offs_n, split * k_len, K, BLOCK_K, QUANT)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     if PDL:  # SPLIT_K is 1 under PDL: the first tile is at K offset 0
         prefetch_rows_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (K // PACK),
@@ -212,10 +231,7 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
-        if TMA:  # rows past N arrive as zeros
-            w = w_desc.load([pid * BLOCK_N, (split * k_len + k0) // PACK])
-        else:
-            w = tl.load(w_ptrs + k0 // PACK, mask=n_mask[:, None], other=0.0)
+        w = weight_tile(w_ptrs + k0 // PACK, w_desc, n_mask, pid * BLOCK_N, split * k_len + k0, TMA, QUANT)
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
         if NORM:
             xf = x.to(tl.float32)

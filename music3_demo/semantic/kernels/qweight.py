@@ -1,6 +1,6 @@
 """A quantized weight as the GEMV and chained-tail kernels read it: int8 or fp8 (e4m3) values plus float32 scales,
 one per output row ("per-channel") or one per output row and group of `group` input columns ("per-group"); or packed
-int4 values (two per byte, per-group scales only; the GEMV reads them, the chained tail not yet).
+int4 values (two per byte, per-group scales only; the GEMV and the chained tail read them alike).
 
 Packed int4 (`data` uint8 [N, K / 2]): byte j of a row holds column 2j in its low nibble and column 2j + 1 in its
 high nibble, each as q + 8 for q in [-7, 7] (offset binary: nibble 8 is zero, 0 is never written). Read as

@@ -34,9 +34,9 @@ import triton.language as tl
 from .launch import interpreting
 from .linear import (
     GemvConfig, TensorDescriptor, channel_scale, dot_tile, fit_group, fit_shape, gemv_epilogue, prefetch_rows_l2,
-    tma_supported,
+    tma_supported, weight_ptrs, weight_tile,
 )
-from .qweight import PACKED_INT4, Weight, kernel_args
+from .qweight import Weight, kernel_args
 
 class TailScratch:
     """The grid barrier's arrival count and each program's partial sums of squares (one row per program, 16 columns
@@ -126,11 +126,12 @@ def _grid_barrier(count_ptr):
 
 
 @triton.jit
-def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, QUANT: tl.constexpr):
     """Between two products: start this program's next weight rows towards L2, then wait for the whole grid."""
     if PREFETCH > 0:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        prefetch_rows_l2(w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * K, PREFETCH)
+        PACK: tl.constexpr = 8 if QUANT == 3 else 1  # packed int4: K / 8 words per row
+        prefetch_rows_l2(w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * (K // PACK), PREFETCH)
     _grid_barrier(bar_ptr)
 
 
@@ -150,8 +151,9 @@ def _product(
     k-loop is a plain product, with no per-tile reduction (which made 16-32-row tiles 2-3x slower).
     RESIDUAL: out (float32) += y; with NEXT, also next = bf16(bf16(out) ⊙ gain) for the next NORM product and this
     program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s, and so is the
-    handling of 1-byte weights (QUANT, GROUP, DOT, CONV, WSCALE: `linear.dot_tile`; per-channel scales at each row
-    block's end).
+    handling of quantized weights (QUANT, GROUP, DOT, CONV, WSCALE): its tile loads (`linear.weight_ptrs`,
+    `weight_tile`: packed int4 as K / 8 words per row) and conversions (`linear.dot_tile`; per-channel scales at each
+    row block's end).
     """
     BLOCK_M: tl.constexpr = 16
     K_TILES: tl.constexpr = K // BLOCK_K
@@ -175,11 +177,7 @@ def _product(
         k0 = (t % K_TILES) * BLOCK_K
         offs_n = row0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        if TMA:  # rows past N arrive as zeros
-            w = w_desc.load([row0, k0])
-        else:
-            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :], mask=n_mask[:, None],
-                        other=0.0)
+        w = weight_tile(weight_ptrs(w_ptr, offs_n, k0, K, BLOCK_K, QUANT), w_desc, n_mask, row0, k0, TMA, QUANT)
         if FRESH:
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
         else:
@@ -238,27 +236,29 @@ def _block_tail_kernel(
                  M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, QUANT, GROUP, DT_O, CV_O,
                  WS_O)
     if SYNC:
-        _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU)
+        _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU, QUANT)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
         _product(xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps,
                  M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC, QUANT, GROUP, DT_GU,
                  CV_GU, WS_GU)
     if SYNC:
-        _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D)
+        _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D, QUANT)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
         _product(act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps,
                  M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC, QUANT, GROUP,
                  DT_D, CV_D, WS_D)
     if SYNC and HAS_NEXT:
-        _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q)
+        _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q, QUANT)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
         _product(xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps,
                  M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, QUANT, GROUP, DT_Q, CV_Q,
                  WS_Q)
 
 
-def _descriptor(weight: torch.Tensor, cfg: GemvConfig):
-    return TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if cfg.tma else weight
+def _descriptor(data: torch.Tensor, cfg: GemvConfig, k: int):
+    """The TMA descriptor of a product's stored weight (`kernel_args`' data: packed int4 has K / 8 words per row)."""
+    pack = k // data.shape[1]
+    return TensorDescriptor.from_tensor(data, [cfg.block_n, cfg.block_k // pack]) if cfg.tma else data
 
 
 def block_tail(
@@ -285,7 +285,7 @@ def block_tail(
     product's input from the product before it (bf16(h) ⊙ gain; no bf16 copy of h itself is left behind).
     `gate_up` is row-interleaved (`linear.interleave_rows`). `fused` (default: on a GPU) runs everything in one
     launch with grid barriers; otherwise one launch per product. The weights are all model-dtype tensors or all
-    1-byte `QWeight`s of one format."""
+    `QWeight`s of one format (1-byte or packed int4)."""
     m, d = h.shape
     g, a = gate_up.shape[0], attn.shape[1]
     q = next_qkv[0].shape[0] if next_qkv is not None else 16
@@ -311,8 +311,6 @@ def block_tail(
     packed = [kernel_args(w, c.convert) for w, c in zip((o, gate_up, down, wq), products)]
     if len({p[2:4] for p in packed}) > 1:
         raise ValueError("block_tail needs its four weights in one format")
-    if packed[0][2] == PACKED_INT4:
-        raise ValueError("block_tail does not read packed int4 weights yet: run their products through gemv")
     for c, k in ((cfg.o, a), (cfg.gate_up, d), (cfg.down, g // 2), (cfg.qkv, d)):
         if k % c.block_k:
             raise ValueError(f"K={k} must be a multiple of block_k={c.block_k}")
@@ -323,8 +321,8 @@ def block_tail(
         eps=eps, M=m, D=d, A=a, G=g, Q=q, HAS_NEXT=next_qkv is not None, SYNC=fused,
         PARTS=scratch.partials.shape[0],
         # bytes of each next weight row to prefetch (whole rows at most), only where a barrier waits
-        **{f"PF_{name}": min(cfg.prefetch, w.shape[1] * w.element_size()) if fused else 0
-           for name, w in (("GU", gate_up), ("D", down), ("Q", wq))},
+        **{f"PF_{name}": min(cfg.prefetch, p[0].shape[1] * p[0].element_size()) if fused else 0
+           for name, p in zip(("GU", "D", "Q"), packed[1:])},
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
         QUANT=packed[0][2], GROUP=packed[0][3],
@@ -332,8 +330,9 @@ def block_tail(
            for key, value in zip(("DT", "CV", "WS"), p[4:])},
     )
     (wo, so, *_), (wgu, sgu, *_), (wd, sd, *_), (wqd, sq, *_) = packed
-    args = (attn, h, xn, act, qkv_out, wo, _descriptor(wo, cfg.o), wgu, _descriptor(wgu, cfg.gate_up),
-            wd, _descriptor(wd, cfg.down), wqd, _descriptor(wqd, cfg.qkv), so, sgu, sd, sq, ln2, ln1, scratch.partials,
+    args = (attn, h, xn, act, qkv_out, wo, _descriptor(wo, cfg.o, a), wgu, _descriptor(wgu, cfg.gate_up, d),
+            wd, _descriptor(wd, cfg.down, g // 2), wqd, _descriptor(wqd, cfg.qkv, d), so, sgu, sd, sq, ln2, ln1,
+            scratch.partials,
             scratch.count, attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
     runs = [(True, True, True, next_qkv is not None)] if fused else [
         tuple(i == j for j in range(4)) for i in range(4 if next_qkv is not None else 3)
