@@ -20,7 +20,23 @@ def pytest_configure(config: pytest.Config) -> None:
         # The CPU tests run tiny models whose every op is too small to share between threads: one thread each (the
         # app servers they start inherit it) instead of torch's pool per process fighting over the machine's cores.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        _skip_dead_overflow_checks()
         _patch_triton_language_once_per_launch()
+
+
+def _skip_dead_overflow_checks() -> None:
+    """Triton's interpreter runs with `sanitize_overflow` on and `debug` off: every integer add, sub and mul of a
+    kernel is then redone in int64 and compared with the type's limits for a `device_assert` that, without debug,
+    asserts nothing (semantic.device_assert returns first), as a compiled kernel drops it. About a third of an
+    interpreted engine step went to that dead check; with it off the kernels compute the same. (Should the
+    interpreter's options ever turn debug on, the checks stay.)"""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    if not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
 
 def _patch_triton_language_once_per_launch() -> None:
