@@ -8,11 +8,43 @@ from pathlib import Path
 import pytest
 
 
+# The CPU suite's longest files, in the order they start. `pytest -n 2 --dist loadfile` hands whole files to its two
+# workers in the order of the collection (pytest_collection_modifyitems puts these first; xdist's own reordering, by
+# number of tests per file, is turned off in pytest_configure): a long file handed out last runs on alone after the
+# other worker has finished, so the longest start first. The arch-compile test comes first and runs two compiling
+# processes; beside it the other worker runs the interpreter-bound files, which have no timing bounds, then the app
+# servers and the browser; every other file follows in collection order (none takes more than ~10 s).
+LONGEST_FIRST = (
+    "tests/semantic/test_arch_compile.py",
+    "tests/semantic/test_batch.py",
+    "tests/test_continuation.py",
+    "tests/semantic/test_graph_engine.py",
+    "tests/flow/test_streaming.py",
+    "tests/test_pipeline.py",
+    "tests/semantic/test_quant.py",
+    "tests/flow/test_flow_batch.py",
+    "tests/ui/test_app.py",
+    "tests/ui/test_page_truth.py",
+    "tests/ui/test_engine_fallback.py",
+    "tests/ui/test_server_api.py",
+    "tests/ui/test_ui_browser.py",
+    "tests/ui/test_memory_faults.py",
+    "tests/ui/test_memory_admission.py",
+    "tests/test_no_triton.py",
+    "tests/ui/test_continue_app.py",
+    "tests/ui/test_many_users.py",
+    "tests/test_cli.py",
+    "tests/test_server_limits.py",
+)
+
+
 def _gpu_run(config: pytest.Config) -> bool:
     return "gpu" in config.option.markexpr.replace("not gpu", "")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: hand files out in collection order (above)
+        config.option.loadscopereorder = False
     # CPU runs test the Triton kernels under Triton's interpreter, which must be chosen before anything imports
     # triton (diffusers does at import time); GPU runs (`-m gpu`) compile them for the device.
     if not _gpu_run(config):
@@ -20,7 +52,23 @@ def pytest_configure(config: pytest.Config) -> None:
         # The CPU tests run tiny models whose every op is too small to share between threads: one thread each (the
         # app servers they start inherit it) instead of torch's pool per process fighting over the machine's cores.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        _skip_dead_overflow_checks()
         _patch_triton_language_once_per_launch()
+
+
+def _skip_dead_overflow_checks() -> None:
+    """Triton's interpreter runs with `sanitize_overflow` on and `debug` off: every integer add, sub and mul of a
+    kernel is then redone in int64 and compared with the type's limits for a `device_assert` that, without debug,
+    asserts nothing (semantic.device_assert returns first), as a compiled kernel drops it. About a third of an
+    interpreted engine step went to that dead check; with it off the kernels compute the same. (Should the
+    interpreter's options ever turn debug on, the checks stay.)"""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    if not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
 
 def _patch_triton_language_once_per_launch() -> None:
@@ -67,6 +115,11 @@ def _patch_triton_language_once_per_launch() -> None:
             state.launching, state.patched = False, outer
 
     interpreter._patch_lang, interpreter.GridExecutor.__call__ = patched_once, launch_once
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

@@ -352,6 +352,16 @@ def test_tests_mirror_the_package_and_gpu_tests_sit_beside_them():
     assert len(names) == len(set(names)), "test modules need unique basenames (pytest imports them by name)"
 
 
+def test_the_files_the_suite_starts_first_exist():
+    """tests/conftest.py's LONGEST_FIRST (the suite's wall time on CI's two cores depends on the long files starting
+    first): a file renamed or removed is renamed or removed there too."""
+    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    (listed,) = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                 and any(isinstance(target, ast.Name) and target.id == "LONGEST_FIRST" for target in node.targets)]
+    assert listed and len(set(listed)) == len(listed)
+    assert not [path for path in listed if not (ROOT / path).is_file() or not Path(path).name.startswith("test_")]
+
+
 def _external_imports(path: Path) -> set[str]:
     """Top-level names of the packages outside music3_demo that a file imports (lazy imports too)."""
     found = set()
