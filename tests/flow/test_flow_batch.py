@@ -432,11 +432,11 @@ def test_a_first_chunk_keeps_its_turn_between_its_calls():
 def test_flow_worker_streams_are_lent_and_reused(monkeypatch):
     """A pipeline's flow workers take their streams from its pool and give them back, so the next song reuses a
     stream (and the allocator's blocks cached for it) instead of a new one per song; songs at once get their own."""
-    from music3_demo.flow.worker import StreamPool
+    from music3_demo.flow.worker import FLOW_PRIORITY, StreamPool
 
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority=0: made.append(priority) or object())
-    pool, cuda = StreamPool(), torch.device("cuda", 0)
+    pool, cuda = StreamPool(FLOW_PRIORITY), torch.device("cuda", 0)
     first = pool.take(cuda)
     pool.give_back(cuda, first)
     assert pool.take(cuda) is first and made == [-1]  # the flow stage's high priority
