@@ -3,11 +3,11 @@
 
 It reports frames/s of each engine, their ratio, the bytes one frame must read (counted from the engine's actual
 weight tensors, plus the KV cache at the song's mean context length), the copy bandwidth measured in the same run,
-and the fraction of the resulting limit reached. `--precision bf16,fp8,int8` times every graph engine also on fp8 and
-int8 copies of the weights (`semantic/quant.py`; named `graph:fp8`, ...), side by side in the same call, each with
-its teacher-forced check against the reference on its own (dequantized) weights. `--batch 1,2,4,8` adds the graph
-engine's aggregate frames/s with that many songs at once (one thread per song, as the app runs them); `--engine ""`
-skips the per-engine part. A whole song's timing is `bench song`. Importable without gradio/soundfile.
+and the fraction of the resulting limit reached. `--precision bf16,fp8,int8,int4` times every graph engine also on
+fp8, int8 and int4 copies of the weights (`semantic/quant.py`; named `graph:fp8`, ...), side by side in the same call,
+each with its teacher-forced check against the reference on its own (dequantized) weights. `--batch 1,2,4,8` adds
+the graph engine's aggregate frames/s with that many songs at once (one thread per song, as the app runs them);
+`--engine ""` skips the per-engine part. A whole song's timing is `bench song`. Importable without gradio/soundfile.
 """
 
 from __future__ import annotations
@@ -304,16 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="", help="comma list of song counts (e.g. 1,2,4,8): the graph engine's "
                         "aggregate frames/s with that many songs at once, at the first prompt length")
     parser.add_argument("--precision", default="bf16",
-                        help="comma list of bf16, fp8, int8: each graph engine also runs on weights quantized to "
-                        "these (named graph:fp8, ...), in the same call")
+                        help="comma list of bf16, fp8, int8, int4 (its depth decoder int8): each graph engine also "
+                        "runs on weights quantized to these (named graph:fp8, ...), in the same call")
     parser.add_argument("--output", help="also write the JSON here")
     parser.add_argument("--tuning", help="kernel tuning table to use (a tuning script's output) instead of the "
                         "packaged one for this GPU")
     args = parser.parse_args(argv)
     engines = [name.strip() for name in args.engine.split(",") if name.strip()]
     precisions = tuple(p.strip() for p in args.precision.split(",") if p.strip())
-    if any(p not in ("bf16", "fp8", "int8") for p in precisions):
-        parser.error(f"--precision takes bf16, fp8 and int8, got {args.precision!r}")
+    if any(p not in ("bf16", "fp8", "int8", "int4") for p in precisions):
+        parser.error(f"--precision takes bf16, fp8, int8 and int4, got {args.precision!r}")
     for name in engines:
         if name != "reference":
             try:

@@ -164,3 +164,40 @@ def test_fast_path_is_as_accurate_as_diffusers_at_full_size(pipeline):
     print(f"DiT output vs float32: fast path {fused_error:.4f}, diffusers' modules {plain_error:.4f}")
     assert plain_error < 0.1
     assert fused_error < 1.25 * plain_error
+
+
+def test_products_on_handed_off_threads_add_no_cublas_workspace_once_the_threads_exist():
+    """Songs' threads do cuBLAS products on their pools' streams. Torch keeps a workspace (32 MiB here) for every
+    (thread's cuBLAS handle, stream) pair and never frees it: with a thread per song and streams lent to whichever
+    thread came next, pairings kept changing and the workspaces grew a server's memory song after song. Reused
+    threads with streams bound to them: after a first round at the most at once, rounds of any size add nothing."""
+    from music3_demo import handoff
+    from music3_demo.flow.worker import StreamPool
+
+    pool = StreamPool()
+    a = torch.randn(512, 512, device=DEVICE, dtype=torch.bfloat16)
+    together = threading.Barrier(1)
+
+    def product(put):
+        together.wait()  # the round's songs run at once
+        with pool.entered(DEVICE):
+            put((a @ a).float().sum().item())
+
+    def round_of(count: int) -> None:
+        nonlocal together
+        together = threading.Barrier(count, timeout=30)
+        handoffs = [handoff.Handoff(product, f"test-cublas-{i}") for i in range(count)]
+        for each in handoffs:
+            each.get(timeout=30)
+            each.join()
+
+    threads = max(4, handoff._THREADS.started)  # every reused thread (earlier tests made some) meets the pool
+    round_of(threads)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(DEVICE)
+    for count in (1, 3, 2, 4, 1, 4, 2, 3) * 3:
+        round_of(count)
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated(DEVICE) - before
+    print(f"\nallocated after 24 rounds: {grown / 2**20:+.1f} MiB; threads {threads}, streams {pool.created}")
+    assert grown < 4 * 2**20 and pool.created == threads

@@ -1,4 +1,5 @@
-"""GPU (an H200): 1-byte weights (`semantic/quant.py`) through the kernels and the graph engine at full size.
+"""GPU (an H200): 1-byte and packed int4 weights (`semantic/quant.py`) through the kernels and the graph engine at
+full size.
 
 Kernel correctness, apart from how lossy the format is: each mode's output is compared with the float32 product on
 the *same dequantized weights*, and must stay within 2x the bf16 kernel's own error against float32 on the bf16
@@ -25,7 +26,8 @@ from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
-SCHEMES = [Scheme("fp8", 0), Scheme("fp8", 128), Scheme("int8", 0), Scheme("int8", 128)]
+SCHEMES = [Scheme("fp8", 0), Scheme("fp8", 128), Scheme("int8", 0), Scheme("int8", 128), Scheme("int4", 64),
+           Scheme("int4", 128)]
 IDS = [s.name for s in SCHEMES]
 # The engine's GEMV products at full size: (rows of x, N, K, swiglu)
 SHAPES = [(2, 6144, 4096, False), (2, 4096, 4096, False), (2, 24576, 4096, True), (2, 4096, 12288, False),
@@ -83,6 +85,8 @@ def test_every_conversion_route_is_as_close_to_float32_as_the_bf16_kernel(route,
     route whose scaled values the tensor cores flush (bits_bf16 leaves fp8 weights at 2^-126..2^-111)."""
     if route == "native_f16" and scheme.fmt == "int8":
         pytest.skip("int8 has no native fp16 route worth keeping (an I2F per weight, as the cast)")
+    if scheme.fmt == "int4" and route not in ("cast", "bits_f16"):
+        pytest.skip("packed int4 takes one route per MMA dtype: the model's (cast) or fp16 (bits_f16)")
     rows, n, k = 2, 4096, 12288
     x = (torch.randn(rows, k, device=DEVICE) * torch.rand(rows, k, device=DEVICE).pow(4) * 8).to(torch.bfloat16)
     w = _weight(n, k, seed=7)
@@ -140,7 +144,8 @@ def full_models():
 
 
 def test_engine_in_each_mode_matches_the_float32_reference_on_the_same_weights_within_2x_bf16(full_models):
-    """Teacher forcing at full size, 200 frames: the graph engine in fp8 and int8 (default schemes) against the float32
+    """Teacher forcing at full size, 200 frames: the graph engine in fp8, int8 and int4 (default schemes; int4's depth
+    decoder in int8) against the float32
     reference computation on the same dequantized weights; the bf16 engine against float32 on the bf16 weights sets
     the bar (2x its error, per part: LM logits, LM frame hidden, depth hiddens)."""
     lm, depth = full_models
@@ -161,7 +166,7 @@ def test_engine_in_each_mode_matches_the_float32_reference_on_the_same_weights_w
                 relative_error(frames[:, :hidden], ref_frames[:, :hidden]).max().item(),
                 relative_error(frames[:, hidden:], ref_frames[:, hidden:]).max().item())
 
-    modes = [m for m in ("fp8", "int8") if m != "fp8" or fp8_supported(DEVICE)]
+    modes = [m for m in ("fp8", "int8", "int4") if m != "fp8" or fp8_supported(DEVICE)]
     quantized = {}
     for mode in modes:  # copies first: the bf16 engine fuses the bf16 modules' rows in place
         lm_q, depth_q = copy.deepcopy(lm), copy.deepcopy(depth)
