@@ -80,8 +80,8 @@ class Music3Pipeline:
         self._stages_lock = threading.Lock()
         self._fp8_dit_on_host = fp8_dit_waiting(components, memory_plan)
         self.first_chunks = FirstChunks()  # songs waiting for their first audio: the others' frames wait meanwhile
-        self.flow_streams = StreamPool(FLOW_PRIORITY)  # flow workers' streams, one per worker thread
-        self.caller_streams = StreamPool()  # each song's caller runs on its thread's, never on the default stream
+        self.flow_streams = StreamPool(FLOW_PRIORITY)  # flow workers' streams, reused (their cache too)
+        self.caller_streams = StreamPool()  # each song's caller runs on one of these, never on the default stream
         if not lazy:
             self.ensure_stages()
 
@@ -277,7 +277,7 @@ class Music3Pipeline:
         with on_device(self.device), song_guard(self.device, modes, self.release_caches):
             built = self.ensure_stages()  # a lazy pipeline's first song (in this process) builds the engine
             flow_sampler = PeakSampler(self.flow_device) if self.split else contextlib.nullcontext()
-            caller_stream = self.caller_streams.entered(self.device)
+            caller_stream = self.caller_streams.lent(self.device)
             with PeakSampler(self.device) as memory, flow_sampler as flow_memory, caller_stream:
                 run = SongRun(self._stages(), self.validate(request), on_event, cancel, continue_from)
                 song = run.run(memory, flow_memory, self.setup_s if built else None)

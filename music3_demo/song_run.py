@@ -60,7 +60,7 @@ class Stages:
     flow_executor: object  # every song's DiT and vocoder calls go through it
     overlap: Overlap
     first_chunks: FirstChunks  # songs waiting for their first audio: the others' frames wait meanwhile
-    flow_streams: StreamPool  # the flow workers' streams, one per (reused) worker thread
+    flow_streams: StreamPool  # the flow workers' streams, reused song after song
     memory_plan: MemoryPlan | None
     memory_plan_dict: dict | None
     precision: PrecisionChoice
@@ -137,6 +137,7 @@ class SongRun:
             if self.blocks is not None:
                 self.blocks.close()  # a cancelled or failed song leaves the engine now (its slot is free for another)
             self.worker.close()
+            self.stages.flow_streams.give_back(self.stages.flow_device, self.worker.stream)
         self.emit(Progress("vocoder", self.flow.timings.chunks, self.flow.timings.chunks))
         song = self.song(codes, memory, flow_memory, setup_s)
         self.emit(Finished(song))
@@ -167,7 +168,7 @@ class SongRun:
                                executor=stages.flow_executor)
         if self.continue_from is not None:
             self.flow.resume(self.continue_from.flow)
-        self.worker = FlowWorker(self.flow, stages.flow_device, stages.flow_streams)
+        self.worker = FlowWorker(self.flow, stages.flow_device, stages.flow_streams.take(stages.flow_device))
 
     def semantic(self, text_ids: torch.Tensor) -> list[torch.Tensor]:
         """The engine's frames, block by block: fed to the flow worker as they come when the stages overlap, else

@@ -53,11 +53,15 @@ def test_the_sampler_sees_a_short_peak_and_the_card_gets_released_blocks_back():
 
 
 def test_a_lazy_pipeline_builds_its_engine_at_its_first_song_and_songs_report_the_cards_memory(tiny_folder):
-    release_cached("cuda")  # what the tests before this one (in this process) left cached is not this load's
+    # What the tests before this one (in this process) left cached is not this load's: the CUDA graphs of engines
+    # still alive keep their private pools' free blocks, which emptying the cache cannot give back.
+    release_cached("cuda")
+    before = device_memory("cuda")
     pipeline = Music3Pipeline.from_pretrained("tiny", device="cuda", lazy=True)
     assert pipeline.engine is None and pipeline.stages_pid is None
     memory = device_memory(pipeline.device)
-    assert memory.reserved - memory.allocated < 0.1 * GB  # nothing left cached by the load
+    cached_by_load = (memory.reserved - memory.allocated) - (before.reserved - before.allocated)
+    assert cached_by_load < 0.1 * GB  # nothing left cached by the load
     first = pipeline.generate(song())
     assert pipeline.engine_name == "graph" and first.timings["setup_s"] > 0
     second = pipeline.generate(song(2))

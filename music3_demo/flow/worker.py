@@ -4,7 +4,7 @@ The semantic stage is bandwidth-bound and the DiT compute-bound, so on a GPU the
 still lets the two stages share cores. Everything the worker produces (pieces, progress, errors) travels back through
 one hand-off (`handoff.py`), so the caller's event callback is only ever called from the caller's thread.
 `FirstChunks` is a pipeline's record of its songs' first chunks being denoised, which the others' callers wait on;
-`StreamPool` the CUDA streams of its workers and of its songs' callers, one per thread.
+`StreamPool` CUDA streams reused song after song (its workers', its songs' callers').
 """
 
 from __future__ import annotations
@@ -72,78 +72,81 @@ class FirstChunks:
 
 
 class StreamPool:
-    """CUDA streams of one kind (one `priority`), one per thread that asks (`own`) and per device, kept for the
-    thread's life. Songs run on reused threads (`handoff.py`), so a pool holds as many streams as the most songs that
-    ever ran at once. Why per thread: torch's caching allocator keeps freed blocks for the stream that allocated them
-    (a new stream per song grew the process's memory by each one's cache, +2.4 GiB over a 460-s soak of 8 users),
-    and torch keeps a cuBLAS workspace for every (thread's cuBLAS handle, stream) pair, so streams handed from thread
-    to thread met ever new handles (+1.5 GiB over 6 minutes of that soak). Off CUDA there is no stream (None).
+    """CUDA streams of one kind (one `priority`), each lent to one song at a time and reused by the next. Torch's
+    caching allocator keeps freed blocks for the stream that allocated them, so a new stream per song (torch hands out
+    32 in turn) leaves each one's cached blocks to grow the process's memory song after song (+2.4 GiB over a 460-s
+    soak of 8 users); reused, the cache settles at what the most songs at once need. Off CUDA it lends None.
 
     A pipeline keeps two: its flow workers' (higher priority than the semantic stream: when both have kernels ready,
     the flow chunk's go first, so a listener's first audio is not slowed by the frames still being made behind it),
-    and its songs' callers' (`entered`): on the device's default stream every caller would queue behind the others'
-    waits for their frames, and a joining song's first copies waited ~0.7 s behind them before its prefill."""
+    and its songs' callers' (`lent`): on the device's default stream every caller would queue behind the others' waits
+    for their frames, and a joining song's first copies waited ~0.7 s behind them before its prefill."""
 
     def __init__(self, priority: int = 0) -> None:
         self.priority = priority
-        self._local = threading.local()
+        self._free: dict[torch.device, list[torch.cuda.Stream]] = {}
         self._lock = threading.Lock()
         self.created = 0
 
-    def own(self, device: torch.device) -> torch.cuda.Stream | None:
-        """This thread's stream on `device` (made at its first call), None off CUDA."""
+    def take(self, device: torch.device) -> torch.cuda.Stream | None:
         if device.type != "cuda":
             return None
-        streams = self._local.__dict__.setdefault("streams", {})
-        index = torch.device(device).index
-        if index not in streams:
-            streams[index] = torch.cuda.Stream(device, priority=self.priority)
+        with self._lock:
+            free = self._free.setdefault(device, [])
+            if free:
+                return free.pop()
+            self.created += 1
+        return torch.cuda.Stream(device, priority=self.priority)
+
+    def give_back(self, device: torch.device, stream: torch.cuda.Stream | None) -> None:
+        """Once the work its borrower queued needs no more ordering against the next borrower's (a worker closed, a
+        caller's song returned: a stream runs in order, so the next borrower's work simply follows)."""
+        if stream is not None:
             with self._lock:
-                self.created += 1
-        return streams[index]
+                self._free.setdefault(device, []).append(stream)
 
     @contextlib.contextmanager
-    def entered(self, device: torch.device) -> Iterator[None]:
-        """This thread's current stream is its own one of the pool's while the block runs (nothing changes off
-        CUDA)."""
-        stream = self.own(device)
+    def lent(self, device: torch.device) -> Iterator[None]:
+        """This thread's current stream is one of the pool's while the block runs (nothing changes off CUDA)."""
+        stream = self.take(device)
         if stream is None:
             yield
             return
-        with torch.cuda.stream(stream):
-            yield
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            self.give_back(device, stream)
 
 
 class FlowWorker:
     THREAD_NAME = "music3-flow"
 
-    def __init__(self, flow: FlowStream, device: torch.device, streams: StreamPool | None = None) -> None:
-        """`streams`: the pool whose stream the worker's thread runs on (a pipeline's, so a reused thread keeps its
-        stream song after song); None: a pool of the worker's own."""
+    def __init__(self, flow: FlowStream, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
+        """`stream`: the worker's CUDA stream (a pipeline's `StreamPool` lends one); None on CUDA: a new one."""
         self.flow = flow
         self.device = device
         self.abort = threading.Event()
         self._inbox: queue.Queue = queue.Queue()
-        self._streams = streams if streams is not None else StreamPool(FLOW_PRIORITY)
-        self._stream: torch.cuda.Stream | None = None  # the worker thread's, once it runs
+        self._stream = stream if stream is not None or device.type != "cuda" else StreamPool(FLOW_PRIORITY).take(device)
         flow.cancel = AnyEvent(flow.cancel, self.abort)
         self._results = Handoff(self._run, self.THREAD_NAME)
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
-        """The worker's CUDA stream (None off CUDA, or before its thread started): idle once `close()` has
-        returned."""
+        """The worker's CUDA stream (None off CUDA): idle once `close()` has returned."""
         return self._stream
 
     def submit(self, frames: torch.Tensor) -> None:
         """Queue frames made on the caller's current stream; the worker's stream waits for them. Frames made on
         another GPU (a stage split) are copied over first, ordered after the stream that made them."""
         ready = None
-        if self.device.type == "cuda":
+        if self._stream is not None:
             if frames.device != self.device:
                 frames = frames.to(self.device, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
+            frames.record_stream(self._stream)  # the allocator must not reuse it while the worker reads it
         self._inbox.put((frames, ready))
 
     def finish(self) -> None:
@@ -152,7 +155,6 @@ class FlowWorker:
     def _run(self, put) -> None:
         # A new thread starts with device 0 current: Triton kernels (the DiT's fused launches) would run from there.
         self.flow.on_step = lambda chunk, done, total: put(("step", chunk, done, total))
-        self._stream = self._streams.own(self.device)
         context = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         try:
             with on_device(self.device), context, torch.no_grad():
@@ -166,7 +168,6 @@ class FlowWorker:
                     frames, ready = item
                     if ready is not None:
                         self._stream.wait_event(ready)
-                        frames.record_stream(self._stream)  # the allocator must not reuse it while the worker reads it
                     put(self.flow.push(frames))
         finally:
             if self._stream is not None:

@@ -429,22 +429,17 @@ def test_a_first_chunk_keeps_its_turn_between_its_calls():
     assert queue.take()[0][0].order is c  # b's next call did not come within TURN_S: the turn passes on
 
 
-def test_a_stream_pool_gives_each_thread_its_own_stream_for_life(monkeypatch):
-    """A pipeline's streams stay with the thread that first asked (songs run on reused threads): the same thread gets
-    the same stream song after song, another thread never gets it. A stream handed from thread to thread meets other
-    threads' cuBLAS handles, and torch keeps a workspace for every such pair."""
+def test_flow_worker_streams_are_lent_and_reused(monkeypatch):
+    """A pipeline's flow workers take their streams from its pool and give them back, so the next song reuses a
+    stream (and the allocator's blocks cached for it) instead of a new one per song; songs at once get their own."""
     from music3_demo.flow.worker import FLOW_PRIORITY, StreamPool
 
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority=0: made.append(priority) or object())
     pool, cuda = StreamPool(FLOW_PRIORITY), torch.device("cuda", 0)
-    first = pool.own(cuda)
-    assert pool.own(cuda) is first and made == [-1]  # the flow stage's high priority
-    other = []
-    thread = threading.Thread(target=lambda: other.extend([pool.own(cuda), pool.own(cuda)]))
-    thread.start()
-    thread.join()
-    assert other[0] is other[1] and other[0] is not first and pool.created == 2
-    assert pool.own(torch.device("cuda", 1)) is not first and pool.created == 3  # one per device
-    assert pool.own(cuda) is first
-    assert pool.own(torch.device("cpu")) is None
+    first = pool.take(cuda)
+    pool.give_back(cuda, first)
+    assert pool.take(cuda) is first and made == [-1]  # the flow stage's high priority
+    second = pool.take(cuda)
+    assert second is not first and pool.created == 2
+    assert pool.take(torch.device("cpu")) is None
