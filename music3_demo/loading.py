@@ -94,10 +94,13 @@ def load_out_of_memory(device: torch.device, plan: MemoryPlan | None, stage: str
 
 
 def _cheaper_modes(plan: MemoryPlan) -> list[tuple[str, str]]:
-    """(LM mode, DiT mode) pairs the card can run that store more in one byte than the plan's, in auto's order: a
-    1-byte LM, then also the fp8 DiT, then the fp8 DiT alone."""
+    """(LM mode, DiT mode) pairs the card can run whose weights are smaller than the plan's, in auto's order: from
+    a bf16 LM a 1-byte one, then an int4 one (each also with the fp8 DiT), then the fp8 DiT alone; from a quantized LM
+    the fp8 DiT first, then the smaller LMs."""
     lm, dit = plan.lm.mode, plan.dit.mode
-    lms = [lm] if lm in QUANTIZED else ["fp8" if fp8_capable(plan.capability) else "int8", lm]
+    one_byte = "fp8" if fp8_capable(plan.capability) else "int8"
+    smaller = {"bf16": [one_byte, "int4"], one_byte: ["int4"]}.get(lm, [])
+    lms = smaller + [lm] if lm == "bf16" else [lm] + smaller
     dits = [dit] if dit in QUANTIZED or not fp8_capable(plan.capability) else [dit, "fp8"]
     pairs = [(one, d) for one in lms for d in dits]
     return [pair for pair in pairs if pair != (lm, dit)]

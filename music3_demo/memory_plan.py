@@ -359,12 +359,12 @@ def plan_memory(
     dit_precision: str = "auto",
     engine: str = "graph",
     stages: tuple[str, ...] = STAGES,
-    four_bit: bool = False,
 ) -> MemoryPlan:
     """The plan for one card. `free_bytes` / `capability` None: not a GPU (auto keeps the weights as they are;
     an fp8 DiT asked for runs unquantized, and the plan says so). `figures` None on a GPU: the checkpoint does not
-    say (its load then names the fault); the plan keeps the asked modes and sizes nothing. `four_bit` (internal, no
-    flag sets it until a GPU measures the graph engine on int4) lets auto try an int4 LM after the 1-byte ones."""
+    say (its load then names the fault); the plan keeps the asked modes and sizes nothing. auto tries the LM in bf16,
+    then in 1 byte, each with a bf16 then an fp8 DiT (a bf16 LM keeps a bf16 DiT); an int4 LM only where no 8-bit
+    plan fits at all (it is smaller, less accurate, and on a fast card slower: its unpacking is instruction-bound)."""
     check_precision(precision)
     check_dit_precision(dit_precision)
     lm_auto, dit_auto = precision == "auto", dit_precision == "auto"
@@ -381,17 +381,23 @@ def plan_memory(
             if dit_precision == "fp8" and free_bytes is None else f"The DiT runs in {dit_mode}."))
         return MemoryPlan(lm, dit, engine, stages, free_bytes, capability, why=lm.reason)
     one_byte = "fp8" if fp8_capable(capability) else "int8"
-    lms = ["bf16", one_byte] + ["int4"] * four_bit if lm_auto else [precision]
+    lms = ["bf16", one_byte, "int4"] if lm_auto else [precision]
     dits = (["bf16", "fp8"] if fp8_capable(capability) else ["bf16"]) if dit_auto else [dit_precision]
     # bf16 LM with an fp8 DiT only when asked: auto quantizes the LM before the DiT.
     pairs = [(lm, dit) for lm in lms for dit in dits if not (lm_auto and dit_auto and lm == "bf16" and dit != "bf16")]
     plans = [_layout(figures, free_bytes, capability, lm, dit, engine, stages) for lm, dit in pairs]
-    chosen = next((plan for plan in plans if _useful(plan)), None)
+    # An int4 LM only where no 8-bit one fits at all: it costs accuracy (and on a fast card speed) for song length.
+    eight_bit = [plan for plan in plans if plan.lm.mode != "int4"]
+    four_bit_only = lm_auto and not any(plan.fits for plan in eight_bit)
+    candidates = plans if four_bit_only or not lm_auto else eight_bit
+    chosen = next((plan for plan in candidates if _useful(plan)), None)
     if chosen is not None:
         why = "the first that holds a 6-minute song alone and two 2-minute songs at once"
     else:
-        chosen = max(plans, key=lambda plan: (plan.fits, plan.max_frames() or 0, -plan.weight_bytes))
+        chosen = max(candidates, key=lambda plan: (plan.fits, plan.max_frames() or 0, -plan.weight_bytes))
         why = "none holds a 6-minute song alone and two 2-minute songs at once: this one holds the longest"
+    if four_bit_only and chosen.fits and chosen.lm.mode == "int4":
+        why = f"no 8-bit language model fits; {why}"
     if not (lm_auto or dit_auto):
         why = "as asked"
     reason = (f"{chosen.modes()} on {free_bytes / GB:.1f} GB free ({sm_name(capability)}): {why}"

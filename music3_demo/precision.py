@@ -1,24 +1,24 @@
-"""The weight precisions a pipeline can run and their names (`--precision {auto,bf16,fp8,int8}`, `precision=` in
-Python) and the DiT's (`--dit-precision {auto,bf16,fp8}`, `dit_precision=`), and which GPUs take fp8.
+"""The weight precisions a pipeline can run and their names (`--precision {auto,bf16,fp8,int8,int4}`, `precision=`
+in Python) and the DiT's (`--dit-precision {auto,bf16,fp8}`, `dit_precision=`), and which GPUs take fp8.
 
 bf16 is the checkpoint's weights unquantized (float32 on a CPU): the exact reference. fp8 (e4m3) and int8 are
 weight-only quantizations of the language model's and the depth decoder's block weights, made at load
-(`semantic/quant.py`). Which mode runs on a card, and why, is decided by the card's memory plan (memory_plan.py).
+(`semantic/quant.py`); int4 quantizes the language model to 4 bits and keeps the depth decoder at int8. Which mode runs on a card, and why, is decided by the card's memory plan (memory_plan.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-PRECISIONS = ("auto", "bf16", "fp8", "int8")
+PRECISIONS = ("auto", "bf16", "fp8", "int8", "int4")
 DIT_PRECISIONS = ("auto", "bf16", "fp8")  # the flow transformer's (fp8: weights and scales, flow/dit_fp8.py)
-QUANTIZED = ("fp8", "int8", "int4")  # int4: internal (not in PRECISIONS) until a GPU measures the engine on it
+QUANTIZED = ("fp8", "int8", "int4")
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper, Blackwell: e4m3 conversions in hardware
 
 
 @dataclass(frozen=True)
 class PrecisionChoice:
-    """What runs (`mode`: bf16 | fp8 | int8), what was asked (`requested`: also auto) and one sentence on why."""
+    """What runs (`mode`: bf16 | fp8 | int8 | int4), what was asked (`requested`: also auto) and one sentence on why."""
 
     mode: str
     requested: str

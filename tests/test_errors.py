@@ -44,7 +44,7 @@ def test_the_load_sentence_takes_what_the_memory_plan_needs_and_the_cheaper_mode
 
     figures, free = random_models.figures(random_models.FULL), int(30e9)
     plans = {modes: plan_memory(figures, free, (9, 0), *modes) for modes in
-             [("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "fp8")]}
+             [("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "fp8"), ("int4", "bf16")]}
     needs = {modes: errors.gib(plan_need(plan)) for modes, plan in plans.items()}
     assert str(load_out_of_memory(torch.device("cuda", 0), plans["bf16", "bf16"], "warming up")) == (
         f"Not enough GPU memory on cuda:0 for warming up in bf16: 27.9 GiB was free and bf16 needs about "
@@ -52,12 +52,15 @@ def test_the_load_sentence_takes_what_the_memory_plan_needs_and_the_cheaper_mode
         f"{needs['fp8', 'bf16']}) or start with --precision fp8 --dit-precision fp8 (about {needs['fp8', 'fp8']}).")
     mixed = load_out_of_memory(torch.device("cuda", 0), plans["fp8", "bf16"])
     assert str(mixed).startswith("Not enough GPU memory on cuda:0 for loading the model in fp8 LM, bf16 DiT: ")
-    assert str(mixed).endswith(f"or start with --dit-precision fp8 (about {needs['fp8', 'fp8']}).")
+    # from a 1-byte LM: the fp8 DiT first (the LM keeps its accuracy), then the int4 LM
+    assert str(mixed).endswith(f"start with --dit-precision fp8 (about {needs['fp8', 'fp8']}) or start with "
+                               f"--precision int4 (about {needs['int4', 'bf16']}).")
     assert mixed.figures["need_bytes"] == plan_need(plans["fp8", "bf16"]) and mixed.during == "load"
     on_an_a100 = plan_memory(figures, free, (8, 0), "bf16", "bf16")  # no fp8 there: int8, and the DiT stays
     assert str(load_out_of_memory(torch.device("cuda", 0), on_an_a100)).endswith(
-        f"close other programs that use the GPU or start with --precision int8 (about "
-        f"{errors.gib(plan_need(plan_memory(figures, free, (8, 0), 'int8', 'bf16')))}).")
+        f"close other programs that use the GPU, start with --precision int8 (about "
+        f"{errors.gib(plan_need(plan_memory(figures, free, (8, 0), 'int8', 'bf16')))}) or start with --precision "
+        f"int4 (about {errors.gib(plan_need(plan_memory(figures, free, (8, 0), 'int4', 'bf16')))}).")
 
 
 def test_the_song_and_host_sentences():

@@ -35,7 +35,7 @@ CARDS = (16, 24, 48, 80, 141)
 SM86, SM89 = (8, 6), (8, 9)
 # (free GB, fp8 GPU) -> (LM, DiT, slots, longest song at full slots, alone in s); None: nothing fits that card.
 EXPECTED = {
-    (16, False): None, (16, True): ("fp8", "fp8", 1, 143.6, 143.6),
+    (16, False): ("int4", "bf16", 1, 225.52, 225.52), (16, True): ("fp8", "fp8", 1, 143.6, 143.6),
     (24, False): ("int8", "bf16", 4, 126.16, 360.0), (24, True): ("fp8", "bf16", 4, 131.28, 360.0),
     (48, False): ("bf16", "bf16", 8, 284.96, 360.0), (48, True): ("bf16", "bf16", 8, 284.96, 360.0),
     (80, False): ("bf16", "bf16", 8, 360.0, 360.0), (80, True): ("bf16", "bf16", 8, 360.0, 360.0),
@@ -105,12 +105,20 @@ def test_the_issues_targets_on_a_24_gb_card():
 def test_a_16_gb_card_loads_with_1_byte_weights_and_a_tiled_vocoder():
     """15 GiB free (a 16 GB card): fp8 LM and DiT, the vocoder in tiles, one song at a time, the process within
     14.5 GiB. The longest song is 82 s with a 1,000-token prompt (1 min 54 s with 200 tokens), not 6 minutes: the
-    6-minute song's KV cache (3.0 GB in bf16) does not fit beside 11 GB of weights and the planned workspaces."""
-    p = plan((15 * GiB - CONTEXT) / GB)
+    6-minute song's KV cache (3.0 GB in bf16) does not fit beside 11 GB of weights and the planned workspaces. Asked
+    for, an int4 LM (4.6 GB, 7.6 in fp8) leaves room for three slots and a 6-minute song."""
+    free = (15 * GiB - CONTEXT) / GB
+    p = plan(free)
     assert p.fits and (p.lm.mode, p.dit.mode, p.slots, p.vocoder_tile) == ("fp8", "fp8", 1, 128)
     assert process_bytes(p) <= 14.5 * GiB and CONTEXT + p.load_peak <= 14.5 * GiB
     assert 80 <= p.longest_s() < 90 and 110 <= p.longest_s(200) < 120
-    assert plan(16, SM86).fits is False  # without fp8 the DiT stays bf16: 2.4 GB more than the card holds
+    four = plan(free, precision="int4")
+    assert four.fits and (four.lm.mode, four.dit.mode, four.slots) == ("int4", "fp8", 3)
+    assert four.longest_s() == c.MAX_DURATION_S and process_bytes(four) <= 14.5 * GiB
+    # without fp8 the DiT stays bf16 (2.4 GB more) and no 8-bit LM fits: auto takes int4 there
+    older = plan(16, SM86)
+    assert older.fits and (older.lm.mode, older.dit.mode, older.slots) == ("int4", "bf16", 1)
+    assert older.why.startswith("no 8-bit language model fits")
 
 
 def test_the_vocoder_tiles_only_where_whole_chunks_leave_no_room_for_a_6_minute_song():
@@ -181,10 +189,10 @@ def test_a_song_too_long_for_the_card_is_one_sentence_naming_the_longest_that_fi
 
 
 def test_a_card_too_small_is_refused_with_the_free_and_needed_memory():
-    p = plan(12)
-    assert not p.fits and (p.lm.mode, p.dit.mode) == ("fp8", "fp8")  # the smallest modes were tried last
+    p = plan(11)
+    assert not p.fits and (p.lm.mode, p.dit.mode) == ("int4", "fp8")  # the smallest modes were tried last
     sentence = no_room_sentence(p, "cuda:0")
-    assert sentence.startswith("The model does not fit on cuda:0 in fp8 LM, fp8 DiT: 12.0 GB are free and it "
+    assert sentence.startswith("The model does not fit on cuda:0 in int4 LM, fp8 DiT: 11.0 GB are free and it "
                                "needs about ")
     assert "close other programs" in sentence
 
@@ -244,25 +252,26 @@ def test_the_fp8_dit_arrives_after_the_self_check_so_the_load_peak_is_the_larger
     assert bf16.load_peak == bf16.weight_bytes + bf16.load_extra + CHECK_BYTES + RUNTIME_BYTES
 
 
-def test_int4_lm_is_tried_only_behind_the_internal_switch_where_8_bit_does_not_fit():
-    """`four_bit` (no flag sets it) puts an int4 LM (its depth decoder int8: 0.5625 and 1.03 bytes per weight) after
-    the 1-byte modes in auto's order: a 16 GB sm_86 card, where int8 does not fit, runs it with one slot and a
-    3 min 45 s song; a 20 GB one, where int8 holds 4 min 57 s alone, too; a 24 GB one keeps int8. Without the
-    switch auto is unchanged, and int4 cannot be asked for."""
+def test_auto_takes_an_int4_lm_only_where_no_8_bit_one_fits():
+    """auto's last resort is an int4 LM (its depth decoder int8: 0.5625 and 1.03 bytes per weight): a 16 GB sm_86
+    card, where int8 does not fit, runs it with one slot and a 3 min 45 s song; a 20 GB one keeps int8 (4 min 57 s
+    alone), as a 16 GB sm_89 card keeps fp8 (2 min 24 s), though int4 would hold longer songs there: it costs
+    accuracy (and on a fast card speed). `--precision int4` asks for it anywhere."""
     from music3_demo.memory_plan import BYTES_PER_WEIGHT, DEPTH_MODE
     from music3_demo.semantic.quant import DEFAULT_SCHEMES, DEPTH_SCHEMES
 
     assert BYTES_PER_WEIGHT["int4"] == 0.5 + 4 / DEFAULT_SCHEMES["int4"].group
     assert DEPTH_MODE == {mode: scheme.fmt for mode, scheme in DEPTH_SCHEMES.items()}
-    assert not plan(16, SM86).fits
-    p = plan(16, SM86, four_bit=True)
+    assert not plan(16, SM86, precision="int8").fits
+    p = plan(16, SM86)
     assert p.fits and (p.lm.mode, p.dit.mode, p.slots) == ("int4", "bf16", 1) and 225 <= p.longest_alone_s < 226
     int8 = plan(24, SM86)
+    assert int8.lm.mode == "int8"
     assert p.weights["language_model"] < 0.55 * int8.weights["language_model"]
     assert p.weights["depth_decoder"] == int8.weights["depth_decoder"]
-    assert plan(20, SM86).lm.mode == "int8" and plan(20, SM86, four_bit=True).lm.mode == "int4"
-    assert plan(24, SM86, four_bit=True).lm.mode == "int8"
-    small = plan(12, four_bit=True)
-    assert small.fits and (small.lm.mode, small.dit.mode) == ("int4", "fp8") and not plan(12).fits
-    with pytest.raises(ValueError, match="Unknown precision 'int4'"):
-        plan(16, SM86, precision="int4")
+    assert plan(20, SM86).lm.mode == "int8" and plan(16).lm.mode == "fp8"
+    assert plan(16, precision="int4").longest_alone_s > plan(16).longest_alone_s
+    small = plan(12)
+    assert small.fits and (small.lm.mode, small.dit.mode) == ("int4", "fp8")
+    asked = plan(141, precision="int4")
+    assert (asked.lm.mode, asked.lm.requested, asked.slots) == ("int4", "int4", 8) and "as asked" in asked.lm.reason

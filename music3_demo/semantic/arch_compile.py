@@ -7,8 +7,8 @@ No GPU and no weights: the engine is built over the random-full (or tiny) model'
 runs one frame (sampled and teacher-forced) with Triton's launcher pointed at a stand-in driver for the target; each
 launch is recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with Triton's own compiler for
 `GPUTarget("cuda", capability, 32)`. The configs are those `kernels/tuning.py` chooses for that architecture.
-With int8 weights, the GEMV and the chained tail on packed int4 weights (the int4 mode's LM, which no flag offers
-yet) are compiled once each too, in the configs the tuning gives them.
+With int8 weights, the GEMV and the chained tail on packed int4 weights (the int4 mode's LM) are compiled once each
+too, in the configs the tuning gives them.
 tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
 
 Run (TRITON_INTERPRET must be unset): python -m music3_demo.semantic.arch_compile 86 90 [--sms 82]

@@ -1,8 +1,8 @@
 """Weight-only quantization of the language model and the RVQ depth decoder: fp8 (e4m3) or int8 values with float32
 scales per output channel or per output channel and 128-column group, made at load from the bf16 checkpoint; and
 int4 (two values per byte, `kernels/qweight.py` says which nibble is which column, scales per 64-column group) for
-the LM with the depth decoder kept at int8 (`DEPTH_SCHEMES`). int4 is an internal mode: the graph engine runs it (its
-GEMVs and chained tails read the packed words), but no flag offers it until a GPU has measured it.
+the LM with the depth decoder kept at int8 (`DEPTH_SCHEMES`); the graph engine's GEMVs and chained tails read the
+packed words.
 
 Each quantized `nn.Linear` is replaced in place by a `QuantizedLinear` that holds the 1-byte weight and its scales and
 dequantizes on forward (to the activation dtype) before F.linear. So the HF model itself, with its modules swapped,
