@@ -62,3 +62,19 @@ def test_the_sweeps_write_the_table_format_the_engine_loads(tmp_path, monkeypatc
     assert json.loads(path.read_text())["gpu"] == "NVIDIA H200"
     tuning = tuning_for_target(H200, path)  # an explicit file (a tuning run's output) instead of the packaged ones
     assert tuning.gemv(2, 64, 128, True) == cfg and tuning.tail(64, 64, 192, 96) == tail_cfg
+
+
+def test_the_int4_sweep_offers_only_tiles_its_format_can_run():
+    """Packed int4's K tiles stay within a scale group (64 columns: 32 or 64), a TMA tile reads 16 bytes a row at
+    least (32 columns), the routes are the two MMA dtypes, and every tile is one the H200's tuning would accept for
+    that format (a tuned entry it rejected would silently fall back to the heuristic)."""
+    tuning = tuning_for_target(H200)
+    assert tune_onebyte.ROUTES["int4"] == ["cast", "bits_f16"]
+    for fmt in ("int4/g64", "int4/g128"):
+        kind, group = tune_onebyte.FORMATS[fmt]
+        grid = tune_onebyte.tiles(group, kind)
+        assert len(grid) >= 8 and len(tune_onebyte.route_tiles(group, kind)) == 3
+        for cfg in grid:
+            assert group % cfg.block_k == 0 and (not cfg.tma or cfg.block_k >= 32), (fmt, cfg)
+            assert tuning.valid(cfg, 2, 1, group, kind), (fmt, cfg)
+            assert any(tune_onebyte.fits_shape(cfg, shape) for shape in tune_gemv.SHAPES), (fmt, cfg)

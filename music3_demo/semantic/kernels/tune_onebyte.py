@@ -1,6 +1,7 @@
 """Sweep the 1-byte weight kernels on the GPU: conversion route x tile config for every product the graph engine
 launches (GEMV shapes of tune_gemv.py; the chained tails of tune_tail.py), per weight format (fp8/channel and
-int8/g128, the defaults, then fp8/g128 and int8/channel), and write the winners as a tuning table.
+int8/g128, the defaults, then fp8/g128 and int8/channel; packed int4/g64 and int4/g128 when `--formats` names them,
+their LM tails only), and write the winners as a tuning table.
 
 Pass 1, per format: (1) routes: every conversion route (`qweight.CAST` ...) with three tiles on the four products
 a chained LM block runs (q|k|v, o, gate|up, down; 2 rows), ranked by total time; (2) the LM's and the depth
@@ -15,8 +16,8 @@ disk cache), so the timing loop only loads kernels.
 Writes the table file given (default tuning-onebyte.json): this GPU's packaged table with the 1-byte entries added,
 keys ending ("w1", kind, group), which `--tuning` of the bench takes. Prints per shape the best 1-byte time against
 bf16's tuned config and the bandwidth reached, then the routes' totals.
-Run: python -m music3_demo.semantic.kernels.tune_onebyte [out.json] [--formats fp8/channel,int8/g128] [--budget 300]
-[--dry]
+Run: python -m music3_demo.semantic.kernels.tune_onebyte [out.json] [--formats fp8/channel,int8/g128,int4/g64]
+[--budget 300] [--dry]
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ from .tune_gemv import SHAPES, time_graph
 from .tuning import Target, Tuning, load_table, shared_bytes, tuning_for
 
 FORMATS = {"fp8/channel": ("fp8", 0), "int8/g128": ("int8", 128), "fp8/g128": ("fp8", 128),
-           "int8/channel": ("int8", 0)}
-ROUTES = {"fp8": ["cast", "bits_bf16", "bits_f16", "native_f16"], "int8": ["cast", "bits_bf16", "bits_f16"]}
+           "int8/channel": ("int8", 0), "int4/g64": ("int4", 64), "int4/g128": ("int4", 128)}
+# Packed int4 takes one route per MMA dtype (the model's, or fp16: `qweight.unpack_int4`).
+ROUTES = {"fp8": ["cast", "bits_bf16", "bits_f16", "native_f16"], "int8": ["cast", "bits_bf16", "bits_f16"],
+          "int4": ["cast", "bits_f16"]}
 # The four products of a chained LM block (2 rows): what decides the route.
 ROUTE_SHAPES = [(2, 6144, 4096, "norm"), (2, 4096, 4096, "residual"), (2, 24576, 4096, "swiglu"),
                 (2, 4096, 12288, "residual")]
@@ -50,11 +53,20 @@ LAUNCHES = 24
 DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16  # a smoke run of the logic sets cpu, float16 (interpreter)
 
 
-def tiles(group: int) -> list[GemvConfig]:
+def tiles(group: int, kind: str = "") -> list[GemvConfig]:
     """The tile grid: a 1-byte tile carries half the bytes of a bf16 tile of its shape, so longer K tiles
-    (per-channel) or more stages (per-group: K tiles stay within a 128-column group) keep as many bytes in flight."""
+    (per-channel) or more stages (per-group: K tiles stay within a 128-column group) keep as many bytes in flight.
+    Packed int4 carries half a 1-byte tile's bytes: K tiles within its group (64 columns: 32 or 64), wider rows and
+    deeper pipelines; a TMA block row is 16 bytes at least (K tiles of 32 columns and more)."""
     G = GemvConfig
-    if group:
+    if kind == "int4":
+        grid = [G(32, 64, 4, 8), G(64, 64, 4, 8), G(64, 64, 4, 12, 1, True), G(128, 64, 4, 8, 1, True),
+                G(128, 64, 8, 8, 1, True), G(64, 64, 8, 12, 1, True), G(256, 64, 8, 6, 1, True),
+                G(64, 32, 4, 16, 1, True), G(128, 32, 4, 12, 1, True), G(32, 64, 4, 8, 2), G(64, 64, 4, 8, 2, True)]
+        if group >= 128:
+            grid += [G(64, 128, 4, 8, 1, True), G(128, 128, 4, 6, 1, True), G(128, 128, 8, 6, 1, True)]
+        grid = [c for c in grid if not group % c.block_k]
+    elif group:
         grid = [G(16, 128, 4, 8), G(32, 128, 4, 8), G(64, 128, 4, 6), G(64, 128, 8, 6), G(32, 128, 4, 8, 1, True),
                 G(32, 128, 4, 12, 1, True), G(64, 128, 4, 8, 1, True), G(128, 128, 4, 4, 1, True),
                 G(128, 128, 8, 6, 1, True), G(64, 64, 4, 12, 1, True), G(32, 128, 4, 8, 2), G(64, 128, 4, 6, 2),
@@ -67,8 +79,8 @@ def tiles(group: int) -> list[GemvConfig]:
     return [c for c in grid if shared_bytes(c, 2, 1) <= SHARED_LIMIT]
 
 
-def route_tiles(group: int) -> list[GemvConfig]:
-    grid = tiles(group)
+def route_tiles(group: int, kind: str = "") -> list[GemvConfig]:
+    grid = tiles(group, kind)
     return [grid[0], grid[3], grid[7]]
 
 
@@ -256,8 +268,8 @@ def main() -> None:
     if args.dry:
         for fmt in formats:
             kind, group = FORMATS[fmt]
-            n_tiles = sum(1 for s in SHAPES for c in tiles(group) if fits_shape(c, s))
-            print(f"{fmt}: routes {ROUTES[kind]}, {len(tiles(group))} tiles, {n_tiles} shape x tile cases")
+            n_tiles = sum(1 for s in SHAPES for c in tiles(group, kind) if fits_shape(c, s))
+            print(f"{fmt}: routes {ROUTES[kind]}, {len(tiles(group, kind))} tiles, {n_tiles} shape x tile cases")
         return
 
     device = DEVICE
@@ -292,7 +304,8 @@ def main() -> None:
               f"{time.perf_counter() - started:.0f} s", flush=True)
 
     def tune_tails(fmt: str, which: str) -> None:
-        for family in FAMILIES:
+        # an int4 LM keeps its depth decoder at int8 (`quant.DEPTH_SCHEMES`): no int4 depth tail runs
+        for family in [f for f in FAMILIES if not (FORMATS[fmt][0] == "int4" and f == "depth")]:
             if left() < 25:
                 print(f"BUDGET: {fmt} {family} tail ({which}) not tuned", flush=True)
                 continue
@@ -329,12 +342,12 @@ def main() -> None:
             print(f"BUDGET: {fmt} not tuned", flush=True)
             continue
         jobs = [("gemv", fmt, s, with_route(c, r)) for r in ROUTES[kind] for s in ROUTE_SHAPES
-                for c in route_tiles(group) if fits_shape(c, s)]
+                for c in route_tiles(group, kind) if fits_shape(c, s)]
         compile_all(jobs)
         totals = dict.fromkeys(ROUTES[kind], 0.0)
         for shape in ROUTE_SHAPES:  # shape outside: one set of weights per shape
             for route in ROUTES[kind]:
-                times = [t for c in route_tiles(group) if fits_shape(c, shape)
+                times = [t for c in route_tiles(group, kind) if fits_shape(c, shape)
                          if (t := measure(fmt, shape, with_route(c, route))) is not None]
                 totals[route] += min(times) if times else float("inf")
         for route, total in totals.items():
@@ -347,7 +360,7 @@ def main() -> None:
     for fmt in routes:
         kind, group = FORMATS[fmt]
         ranked = routes[fmt][:1] if left() < 150 else routes[fmt][:2]  # the runner-up too where time allows
-        jobs = [("gemv", fmt, s, with_route(c, r)) for r in ranked for s in SHAPES for c in tiles(group)
+        jobs = [("gemv", fmt, s, with_route(c, r)) for r in ranked for s in SHAPES for c in tiles(group, kind)
                 if fits_shape(c, s)]
         for rows_, n, k, epilogue in SHAPES:  # the two baselines of the table: the heuristic and bf16's tuned config
             shape = (rows_, n, k, epilogue)
@@ -363,7 +376,7 @@ def main() -> None:
                 break
             found = None
             for route in ranked:
-                for cfg in tiles(group):
+                for cfg in tiles(group, kind):
                     if fits_shape(cfg, shape) and (t := measure(fmt, shape, with_route(cfg, route))) is not None:
                         if found is None or t < found[1]:
                             found = (with_route(cfg, route), t)
