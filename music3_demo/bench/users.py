@@ -5,7 +5,9 @@ Phases (each after the last, on one loaded server): `alone` (one user, a SECONDS
 users asking at the same moment), `join` (three users, a fourth joining JOIN_AFTER s later, mid-song), `variations`
 (one request, `variations=4`); `--soak S` adds S seconds of 8 clients asking for songs of random durations (5-120 s)
 with random cancels (songs still running when the soak ends are cancelled then). Throughout, a watcher samples the
-`status` endpoint's latency (every sample is kept: `status_samples`) and the devices' memory (nvidia-smi). For every
+`status` endpoint's latency (every sample is kept: `status_samples`), the devices' memory (nvidia-smi) and, from each
+status answer, the app's own by kind (`memory_kinds_gb`: process, torch's reserved and allocated, outside torch; the
+soak's growth per kind tells a leak of live tensors from cached blocks and from memory torch does not see). For every
 song: the client's wall time (submit to result), the server's start/end, the hand-over (`handover_s`: the song's end
 on the server, its report's `ended_at`, to the client having its WAV downloaded; `server_handover_s`: to the server's
 `handed_over_at`), the report's first audio after the song started, how many songs shared its GPU, and whether the
@@ -65,6 +67,8 @@ class Watcher:
         self.status: list[tuple[str, float, float]] = []  # (phase, time, seconds the HTTP call took)
         self.client_status: list[tuple[str, float, float]] = []  # (phase, time, seconds through gradio_client)
         self.memory: list[tuple[str, float, list[int]]] = []  # (phase, time, MiB used per GPU)
+        # (phase, time, {gpu: GB of the app's process, torch's reserved and allocated, outside torch}) from status
+        self.kinds: list[tuple[str, float, dict]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -88,10 +92,15 @@ class Watcher:
                                   (self.client_status, lambda: client.predict(api_name="/status"))):
                 began = time.monotonic()
                 try:
-                    call()
+                    answer = call()
                     samples.append((self.phase, time.time(), time.monotonic() - began))
                 except Exception:  # noqa: BLE001 - a failed status call counts as a very slow one
                     samples.append((self.phase, time.time(), float("inf")))
+                    continue
+                if samples is self.status and isinstance(answer, dict) and answer.get("memory"):
+                    self.kinds.append((self.phase, time.time(), {gpu: {kind: figures.get(f"{kind}_gb") for kind in
+                                                                       MEMORY_KINDS}
+                                                                 for gpu, figures in answer["memory"].items()}))
             if time.monotonic() - last_memory >= 2.0:
                 last_memory = time.monotonic()
                 used = gpu_memory_mib()
@@ -107,6 +116,9 @@ class Watcher:
                 "p99_s": round(took[min(len(took) - 1, int(0.99 * len(took)))], 4), "max_s": round(took[-1], 4),
                 "client_median_s": round(statistics.median(through_client), 4) if through_client else None,
                 "client_max_s": round(through_client[-1], 4) if through_client else None}
+
+
+MEMORY_KINDS = ("process", "reserved", "allocated", "outside_torch")  # status' memory figures, `<kind>_gb`
 
 
 def http_status(http, url: str) -> dict:
@@ -301,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                     "status": watcher.latency("soak"), "results": results}
             watcher.phase = "idle"
         summary["memory_mib"] = [(phase, round(t - started, 1), used) for phase, t, used in watcher.memory]
+        summary["memory_kinds_gb"] = [(phase, round(t - started, 1), kinds) for phase, t, kinds in watcher.kinds]
         # (phase, seconds since the watcher started, HTTP call's seconds, gradio_client call's seconds)
         summary["status_samples"] = [(phase, round(t - watcher.started, 2), round(took, 4), round(client, 4))
                                      for (phase, t, took), (_, _, client) in zip(watcher.status,
@@ -311,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(summary, indent=1)
     (out / "users.json").write_text(text)
     print(json.dumps({key: value for key, value in summary.items()
-                      if key not in ("phases", "memory_mib", "status_samples")} |
+                      if key not in ("phases", "memory_mib", "memory_kinds_gb", "status_samples")} |
                      {"phases": {name: {k: v for k, v in phase.items() if k != "results"}
                                  for name, phase in summary["phases"].items()}}, indent=1))
     bad = any(phase["failed"] or phase["invalid"] for phase in summary["phases"].values())
@@ -356,4 +369,24 @@ def targets(summary: dict) -> dict:
         settled = len(soak_memory) // 4
         growth = max(max(series[settled:]) - series[settled] for series in zip(*soak_memory))
         report["soak_memory_growth_mib"] = {"value": growth, "target": 1024, "met": growth <= 1024}
+        report["soak_memory_growth_by_kind_gb"] = growth_by_kind(
+            [kinds for phase, _, kinds in summary.get("memory_kinds_gb", []) if phase == "soak"])
+    return report
+
+
+def growth_by_kind(samples: list[dict]) -> dict | None:
+    """Per GPU and kind (the app's process, torch's reserved and live bytes, what lies outside torch: graph
+    executables, libraries' own memory): the most it grew above its value at the end of the soak's first quarter,
+    in GB. Tells a leak of live tensors from the allocator's cache and from memory torch does not see."""
+    if len(samples) <= 4:
+        return None
+    settled = len(samples) // 4
+    report = {}
+    for gpu in samples[settled]:
+        report[gpu] = {}
+        for kind in MEMORY_KINDS:
+            series = [s.get(gpu, {}).get(kind) for s in samples[settled:]]
+            series = [value for value in series if value is not None]
+            if series:
+                report[gpu][kind] = round(max(series) - series[0], 3)
     return report

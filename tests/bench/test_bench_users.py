@@ -32,6 +32,21 @@ def test_phase_summary_and_targets():
     assert result["four_over_alone"] == {"value": 2.2, "target": 2.2, "met": True}
     assert result["eight_over_alone"]["value"] is None and result["first_audio_s"]["value"] == 2.5
     assert result["soak_memory_growth_mib"] == {"value": 200, "target": 1024, "met": True}
+    assert result["soak_memory_growth_by_kind_gb"] is None  # no status answer carried memory figures
+
+
+def test_the_soaks_growth_is_told_apart_by_kind():
+    """From status' memory figures: live tensors that grow after the first quarter show as `allocated`, memory torch
+    does not see as `outside_torch`; the first quarter's growth (warming caches) does not count."""
+    def kinds(t: int) -> dict:
+        return {"cuda:0": {"process": 30.0 + 0.1 * t, "reserved": 25.0 + 0.1 * max(0, t - 2),
+                           "allocated": 20.0 + (0.5 if t == 1 else 0.0), "outside_torch": 5.0 + 0.1 * min(t, 2)}}
+
+    samples = [("soak", float(t), kinds(t)) for t in range(8)]
+    result = users.targets({"phases": {}, "memory_mib": [("soak", t, [1000]) for t in range(8)],
+                            "memory_kinds_gb": samples, "status_samples": []})
+    growth = result["soak_memory_growth_by_kind_gb"]["cuda:0"]
+    assert growth == {"process": 0.5, "reserved": 0.5, "allocated": 0.0, "outside_torch": 0.0}
 
 
 def _song(device: str, started: float, ended: float) -> dict:
