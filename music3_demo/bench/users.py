@@ -364,7 +364,7 @@ def targets(summary: dict) -> dict:
     report = {name: {"value": value, "target": TARGETS[name], "met": None if value is None else value <= TARGETS[name]}
               for name, value in values.items()}
     soak_memory = [used for phase, _, used in summary["memory_mib"] if phase == "soak"]
-    if len(soak_memory) > 4:
+    if len(soak_memory) > 4 and (phases.get("soak") or {}).get("songs") != 0:  # (a soak that made nothing: no figure)
         # Per GPU: the most it grew above its use at the end of the soak's first quarter (its first minutes).
         settled = len(soak_memory) // 4
         growth = max(max(series[settled:]) - series[settled] for series in zip(*soak_memory))
