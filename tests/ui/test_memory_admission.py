@@ -126,7 +126,7 @@ def test_a_card_too_small_for_the_model_fails_the_load_with_one_sentence(monkeyp
     holder.preload(background=False)
     status = holder.status()
     assert status.state == "failed"
-    assert status.error.startswith("The model does not fit on cpu in fp8 LM, fp8 DiT: 2.0 GB are free and it needs "
+    assert status.error.startswith("The model does not fit on cpu in int4 LM, fp8 DiT: 2.0 GB are free and it needs "
                                    "about ")
     assert status.error.endswith("close other programs that use the GPU, or use a GPU with more memory (--model tiny "
                                  "runs anywhere).")
@@ -137,5 +137,5 @@ def test_the_cli_exits_2_when_the_card_is_too_small_for_the_model(monkeypatch, t
     result = run_main("generate", "--model", "tiny", "--prompt", "x", "--instrumental", "--duration", "5", "--out",
                       str(tmp_path / "song.wav"), "--quiet")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert re.search(r"^error: The model does not fit on cpu in fp8 LM, fp8 DiT: 2\.0 GB are free and it needs about "
+    assert re.search(r"^error: The model does not fit on cpu in int4 LM, fp8 DiT: 2\.0 GB are free and it needs about "
                      r"[\d.]+ GB to load and make a song; close other programs", result.stderr, flags=re.M)
