@@ -244,13 +244,13 @@ GENERATION = {86: 80, 89: 80}
 # Constants that only select a subset of the same code (a tail without the next block's q|k|v, a teacher-forced
 # sample) or shift offsets and masks (rows, cached depth positions): variants that differ only in them need no
 # separate compile in the CI set (the full set, --all, compiles them all).
-MINOR = {"_block_tail_kernel": {"M", "HAS_NEXT", "Q", "BN_Q", "BK_Q", "ST_Q", "TMA_Q", "PF_Q"},
+MINOR = {"_block_tail_kernel": {"M", "HAS_NEXT", "RUN_Q", "Q", "BN_Q", "BK_Q", "ST_Q", "TMA_Q", "PF_Q"},
          "_cfg_sample_kernel": {"FORCED", "COPIES"}, "_depth_attn_kernel": {"BASE"}}
 # The tiny model's CI set: one compile per tile configuration (and weight format) of each kernel. Its epilogues and
 # the stacks' variants are the full-size model's code paths, compiled there; what a small model adds is tiles of
 # its own shapes (short K tiles, heads padded to 16 lanes, 32-column rows).
 SMALL_MINOR = {"_gemv_kernel": {"M", "NORM", "RESIDUAL", "SWIGLU", "COPY"},
-               "_block_tail_kernel": MINOR["_block_tail_kernel"] | {"D", "A", "G", "RUN_Q"},
+               "_block_tail_kernel": MINOR["_block_tail_kernel"] | {"D", "A", "G"},
                "_cfg_sample_kernel": {"FORCED", "COPIES", "draw", "table_rows", "CHUNK2", "CHUNKS2", "PARTS2"},
                "_depth_attn_kernel": {"BASE"}}
 
