@@ -3,7 +3,8 @@ in Python) and the DiT's (`--dit-precision {auto,bf16,fp8}`, `dit_precision=`), 
 
 bf16 is the checkpoint's weights unquantized (float32 on a CPU): the exact reference. fp8 (e4m3) and int8 are
 weight-only quantizations of the language model's and the depth decoder's block weights, made at load
-(`semantic/quant.py`); int4 quantizes the language model to 4 bits and keeps the depth decoder at int8. Which mode runs on a card, and why, is decided by the card's memory plan (memory_plan.py).
+(`semantic/quant.py`); int4 quantizes the language model to 4 bits and keeps the depth decoder at int8. Which mode
+runs on a card, and why, is decided by the card's memory plan (memory_plan.py).
 """
 
 from __future__ import annotations

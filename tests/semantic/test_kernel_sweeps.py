@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from music3_demo.semantic.kernels import tune_gemv, tune_onebyte, tune_tail
+from music3_demo.semantic.kernels import onebyte_space, tune_gemv, tune_onebyte, tune_tail
 from music3_demo.semantic.kernels.linear import GemvConfig as G
 from music3_demo.semantic.kernels.tail import TailConfig
 from music3_demo.semantic.kernels.tuning import TABLES, Target, load_table, tuning_for_target
@@ -23,7 +23,7 @@ def _packaged_tables():
 
 def _one_byte_suffixes() -> set[tuple]:
     """The key suffixes tune_onebyte writes: ("w1", kind, group) per weight format it sweeps."""
-    return {("w1", kind, group) for kind, group in tune_onebyte.FORMATS.values()}
+    return {("w1", kind, group) for kind, group in onebyte_space.FORMATS.values()}
 
 
 def _split_key(key: tuple, base_len: int) -> tuple[tuple, tuple]:
@@ -69,12 +69,13 @@ def test_the_int4_sweep_offers_only_tiles_its_format_can_run():
     least (32 columns), the routes are the two MMA dtypes, and every tile is one the H200's tuning would accept for
     that format (a tuned entry it rejected would silently fall back to the heuristic)."""
     tuning = tuning_for_target(H200)
-    assert tune_onebyte.ROUTES["int4"] == ["cast", "bits_f16"]
+    assert tune_onebyte.FORMATS is onebyte_space.FORMATS  # the sweep searches this space
+    assert onebyte_space.ROUTES["int4"] == ["cast", "bits_f16"]
     for fmt in ("int4/g64", "int4/g128"):
-        kind, group = tune_onebyte.FORMATS[fmt]
-        grid = tune_onebyte.tiles(group, kind)
-        assert len(grid) >= 8 and len(tune_onebyte.route_tiles(group, kind)) == 3
+        kind, group = onebyte_space.FORMATS[fmt]
+        grid = onebyte_space.tiles(group, kind)
+        assert len(grid) >= 8 and len(onebyte_space.route_tiles(group, kind)) == 3
         for cfg in grid:
             assert group % cfg.block_k == 0 and (not cfg.tma or cfg.block_k >= 32), (fmt, cfg)
             assert tuning.valid(cfg, 2, 1, group, kind), (fmt, cfg)
-            assert any(tune_onebyte.fits_shape(cfg, shape) for shape in tune_gemv.SHAPES), (fmt, cfg)
+            assert any(onebyte_space.fits_shape(cfg, shape) for shape in tune_gemv.SHAPES), (fmt, cfg)

@@ -34,59 +34,18 @@ from pathlib import Path
 import torch
 
 from .linear import GemvConfig, GemvWorkspace, gemv
+from .onebyte_space import FORMATS, ROUTES, fits_shape, route_tiles, tiles
 from .qweight import CONVERSIONS
 from .tail import TailConfig, TailScratch, block_tail
 from .tune_gemv import SHAPES, time_graph
-from .tuning import Target, Tuning, load_table, shared_bytes, tuning_for
+from .tuning import Target, Tuning, load_table, tuning_for
 
-FORMATS = {"fp8/channel": ("fp8", 0), "int8/g128": ("int8", 128), "fp8/g128": ("fp8", 128),
-           "int8/channel": ("int8", 0), "int4/g64": ("int4", 64), "int4/g128": ("int4", 128)}
-# Packed int4 takes one route per MMA dtype (the model's, or fp16: `qweight.unpack_int4`).
-ROUTES = {"fp8": ["cast", "bits_bf16", "bits_f16", "native_f16"], "int8": ["cast", "bits_bf16", "bits_f16"],
-          "int4": ["cast", "bits_f16"]}
 # The four products of a chained LM block (2 rows): what decides the route.
 ROUTE_SHAPES = [(2, 6144, 4096, "norm"), (2, 4096, 4096, "residual"), (2, 24576, 4096, "swiglu"),
                 (2, 4096, 12288, "residual")]
 FAMILIES = {"lm": (4096, 4096, 24576, 6144, 36), "depth": (4096, 4096, 12288, 12288, 28)}
-SHARED_LIMIT = 227 * 1024  # sm_90's per-block limit
 LAUNCHES = 24
 DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16  # a smoke run of the logic sets cpu, float16 (interpreter)
-
-
-def tiles(group: int, kind: str = "") -> list[GemvConfig]:
-    """The tile grid: a 1-byte tile carries half the bytes of a bf16 tile of its shape, so longer K tiles
-    (per-channel) or more stages (per-group: K tiles stay within a 128-column group) keep as many bytes in flight.
-    Packed int4 carries half a 1-byte tile's bytes: K tiles within its group (64 columns: 32 or 64), wider rows and
-    deeper pipelines; a TMA block row is 16 bytes at least (K tiles of 32 columns and more)."""
-    G = GemvConfig
-    if kind == "int4":
-        grid = [G(32, 64, 4, 8), G(64, 64, 4, 8), G(64, 64, 4, 12, 1, True), G(128, 64, 4, 8, 1, True),
-                G(128, 64, 8, 8, 1, True), G(64, 64, 8, 12, 1, True), G(256, 64, 8, 6, 1, True),
-                G(64, 32, 4, 16, 1, True), G(128, 32, 4, 12, 1, True), G(32, 64, 4, 8, 2), G(64, 64, 4, 8, 2, True)]
-        if group >= 128:
-            grid += [G(64, 128, 4, 8, 1, True), G(128, 128, 4, 6, 1, True), G(128, 128, 8, 6, 1, True)]
-        grid = [c for c in grid if not group % c.block_k]
-    elif group:
-        grid = [G(16, 128, 4, 8), G(32, 128, 4, 8), G(64, 128, 4, 6), G(64, 128, 8, 6), G(32, 128, 4, 8, 1, True),
-                G(32, 128, 4, 12, 1, True), G(64, 128, 4, 8, 1, True), G(128, 128, 4, 4, 1, True),
-                G(128, 128, 8, 6, 1, True), G(64, 64, 4, 12, 1, True), G(32, 128, 4, 8, 2), G(64, 128, 4, 6, 2),
-                G(32, 128, 4, 8, 2, True)]
-    else:
-        grid = [G(16, 512, 4, 4), G(16, 512, 4, 6), G(32, 512, 4, 4), G(32, 256, 4, 6), G(64, 256, 4, 4),
-                G(64, 256, 8, 4), G(16, 1024, 4, 3), G(32, 512, 4, 4, 1, True), G(32, 256, 4, 8, 1, True),
-                G(64, 256, 4, 4, 1, True), G(64, 256, 4, 6, 1, True), G(128, 128, 4, 6, 1, True),
-                G(128, 256, 8, 3, 1, True), G(32, 512, 4, 4, 2), G(16, 512, 4, 6, 2), G(64, 256, 4, 4, 2, True)]
-    return [c for c in grid if shared_bytes(c, 2, 1) <= SHARED_LIMIT]
-
-
-def route_tiles(group: int, kind: str = "") -> list[GemvConfig]:
-    grid = tiles(group, kind)
-    return [grid[0], grid[3], grid[7]]
-
-
-def fits_shape(cfg: GemvConfig, shape: tuple) -> bool:
-    rows, n, k, epilogue = shape
-    return k % (cfg.block_k * cfg.split_k) == 0 and not (epilogue == "swiglu" and n % cfg.block_n)
 
 
 # ---------------------------------------------------------------------------------------------- one GEMV case
