@@ -99,7 +99,7 @@ def _cheaper_modes(plan: MemoryPlan) -> list[tuple[str, str]]:
     the fp8 DiT first, then the smaller LMs."""
     lm, dit = plan.lm.mode, plan.dit.mode
     one_byte = "fp8" if fp8_capable(plan.capability) else "int8"
-    smaller = {"bf16": [one_byte, "int4"], one_byte: ["int4"]}.get(lm, [])
+    smaller = [one_byte, "int4"] if lm == "bf16" else ["int4"] if lm in ("fp8", "int8") else []
     lms = smaller + [lm] if lm == "bf16" else [lm] + smaller
     dits = [dit] if dit in QUANTIZED or not fp8_capable(plan.capability) else [dit, "fp8"]
     pairs = [(one, d) for one in lms for d in dits]
