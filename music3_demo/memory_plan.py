@@ -388,15 +388,14 @@ def plan_memory(
     plans = [_layout(figures, free_bytes, capability, lm, dit, engine, stages) for lm, dit in pairs]
     # An int4 LM only where no 8-bit one fits at all: it costs accuracy (and on a fast card speed) for song length.
     eight_bit = [plan for plan in plans if plan.lm.mode != "int4"]
-    four_bit_only = lm_auto and not any(plan.fits for plan in eight_bit)
-    candidates = plans if four_bit_only or not lm_auto else eight_bit
+    candidates = eight_bit if lm_auto and any(plan.fits for plan in eight_bit) else plans
     chosen = next((plan for plan in candidates if _useful(plan)), None)
     if chosen is not None:
         why = "the first that holds a 6-minute song alone and two 2-minute songs at once"
     else:
         chosen = max(candidates, key=lambda plan: (plan.fits, plan.max_frames() or 0, -plan.weight_bytes))
         why = "none holds a 6-minute song alone and two 2-minute songs at once: this one holds the longest"
-    if four_bit_only and chosen.fits and chosen.lm.mode == "int4":
+    if lm_auto and chosen.fits and chosen.lm.mode == "int4":  # (auto reached int4: no 8-bit plan fits)
         why = f"no 8-bit language model fits; {why}"
     if not (lm_auto or dit_auto):
         why = "as asked"
