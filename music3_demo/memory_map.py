@@ -1,6 +1,7 @@
 """Where this process's device memory sits, for finding what a memory plan under-counts: torch's segments grouped by
-pool (the general pool and each CUDA graph's private pool), with the live and the cached bytes of each, and the
-largest live allocations with where they were made (when recording is on).
+pool (the general pool and each CUDA graph's private pool), with the live and the cached bytes of each, the largest
+live allocations with where they were made, and the live bytes summed by where they were made (many small blocks
+from one place show there; both need recording on).
 
 Off by default. `MUSIC3_MEMORY_MAP=DIR` (the app, the CLI, a bench) records allocation stacks from the load on and
 writes one JSON file per call point into DIR: `ready` after the warm-up, `song` after each song. Recording costs a
@@ -63,12 +64,19 @@ def summarize(segments: list[dict], device_index: int | None = None) -> dict:
     for pool in pools.values():
         pool["cached_bytes"] = pool["reserved_bytes"] - pool["allocated_bytes"]
     live.sort(key=lambda item: -item[0])
+    by_where: dict[str, list[int]] = {}
+    for size, _, where in live:
+        entry = by_where.setdefault(" < ".join(where) or "unknown", [0, 0])
+        entry[0] += size
+        entry[1] += 1
     return {
         "reserved_bytes": sum(p["reserved_bytes"] for p in pools.values()),
         "allocated_bytes": sum(p["allocated_bytes"] for p in pools.values()),
         "pools": dict(sorted(pools.items(), key=lambda item: -item[1]["reserved_bytes"])),
         "largest_live": [{"bytes": size, "pool": pool, "where": where} for size, pool, where in
                          live[:TOP_ALLOCATIONS]],
+        "live_by_where": [{"bytes": total, "count": count, "where": where} for where, (total, count) in
+                          sorted(by_where.items(), key=lambda item: -item[1][0])[:TOP_ALLOCATIONS]],
     }
 
 

@@ -1,5 +1,6 @@
 """The memory map's summary of torch's segments (memory_map.py): pools told apart, live and cached bytes, the largest
-live blocks with the frames of ours that made them; nothing written unless asked, nothing off CUDA."""
+live blocks with the frames of ours that made them, the live bytes summed by where they were made; nothing written
+unless asked, nothing off CUDA."""
 
 from __future__ import annotations
 
@@ -32,6 +33,19 @@ def test_the_summary_tells_the_general_pool_from_a_graphs_and_names_where_live_b
     largest = figures["largest_live"]
     assert [block["bytes"] for block in largest] == [4 << 20, 2 << 20]
     assert largest[0]["where"] == ["executor.py:99 vocode"]  # our frame, not torch's
+
+
+def test_live_blocks_are_summed_by_where_they_were_made():
+    """Many small blocks from one place (a song's copies of its frames, say) are one line with their total: the
+    largest blocks alone would not show them."""
+    blocks = [{"size": 1 << 20, "state": "active_allocated", "frames": [
+        {"filename": "/x/music3_demo/semantic/state.py", "line": 138, "name": "ring_rows"}]}] * 5
+    segments = SEGMENTS + [{"device": 0, "segment_pool_id": (0, 0), "total_size": 6 << 20,
+                            "allocated_size": 5 << 20, "blocks": blocks}]
+    by_where = memory_map.summarize(segments, device_index=0)["live_by_where"]
+    assert by_where[0] == {"bytes": 5 << 20, "count": 5, "where": "state.py:138 ring_rows"}
+    assert by_where[1] == {"bytes": 4 << 20, "count": 1, "where": "executor.py:99 vocode"}
+    assert by_where[2] == {"bytes": 2 << 20, "count": 1, "where": "unknown"}
 
 
 def test_nothing_is_recorded_or_written_unless_asked(tmp_path, monkeypatch):
