@@ -9,7 +9,8 @@ is checked when it arrives (admission.py), so a bad one is refused at once and n
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import closing
 
 import gradio as gr
@@ -23,6 +24,11 @@ from .core import AppContext, Failed, Outcome, check, make_request, refusal, run
 
 __all__ = ["GPU_GROUP", "add_api"]
 
+# How often an endpoint's generator gives control back while its song runs (a client's cancel takes effect then).
+# Each hand-back is a skip() of both outputs, and Gradio answers every skip on the event loop by building fresh
+# copies of the output components and their configs (a few ms of the interpreter each): one per tick per song
+# stalled the whole server's answers with 8 songs running, so the API hands back once a second.
+HAND_BACK_S = 1.0
 STOPPED_MESSAGE = "The song was stopped before it was finished."
 GONE_MESSAGE = "That song is no longer on the server (its files expire after a while)."
 
@@ -44,26 +50,43 @@ def _documented(component: gr.components.Component, kind: str, text: str) -> gr.
     return component
 
 
-def api_results(items: Iterator) -> Iterator[tuple]:
-    """An endpoint's yields for one run's items (`core.run`'s): skips while it runs, then (the WAV, the report)."""
+class HandBack:
+    """When an endpoint's generator next gives control back: at most once per HAND_BACK_S."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.last = clock()
+
+    def due(self) -> bool:
+        now = self.clock()
+        if now - self.last < HAND_BACK_S:
+            return False
+        self.last = now
+        return True
+
+
+def api_results(items: Iterator, clock: Callable[[], float] = time.monotonic) -> Iterator[tuple]:
+    """An endpoint's yields for one run's items (`core.run`'s): a skip at most once per HAND_BACK_S while it runs
+    (a client's cancel closes this generator then), then (the WAV, the report)."""
+    hand_back = HandBack(clock)
     try:
         with closing(items):
             for item in items:
                 if isinstance(item, Outcome):
                     yield item.saved.wav, item.report
                     return
-                if item is None or isinstance(item, AudioPiece):
-                    # Handing control back lets a client's cancel close this generator promptly.
+                if (item is None or isinstance(item, AudioPiece)) and hand_back.due():
                     yield gr.skip(), gr.skip()
     except Cancelled:
         raise refusal(STOPPED_MESSAGE, "Stopped") from None
 
 
-def variation_results(items: Iterator) -> Iterator[tuple]:
+def variation_results(items: Iterator, clock: Callable[[], float] = time.monotonic) -> Iterator[tuple]:
     """An endpoint's yields for `core.run_songs`' items: (the WAV, the report) of each variation as it finishes (a
-    client's `job.outputs()` lists them all; `predict` returns the last), skips in between. A variation that ended
-    without a song is named in the reports that follow (`failed_variations`)."""
+    client's `job.outputs()` lists them all; `predict` returns the last), a skip at most once per HAND_BACK_S in
+    between. A variation that ended without a song is named in the reports that follow (`failed_variations`)."""
     failed: list[dict] = []
+    hand_back = HandBack(clock)
     try:
         with closing(items):
             for index, item in items:
@@ -71,7 +94,7 @@ def variation_results(items: Iterator) -> Iterator[tuple]:
                     yield item.saved.wav, item.report | {"failed_variations": list(failed)}
                 elif isinstance(item, Failed):
                     failed.append({"variation": index + 1, "error": item.message})
-                else:
+                elif hand_back.due():
                     yield gr.skip(), gr.skip()
     except Cancelled:
         raise refusal(STOPPED_MESSAGE, "Stopped") from None
