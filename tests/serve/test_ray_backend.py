@@ -91,6 +91,9 @@ def in_process_song(meanwhile) -> np.ndarray:
 @pytest.fixture(scope="module")
 def cluster(meanwhile):
     root = tempfile.mkdtemp(prefix="m3ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    # The test cluster writes its address into Ray's default folder (/tmp/ray) whatever temp_dir says, and only a
+    # node started without temp_dir makes that folder: on a fresh machine it is missing.
+    os.makedirs(ray._common.utils.get_default_ray_temp_dir(), exist_ok=True)
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 1, "include_dashboard": False,
                                                           "no_monitor": True, "temp_dir": root})
     nodes.add_node(num_cpus=1, num_gpus=1)
