@@ -13,6 +13,8 @@ Figures per scheme, over every forced step's LM audio logits (the CFG pair), in 
 - `kl`: KL(p || p_q) of the guided sampling distribution (CFG 1.5 over S, the reference's candidates; p_q is the
   quantized model's guided softmax over the same S), mean and max, in nats;
 - `depth_rel_error`: the same relative error for the 7 depth hiddens of each frame.
+The "+eq" schemes quantize the LM after column equalization (`semantic/equalize.py`: outlier input columns shrunk,
+the step before each product scaled up to match), against the same original reference.
 tests/semantic/test_quant_quality.py pins the chosen schemes' figures.
 """
 
@@ -27,6 +29,7 @@ import torch
 from .. import contract as c
 from .. import random_models
 from ..random_models import ModelSizes
+from ..semantic.equalize import equalize_
 from ..semantic.quant import DEFAULT_SCHEMES, QuantizedLinear, Scheme, quantize_model_
 from ..semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 from .report import commit, finish
@@ -42,6 +45,8 @@ MID = ModelSizes(
 # what that choice avoids.
 SCHEMES = (Scheme("fp8", 0), Scheme("fp8", 128), Scheme("int8", 0), Scheme("int8", 128), Scheme("int4", 64),
            Scheme("int4", 128), (Scheme("int4", 64), Scheme("int4", 64)))
+# Measured again after column equalization of the LM (their names end in "+eq").
+EQUALIZED = (Scheme("int8", 128), Scheme("int4", 64), Scheme("int4", 128))
 OUTLIER_COLUMNS, OUTLIER_GAIN = 4, 30.0  # per 4,096 input columns (at least one per Linear)
 
 
@@ -111,10 +116,11 @@ def densify_(model: torch.nn.Module) -> None:
 
 
 def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: int = 64, seed: int = 0,
-                    schemes: tuple[Scheme | tuple[Scheme, Scheme], ...] = SCHEMES) -> dict:
+                    schemes: tuple[Scheme | tuple[Scheme, Scheme], ...] = SCHEMES,
+                    equalized: tuple[Scheme, ...] = ()) -> dict:
     """Figures of each scheme (or pair: the LM's, the depth decoder's) for float32 models (outliers already
-    injected), teacher-forced on `frames` frames of random codes after a random prompt: {scheme name: figures with
-    their "bytes_per_weight"}."""
+    injected), teacher-forced on `frames` frames of random codes after a random prompt, then of each `equalized`
+    scheme on the column-equalized LM ("<name>+eq"): {scheme name: figures with their "bytes_per_weight"}."""
     device = language_model.lm_head.weight.device
     generator = torch.Generator().manual_seed(seed)
     text_ids = torch.randint(0, 250, (2, prompt_tokens), generator=generator).to(device)
@@ -122,15 +128,18 @@ def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: i
     reference = reference_teacher_forced(language_model, depth_decoder, text_ids, codes)
     hidden = language_model.config.hidden_size
     results: dict = {}
-    for scheme in schemes:
+    runs = [(scheme, False) for scheme in schemes] + [(scheme, True) for scheme in equalized]
+    for scheme, equalize in runs:
         scheme, depth_scheme = scheme if isinstance(scheme, tuple) else (scheme, None)
         lm_q, depth_q = copy.deepcopy(language_model), copy.deepcopy(depth_decoder)
+        if equalize:
+            equalize_(lm_q)
         report = quantize_model_(lm_q, depth_q, scheme.fmt, device, scheme, depth_scheme)
         densify_(lm_q)
         densify_(depth_q)
         figures = summarize(reference, reference_teacher_forced(lm_q, depth_q, text_ids, codes), hidden)
         figures["bytes_per_weight"] = report.bytes_after / report.weights
-        results[report.scheme] = figures
+        results[report.scheme + ("+eq" if equalize else "")] = figures
         del lm_q, depth_q
     return results
 
@@ -148,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--schemes", help="comma list of scheme names to measure (default: all of SCHEMES)")
+    parser.add_argument("--schemes", help="comma list of scheme names to measure, e.g. int4/g64,int4/g64+eq (default: "
+                                          "all of SCHEMES and EQUALIZED)")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -160,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     inject_outliers(lm, depth, seed=args.seed)
-    schemes = SCHEMES if not args.schemes else tuple(s for s in SCHEMES if _name(s) in args.schemes.split(","))
-    results = measure_formats(lm, depth, args.frames, args.prompt_tokens, args.seed, schemes)
+    asked = args.schemes.split(",") if args.schemes else None
+    schemes = tuple(s for s in SCHEMES if asked is None or _name(s) in asked)
+    equalized = tuple(s for s in EQUALIZED if asked is None or f"{_name(s)}+eq" in asked)
+    results = measure_formats(lm, depth, args.frames, args.prompt_tokens, args.seed, schemes, equalized)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(), "size": args.size,
         "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",

@@ -1,0 +1,76 @@
+"""Column equalization of the language model before a weight-only quantization: the same function, each product's
+large input columns shrunk and the step before the product scaled up to match, so that a few outlier columns no
+longer set the scale of every group they fall in.
+
+For a product y = W x, dividing W's column j by s_j and multiplying x_j by s_j changes nothing in exact arithmetic.
+The multiplication goes into the step that makes x, per product of a Qwen3 decoder layer:
+- q|k|v: the input RMSNorm's weight (one s for the three: they read the same x);
+- gate|up: the post-attention RMSNorm's weight;
+- down: up's rows (x = silu(gate) * up is linear in up's row j);
+- o: v's rows (the attention output's channel (head h, d) is linear in the v row (kv head of h, d)), one s per kv
+  head and channel, shared by the query heads that read it.
+Row scaling of up and v is absorbed exactly by their own per-row (per-group) scales when they are quantized.
+lm_head's audio rows read the final norm, whose output also feeds the depth decoder's projection (beside embeddings
+it does not see): they are left as they are.
+
+`s_j = max(1, (max_i |W_ij| / median_j max_i |W_ij|) ** alpha)`: only columns above the median shrink, `alpha`
+between 0 (nothing changes) and 1 (every column's maximum down to the median). What it does to each format's effect
+is measured by `bench formats` (the "+eq" schemes; docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALPHA = 0.5  # the better of 0.35, 0.5, 0.75, 1.0 for int4/g64 on the 1/8-width model (bench formats --size mid)
+
+
+def column_scales(column_max: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
+    """s per input column from each column's largest |weight| (float32, >= 1)."""
+    column_max = column_max.float()
+    return (column_max / column_max.median().clamp_min(torch.finfo(torch.float32).tiny)).pow(alpha).clamp_min(1.0)
+
+
+def _column_max(*weights: torch.Tensor) -> torch.Tensor:
+    return torch.stack([w.detach().abs().amax(0).float() for w in weights]).amax(0)
+
+
+def _shrink_columns(weight: torch.Tensor, s: torch.Tensor) -> None:
+    weight.copy_((weight.float() / s).to(weight.dtype))
+
+
+def _grow(weight: torch.Tensor, s: torch.Tensor) -> None:
+    """A norm's weight (s per element) or a product's rows (s per row)."""
+    scale = s if weight.dim() == 1 else s[:, None]
+    weight.copy_((weight.float() * scale).to(weight.dtype))
+
+
+@torch.no_grad()
+def equalize_layer_(layer, heads: int, kv_heads: int, head_dim: int, alpha: float = ALPHA) -> None:
+    """One Qwen3 decoder layer, in place (see the module docstring)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    s = column_scales(_column_max(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), alpha)
+    for linear in (attn.q_proj, attn.k_proj, attn.v_proj):
+        _shrink_columns(linear.weight, s)
+    _grow(layer.input_layernorm.weight, s)
+    s = column_scales(_column_max(mlp.gate_proj.weight, mlp.up_proj.weight), alpha)
+    for linear in (mlp.gate_proj, mlp.up_proj):
+        _shrink_columns(linear.weight, s)
+    _grow(layer.post_attention_layernorm.weight, s)
+    s = column_scales(_column_max(mlp.down_proj.weight), alpha)
+    _shrink_columns(mlp.down_proj.weight, s)
+    _grow(mlp.up_proj.weight, s)
+    group = heads // kv_heads  # query heads per kv head
+    per_kv = _column_max(attn.o_proj.weight).view(kv_heads, group, head_dim).amax(1)
+    s_kv = column_scales(per_kv.flatten(), alpha).view(kv_heads, head_dim)
+    _shrink_columns(attn.o_proj.weight, s_kv[:, None, :].expand(kv_heads, group, head_dim).reshape(-1))
+    _grow(attn.v_proj.weight, s_kv.reshape(-1))
+
+
+@torch.no_grad()
+def equalize_(language_model, alpha: float = ALPHA) -> None:
+    """Every decoder layer of a Qwen3 language model, in place, before it is quantized."""
+    config = language_model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for layer in language_model.model.layers:
+        equalize_layer_(layer, config.num_attention_heads, config.num_key_value_heads, head_dim, alpha)
