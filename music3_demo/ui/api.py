@@ -24,11 +24,11 @@ from .core import AppContext, Failed, Outcome, check, make_request, refusal, run
 
 __all__ = ["GPU_GROUP", "add_api"]
 
-# How often an endpoint's generator gives control back while its song runs (a client's cancel takes effect then).
+# How often an endpoint's generator gives control back while its song runs: a client's cancel takes effect then.
 # Each hand-back is a skip() of both outputs, and Gradio answers every skip on the event loop by building fresh
-# copies of the output components and their configs (a few ms of the interpreter each): one per tick per song
-# stalled the whole server's answers with 8 songs running, so the API hands back once a second.
-HAND_BACK_S = 1.0
+# copies of the output components and their configs (a few ms of the interpreter each): one per tick and audio piece
+# per song held the whole server's answers back with 8 songs running. Twice a second keeps a cancel prompt.
+HAND_BACK_S = 0.5
 STOPPED_MESSAGE = "The song was stopped before it was finished."
 GONE_MESSAGE = "That song is no longer on the server (its files expire after a while)."
 
