@@ -19,7 +19,7 @@ from .devices import normalize, on_device, split_devices
 from .events import Cancelled, Event, Song
 from .flow.worker import FLOW_PRIORITY, FirstChunks, StreamPool
 from .loading import as_loaded, fp8_dit_waiting, getting_ready, load_model, modes_text, place_fp8_dit, plan_for
-from .memory import PeakSampler, note_process_start, release_cached, song_guard
+from .memory import PeakSampler, note_process_start, release_cached, song_guard, trim_cache
 from .memory_map import start_recording, write_if_asked
 from .memory_plan import WARM_UP, MemoryPlan
 from .precision import PrecisionChoice, check_dit_precision, check_precision
@@ -217,6 +217,12 @@ class Music3Pipeline:
         for device in {self.device, self.flow_device}:
             release_cached(device)
 
+    def trim_caches(self) -> None:
+        """After a song: the allocator's cache beyond `memory.TRIM_KEEP_BYTES` back to the card, on this pipeline's
+        GPUs (`memory.trim_cache`)."""
+        for device in {self.device, self.flow_device}:
+            trim_cache(device)
+
     def warm(self) -> Song:
         """Pay the one-off costs (kernel selection, semantic and flow graph capture, allocator growth) with a
         throw-away song, so the first real song does not. On CUDA the song is long enough for one full flow chunk,
@@ -282,6 +288,7 @@ class Music3Pipeline:
                 run = SongRun(self._stages(), self.validate(request), on_event, cancel, continue_from)
                 song = run.run(memory, flow_memory, self.setup_s if built else None)
             write_if_asked(self.device, "song")
+            self.trim_caches()  # after the song's Finished: its hand-over does not wait for this
             return song
 
     def _stages(self) -> Stages:

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from music3_demo.memory import MemoryWatch, PeakSampler, device_memory, release_cached
+from music3_demo.memory import TRIM_KEEP_BYTES, MemoryWatch, PeakSampler, device_memory, release_cached, trim_cache
 from music3_demo.pipeline import Music3Pipeline
 from music3_demo.request import GenerationRequest
 
@@ -122,3 +122,20 @@ def test_a_process_reports_its_own_device_memory_not_another_processs():
     assert 2 * GIB <= own <= 3.5 * GIB, figures  # the block and a context, nothing of the holder's
     assert figures["card_used_gb"] * 1e9 >= card.figures["held_bytes"] + own - 0.1 * GIB
     assert figures["method"] in ("nvml-process", "card-minus-others"), figures  # NVML answers on the GPU image
+
+
+def test_a_songs_end_gives_the_cache_beyond_the_live_tensors_back(tiny_folder):
+    """What a stream freed stays cached for that stream alone; songs on pooled streams would grow the process song
+    after song. After a song the pipeline keeps at most `TRIM_KEEP_BYTES` cached beyond the live tensors."""
+    pipeline = Music3Pipeline.from_pretrained("tiny", device="cuda")
+    pipeline.generate(song())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # what another song's stream freed: 1 GB cached for that stream alone
+        block = torch.empty(int(GB), dtype=torch.uint8, device="cuda")
+    del block
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() > 0.9 * GB
+    pipeline.generate(song(2))
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() <= TRIM_KEEP_BYTES
+    assert trim_cache("cuda") == 0  # under the bound: nothing to do, no wait on the device
+    pipeline.release()

@@ -167,6 +167,16 @@ def test_stream_yields_the_songs_events_and_closing_it_stops_the_song(tiny_pipel
 
 
 
+def test_a_songs_cache_is_trimmed_after_its_finished_event_not_before(tiny_pipeline, monkeypatch):
+    """The song's hand-over goes first: the trim (which waits for the device's queued work) comes after the song's
+    Finished event, on the song's thread, once per song."""
+    order = []
+    monkeypatch.setattr(tiny_pipeline, "trim_caches", lambda: order.append("trim"))
+    request = GenerationRequest("pop", "hi", duration=1.0, num_steps=1, seed=1)
+    tiny_pipeline.generate(request, lambda event: order.append("finished") if isinstance(event, Finished) else None)
+    assert order == ["finished", "trim"]
+
+
 def test_variations_are_the_songs_their_seeds_make_alone(tiny_pipeline):
     request = GenerationRequest("calm piano", duration=1.0, num_steps=1, seed=7, instrumental=True)
     heard: list[tuple[int, object]] = []
