@@ -15,16 +15,21 @@ a plain one and 1/rms scales its output rows. Activations written by other progr
 with `.cg` (L2, not the SMs' incoherent L1). The barrier (`TailScratch.count`) is an arrival count that only grows:
 each program spins until it reaches the next multiple of the grid size.
 
-Residency: kernels on other streams (the flow stage's DiT) only delay programs, never block them for good, since
-they do not wait on the tail; the holder runs one generation per device, so no second spinning grid competes for
-the SMs. A spin barrier needs every program resident, which Triton's CPU interpreter (programs one at a time) never
-has: there `block_tail` launches the same kernel once per product (`fused=False`), which is also the GPU test's
-oracle for the fused launch.
+Residency: a spin barrier needs every program resident at once, and a grid no larger than the SM count does not
+ensure it beside kernels on other streams. When the flow stage's DiT (a higher-priority stream, cuBLAS kernels
+launched in clusters of SMs) holds SMs as the tail starts, part of the grid becomes resident and spins while the
+rest waits for SMs that the DiT's next kernels take first, or that cannot form a cluster beside the spinning
+programs: both stages stood still for good (the app's 8-song soak hung twice, each time from a change of timing
+alone). So the fused launch is cooperative (`launch_cooperative_grid`): the driver starts the grid only once every
+program can be resident. `MUSIC3_TAIL_COOPERATIVE=0` launches it the old way, for measuring that choice only.
+Triton's CPU interpreter runs programs one at a time and so never has them all resident: there `block_tail`
+launches the same kernel once per product (`fused=False`), which is also the GPU test's oracle for the fused launch.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,6 +37,9 @@ import triton
 import triton.language as tl
 
 from .launch import interpreting
+
+# The fused tail's launch is cooperative (see the module docstring); "0" only to measure the other way.
+COOPERATIVE = os.environ.get("MUSIC3_TAIL_COOPERATIVE", "1") != "0"
 from .linear import (
     GemvConfig, TensorDescriptor, channel_scale, dot_tile, fit_group, fit_shape, gemv_epilogue, prefetch_rows_l2,
     tma_supported, weight_ptrs, weight_tile,
@@ -340,4 +348,5 @@ def block_tail(
     for run_o, run_gu, run_d, run_q in runs:
         _block_tail_kernel[(scratch.programs,)](
             *args, RUN_O=run_o, RUN_GU=run_gu, RUN_D=run_d, RUN_Q=run_q, num_warps=cfg.num_warps, **common,
+            **({"launch_cooperative_grid": True} if fused and COOPERATIVE else {}),
         )
