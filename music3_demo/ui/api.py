@@ -20,6 +20,7 @@ from ..events import AudioPiece, Cancelled
 from .admission import GPU_GROUP, RANDOM_SEED, admission_validator, waiting_songs
 from ..request import MAX_VARIATIONS, InvalidRequest, check_variations, variation_requests
 from .loop_watch import watch_loop
+from .sessions import keep_sessions_bounded
 from .core import AppContext, Failed, Outcome, check, make_request, refusal, run, run_songs, whole
 
 __all__ = ["GPU_GROUP", "add_api"]
@@ -141,6 +142,7 @@ def add_api(ctx: AppContext, concurrency: int) -> None:
         queue is full."""
         # A coroutine: it never blocks (server_status), so it runs on the event loop without a thread hand-off.
         watch_loop()
+        keep_sessions_bounded(blocks)
         return server_status(ctx, blocks, request.session_hash)
 
     def files(song_id: str) -> tuple:

@@ -39,6 +39,7 @@ from .controls import (
 from .continue_view import add_continue_api, build_continue_panel, wire_continue_panel
 from .core import AppContext, Failed, Outcome, check, make_request, run_songs, whole
 from .history import STORAGE_KEY, add_entry, browser_secret, render_history
+from .sessions import keep_sessions_bounded
 from .progress import StageTracker, _seconds
 from .run_view import STOPPED_TEXT, FilesToCome, build_run_view, finished_text
 
@@ -115,8 +116,11 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
                   api_visibility="private")
         # Gradio 6.31 draws a Column built with visible="hidden" as shown until an update hides it: without this the
         # page opens with an empty live player. (Hidden, not removed: the stream's player must stay in the page.)
-        demo.load(lambda: gr.update(visible="hidden"), None, view.live_box, queue=False, show_progress="hidden",
-                  api_visibility="private")
+        async def page_opened() -> dict:  # a coroutine: on the server's loop, which then sweeps idle sessions
+            keep_sessions_bounded(demo)
+            return gr.update(visible="hidden")
+
+        demo.load(page_opened, None, view.live_box, queue=False, show_progress="hidden", api_visibility="private")
 
         # ---- controls ---------------------------------------------------------------------------------------
         count_inputs = [controls.description, controls.lyrics, controls.instrumental]
