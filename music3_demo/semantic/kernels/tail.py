@@ -37,14 +37,15 @@ import triton
 import triton.language as tl
 
 from .launch import interpreting
-
-# The fused tail's launch is cooperative (see the module docstring); "0" only to measure the other way.
-COOPERATIVE = os.environ.get("MUSIC3_TAIL_COOPERATIVE", "1") != "0"
 from .linear import (
     GemvConfig, TensorDescriptor, channel_scale, dot_tile, fit_group, fit_shape, gemv_epilogue, prefetch_rows_l2,
     tma_supported, weight_ptrs, weight_tile,
 )
 from .qweight import Weight, kernel_args
+
+# The fused tail's launch is cooperative (see the module docstring); "0" only to measure the other way.
+COOPERATIVE = os.environ.get("MUSIC3_TAIL_COOPERATIVE", "1") != "0"
+
 
 class TailScratch:
     """The grid barrier's arrival count and each program's partial sums of squares (one row per program, 16 columns
