@@ -46,8 +46,9 @@ def test_the_sampler_sees_a_short_peak_and_the_card_gets_released_blocks_back():
         time.sleep(0.2)
         del block
     before = sampler.start.process
-    assert sampler.peak >= before + 2 * GB  # this process's use at the peak
-    assert sampler.end.process >= before + 2 * GB  # the block is freed but still cached by torch...
+    # (less than the block's 2 GB where the allocator's expandable segment already held some of it mapped)
+    assert sampler.peak >= before + 1.9 * GB  # this process's use at the peak
+    assert sampler.end.process >= before + 1.9 * GB  # the block is freed but still cached by torch...
     release_cached(device)
     assert device_memory(device).process < before + 0.1 * GB  # ...until the cache is given back
 
