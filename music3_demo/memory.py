@@ -220,8 +220,7 @@ def trim_cache(device: torch.device | str, keep: int = TRIM_KEEP_BYTES) -> int |
     if reserved - torch.cuda.memory_allocated(device) <= keep:
         return 0
     torch.cuda.synchronize(device)
-    with torch.cuda.device(device):
-        torch.cuda.empty_cache()
+    release_cached(device)
     return reserved - torch.cuda.memory_reserved(device)
 
 

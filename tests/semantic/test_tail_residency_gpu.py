@@ -1,6 +1,6 @@
 """GPU: the chained tail's spin barrier beside the flow stage's kernels. The app runs the semantic engine's graphs
 (tails with grid barriers) while DiT products (cuBLAS, on a higher-priority stream) and a song's end (a device
-synchronize and the allocator's cache given back) happen at any moment. A grid that is only partly resident spins
+synchronize and the allocator's cache given back) happen at any moment. A grid that is only partly resident would spin
 for good; the cooperative launch makes the driver start it whole. The work runs in a child process: a GPU that
 stands still cannot be stopped from inside, only killed from outside.
 
