@@ -21,7 +21,7 @@ from .. import contract as c
 from .. import flow as flow_stage
 from .. import random_models
 from ..devices import normalize, on_device
-from ..flow.executor import FlowExecutor
+from ..flow.executor import FlowExecutor, Pending
 from ..flow.stream import FlowSettings, FlowStream, full_chunk_latents
 from ..flow.worker import FlowWorker
 
@@ -51,7 +51,7 @@ def run_songs(components, executor, frames: list[torch.Tensor], steps: int, toge
         for index, song_frames in enumerate(frames):
             audio[index] = chunk_audio(components, executor, song_frames, index, steps)
     else:
-        executor.submit_call(hold_until_queued, executor, len(frames))
+        hold_executor(executor, len(frames))
 
         def one(index):
             audio[index] = chunk_audio(components, executor, frames[index], index, steps)
@@ -70,8 +70,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def hold_until_queued(executor: FlowExecutor, count: int, timeout: float = 30.0) -> None:
+def hold_executor(executor: FlowExecutor, count: int, timeout: float = 30.0) -> Pending:
+    """Occupy the executor's thread until `count` calls are queued (or `timeout`), so that songs started after this
+    returns have their first calls taken together. Returns once the hold is running: a song's first-chunk call is
+    urgent and would go ahead of a hold still queued, leaving the hold to wait for calls that never come."""
+    running = threading.Event()
+    pending = executor.submit_call(hold_until_queued, executor, count, timeout, running)
+    if not running.wait(timeout):
+        raise TimeoutError(f"the flow executor did not start the hold within {timeout:g} s")
+    return pending
+
+
+def hold_until_queued(executor: FlowExecutor, count: int, timeout: float = 30.0,
+                      running: threading.Event | None = None) -> None:
     """On the executor's thread: wait until `count` calls are queued (or `timeout`)."""
+    if running is not None:
+        running.set()
     deadline = time.monotonic() + timeout
     while executor.queued() < count and time.monotonic() < deadline:
         time.sleep(0.001)

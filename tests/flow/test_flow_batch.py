@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from music3_demo import random_models
-from music3_demo.bench.flow_batch import hold_until_queued
+from music3_demo.bench.flow_batch import hold_executor
 from music3_demo.flow.call_queue import HOLD_UNTIL_S, MergePlan, Order
 from music3_demo.flow.executor import FlowExecutor, tiled_vocode
 from music3_demo.flow.guidance import guided_velocity
@@ -84,7 +84,7 @@ def test_concurrent_songs_with_merged_calls_match_alone(pipeline, alone):
     before = executor.stats["velocity_x2"]
     try:
         # Hold the executor until both songs' first DiT calls are queued, so they merge whatever the timing.
-        executor.submit_call(hold_until_queued, executor, 2)
+        hold_executor(executor, 2)
         songs = _together(pipeline)
     finally:
         executor.set_mode("auto")
@@ -241,6 +241,26 @@ def test_urgent_calls_go_ahead_of_calls_queued_before_them_and_merge_only_with_e
     assert first[0].started == first[1].started < first_vocode.started < later[0].started == later[1].started
     assert first_vocode.started < later_vocode.started
     assert [p.partners for p in first + later] == [1, 1, 1, 1]  # the two first chunks merged, the later two too
+
+
+def test_a_hold_runs_ahead_of_first_chunk_calls_submitted_after_it(modules):
+    """The benches' and tests' hold (`hold_executor`) is running when it returns: two songs' first-chunk calls
+    submitted right after it queue behind it and merge. A hold merely queued would be passed by those urgent calls
+    and then wait out its timeout for calls that never come."""
+    transformer, vocoder = modules
+    executor = FlowExecutor(transformer, vocoder, torch.device("cpu"), mode="always")
+    try:
+        for _ in range(3):
+            hold = hold_executor(executor, 2, timeout=5.0)
+            first = [executor.submit_velocity(*_call(transformer, 37, seed), order=Order(first_chunk=0.0))
+                     for seed in (0, 1)]
+            for pending in first:
+                pending.result(timeout=60)
+            hold.result(timeout=60)
+            assert hold.started < first[0].started == first[1].started
+            assert [p.partners for p in first] == [1, 1]
+    finally:
+        executor.close()
 
 
 def test_first_chunks_run_one_song_after_another_in_the_order_they_began(modules):

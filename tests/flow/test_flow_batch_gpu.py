@@ -70,9 +70,9 @@ def _song(components, shared, frames: torch.Tensor, seed: int) -> np.ndarray:
 def _together(components, shared, frames: list[torch.Tensor], hold: bool = False) -> list[np.ndarray]:
     audio: list = [None] * len(frames)
     if hold:  # keep the executor busy until every song's first call is queued, so they merge
-        from music3_demo.bench.flow_batch import hold_until_queued  # here: the file also runs on pre-executor code
+        from music3_demo.bench.flow_batch import hold_executor  # here: the file also runs on pre-executor code
 
-        shared.submit_call(hold_until_queued, shared, len(frames))
+        hold_executor(shared, len(frames))
 
     def one(index):
         audio[index] = _song(components, shared, frames[index], index)
