@@ -25,7 +25,7 @@ if importlib.util.find_spec("spaces") is not None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from music3_demo.checkpoint import default_model
-    from music3_demo.precision import DIT_PRECISIONS, PRECISIONS
+    from music3_demo.precision import DIT_PRECISIONS, KV_PRECISIONS, PRECISIONS
     from music3_demo.semantic import ENGINE_NAMES
     from music3_demo.serve.backend import BACKENDS
 
@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dit-precision", default="auto", choices=DIT_PRECISIONS,
                         help="flow transformer (DiT) weights: bf16, fp8 (sm_89+); auto = fp8 only where the bf16 DiT "
                              "does not fit the GPU (default: auto)")
+    parser.add_argument("--kv-precision", default="auto", choices=KV_PRECISIONS,
+                        help="the graph engine's KV cache: bf16 (exact), int8 (half the memory per second of song); "
+                             "auto = int8 only where a bf16 cache leaves the songs short (default: auto)")
     parser.add_argument("--devices", default=None,
                         help="comma-separated devices, each running as many songs at once as its engine has batch "
                              "slots (default: every CUDA GPU, else the CPU); cuda:0+cuda:1 is one device whose "
@@ -118,7 +121,8 @@ def make_backend(args: argparse.Namespace, space: bool):
     # ZeroGPU runs CUDA work only inside spaces.GPU calls, in worker processes (serve/zerogpu.py): the weights are
     # placed at start-up, the engines are built by each worker's first song, and there is no warm-up song here.
     return LocalBackend(args.model, devices, args.engine, warmup=args.warmup and not space, precision=args.precision,
-                        lazy=space, max_running=args.concurrency, dit_precision=args.dit_precision)
+                        lazy=space, max_running=args.concurrency, dit_precision=args.dit_precision,
+                        kv_precision=args.kv_precision)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,7 @@ from .checkpoint import CheckpointError, default_model
 from .continuation import SongState, check_continuation, extension_request
 from .errors import OutOfMemory, is_out_of_memory, public_message
 from .events import AudioPiece, Event, Progress
-from .precision import DIT_PRECISIONS, PRECISIONS
+from .precision import DIT_PRECISIONS, KV_PRECISIONS, PRECISIONS
 from .request import MAX_VARIATIONS, GenerationRequest, InvalidRequest, check_variations, validate
 from .semantic import ENGINE_NAMES
 from .versions import untested_warnings
@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dit-precision", choices=DIT_PRECISIONS, default="auto",
                      help="flow transformer (DiT) weights: bf16, fp8 (sm_89+); auto = fp8 only where the bf16 DiT "
                      "does not fit")
+    gen.add_argument("--kv-precision", choices=KV_PRECISIONS, default="auto",
+                     help="the graph engine's KV cache: bf16 (exact), int8 (half the memory per second of song); "
+                     "auto = int8 only where a bf16 cache leaves the songs short")
     gen.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available); "
                      "cuda:0+cuda:1 makes the frames on cuda:0 and the audio on cuda:1 (a stage split)")
     gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
@@ -198,7 +201,8 @@ def generate(args: argparse.Namespace) -> int:
 
         pipeline = Music3Pipeline.from_pretrained(args.model or default_model(), device=device,
                                                   engine=args.engine, revision=args.revision,
-                                                  precision=args.precision, dit_precision=args.dit_precision)
+                                                  precision=args.precision, dit_precision=args.dit_precision,
+                                                  kv_precision=args.kv_precision)
         print(f"note: precision {pipeline.precision.mode}: {pipeline.precision.reason}", file=sys.stderr)
         if pipeline.memory_plan is not None and pipeline.memory_plan.on_gpu:
             print(f"note: memory plan: {pipeline.memory_plan.summary()}", file=sys.stderr)

@@ -49,7 +49,8 @@ def card_figures(device: torch.device) -> tuple[int | None, tuple[int, int] | No
 
 
 def plan_for(precision: str, dit_precision: str, device: torch.device, source: ModelSource, engine: str,
-             flow_device: torch.device | None = None) -> tuple[MemoryPlan, MemoryPlan | None]:
+             flow_device: torch.device | None = None, kv_precision: str = "auto"
+             ) -> tuple[MemoryPlan, MemoryPlan | None]:
     """The memory plan for `device` (and, in a stage split, the flow card's), logged as one block; NoRoom, one
     sentence, where the model does not fit in the modes asked."""
     cards = [(device, ("semantic", "flow") if flow_device is None else ("semantic",))]
@@ -59,7 +60,7 @@ def plan_for(precision: str, dit_precision: str, device: torch.device, source: M
     figures = model_figures(source)
     for card, stages in cards:
         free, capability = card_figures(card)
-        plan = plan_memory(figures, free, capability, precision, dit_precision, engine, stages)
+        plan = plan_memory(figures, free, capability, precision, dit_precision, engine, stages, kv_precision)
         log.info("%s", plan.log_block(str(card)))
         if not plan.fits:
             raise NoRoom(no_room_sentence(plan, str(card)))

@@ -14,9 +14,10 @@ MERGE_SHARE of that room at most, or what the pool could not use. Nothing is siz
 from "whatever is free": the engine's pool and slots, the flow executor's largest merged calls and the admission of
 songs all come from here.
 
-`auto` takes the first of (bf16 LM, bf16 DiT), (fp8 | int8 LM, bf16 DiT), (fp8 | int8 LM, fp8 DiT) whose plan
-holds a 6-minute song alone and two 2-minute songs at once (REFERENCE_PROMPT_TOKENS each); fp8 needs sm_89+ (int8
-is the LM's 1-byte mode before it; the DiT stays bf16 there). Where none does, the one holding the longest song.
+`auto` takes the first of (bf16 LM, bf16 DiT), (fp8 | int8 LM, bf16 DiT), (fp8 | int8 LM, fp8 DiT), each with a
+bf16 then an int8 KV cache, whose plan holds a 6-minute song alone and two 2-minute songs at once
+(REFERENCE_PROMPT_TOKENS each); fp8 needs sm_89+ (int8 is the LM's 1-byte mode before it; the DiT stays bf16 there).
+Where none does, the one holding the longest song.
 
 Calibration (H200, random full-size weights, docs/PERFORMANCE.md): weights follow the parameter counts (bf16: LM
 13.9 GB without the full head + 0.6 engine tables, depth 1.3, DiT + condition encoder 4.9, vocoder 0.2 fp32 =
@@ -32,8 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from . import contract as c
-from .precision import QUANTIZED, PrecisionChoice, check_dit_precision, check_precision, fp8_capable, sm_name
-from .precision import refuse_unsupported
+from .precision import QUANTIZED, PrecisionChoice, check_dit_precision, check_kv_precision, check_precision
+from .precision import fp8_capable, kv_bytes_per_position, refuse_unsupported, sm_name
 
 GB = 1e9
 GiB = 2**30
@@ -96,8 +97,8 @@ class ModelFigures:
     audio_vocab: int = 1024
     num_codebooks: int = 8
 
-    def kv_bytes_per_position(self) -> int:
-        return self.lm_layers * 2 * 2 * self.kv_heads * self.head_dim * 2  # layers, k|v, CFG rows, bf16
+    def kv_bytes_per_position(self, fmt: str = "bf16") -> int:
+        return kv_bytes_per_position(self.lm_layers, self.kv_heads, self.head_dim, fmt)
 
     def engine_tables_bytes(self) -> int:
         """The graph engine's own copies: semantic embedding rows, the audio slice of lm_head, the depth decoder's
@@ -127,6 +128,7 @@ class MemoryPlan:
     dit: PrecisionChoice
     engine: str  # graph | reference
     stages: tuple[str, ...] = STAGES  # what this card runs (a stage split: one each)
+    kv: str = "bf16"  # the graph engine's KV cache format: bf16 | int8 (the reference's cache is always bf16)
     free_bytes: int | None = None
     capability: tuple[int, int] | None = None
     weights: dict[str, int] = field(default_factory=dict)
@@ -146,11 +148,12 @@ class MemoryPlan:
     why: str = ""  # one sentence: why these modes (auto's test, or as asked)
     figures: ModelFigures | None = field(default=None, repr=False, compare=False)  # what it was computed from
 
-    def engine_sizing(self) -> tuple[int | None, int | None]:
-        """(batch slots, KV pool positions) for its engine (Nones off the GPU: the engine's own defaults)."""
+    def engine_sizing(self) -> tuple[int | None, int | None, str]:
+        """(batch slots, KV pool positions, KV format) for its engine (Nones off the GPU: the engine's own
+        defaults)."""
         if not self.on_gpu:
-            return None, None
-        return self.slots, self.kv_pool_positions if self.engine == "graph" else None
+            return None, None, self.kv
+        return self.slots, self.kv_pool_positions if self.engine == "graph" else None, self.kv
 
     @property
     def merge_buckets(self) -> tuple[int, int] | None:
@@ -164,7 +167,7 @@ class MemoryPlan:
         if not self.on_gpu or self.figures is None:
             return replace(self, engine=engine)
         plan = _layout(self.figures, self.free_bytes, self.capability, self.lm.mode, self.dit.mode, engine,
-                       self.stages)
+                       self.stages, self.kv)
         return replace(plan, lm=self.lm, dit=self.dit, why=self.why)
 
     @property
@@ -196,7 +199,7 @@ class MemoryPlan:
         return self.longest_s(songs=self.slots or 1)
 
     def modes(self) -> str:
-        return f"{self.lm.mode} LM, {self.dit.mode} DiT"
+        return f"{self.lm.mode} LM, {self.dit.mode} DiT" + (", int8 KV cache" if self.kv == "int8" else "")
 
     def too_long(self, prompt_tokens: int, frames: int) -> str | None:
         """The refusal for a song of `frames` frames after a prompt of `prompt_tokens` that does not fit even alone
@@ -227,7 +230,8 @@ class MemoryPlan:
             return None if value is None else round(value / GB, 2)
 
         figures = {
-            "lm_precision": self.lm.mode, "dit_precision": self.dit.mode, "engine": self.engine,
+            "lm_precision": self.lm.mode, "dit_precision": self.dit.mode, "kv_precision": self.kv,
+            "engine": self.engine,
             "stages": list(self.stages), "why": self.why, "fits": self.fits,
             "free_gb": gb(self.free_bytes), "capability": list(self.capability) if self.capability else None,
         }
@@ -251,7 +255,7 @@ class MemoryPlan:
         if not self.on_gpu:
             return head + "; no GPU: nothing to fit"
         lines = [head] + [f"  {key}: {value}" for key, value in self.as_dict().items()
-                          if key not in ("lm_precision", "dit_precision", "why", "stages")]
+                          if key not in ("lm_precision", "dit_precision", "kv_precision", "why", "stages")]
         return "\n".join(lines)
 
 
@@ -271,9 +275,11 @@ def _merges(dit_bucket: int, vocoder_bucket: int) -> int:
 
 
 def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engine: str,
-            stages: tuple[str, ...]) -> MemoryPlan:
-    """The plan for one pair of modes on a GPU with `free` bytes."""
+            stages: tuple[str, ...], kv: str = "bf16") -> MemoryPlan:
+    """The plan for one set of modes on a GPU with `free` bytes (`kv`: the graph engine's KV format; the
+    reference's cache is bf16)."""
     f, semantic, flow = figures, "semantic" in stages, "flow" in stages
+    kv = kv if engine == "graph" and semantic else "bf16"
     weights: dict[str, int] = {}
     if semantic:
         weights["language_model"] = _stored(f.lm_blocks, lm, 2) + 2 * f.lm_other
@@ -300,7 +306,7 @@ def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, eng
     if semantic:
         runtime += PREFILL_BYTES + (QUANTIZED_PREFILL_BYTES if lm in QUANTIZED else 0)
         runtime += REFERENCE_WORKING_BYTES if engine == "reference" else 0
-    per_position = f.kv_bytes_per_position() * (2 if engine == "reference" else 1)  # (a growing cache copies)
+    per_position = f.kv_bytes_per_position(kv) * (2 if engine == "reference" else 1)  # (a growing cache copies)
     per_slot = SLOT_BYTES + (FLOW_SONG_BYTES if flow else 0)
     alone = ((song_positions(REFERENCE_PROMPT_TOKENS, c.MAX_AUDIO_FRAMES) + PARKING) * per_position + per_slot
              if semantic else 0)
@@ -310,7 +316,7 @@ def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, eng
     base_flow = (DIT_CALL_BYTES + max(vocoder, DIT_CALL_BYTES)) if flow else 0
     room = budget - total - runtime - base_flow
     plan = MemoryPlan(
-        lm=PrecisionChoice(lm, lm, ""), dit=PrecisionChoice(dit, dit, ""), engine=engine, stages=stages,
+        lm=PrecisionChoice(lm, lm, ""), dit=PrecisionChoice(dit, dit, ""), engine=engine, stages=stages, kv=kv,
         free_bytes=free, capability=capability, weights=weights, load_extra=load_extra, load_peak=load_peak,
         flow_working=base_flow, runtime=runtime, headroom=headroom, kv_bytes_per_position=per_position,
         vocoder_tile=tile, figures=figures,
@@ -359,15 +365,20 @@ def plan_memory(
     dit_precision: str = "auto",
     engine: str = "graph",
     stages: tuple[str, ...] = STAGES,
+    kv_precision: str = "auto",
 ) -> MemoryPlan:
     """The plan for one card. `free_bytes` / `capability` None: not a GPU (auto keeps the weights as they are;
     an fp8 DiT asked for runs unquantized, and the plan says so). `figures` None on a GPU: the checkpoint does not
     say (its load then names the fault); the plan keeps the asked modes and sizes nothing. auto tries the LM in bf16,
     then in 1 byte, each with a bf16 then an fp8 DiT (a bf16 LM keeps a bf16 DiT); an int4 LM only where no 8-bit
-    plan fits at all (it is smaller, less accurate, and on a fast card slower: its unpacking is instruction-bound)."""
+    plan fits at all (it is smaller, less accurate, and on a fast card slower: its unpacking is instruction-bound).
+    Each of those weights is tried with a bf16 KV cache, then an int8 one (the graph engine's: half the bytes per
+    position for a rounding of ~0.2% of each head vector, smaller than any weight format's effect: PERFORMANCE.md)."""
     check_precision(precision)
     check_dit_precision(dit_precision)
-    lm_auto, dit_auto = precision == "auto", dit_precision == "auto"
+    check_kv_precision(kv_precision)
+    lm_auto, dit_auto, kv_auto = precision == "auto", dit_precision == "auto", kv_precision == "auto"
+    kv_asked = "bf16" if kv_auto or engine != "graph" else kv_precision
     if free_bytes is not None:
         refuse_unsupported(precision, dit_precision, capability)
     if free_bytes is None or figures is None:  # not a GPU, or a checkpoint that gives no figures: nothing to size
@@ -379,13 +390,14 @@ def plan_memory(
         dit = PrecisionChoice(dit_mode, dit_precision, (
             "The fp8 DiT needs a CUDA GPU of sm_89 or newer: on this device the DiT runs unquantized."
             if dit_precision == "fp8" and free_bytes is None else f"The DiT runs in {dit_mode}."))
-        return MemoryPlan(lm, dit, engine, stages, free_bytes, capability, why=lm.reason)
+        return MemoryPlan(lm, dit, engine, stages, kv_asked, free_bytes, capability, why=lm.reason)
     one_byte = "fp8" if fp8_capable(capability) else "int8"
     lms = ["bf16", one_byte, "int4"] if lm_auto else [precision]
     dits = (["bf16", "fp8"] if fp8_capable(capability) else ["bf16"]) if dit_auto else [dit_precision]
     # bf16 LM with an fp8 DiT only when asked: auto quantizes the LM before the DiT.
     pairs = [(lm, dit) for lm in lms for dit in dits if not (lm_auto and dit_auto and lm == "bf16" and dit != "bf16")]
-    plans = [_layout(figures, free_bytes, capability, lm, dit, engine, stages) for lm, dit in pairs]
+    kvs = ["bf16", "int8"] if kv_auto and engine == "graph" and "semantic" in stages else [kv_asked]
+    plans = [_layout(figures, free_bytes, capability, lm, dit, engine, stages, kv) for lm, dit in pairs for kv in kvs]
     # An int4 LM only where no 8-bit one fits at all: it costs accuracy (and on a fast card speed) for song length.
     eight_bit = [plan for plan in plans if plan.lm.mode != "int4"]
     candidates = eight_bit if lm_auto and any(plan.fits for plan in eight_bit) else plans
@@ -397,7 +409,7 @@ def plan_memory(
         why = "none holds a 6-minute song alone and two 2-minute songs at once: this one holds the longest"
     if lm_auto and chosen.fits and chosen.lm.mode == "int4":  # (auto reached int4: no 8-bit plan fits)
         why = f"no 8-bit language model fits; {why}"
-    if not (lm_auto or dit_auto):
+    if not (lm_auto or dit_auto or kv_auto):
         why = "as asked"
     reason = (f"{chosen.modes()} on {free_bytes / GB:.1f} GB free ({sm_name(capability)}): {why}"
               + (f"; songs up to {duration_text(chosen.longest_alone_s)} alone" if chosen.slots else "") + ".")

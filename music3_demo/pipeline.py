@@ -22,7 +22,7 @@ from .loading import as_loaded, fp8_dit_waiting, getting_ready, load_model, mode
 from .memory import PeakSampler, note_process_start, release_cached, song_guard, trim_cache
 from .memory_map import start_recording, write_if_asked
 from .memory_plan import WARM_UP, MemoryPlan
-from .precision import PrecisionChoice, check_dit_precision, check_precision
+from .precision import PrecisionChoice, check_dit_precision, check_kv_precision, check_precision
 from .prompt import count_prompt_tokens
 from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import make_engine, resolve_engine_name
@@ -123,11 +123,12 @@ class Music3Pipeline:
             self.setup_s = time.perf_counter() - started
             return True
 
-    def _engine_sizing(self, name: str) -> tuple[int | None, int | None]:
-        """(batch slots, KV pool positions) for the engine `name` from the card's plan (Nones: the engine's own);
-        another engine than the one planned for (the reference, after a failed self-check) is planned again."""
+    def _engine_sizing(self, name: str) -> tuple[int | None, int | None, str]:
+        """(batch slots, KV pool positions, KV format) for the engine `name` from the card's plan (Nones: the
+        engine's own); another engine than the one planned for (the reference, after a failed self-check) is planned
+        again."""
         if self.memory_plan is None:
-            return None, None
+            return None, None, "bf16"
         self.memory_plan = self.memory_plan.for_engine(name)
         return self.memory_plan.engine_sizing()
 
@@ -153,9 +154,11 @@ class Music3Pipeline:
         lazy: bool = False,
         flow_device: str | torch.device | None = None,
         dit_precision: str = "auto",
+        kv_precision: str = "auto",
     ) -> "Music3Pipeline":
-        """`precision`: the LM / depth decoder's, auto | bf16 | fp8 | int8; `dit_precision`: the DiT's, auto | bf16
-        | fp8 (sm_89+); auto: what the card's memory plan picks (memory_plan.py). `lazy`, `flow_device`: see
+        """`precision`: the LM / depth decoder's, auto | bf16 | fp8 | int8 | int4; `dit_precision`: the DiT's, auto
+        | bf16 | fp8 (sm_89+); `kv_precision`: the graph engine's KV cache, auto | bf16 | int8; auto: what the
+        card's memory plan picks (memory_plan.py). `lazy`, `flow_device`: see
         __init__ (a `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1). An out-of-memory while
         loading, self-checking or capturing leaves as one sentence (loading.getting_ready)."""
         note_process_start()  # the card's use by the others, before this process's CUDA context (memory.py)
@@ -165,11 +168,12 @@ class Music3Pipeline:
         resolve_engine_name(engine, device, allow_interpreter)  # fail before a long load
         check_precision(precision)
         check_dit_precision(dit_precision)
+        check_kv_precision(kv_precision)
         dtype = dtype or default_dtype(device)
         source = resolve(model, revision=revision, token=token)
         with on_device(device):
             planned = resolve_engine_name(engine, device, allow_interpreter)
-            plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device)
+            plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device, kv_precision)
             plan = replace(plan, lm=as_loaded(plan.lm, dtype), dit=as_loaded(plan.dit, dtype))
             with getting_ready(device, plan, flow_device=flow_device):
                 components = load_model(source, device, dtype, plan.lm, flow_device=flow_device, dit=plan.dit.mode,

@@ -1,5 +1,6 @@
 """The weight precisions a pipeline can run and their names (`--precision {auto,bf16,fp8,int8,int4}`, `precision=`
-in Python) and the DiT's (`--dit-precision {auto,bf16,fp8}`, `dit_precision=`), and which GPUs take fp8.
+in Python), the DiT's (`--dit-precision {auto,bf16,fp8}`, `dit_precision=`) and the KV cache's (`--kv-precision
+{auto,bf16,int8}`, `kv_precision=`), and which GPUs take fp8.
 
 bf16 is the checkpoint's weights unquantized (float32 on a CPU): the exact reference. fp8 (e4m3) and int8 are
 weight-only quantizations of the language model's and the depth decoder's block weights, made at load
@@ -14,6 +15,10 @@ from dataclasses import asdict, dataclass
 PRECISIONS = ("auto", "bf16", "fp8", "int8", "int4")
 DIT_PRECISIONS = ("auto", "bf16", "fp8")  # the flow transformer's (fp8: weights and scales, flow/dit_fp8.py)
 QUANTIZED = ("fp8", "int8", "int4")
+# The semantic engine's KV cache (`--kv-precision`): the model's dtype, or int8 with a float32 scale per head vector
+# (semantic/kv_format.py); auto: the card's memory plan picks int8 only where the songs need the room.
+KV_PRECISIONS = ("auto", "bf16", "int8")
+KV_SCALE_BYTES = 4
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper, Blackwell: e4m3 conversions in hardware
 
 
@@ -47,6 +52,20 @@ def check_dit_precision(requested: str) -> str:
     if requested not in DIT_PRECISIONS:
         raise ValueError(f"Unknown DiT precision {requested!r}: choose one of {', '.join(DIT_PRECISIONS)}.")
     return requested
+
+
+def check_kv_precision(requested: str) -> str:
+    if requested not in KV_PRECISIONS:
+        raise ValueError(f"Unknown KV cache precision {requested!r}: choose one of {', '.join(KV_PRECISIONS)}.")
+    return requested
+
+
+def kv_bytes_per_position(layers: int, kv_heads: int, head_dim: int, fmt: str = "bf16", dtype_bytes: int = 2) -> int:
+    """K and V of both CFG rows over every LM layer, one position, in KV format `fmt` (bf16 | int8)."""
+    if fmt not in KV_PRECISIONS[1:]:
+        raise ValueError(f"KV cache format must be one of {', '.join(KV_PRECISIONS[1:])}, not {fmt!r}")
+    per_head = head_dim * dtype_bytes if fmt == "bf16" else head_dim + KV_SCALE_BYTES
+    return layers * 2 * 2 * kv_heads * per_head
 
 
 def sm_name(capability) -> str:

@@ -35,7 +35,7 @@ CARDS = (16, 24, 48, 80, 141)
 SM86, SM89 = (8, 6), (8, 9)
 # (free GB, fp8 GPU) -> (LM, DiT, slots, longest song at full slots, alone in s); None: nothing fits that card.
 EXPECTED = {
-    (16, False): ("int4", "bf16", 1, 225.52, 225.52), (16, True): ("fp8", "fp8", 1, 143.6, 143.6),
+    (16, False): ("int4", "bf16", 3, 123.52, 360.0), (16, True): ("fp8", "fp8", 2, 128.56, 297.2),
     (24, False): ("int8", "bf16", 4, 126.16, 360.0), (24, True): ("fp8", "bf16", 4, 131.28, 360.0),
     (48, False): ("bf16", "bf16", 8, 284.96, 360.0), (48, True): ("bf16", "bf16", 8, 284.96, 360.0),
     (80, False): ("bf16", "bf16", 8, 360.0, 360.0), (80, True): ("bf16", "bf16", 8, 360.0, 360.0),
@@ -64,7 +64,8 @@ def test_auto_per_card(free_gb, fp8):
     # The pool holds what it promises: `slots` songs of the full-slot length, each in its own region.
     need = REFERENCE_PROMPT_TOKENS + c.max_frames_for(p.longest_full_s) + 2
     assert p.slots * need + 16 <= p.kv_pool_positions
-    assert p.kv_pool_bytes == p.kv_pool_positions * 294_912
+    assert p.kv_pool_bytes == p.kv_pool_positions * {"bf16": 294_912, "int8": 152_064}[p.kv]
+    assert p.kv == ("int8" if free_gb == 16 else "bf16")  # int8 only where a bf16 cache leaves the songs short
     # Everything the card holds stays within what it reported free, less the desktop's headroom.
     assert process_bytes(p) - CONTEXT + p.headroom <= free_gb * GB
     assert p.lm.requested == "auto" and f"{free_gb:.1f} GB free" in p.lm.reason
@@ -102,23 +103,45 @@ def test_the_issues_targets_on_a_24_gb_card():
     assert process_bytes(p) <= 22.5 * GiB and CONTEXT + p.load_peak <= 22.5 * GiB
 
 
-def test_a_16_gb_card_loads_with_1_byte_weights_and_a_tiled_vocoder():
-    """15 GiB free (a 16 GB card): fp8 LM and DiT, the vocoder in tiles, one song at a time, the process within
-    14.5 GiB. The longest song is 82 s with a 1,000-token prompt (1 min 54 s with 200 tokens), not 6 minutes: the
-    6-minute song's KV cache (3.0 GB in bf16) does not fit beside 11 GB of weights and the planned workspaces. Asked
-    for, an int4 LM (4.6 GB, 7.6 in fp8) leaves room for three slots and a 6-minute song."""
+def test_a_16_gb_card_loads_with_1_byte_weights_an_int8_kv_cache_and_a_tiled_vocoder():
+    """15 GiB free (a 16 GB card): fp8 LM and DiT, an int8 KV cache, the vocoder in tiles, one song at a time, the
+    process within 14.5 GiB. The longest song is 3 min 25 s with a 1,000-token prompt (82 s with a bf16 cache), not
+    6 minutes: the 6-minute song's cache (1.5 GB in int8) does not fit beside 11 GB of weights and the planned
+    workspaces. Asked for, an int4 LM (4.6 GB, 7.6 in fp8) leaves room for three slots and a 6-minute song."""
     free = (15 * GiB - CONTEXT) / GB
     p = plan(free)
-    assert p.fits and (p.lm.mode, p.dit.mode, p.slots, p.vocoder_tile) == ("fp8", "fp8", 1, 128)
+    assert p.fits and (p.lm.mode, p.dit.mode, p.kv, p.slots, p.vocoder_tile) == ("fp8", "fp8", "int8", 1, 128)
     assert process_bytes(p) <= 14.5 * GiB and CONTEXT + p.load_peak <= 14.5 * GiB
-    assert 80 <= p.longest_s() < 90 and 110 <= p.longest_s(200) < 120
+    assert 200 <= p.longest_s() < 210 and 235 <= p.longest_s(200) < 240
+    bf16_kv = plan(free, kv_precision="bf16")
+    assert (bf16_kv.kv, bf16_kv.slots) == ("bf16", 1) and 80 <= bf16_kv.longest_s() < 90
+    assert abs(bf16_kv.kv_pool_bytes - p.kv_pool_bytes) < 0.05 * GB  # about the same bytes hold 2.5x the song
     four = plan(free, precision="int4")
-    assert four.fits and (four.lm.mode, four.dit.mode, four.slots) == ("int4", "fp8", 3)
+    assert four.fits and (four.lm.mode, four.dit.mode, four.kv, four.slots) == ("int4", "fp8", "bf16", 3)
     assert four.longest_s() == c.MAX_DURATION_S and process_bytes(four) <= 14.5 * GiB
-    # without fp8 the DiT stays bf16 (2.4 GB more) and no 8-bit LM fits: auto takes int4 there
+    # without fp8 the DiT stays bf16 (2.4 GB more) and no 8-bit LM fits: auto takes int4 there, with an int8 cache
     older = plan(16, SM86)
-    assert older.fits and (older.lm.mode, older.dit.mode, older.slots) == ("int4", "bf16", 1)
-    assert older.why.startswith("no 8-bit language model fits")
+    assert older.fits and (older.lm.mode, older.dit.mode, older.kv, older.slots) == ("int4", "bf16", "int8", 3)
+    assert older.why.startswith("no 8-bit language model fits") and older.longest_s() == c.MAX_DURATION_S
+
+
+def test_the_kv_cache_is_int8_only_where_asked_or_where_bf16_leaves_the_songs_short():
+    assert FULL.kv_bytes_per_position("int8") == 36 * 2 * 2 * 8 * (128 + 4)  # values + a float32 scale a head
+    for free in (24, 48, 141):
+        assert plan(free).kv == "bf16"
+    asked = plan(141, kv_precision="int8")
+    assert asked.kv == "int8" and asked.why == "the first that holds a 6-minute song alone and two 2-minute songs " \
+        "at once" and "int8 KV cache" in asked.lm.reason
+    assert plan(48, kv_precision="int8").slots == 8 and plan(48, kv_precision="int8").longest_full_s == 360.0
+    assert plan(16, kv_precision="bf16").kv == "bf16"
+    # the reference engine's cache is transformers' own, in the model's dtype: never int8
+    assert plan(16, engine="reference").kv == "bf16" and plan(141, engine="reference", kv_precision="int8").kv == \
+        "bf16"
+    assert plan(16).for_engine("reference").kv == "bf16"
+    assert plan(16).engine_sizing()[2] == "int8" and plan_memory(FULL, None, None).kv == "bf16"
+    assert plan(16).as_dict()["kv_precision"] == "int8" and "int8 KV cache" in plan(16).summary()
+    with pytest.raises(ValueError, match="choose one of auto, bf16, int8"):
+        plan(141, kv_precision="fp8")
 
 
 def test_the_vocoder_tiles_only_where_whole_chunks_leave_no_room_for_a_6_minute_song():
@@ -177,14 +200,15 @@ def test_on_a_cpu_nothing_is_sized_and_an_fp8_dit_says_what_runs_instead():
 
 
 def test_a_song_too_long_for_the_card_is_one_sentence_naming_the_longest_that_fits():
-    p = plan(20, precision="fp8", dit_precision="bf16")
+    p = plan(20, precision="fp8", dit_precision="bf16", kv_precision="bf16")
     most = p.max_frames(200)
     assert 0 < most < c.MAX_AUDIO_FRAMES and p.too_long(200, most) is None
     sentence = p.too_long(200, most + 1)
     assert sentence == (f"On this GPU (20.0 GB free, fp8 LM, bf16 DiT) songs with this prompt can be at most "
                         f"{duration_text(most / c.FRAME_RATE)} long; choose a shorter duration.")
     assert p.max_frames(4000) < most  # a longer prompt leaves a shorter song
-    assert "leaves no room for a song" in plan(18, precision="fp8", dit_precision="bf16").too_long(4000, 25)
+    assert "leaves no room for a song" in plan(18, precision="fp8", dit_precision="bf16",
+                                               kv_precision="bf16").too_long(4000, 25)
     assert duration_text(200) == "3 min 20 s" and duration_text(45) == "45 s" and duration_text(360) == "6 min"
 
 
@@ -201,7 +225,8 @@ def test_the_reference_engine_keeps_the_full_head_and_pays_twice_per_position():
     graph, reference = plan(48), plan(48, engine="reference")
     assert "engine_tables" in graph.weights and "embeddings_and_head" in reference.weights
     assert reference.kv_bytes_per_position == 2 * graph.kv_bytes_per_position
-    assert reference.engine_sizing() == (reference.slots, None) and graph.engine_sizing()[1] == graph.kv_pool_positions
+    assert reference.engine_sizing() == (reference.slots, None, "bf16")
+    assert graph.engine_sizing()[1] == graph.kv_pool_positions
     again = graph.for_engine("reference")
     assert again.lm == graph.lm and again.slots == reference.slots
 
@@ -223,8 +248,7 @@ def auto_table() -> str:
         for capability in (SM86, SM89):
             p = plan(free, capability)
             cells.append("does not fit" if not p.fits else
-                         f"{p.lm.mode} LM, {p.dit.mode} DiT · {p.slots} slot{'s' * (p.slots > 1)} · "
-                         f"{duration_text(p.longest_full_s)}")
+                         f"{p.modes()} · {p.slots} slot{'s' * (p.slots > 1)} · {duration_text(p.longest_full_s)}")
         rows.append(f"| {free} GB | {' | '.join(cells)} |")
     return "\n".join(rows)
 
@@ -254,17 +278,19 @@ def test_the_fp8_dit_arrives_after_the_self_check_so_the_load_peak_is_the_larger
 
 def test_auto_takes_an_int4_lm_only_where_no_8_bit_one_fits():
     """auto's last resort is an int4 LM (its depth decoder int8: 0.5625 and 1.03 bytes per weight): a 16 GB sm_86
-    card, where int8 does not fit, runs it with one slot and a 3 min 45 s song; a 20 GB one keeps int8 (4 min 57 s
-    alone), as a 16 GB sm_89 card keeps fp8 (2 min 24 s), though int4 would hold longer songs there: it costs
-    accuracy (and on a fast card speed). `--precision int4` asks for it anywhere."""
+    card, where int8 does not fit, runs it (with a bf16 cache one slot and a 3 min 45 s song; auto's int8 cache
+    gives three slots and 6 minutes); a 20 GB one keeps int8, as a 16 GB sm_89 card keeps fp8 (4 min 57 s with an
+    int8 cache), though int4 would hold longer songs there: it costs accuracy (and on a fast card speed).
+    `--precision int4` asks for it anywhere."""
     from music3_demo.memory_plan import BYTES_PER_WEIGHT, DEPTH_MODE
     from music3_demo.semantic.quant import DEFAULT_SCHEMES, DEPTH_SCHEMES
 
     assert BYTES_PER_WEIGHT["int4"] == 0.5 + 4 / DEFAULT_SCHEMES["int4"].group
     assert DEPTH_MODE == {mode: scheme.fmt for mode, scheme in DEPTH_SCHEMES.items()}
     assert not plan(16, SM86, precision="int8").fits
-    p = plan(16, SM86)
+    p = plan(16, SM86, kv_precision="bf16")
     assert p.fits and (p.lm.mode, p.dit.mode, p.slots) == ("int4", "bf16", 1) and 225 <= p.longest_alone_s < 226
+    assert (plan(16, SM86).kv, plan(16, SM86).slots, plan(16, SM86).longest_alone_s) == ("int8", 3, 360.0)
     int8 = plan(24, SM86)
     assert int8.lm.mode == "int8"
     assert p.weights["language_model"] < 0.55 * int8.weights["language_model"]

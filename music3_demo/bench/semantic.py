@@ -72,7 +72,7 @@ def bytes_model(engine) -> BytesModel:
     depth = size(w.projection) + passes * (depth_blocks + size(w.depth_norm)) + size(*w.residual_heads)
     # passes 2..7 read block 0's q|k|v of their code from a table: one row instead of the weight
     depth -= (passes - 1) * (size(w.depth_blocks[0].qkv) - size(w.residual_qkv_tables[0, 0]))
-    return BytesModel(lm, depth, w.kv_bytes_per_position)
+    return BytesModel(lm, depth, engine.kv_bytes_per_position)
 
 
 def random_prompt(tokens: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -250,14 +250,18 @@ def bench_batch(components: dict, batches: list[int], prompt_tokens: int, frames
 
 
 def graph_variant(name: str) -> dict:
-    """GraphEngine options of a bench engine name: graph[-pdl|-chain|-unchained][-s<attention splits>]; plain
-    `graph` is the engine's default (chained block tails on a GPU), `graph-unchained` one launch per product."""
-    match = re.fullmatch(r"graph(-pdl|-chain|-unchained)?(?:-s(\d+))?", name)
+    """GraphEngine options of a bench engine name: graph[-pdl|-chain|-unchained][-s<attention splits>][-kv8]; plain
+    `graph` is the engine's default (chained block tails on a GPU), `graph-unchained` one launch per product,
+    `-kv8` the int8 KV cache."""
+    match = re.fullmatch(r"graph(-pdl|-chain|-unchained)?(?:-s(\d+))?(-kv8)?", name)
     if match is None:
-        raise ValueError(f"unknown engine {name!r}: choose reference or graph[-pdl|-chain|-unchained][-s<splits>]")
+        raise ValueError(f"unknown engine {name!r}: choose reference or "
+                         "graph[-pdl|-chain|-unchained][-s<splits>][-kv8]")
     options: dict = {"pdl": match[1] == "-pdl", "chain": {"-chain": True, "-unchained": False}.get(match[1])}
     if match[2]:
         options["attention_splits"] = int(match[2])
+    if match[3]:
+        options["kv_format"] = "int8"
     return options
 
 
@@ -269,7 +273,7 @@ def teacher_forced_check(graph, lm, depth, text_ids: torch.Tensor, steps: int = 
 
     codes = random_codes(steps, torch.Generator().manual_seed(0))
     logits, frames = graph.teacher_forced(text_ids, codes)
-    ref_logits, ref_frames = reference_teacher_forced(lm, depth, text_ids, codes)
+    ref_logits, ref_frames = reference_teacher_forced(lm, depth, text_ids, codes, graph.kv_format)
     worst = max(relative_error(logits, ref_logits).max().item(), relative_error(frames, ref_frames).max().item())
     return {"steps": steps, "max_relative_error_vs_bf16_reference": worst, "ok": worst < 5e-2}
 

@@ -8,7 +8,7 @@ runs one frame (sampled and teacher-forced) with Triton's launcher pointed at a 
 launch is recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with Triton's own compiler for
 `GPUTarget("cuda", capability, 32)`. The configs are those `kernels/tuning.py` chooses for that architecture.
 With int8 weights, the GEMV and the chained tail on packed int4 weights (the int4 mode's LM) are compiled once each
-too, in the configs the tuning gives them.
+too, in the configs the tuning gives them; and the full-size model's decode attention on an int8 KV cache.
 tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
 
 Run (TRITON_INTERPRET must be unset): python -m music3_demo.semantic.arch_compile 86 90 [--sms 82]
@@ -92,9 +92,9 @@ class Compiled:
 MODELS = ("full", "tiny")  # random_models.FULL (the released checkpoint's sizes) and TINY
 
 
-def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full"):
+def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv_format: str = "bf16"):
     """The graph engine over the random-full (or tiny) model's language model and depth decoder, on the meta device,
-    with its weights in `precision` (bf16, or fp8/int8 in their default schemes)."""
+    with its weights in `precision` (bf16, or fp8/int8 in their default schemes) and its KV cache in `kv_format`."""
     import copy
 
     from .. import random_models
@@ -112,7 +112,8 @@ def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full"):
         _MODELS[model, precision] = (lm, depth)
     lm, depth = _MODELS[model, precision]
     with _patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
-        return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=True, tuning=tuning)
+        return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=True, tuning=tuning,
+                                 kv_format=kv_format)
 
 
 @contextlib.contextmanager
@@ -162,6 +163,8 @@ def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",), mod
     for precision in precisions:
         _record(meta_engine(tuning, precision, model), target, launches,
                 routes=precision if precision != "bf16" and model == "full" else None)
+    if model == "full":  # the int8 KV cache: its decode attention (every other launch is the bf16 engine's)
+        _record(meta_engine(tuning, "bf16", model, kv_format="int8"), target, launches)
     return tuning, list(launches.values())
 
 

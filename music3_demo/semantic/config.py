@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .kv_format import check_kv_format
+
 
 @dataclass(frozen=True)
 class GraphConfig:
@@ -28,8 +30,12 @@ class GraphConfig:
     # running wait about one block at a time, not for the whole prefill. A prompt is always cut at multiples of this
     # from its start (its K/V bits depend on the cuts), whichever songs share its rounds.
     prefill_chunk: int = 512
+    # The KV pool's format (`kv_format.py`): the model's dtype, or int8 with a scale per head vector, half the bytes
+    # per position (the card's memory plan picks it where the longer songs need it).
+    kv_format: str = "bf16"
 
     def __post_init__(self) -> None:
+        check_kv_format(self.kv_format)
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
         if not 1 <= self.slots <= 8:

@@ -144,11 +144,12 @@ class FrameGraph:
         # 4. One LM decode step at each song's position, attending over its live context only.
         scale = w.head_dim**-0.5
         for index, block in enumerate(w.blocks):
-            k_cache, v_cache = s.kv[index, 0], s.kv[index, 1]
             if index == 0 or not self.chain:  # layer 0 reads the feedback embedding frame_tail wrote (float32 only)
                 self._gemv(s, lm_h16 if index else lm_h, block.qkv, qkv, norm_weight=block.ln1, eps=w.eps)
+            k_cache, v_cache, k_scale, v_scale = s.layer_caches(index)
             decode_attention(qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, attn,
-                             s.attention, scale, w.eps, pdl=self.pdl, base=s.base[:songs])
+                             s.attention, scale, w.eps, pdl=self.pdl, base=s.base[:songs], k_scale=k_scale,
+                             v_scale=v_scale)
             following = w.blocks[index + 1] if index + 1 < len(w.blocks) else None
             self._block_tail(block, following, attn, lm_h, lm_h16, act, qkv, w.eps, s)
         rmsnorm(lm_h, w.final_norm, lm_hidden, w.eps)

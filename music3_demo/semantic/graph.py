@@ -69,9 +69,9 @@ class GraphEngine:
     def __init__(self, language_model, depth_decoder, device: torch.device | str, *, use_graphs: bool | None = None,
                  pdl: bool | None = None, attention_splits: int | None = None, chain: bool | None = None,
                  slots: int | None = None, kv_pool_positions: int | None = None, config: GraphConfig | None = None,
-                 tuning: Tuning | None = None) -> None:
-        """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits`, `chain` and `slots`,
-        when given, override its fields. `kv_pool_positions` fixes the KV pool's size (positions per CFG row) instead
+                 tuning: Tuning | None = None, kv_format: str | None = None) -> None:
+        """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits`, `chain`, `slots` and
+        `kv_format`, when given, override its fields. `kv_pool_positions` fixes the KV pool's size (positions per CFG row) instead
         of sizing it from free memory (what an engine outside a pipeline does; a pipeline's comes from its card's
         memory plan)."""
         device = normalize(device)
@@ -85,7 +85,8 @@ class GraphEngine:
         self.depth_decoder = depth_decoder
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.config = config = (config or GraphConfig()).with_overrides(pdl=pdl, attention_splits=attention_splits,
-                                                                          chain=chain, slots=slots)
+                                                                          chain=chain, slots=slots,
+                                                                          kv_format=kv_format)
         self.slots = config.slots  # songs at once: the batch's places
         self.buckets = tuple(sorted({min(bucket, self.slots) for bucket in BUCKETS}))
         self.pdl = config.pdl and pdl_supported(device)
@@ -96,6 +97,7 @@ class GraphEngine:
             self.weights = prepare_weights(language_model, depth_decoder)
             self.stream = EngineStream(device, config.in_flight + 1, self.slots)
         self.precision = self.weights.precision
+        self.kv_format = config.kv_format
         self.scheduler = BatchScheduler(self.slots, self.buckets, config.prefill_chunk, config.replay_block,
                                         config.in_flight, pool_limit=kv_pool_positions)
         self.occupancy = Occupancy(self.slots, self.name)
@@ -207,7 +209,7 @@ class GraphEngine:
         with self.stream.scope():
             self._state = DeviceState(self.weights, self.device, self.slots, positions, c.MAX_AUDIO_FRAMES + 2,
                                       self.config.frame_ring, self.attention_splits, self.tuning.programs,
-                                      scope=self.stream.scope)
+                                      scope=self.stream.scope, kv_format=self.kv_format)
         self.frame_graph = FrameGraph(self.weights, self._state, self.stream, self.tuning, pdl=self.pdl,
                                       chain=self.chain, use_graphs=self.use_graphs)
         self.scheduler.use_pool(positions)
@@ -229,8 +231,12 @@ class GraphEngine:
         if self.kv_pool_positions is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             if self._state is not None:
-                free += self._state.kv.numel() * self._state.kv.element_size()  # (freed before the new one)
-        return pool_positions(need, self.slots, self.weights.kv_bytes_per_position, self.kv_pool_positions, free)
+                free += self._state.kv_bytes  # (freed before the new one)
+        return pool_positions(need, self.slots, self.kv_bytes_per_position, self.kv_pool_positions, free)
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        return self.weights.kv_bytes_per_position(self.kv_format)
 
     # ------------------------------------------------------------------ the callers' side
     def _sing(self, run: FrameRun, text_ids: torch.Tensor, max_frames: int, sampling: SamplingSettings, seed: int,

@@ -21,7 +21,8 @@ def prefill(state: DeviceState, weights: EngineWeights, lm, text_ids: torch.Tens
             begin: int = 0, end: int | None = None) -> None:
     """Tokens [begin, end) of a song's prompt (both CFG rows) in one eager pass with the fused weights (and the LM's
     own norms and token table, wherever that lives), writing K/V straight into its region of the pool (from position
-    `start`); a chunk after the first attends to the K/V of the tokens before it, read back from the region. After
+    `start`); a chunk after the first attends to the K/V of the tokens before it, read back from the region (an int8
+    pool's chunks attend to what they wrote, as the frames will). After
     the last token, the LM state goes into `prompt_hidden[place]`. (Chunks let a long prompt join a running batch
     without holding it up for more than about one block.)"""
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
@@ -46,10 +47,9 @@ def prefill(state: DeviceState, weights: EngineWeights, lm, text_ids: torch.Tens
         k = attn.k_norm(k.view(2, count, kv_heads, hd)).transpose(1, 2)
         v = v.view(2, count, kv_heads, hd).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        state.kv[index, 0, :, :, start + begin : start + end] = k
-        state.kv[index, 1, :, :, start + begin : start + end] = v
-        if begin:  # the whole context so far, from the region
-            k, v = state.kv[index, 0, :, :, start : start + end], state.kv[index, 1, :, :, start : start + end]
+        state.write_kv(index, start + begin, start + end, k, v)
+        if begin or state.kv_scale is not None:  # the whole context so far as the cache holds it, from the region
+            k, v = state.read_kv(index, start, start + end)
         if _flash_attn_func is not None and h.is_cuda:  # (its causal mask aligns the last query with the last key)
             out = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         else:
@@ -67,5 +67,5 @@ def prefill(state: DeviceState, weights: EngineWeights, lm, text_ids: torch.Tens
 def copy_prompt(state: DeviceState, source: int, start: int, place: int, to: int, length: int) -> None:
     """The song in `place` (region from `to`) starts from the same prompt as the song in place `source` (region
     from `start`), a variation: its K/V and LM state are copies, not a second prefill."""
-    state.kv[:, :, :, :, to : to + length] = state.kv[:, :, :, :, start : start + length]
+    state.copy_positions(start, to, length)
     state.prompt_hidden[place].copy_(state.prompt_hidden[source])

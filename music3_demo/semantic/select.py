@@ -93,23 +93,24 @@ def make_engine(
     *,
     allow_interpreter: bool | None = None,
     check_steps: int | None = None,
-    sizing: Callable[[str], tuple[int | None, int | None]] | None = None,
+    sizing: Callable[[str], tuple[int | None, int | None, str]] | None = None,
 ) -> tuple[SemanticEngine, EngineRecord]:
     """The engine for `device` and its record. A graph engine that passes its self-check also gets its memory
     trimmed: the full 168k-row lm_head is dropped and the token embeddings move to host memory, so nothing else may
     read those modules afterwards (the reference engine would need them: it is never built after the trim).
-    `sizing(engine name)`: its batch slots and KV pool positions (the card's memory plan; None: the engine's own
-    default). The graph engine's self-check runs in a pool of its own size; the planned pool is allocated after the
-    trim, when first needed (the warm-up), so the two never sit on the card together."""
+    `sizing(engine name)`: its batch slots, KV pool positions and KV format (the card's memory plan; None: the
+    engine's own default). The graph engine's self-check runs in a pool of its own size and the planned format
+    (against the reference with that format's rounding); the planned pool is allocated after the trim, when first
+    needed (the warm-up), so the two never sit on the card together."""
     device = normalize(device)
     name = resolve_engine_name(engine, device, allow_interpreter)
-    sizing = sizing or (lambda _name: (None, None))
+    sizing = sizing or (lambda _name: (None, None, "bf16"))
     if name == "reference":
         return _reference(language_model, depth_decoder, sizing), EngineRecord("reference", engine)
-    slots, pool_positions = sizing("graph")
+    slots, pool_positions, kv_format = sizing("graph")
     with on_device(device):
         graph, errors, check_s, failure = _try_graph(
-            language_model, depth_decoder, device, check_steps or SELF_CHECK_STEPS, slots
+            language_model, depth_decoder, device, check_steps or SELF_CHECK_STEPS, slots, kv_format
         )
     if failure is None:
         # The graph engine keeps its own copies of the audio rows it reads per frame: the full head (1.4 GB in
@@ -129,7 +130,8 @@ def make_engine(
             EngineRecord("reference", engine, reason, errors, check_s))
 
 
-def _try_graph(lm, depth, device: torch.device, check_steps: int, slots: int | None = None):
+def _try_graph(lm, depth, device: torch.device, check_steps: int, slots: int | None = None,
+               kv_format: str = "bf16"):
     """(engine, errors, check seconds, failure sentence or None); the engine is None when it failed."""
     from .graph import GraphEngine
 
@@ -139,7 +141,8 @@ def _try_graph(lm, depth, device: torch.device, check_steps: int, slots: int | N
         options = {} if device.type == "cuda" else {"attention_splits": 2}
         # The check's own small KV pool (the check and one sampled frame fit it).
         check_pool = -(-(song_positions(SELF_CHECK_PROMPT_TOKENS, check_steps) + PARKING) // 256) * 256
-        graph = GraphEngine(lm, depth, device, slots=slots, kv_pool_positions=check_pool, **options)
+        graph = GraphEngine(lm, depth, device, slots=slots, kv_pool_positions=check_pool, kv_format=kv_format,
+                            **options)
         started = time.perf_counter()
         try:
             errors = self_check(graph, lm, depth, check_steps)
@@ -166,8 +169,9 @@ def _try_graph(lm, depth, device: torch.device, check_steps: int, slots: int | N
 @torch.no_grad()
 def self_check(graph, lm, depth, steps: int = SELF_CHECK_STEPS) -> dict[str, float]:
     """Teacher-force `steps` random frames through the graph engine and the eager reference on the same weights
-    (before any trimming: the reference reads lm_head and the token embeddings) and return the largest relative
-    error of the LM audio logits, the LM frame hidden and the depth hiddens."""
+    (before any trimming: the reference reads lm_head and the token embeddings; with an int8 KV cache, the
+    reference rounds its cache as that format does) and return the largest relative error of the LM audio logits,
+    the LM frame hidden and the depth hiddens."""
     from .teacher_forcing import random_codes, reference_teacher_forced, relative_error
 
     device = graph.device
@@ -176,7 +180,7 @@ def self_check(graph, lm, depth, steps: int = SELF_CHECK_STEPS) -> dict[str, flo
     text_ids = torch.randint(0, vocab, (2, SELF_CHECK_PROMPT_TOKENS), generator=generator).to(device)
     codes = random_codes(steps, generator, depth.config.num_codebooks, depth.config.audio_vocab_size)
     logits, frames = graph.teacher_forced(text_ids, codes)
-    expected_logits, expected_frames = reference_teacher_forced(lm, depth, text_ids, codes)
+    expected_logits, expected_frames = reference_teacher_forced(lm, depth, text_ids, codes, graph.kv_format)
     hidden = lm.config.hidden_size
     errors = {
         "logits": relative_error(logits, expected_logits).max().item(),

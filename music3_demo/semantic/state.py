@@ -9,8 +9,10 @@ from typing import Callable
 
 import torch
 
+from . import kv_format
 from .kernels import AttentionScratch, GemvWorkspace, TailScratch
 from .kernels.frame import NO_END
+from .kv_format import check_kv_format
 from .weights import AUDIO_CODES, EngineWeights
 
 
@@ -32,14 +34,22 @@ class DeviceState:
     def __init__(self, weights: EngineWeights, device: torch.device, places: int, pool_positions: int, steps: int,
                  frame_ring: int, attention_splits: int, tail_programs: int,
                  shared: "DeviceState | None" = None,
-                 scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+                 scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 kv_format: str = "bf16") -> None:
         w, dev, dt = weights, device, weights.dtype
         self.device, self.places, self.pool_positions, self.steps = device, places, pool_positions, steps
         self.scope = scope
+        self.kv_format = check_kv_format(kv_format)
         self._sizes = (weights, device, frame_ring, attention_splits, tail_programs)
         rows = 2 * places
         hid, heads, kv_heads, hd = w.hidden, w.heads, w.kv_heads, w.head_dim
-        self.kv = torch.zeros(len(w.blocks), 2, 2, kv_heads, pool_positions, hd, device=dev, dtype=dt)
+        # The KV pool [layer, k|v, CFG row, kv head, position, head_dim]: in the model's dtype, or int8 with one
+        # float32 scale per head vector (`kv_scale` [layer, k|v, CFG row, kv head, position]; kv_format.py).
+        int8 = self.kv_format == "int8"
+        self.kv = torch.zeros(len(w.blocks), 2, 2, kv_heads, pool_positions, hd, device=dev,
+                              dtype=torch.int8 if int8 else dt)
+        self.kv_scale = (torch.zeros(len(w.blocks), 2, 2, kv_heads, pool_positions, device=dev, dtype=torch.float32)
+                         if int8 else None)
         ids = torch.arange(pool_positions, device=dev).unsqueeze(0)
         cos, sin = w.rotary(torch.empty(1, device=dev, dtype=dt), ids)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
@@ -96,7 +106,41 @@ class DeviceState:
         warm-up: it compiles every kernel and sizes the workspace without touching the songs here)."""
         weights, device, frame_ring, attention_splits, tail_programs = self._sizes
         return DeviceState(weights, device, places, 256, 16, frame_ring, attention_splits, tail_programs,
-                           shared=self, scope=self.scope)
+                           shared=self, scope=self.scope, kv_format=self.kv_format)
+
+    # ------------------------------------------------------------------ the KV pool (in `scope`)
+    @property
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.kv_scale) if t is not None)
+
+    def layer_caches(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer `layer`'s (k cache, v cache, k scales, v scales) as `decode_attention` takes them (scales None
+        unless int8)."""
+        scales = (None, None) if self.kv_scale is None else (self.kv_scale[layer, 0], self.kv_scale[layer, 1])
+        return self.kv[layer, 0], self.kv[layer, 1], *scales
+
+    def write_kv(self, layer: int, start: int, stop: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Positions [start, stop) of layer `layer` from k, v [2, KVH, stop - start, D] (quantized in int8)."""
+        for index, values in ((0, k), (1, v)):
+            if self.kv_scale is None:
+                self.kv[layer, index, :, :, start:stop] = values
+            else:
+                self.kv[layer, index, :, :, start:stop], self.kv_scale[layer, index, :, :, start:stop] = (
+                    kv_format.quantize(values))
+
+    def read_kv(self, layer: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of positions [start, stop) of layer `layer` in the model's dtype (dequantized in int8)."""
+        if self.kv_scale is None:
+            return self.kv[layer, 0, :, :, start:stop], self.kv[layer, 1, :, :, start:stop]
+        dtype = self.qkv.dtype
+        return tuple(kv_format.dequantize(self.kv[layer, index, :, :, start:stop],
+                                          self.kv_scale[layer, index, :, :, start:stop], dtype) for index in (0, 1))
+
+    def copy_positions(self, start: int, to: int, length: int) -> None:
+        """Every layer's K/V (and scales) of positions [start, start + length) to [to, to + length)."""
+        self.kv[..., to : to + length, :] = self.kv[..., start : start + length, :]
+        if self.kv_scale is not None:
+            self.kv_scale[..., to : to + length] = self.kv_scale[..., start : start + length]
 
     # ------------------------------------------------------------------ a place's song (in `scope`)
     def set_song(self, place: int, seed: int, cfg_scale: float, top_k: int, forced: torch.Tensor) -> None:

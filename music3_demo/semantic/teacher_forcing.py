@@ -9,19 +9,21 @@ import torch
 from transformers import DynamicCache
 
 from .. import contract as c
+from .kv_format import RoundTripCache, check_kv_format
 from .reference import embed_audio_frame, lm_forward
 
 
 @torch.no_grad()
 def reference_teacher_forced(
-    lm, depth, text_ids: torch.Tensor, codes: torch.Tensor
+    lm, depth, text_ids: torch.Tensor, codes: torch.Tensor, kv: str = "bf16"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes [steps, 8] -> (LM audio logits [steps, 2, 16385] float32, frames [steps - 1, 8 * hidden])."""
+    """codes [steps, 8] -> (LM audio logits [steps, 2, 16385] float32, frames [steps - 1, 8 * hidden]). `kv`
+    "int8": with the int8 KV cache's rounding of every stored key and value (kv_format.RoundTripCache)."""
     audio_rows = torch.cat(
         (torch.arange(c.AUDIO_CODE_OFFSET, c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE),
          torch.tensor([c.AUDIO_END_TOKEN_ID]))
     ).to(text_ids.device)
-    cache = DynamicCache(config=lm.config)
+    cache = (RoundTripCache if check_kv_format(kv) == "int8" else DynamicCache)(config=lm.config)
     last = lm_forward(lm, lm.model.embed_tokens(text_ids), cache)
     vocab = depth.config.audio_vocab_size
     logits, frames = [], []

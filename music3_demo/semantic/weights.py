@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .. import contract as c
 from ..fused_weights import fuse_rows
+from ..precision import kv_bytes_per_position
 from .kernels import interleave_rows
 from .kernels.qweight import Weight, dense, rows
 from .quant import QuantizedAudioHead, QuantizedLinear, fuse_quantized, precision_of
@@ -90,10 +91,9 @@ class EngineWeights:
     residual_tables: torch.Tensor  # the same per residual code: depth positions 2..7
     residual_qkv_tables: torch.Tensor  # depth block 0's q|k|v of those inputs
 
-    @property
-    def kv_bytes_per_position(self) -> int:
-        """K and V of both CFG rows over every LM layer, one position."""
-        return len(self.blocks) * 2 * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+    def kv_bytes_per_position(self, fmt: str = "bf16") -> int:
+        """K and V of both CFG rows over every LM layer, one position, in KV format `fmt` (kv_format.py)."""
+        return kv_bytes_per_position(len(self.blocks), self.kv_heads, self.head_dim, fmt, self.dtype.itemsize)
 
 
 @torch.no_grad()

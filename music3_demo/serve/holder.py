@@ -106,15 +106,16 @@ class ModelHolder:
     def __init__(
         self, model: str, devices: list[str] | None = None, engine: str = "auto", warmup: bool = True,
         precision: str = "auto", lazy: bool = False, max_running: int | None = None, dit_precision: str = "auto",
+        kv_precision: str = "auto",
     ) -> None:
-        """`precision`, `dit_precision`: the LM's and the DiT's (auto: each card's memory plan). `lazy`: pipelines
+        """`precision`, `dit_precision`, `kv_precision`: the LM's, the DiT's and the KV cache's (auto: each card's
+        memory plan). `lazy`: pipelines
         build their engines at their first song, in the process that runs it (Space mode: zerogpu.py); the holder
         then learns the engine from the songs. `max_running`: songs at once over all devices (None: their slots)."""
         self.model = model
         self.engine = engine
         self.warmup = warmup
-        self.precision = precision
-        self.dit_precision = dit_precision
+        self.precision, self.dit_precision, self.kv_precision = precision, dit_precision, kv_precision
         self.lazy = lazy
         self.workers = WorkerClock()  # Space mode: what the GPU workers' set-up costs
         self._song_engine: dict[str, tuple[str, str | None]] = {}  # device -> (engine, note) of its last song
@@ -260,7 +261,8 @@ class ModelHolder:
                     # deterministic per seed but not diffusers' waveform (the CLI and Python API keep that contract).
                     pipeline = Music3Pipeline.from_pretrained(target, device=held.device, engine=self.engine,
                                                               overlap=True, precision=self.precision,
-                                                              dit_precision=self.dit_precision, lazy=self.lazy)
+                                                              dit_precision=self.dit_precision, lazy=self.lazy,
+                                                              kv_precision=self.kv_precision)
                     if self._tokenizer is None:
                         self._tokenizer = pipeline.tokenizer
                     if self.warmup:

@@ -76,7 +76,8 @@ class RayBackend:
 
     def __init__(self, model: str, engine: str = "auto", precision: str = "auto", replica_device: str | None = None,
                  replicas: int | None = None, slots: int | None = None, warmup: bool = True, preload: bool = True,
-                 max_running: int | None = None, address: str | None = None, dit_precision: str = "auto") -> None:
+                 max_running: int | None = None, address: str | None = None, dit_precision: str = "auto",
+                 kv_precision: str = "auto") -> None:
         """`replica_device`: what each replica runs on (cuda:0, cuda:0+cuda:1 for a stage split, or cpu: the
         default is cuda:0 on a cluster with GPUs); `replicas`: how many (default: the cluster's GPUs over the GPUs
         a replica takes); `slots`: songs a replica takes at once (default: the engines' batch slots)."""
@@ -96,7 +97,7 @@ class RayBackend:
             graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S)
         log.info("starting %d SongWorker replica(s) on %s, %d song(s) each", self.replicas, device, self.slots)
         self._handle = serve.run(worker.bind(model, engine, precision, replica_device, warmup, preload,
-                                             self._board, dit_precision), name=APP, route_prefix=None)
+                                             self._board, dit_precision, kv_precision), name=APP, route_prefix=None)
         self._reports: dict[str, dict] = {}
         self._tokenizer = None
         self.scheduler = Scheduler([POOL], self._places, limit=max_running,
@@ -108,7 +109,8 @@ class RayBackend:
     @classmethod
     def from_flags(cls, args) -> RayBackend:
         return cls(args.model, args.engine, args.precision, args.replica_device, args.replicas, args.replica_slots,
-                   args.warmup, args.preload, args.concurrency, args.ray_address, args.dit_precision)
+                   args.warmup, args.preload, args.concurrency, args.ray_address, args.dit_precision,
+                   args.kv_precision)
 
     # ---- the board ------------------------------------------------------------------------------------------------
     def _read_board(self) -> None:

@@ -65,14 +65,14 @@ class SongWorker:
     shows the load), songs streamed back as they are made."""
 
     def __init__(self, model: str, engine: str, precision: str, device: str | None, warmup: bool, preload: bool,
-                 board, dit_precision: str = "auto") -> None:
+                 board, dit_precision: str = "auto", kv_precision: str = "auto") -> None:
         replica = serve.get_replica_context().replica_id
         self.device = replica_device(device)
         # The name the front shows in status, in song reports and job records: unique in the cluster.
         self.name = f"replica {replica.unique_id} ({self.device} on {ray.util.get_node_ip_address()})"
         self.actor = replica.to_full_id_str()  # its Ray actor's name (namespace "serve")
         self.holder = ModelHolder(model, [self.device], engine, warmup=warmup, precision=precision,
-                                  dit_precision=dit_precision)
+                                  dit_precision=dit_precision, kv_precision=kv_precision)
         self._board = board
         self._changed = threading.Event()
         if preload:

@@ -12,6 +12,7 @@ def test_bench_engine_names_map_to_graph_engine_options():
     assert graph_variant("graph-pdl-s8") == {"pdl": True, "chain": None, "attention_splits": 8}
     assert graph_variant("graph-chain-s32") == {"pdl": False, "chain": True, "attention_splits": 32}
     assert graph_variant("graph-unchained") == {"pdl": False, "chain": False}
+    assert graph_variant("graph-s8-kv8") == {"pdl": False, "chain": None, "attention_splits": 8, "kv_format": "int8"}
     with pytest.raises(ValueError, match="unknown engine 'graph-pdl-chain'"):
         graph_variant("graph-pdl-chain")
     with pytest.raises(ValueError, match="unknown engine 'graph-fast'"):
@@ -30,6 +31,8 @@ def test_bench_bytes_model_counts_the_engines_weights_and_cache(one_block_models
     config = lm.config
     kv = config.num_hidden_layers * 2 * 2 * config.num_key_value_heads * engine.weights.head_dim * 4  # float32 here
     assert model.kv_per_position == kv
+    int8 = GraphEngine(lm, depth, "cpu", attention_splits=2, kv_format="int8")
+    assert bytes_model(int8).kv_per_position == kv // 4 // engine.weights.head_dim * (engine.weights.head_dim + 4)
     assert model.lm > sum(p.numel() for p in lm.model.layers.parameters()) * 4
     weights = engine.weights
     assert model.depth > (weights.num_codebooks - 1) * sum(b.qkv.numel() for b in weights.depth_blocks) * 4

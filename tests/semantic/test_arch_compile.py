@@ -3,7 +3,7 @@ weights of semantic/quant.py where the architecture runs them) compiles for sm_8
 configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
 tail's spin-barrier grid is resident all at once (semantic/arch_compile.py does the compiling, in two processes);
 so do the GEMV and the chained tail on packed int4 weights, in the configs the int4 LM takes (~8 CPU s per
-architecture).
+architecture), and decode attention on an int8 KV cache.
 The tiny model's kernels (small shapes: their own tiles) compile too, for sm_90 in every weight format."""
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ def test_every_engine_kernel_compiles_and_fits_every_architecture(reports):
         assert report["precisions"] == (["bf16", "int8", "fp8"] if report["capability"] >= 89 else ["bf16", "int8"])
         bf16 = {k["kernel"] for k in report["kernels"] if not k["constants"].get("QUANT")}
         assert {"_gemv_kernel", "_block_tail_kernel"} <= bf16
+        attention = [k for k in report["kernels"] if k["kernel"] == "_decode_attn_kernel"]
+        if report["capability"] in (80, 90, 100, 120):  # (one architecture per generation: arch_compile.FIXED)
+            assert {k["constants"]["INT8"] for k in attention} == {False, True}  # the bf16 and the int8 KV cache
 
 
 def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(reports):

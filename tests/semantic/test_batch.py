@@ -23,12 +23,13 @@ OTHER = (9, 2, 2, SamplingSettings(cfg_scale=2.0, top_k=7), 12)
 VARIATION = (6, 1, 2, SamplingSettings(top_k=5), 13)
 
 
-def _engine(models, slots: int, pool: int | None = None):
+def _engine(models, slots: int, pool: int | None = None, kv_format: str = "bf16"):
     from music3_demo.semantic.config import GraphConfig
     from music3_demo.semantic.graph import GraphEngine
 
     # prompts of 6 and 9 tokens join in chunks of 4 (as long prompts join a running batch)
-    config = GraphConfig(replay_block=1, in_flight=0, frame_ring=2, attention_splits=2, slots=slots, prefill_chunk=4)
+    config = GraphConfig(replay_block=1, in_flight=0, frame_ring=2, attention_splits=2, slots=slots, prefill_chunk=4,
+                         kv_format=kv_format)
     return GraphEngine(*models, "cpu", config=config, kv_pool_positions=pool)
 
 
@@ -64,6 +65,31 @@ def test_a_prompt_prefilled_in_chunks_is_the_prompt_prefilled_at_once(models):
     torch.testing.assert_close(state.kv[..., 40:50, :], state.kv[..., 16:26, :], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state.prompt_hidden[1], state.prompt_hidden[0], rtol=1e-5, atol=1e-5)
     assert state.kv[..., 26:40, :].abs().sum() == 0  # nothing outside the regions
+
+
+def test_an_int8_pool_holds_prompts_in_its_format_and_a_variation_copies_them_bit_for_bit(models):
+    """int8: the chunked prefill's K/V equal the whole prompt's up to a rounding step of the format, a variation's
+    copy is exact (values and scales), and nothing outside the regions is written."""
+    from music3_demo.semantic import kv_format
+    from music3_demo.semantic.prefill import copy_prompt, prefill
+
+    engine = _engine(models, slots=3, kv_format="int8")
+    engine.allocate(96)
+    state, weights, lm = engine._state, engine.weights, engine.language_model
+    assert state.kv.dtype == torch.int8 and state.kv_bytes < 0.6 * state.kv.numel() * weights.dtype.itemsize
+    text_ids = torch.randint(0, 250, (2, 10), generator=torch.Generator().manual_seed(3))
+    prefill(state, weights, lm, text_ids, 0, 16)
+    for begin in range(0, 10, 4):
+        prefill(state, weights, lm, text_ids, 1, 40, begin, min(10, begin + 4))
+    whole = kv_format.dequantize(state.kv[..., 16:26, :], state.kv_scale[..., 16:26], torch.float32)
+    chunked = kv_format.dequantize(state.kv[..., 40:50, :], state.kv_scale[..., 40:50], torch.float32)
+    step = state.kv_scale[..., 16:26].unsqueeze(-1)
+    assert ((whole - chunked).abs() <= 1.01 * step).all()
+    torch.testing.assert_close(state.prompt_hidden[1], state.prompt_hidden[0], rtol=1e-3, atol=1e-3)
+    copy_prompt(state, 0, 16, 2, 60, 10)
+    assert torch.equal(state.kv[..., 60:70, :], state.kv[..., 16:26, :])
+    assert torch.equal(state.kv_scale[..., 60:70], state.kv_scale[..., 16:26])
+    assert state.kv[..., 26:40, :].abs().sum() == 0 and state.kv_scale[..., 26:40].abs().sum() == 0
 
 
 @pytest.fixture(scope="module")

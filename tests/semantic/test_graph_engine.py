@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from music3_demo.semantic import resolve_engine_name
+from music3_demo.semantic.config import GraphConfig
 from music3_demo.semantic.kernels import GemvConfig
 from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 
 
-@pytest.mark.parametrize("variant", ["plain", "text_embeddings_on_host", "split_k", "chain"])
+@pytest.mark.parametrize("variant", ["plain", "text_embeddings_on_host", "split_k", "chain", "int8_kv"])
 def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, one_block_models, variant,
                                                                   monkeypatch):
     from music3_demo.semantic.graph import GraphEngine
@@ -20,7 +21,10 @@ def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, o
 
     # two blocks where the blocks' chaining is what is tested; one where it is not (half the interpreter's time)
     lm, depth = tiny_models if variant in ("plain", "chain") else one_block_models
-    engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=variant == "chain")
+    kv = "int8" if variant == "int8_kv" else "bf16"
+    # int8_kv: the prompt prefilled in chunks of 4, each attending to the int8 K/V before it, as frames do
+    config = GraphConfig(prefill_chunk=4 if variant == "int8_kv" else 512, kv_format=kv)
+    engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=variant == "chain", config=config)
     if variant == "split_k":  # every product split (K is 32, 48 or 64 here), through the engine's workspace
         monkeypatch.setattr(linear, "default_config",
                             lambda m, n, k, swiglu=False: GemvConfig(256, 16, split_k=2 if k % 32 == 0 else 3))
@@ -33,9 +37,13 @@ def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, o
     text_ids = torch.randint(0, 250, (2, 10), generator=generator)
     codes = random_codes(3, generator)
     logits, frames = engine.teacher_forced(text_ids, codes)
-    ref_logits, ref_frames = reference_teacher_forced(lm, depth, text_ids, codes)
+    ref_logits, ref_frames = reference_teacher_forced(lm, depth, text_ids, codes, kv)
     assert relative_error(logits, ref_logits).max() < 1e-5
     assert relative_error(frames, ref_frames).max() < 1e-5
+    if kv == "int8":  # the format's rounding is visible: the reference without it differs by far more
+        assert engine._state.kv.dtype == torch.int8
+        plain_logits, _ = reference_teacher_forced(lm, depth, text_ids, codes)
+        assert relative_error(logits, plain_logits).max() > 1e-4
     assert torch.equal(engine._state.codes[0, :3].long(), codes)
     if variant == "split_k":
         assert engine._state.gemv_workspace.counters.numel() > 0 and not engine._state.gemv_workspace.counters.any()

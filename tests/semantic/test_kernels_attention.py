@@ -59,6 +59,60 @@ def test_decode_attention_normalises_rotates_caches_and_reads_only_the_live_cont
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pos, dim", [(0, 16), (37, 16), (150, 16), (37, 12)])
+def test_decode_attention_on_an_int8_pool_writes_the_format_and_reads_it_back_exactly(dtype, pos, dim):
+    """Two songs' CFG pairs in one int8 pool (regions from base 5 and 210): the new position is stored as
+    `kv_format.quantize` stores it, and the output is attention over the dequantized context (the kernel's
+    per-key and per-value scaling is exact algebra, so this holds to the dtype's rounding)."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from music3_demo.semantic import kv_format
+
+    songs, heads, kv_heads, capacity, splits = 2, 8, 2, 192, 4
+    rows, pool, bases = 2 * songs, 420, [5, 210]
+    qkv = rand(rows, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=5)
+    q_norm, k_norm = rand(dim, dtype=dtype, seed=9) + 1, rand(dim, dtype=dtype, seed=10) + 1
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.arange(capacity).float()[:, None] * inv_freq
+    cos, sin = torch.cat((freqs, freqs), -1).cos().to(dtype), torch.cat((freqs, freqs), -1).sin().to(dtype)
+    k_cache, k_scale = kv_format.quantize(rand(2, kv_heads, pool, dim, dtype=dtype, seed=6) * 3)
+    v_cache, v_scale = kv_format.quantize(rand(2, kv_heads, pool, dim, dtype=dtype, seed=7))
+    before = [t.clone() for t in (k_cache, v_cache, k_scale, v_scale)]
+    positions = torch.tensor([[pos, 0], [pos // 2, 0]], dtype=torch.int32)  # one per song (a strided view)
+    out = torch.full((rows, heads * dim), float("nan"), dtype=dtype)
+    scratch = AttentionScratch.allocate(rows, heads, kv_heads, dim, splits, "cpu")
+    scale = dim**-0.5
+    decode_attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, positions[:, 0], out, scratch, scale, 1e-6,
+                     block=16, base=torch.tensor(bases, dtype=torch.int32), k_scale=k_scale, v_scale=v_scale)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = hf_rmsnorm(q.view(rows, 1, heads, dim), q_norm).transpose(1, 2)
+    k = hf_rmsnorm(k.view(rows, 1, kv_heads, dim), k_norm).transpose(1, 2)
+    written = set()
+    for song, base in enumerate(bases):
+        at = int(positions[song, 0])
+        q_song, k_song = apply_rotary_pos_emb(q[2 * song : 2 * song + 2], k[2 * song : 2 * song + 2],
+                                              cos[None, at : at + 1], sin[None, at : at + 1])
+        k_int, k_s = kv_format.quantize(k_song[:, :, 0])
+        v_int, v_s = kv_format.quantize(v[2 * song : 2 * song + 2].view(2, kv_heads, dim))
+        assert (k_cache[:, :, base + at].int() - k_int.int()).abs().max() <= 1  # (a rounding tie may go either way)
+        torch.testing.assert_close(k_scale[:, :, base + at], k_s, rtol=1e-2 if dtype != torch.float32 else 1e-6,
+                                   atol=0)
+        assert (v_cache[:, :, base + at].int() - v_int.int()).abs().max() <= 1
+        torch.testing.assert_close(v_scale[:, :, base + at], v_s, rtol=1e-6, atol=0)
+        written.add(base + at)
+        keys = kv_format.dequantize(k_cache[:, :, base : base + at + 1], k_scale[:, :, base : base + at + 1], dtype)
+        values = kv_format.dequantize(v_cache[:, :, base : base + at + 1], v_scale[:, :, base : base + at + 1],
+                                      dtype)
+        for c in range(2):
+            expected = _attention(q_song[c, :, 0], keys[c].transpose(0, 1), values[c].transpose(0, 1), scale)
+            assert_close(out[2 * song + c].view(heads, dim), expected, dtype)
+    unchanged = [p for p in range(pool) if p not in written]
+    for now, then in zip((k_cache, v_cache, k_scale, v_scale), before):
+        assert torch.equal(now[:, :, unchanged], then[:, :, unchanged])  # nothing else written
+    assert not scratch.counters.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [16, 12])  # 12: a head padded to 16 lanes
 def test_depth_attention_equals_causal_attention_over_the_whole_prefix(dtype, dim):
     batch, heads, positions = 2, 2, 8

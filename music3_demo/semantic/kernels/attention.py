@@ -38,6 +38,16 @@ def _norm_rope(src, rows, valid, d, gain_ptr, cos, sin, eps, D: tl.constexpr, DP
     return y.to(dtype)
 
 
+@triton.jit
+def _quantize(x, axis: tl.constexpr):
+    """x float32 [1, N] (lanes past the head's zero) -> int8 values and the float32 scale [1]: amax / 127, rounded
+    half away from zero, as `kv_format.quantize`."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=axis), 1e-30) / 127.0
+    scaled = x / scale[:, None]
+    rounded = tl.where(scaled >= 0, scaled + 0.5, scaled - 0.5).to(tl.int32)  # (the cast truncates)
+    return tl.minimum(tl.maximum(rounded, -127), 127).to(tl.int8), scale
+
+
 @dataclass
 class AttentionScratch:
     """Decode attention's per-split partials (float32) and one arrival counter per (row, kv head), zero between
@@ -59,17 +69,20 @@ class AttentionScratch:
 
 @triton.jit
 def _decode_attn_kernel(
-    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, stride_pos, base_ptr,
-    part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
-    stride_qkv, stride_cb, stride_ch, stride_cs, stride_out, scale, eps,
+    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, pos_ptr, stride_pos,
+    base_ptr, part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
+    stride_qkv, stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_out, scale, eps,
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr, D: tl.constexpr,
     DP: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr, POOLED: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     """Program (row·kv-head, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context;
     the last of the SPLITS programs to finish combines them. The heads come raw from the q|k|v GEMV: each program
     normalises and rotates its queries, and the one whose split holds the current position also writes that
     position's key and value into the cache before reading them back. Heads of D lanes run on DP (a small model's
-    D=8 on 16: the products' least side), the lanes past D zero."""
+    D=8 on 16: the products' least side), the lanes past D zero. INT8: the caches hold int8 head vectors with one
+    float32 scale each (`semantic/kv_format.py`): the new position is quantized as it is written, a block of keys
+    scales its scores by their scales, a block of values the probabilities that weight them."""
     if PDL:
         pdl_enter()
     bh = tl.program_id(0)
@@ -85,23 +98,35 @@ def _decode_attn_kernel(
     d = tl.arange(0, DP)
     lanes = padded_lanes(d, D, DP)
     j = tl.arange(0, BLOCK)
-    dtype = k_ptr.dtype.element_ty
+    dtype = qkv_ptr.dtype.element_ty  # the model's (bf16 on a GPU)
     cos = tl.load(cos_ptr + pos * D + d, mask=lanes, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * D + d, mask=lanes, other=0.0).to(tl.float32)
     heads = qkv_ptr + b * stride_qkv
     q = _norm_rope(heads, h * GROUP + g, g < GROUP, d, q_norm_ptr, cos, sin, eps, D, DP, dtype)
     if POOLED:  # the pair's region of a pool of positions: row 2s + c at [c, :, base[s]:]
-        region = (b % 2) * stride_cb + h * stride_ch + tl.load(base_ptr + b // 2).to(tl.int64) * stride_cs
+        first = tl.load(base_ptr + b // 2).to(tl.int64)
+        region = (b % 2) * stride_cb + h * stride_ch + first * stride_cs
+        scales = (b % 2) * stride_sb + h * stride_sh + first  # (scales: unit stride along positions)
     else:
         region = b * stride_cb + h * stride_ch
+        scales = b * stride_sb + h * stride_sh
     k_base = k_ptr + region
     v_base = v_ptr + region
     if (start <= pos) & (pos < end):
         one = tl.zeros([1], tl.int32)
         k_new = _norm_rope(heads, one + GROUP * KVH + h, one == 0, d, k_norm_ptr, cos, sin, eps, D, DP, dtype)
         v_new = tl.load(heads + (GROUP * KVH + KVH + h) * D + d, mask=lanes)
-        tl.store(k_base + pos.to(tl.int64) * stride_cs + d[None, :], k_new, mask=lanes[None, :])
-        tl.store(v_base + pos.to(tl.int64) * stride_cs + d, v_new, mask=lanes)
+        at = pos.to(tl.int64)
+        if INT8:
+            k_int, k_scale = _quantize(k_new.to(tl.float32), 1)
+            v_int, v_scale = _quantize(v_new.to(tl.float32)[None, :], 1)
+            tl.store(k_base + at * stride_cs + d[None, :], k_int, mask=lanes[None, :])
+            tl.store(v_base + at * stride_cs + d[None, :], v_int, mask=lanes[None, :])
+            tl.store(k_scale_ptr + scales + at + one, k_scale)
+            tl.store(v_scale_ptr + scales + at + one, v_scale)
+        else:
+            tl.store(k_base + at * stride_cs + d[None, :], k_new, mask=lanes[None, :])
+            tl.store(v_base + at * stride_cs + d, v_new, mask=lanes)
         tl.debug_barrier()  # the loop below reads them back from the cache
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -110,15 +135,21 @@ def _decode_attn_kernel(
         cols = j0 + j
         live = cols < end
         offs = cols.to(tl.int64)[:, None] * stride_cs + d[None, :]
-        k = tl.load(k_base + offs, mask=live[:, None] & lanes[None, :], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        k = tl.load(k_base + offs, mask=live[:, None] & lanes[None, :], other=0.0).to(dtype)  # (int8: exact)
+        if INT8:
+            key_scale = tl.load(k_scale_ptr + scales + cols, mask=live, other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * (key_scale * scale)[None, :]
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(live[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs, mask=live[:, None] & lanes[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = tl.load(v_base + offs, mask=live[:, None] & lanes[None, :], other=0.0).to(dtype)
+        if INT8:
+            p = p * tl.load(v_scale_ptr + scales + cols, mask=live, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
         m_i = m_new
     row = bh * GROUP + g  # == b * H + h * GROUP + g
     keep = g < GROUP
@@ -152,25 +183,35 @@ def decode_attention(
     qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, scratch: AttentionScratch,
     scale: float, eps: float, block: int = 64, pdl: bool = False, base: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """One launch: q and k of the raw q|k|v GEMV output get the per-head RMSNorm and rotary at `pos`, k and v are
     written into the caches at `pos`, and out[b] = softmax(q k[: pos + 1]ᵀ) v.
 
     qkv [B, (H + 2 KVH) D]; caches [B, KVH, S, D] (unit stride along D); cos/sin [S, D]; pos int32 [1].
     Several songs at once: rows 2s and 2s + 1 are song s's CFG pair, pos [S] (a strided view) its position, and with
-    `base` (int32 [S]) the caches are a pool [2, KVH, P, D] where song s's context starts at position base[s]."""
+    `base` (int32 [S]) the caches are a pool [2, KVH, P, D] where song s's context starts at position base[s].
+    int8 caches come with their float32 scales, `k_scale` / `v_scale` [B or 2, KVH, S or P] (unit stride along
+    positions)."""
     batch = qkv.shape[0]
+    int8 = k_cache.dtype == torch.int8
+    if int8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError("int8 caches need their scales (k_scale, v_scale), other caches none")
+    if int8 and (k_scale.stride(-1) != 1 or k_scale.stride() != v_scale.stride()):
+        raise ValueError("the KV scales must have unit stride along positions, the same strides for k and v")
+    scales = (k_scale, v_scale) if int8 else (k_cache, v_cache)  # (unread without INT8)
+    scale_strides = (k_scale.stride(0), k_scale.stride(1)) if int8 else (0, 0)
     _, kv_heads, _, head_dim = k_cache.shape
     heads = out.shape[1] // head_dim
     group = heads // kv_heads
     splits = scratch.o.shape[1]
     _decode_attn_kernel[(batch * kv_heads, splits)](
-        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, pos.stride(0) if pos.numel() > 1 else 0,
+        qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, *scales, pos, pos.stride(0) if pos.numel() > 1 else 0,
         pos if base is None else base, scratch.o, scratch.m, scratch.l, scratch.counters, out,
-        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), scale, eps,
-        KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides, out.stride(0),
+        scale, eps, KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         GROUP_POW2=triton.next_power_of_2(group), D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK=block, SPLITS=splits, PDL=pdl, POOLED=base is not None, num_warps=4, **pdl_launch(pdl),
+        BLOCK=block, SPLITS=splits, PDL=pdl, POOLED=base is not None, INT8=int8, num_warps=4, **pdl_launch(pdl),
     )
 
 
