@@ -14,7 +14,9 @@ Figures per scheme, over every forced step's LM audio logits (the CFG pair), in 
   quantized model's guided softmax over the same S), mean and max, in nats;
 - `depth_rel_error`: the same relative error for the 7 depth hiddens of each frame.
 The "+eq" schemes quantize the LM after column equalization (`semantic/equalize.py`: outlier input columns shrunk,
-the step before each product scaled up to match), against the same original reference.
+the step before each product scaled up to match), against the same original reference. "kv/int8" keeps the weights
+and stores the KV cache in the int8 format (`semantic/kv_format.py`'s rounding inside the reference); "+kv/int8"
+after a scheme's name does both.
 tests/semantic/test_quant_quality.py pins the chosen schemes' figures.
 """
 
@@ -47,6 +49,8 @@ SCHEMES = (Scheme("fp8", 0), Scheme("fp8", 128), Scheme("int8", 0), Scheme("int8
            Scheme("int4", 128), (Scheme("int4", 64), Scheme("int4", 64)))
 # Measured again after column equalization of the LM (their names end in "+eq").
 EQUALIZED = (Scheme("int8", 128), Scheme("int4", 64), Scheme("int4", 128))
+# Measured with the int8 KV cache: the weights unquantized ("kv/int8"), and the 1-byte LMs auto pairs it with.
+KV_INT8 = (None, Scheme("fp8", 0), Scheme("int8", 128))
 OUTLIER_COLUMNS, OUTLIER_GAIN = 4, 30.0  # per 4,096 input columns (at least one per Linear)
 
 
@@ -117,10 +121,11 @@ def densify_(model: torch.nn.Module) -> None:
 
 def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: int = 64, seed: int = 0,
                     schemes: tuple[Scheme | tuple[Scheme, Scheme], ...] = SCHEMES,
-                    equalized: tuple[Scheme, ...] = ()) -> dict:
+                    equalized: tuple[Scheme, ...] = (), kv_int8: tuple[Scheme | None, ...] = ()) -> dict:
     """Figures of each scheme (or pair: the LM's, the depth decoder's) for float32 models (outliers already
     injected), teacher-forced on `frames` frames of random codes after a random prompt, then of each `equalized`
-    scheme on the column-equalized LM ("<name>+eq"): {scheme name: figures with their "bytes_per_weight"}."""
+    scheme on the column-equalized LM ("<name>+eq"), then of each `kv_int8` scheme (None: the weights as they are)
+    with the int8 KV cache ("<name>+kv/int8", "kv/int8"): {scheme name: figures with their "bytes_per_weight"}."""
     device = language_model.lm_head.weight.device
     generator = torch.Generator().manual_seed(seed)
     text_ids = torch.randint(0, 250, (2, prompt_tokens), generator=generator).to(device)
@@ -128,8 +133,13 @@ def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: i
     reference = reference_teacher_forced(language_model, depth_decoder, text_ids, codes)
     hidden = language_model.config.hidden_size
     results: dict = {}
-    runs = [(scheme, False) for scheme in schemes] + [(scheme, True) for scheme in equalized]
-    for scheme, equalize in runs:
+    if None in kv_int8:
+        figures = summarize(reference, reference_teacher_forced(language_model, depth_decoder, text_ids, codes,
+                                                                "int8"), hidden)
+        results["kv/int8"] = figures | {"bytes_per_weight": language_model.lm_head.weight.element_size()}
+    runs = ([(scheme, False, "bf16") for scheme in schemes] + [(scheme, True, "bf16") for scheme in equalized]
+            + [(scheme, False, "int8") for scheme in kv_int8 if scheme is not None])
+    for scheme, equalize, kv in runs:
         scheme, depth_scheme = scheme if isinstance(scheme, tuple) else (scheme, None)
         lm_q, depth_q = copy.deepcopy(language_model), copy.deepcopy(depth_decoder)
         if equalize:
@@ -137,9 +147,9 @@ def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: i
         report = quantize_model_(lm_q, depth_q, scheme.fmt, device, scheme, depth_scheme)
         densify_(lm_q)
         densify_(depth_q)
-        figures = summarize(reference, reference_teacher_forced(lm_q, depth_q, text_ids, codes), hidden)
+        figures = summarize(reference, reference_teacher_forced(lm_q, depth_q, text_ids, codes, kv), hidden)
         figures["bytes_per_weight"] = report.bytes_after / report.weights
-        results[report.scheme + ("+eq" if equalize else "")] = figures
+        results[report.scheme + ("+eq" if equalize else "") + ("+kv/int8" if kv == "int8" else "")] = figures
         del lm_q, depth_q
     return results
 
@@ -157,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--schemes", help="comma list of scheme names to measure, e.g. int4/g64,int4/g64+eq (default: "
-                                          "all of SCHEMES and EQUALIZED)")
+    parser.add_argument("--schemes", help="comma list of scheme names to measure, e.g. int4/g64,int4/g64+eq,kv/int8 "
+                                          "(default: all of SCHEMES, EQUALIZED and KV_INT8)")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -173,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     asked = args.schemes.split(",") if args.schemes else None
     schemes = tuple(s for s in SCHEMES if asked is None or _name(s) in asked)
     equalized = tuple(s for s in EQUALIZED if asked is None or f"{_name(s)}+eq" in asked)
-    results = measure_formats(lm, depth, args.frames, args.prompt_tokens, args.seed, schemes, equalized)
+    kv_int8 = tuple(s for s in KV_INT8 if asked is None or ("kv/int8" if s is None else f"{_name(s)}+kv/int8") in asked)
+    results = measure_formats(lm, depth, args.frames, args.prompt_tokens, args.seed, schemes, equalized, kv_int8)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(), "size": args.size,
         "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",

@@ -71,9 +71,9 @@ class GraphEngine:
                  slots: int | None = None, kv_pool_positions: int | None = None, config: GraphConfig | None = None,
                  tuning: Tuning | None = None, kv_format: str | None = None) -> None:
         """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits`, `chain`, `slots` and
-        `kv_format`, when given, override its fields. `kv_pool_positions` fixes the KV pool's size (positions per CFG row) instead
-        of sizing it from free memory (what an engine outside a pipeline does; a pipeline's comes from its card's
-        memory plan)."""
+        `kv_format`, when given, override its fields. `kv_pool_positions` fixes the KV pool's size (positions per
+        CFG row) instead of sizing it from free memory (what an engine outside a pipeline does; a pipeline's comes
+        from its card's memory plan)."""
         device = normalize(device)
         if device.type != "cuda" and not interpreting():
             raise ValueError("The graph engine needs a CUDA GPU; use the reference engine (--engine reference or auto) "

@@ -74,6 +74,36 @@ def test_teacher_forced_logits_and_hiddens_match_reference(full):
     assert all(e.max() < 2e-2 for e in errors["graph"])
 
 
+def test_the_int8_kv_cache_engine_matches_the_reference_with_that_cache_and_changes_the_model_little(full):
+    """The int8 KV cache at full size: the engine against the float32 reference that rounds its cache the same way
+    (the kernels' own error: within 2x the bf16 engine's bound above), and that reference against the plain
+    float32 one (the format's own effect, printed; `bench formats --schemes kv/int8` has its sampling figures)."""
+    lm, depth, _ = full
+    engine = GraphEngine(lm, depth, DEVICE, kv_format="int8")
+    try:
+        text_ids = random_prompt(300, seed=3, device=DEVICE)
+        codes = random_codes(201, torch.Generator().manual_seed(4))
+        logits, frames = engine.teacher_forced(text_ids, codes)
+        assert engine._state.kv.dtype == torch.int8
+    finally:
+        engine.release()
+    lm32, depth32 = copy.deepcopy(lm).float(), copy.deepcopy(depth).float()
+    rounded = reference_teacher_forced(lm32, depth32, text_ids, codes, "int8")
+    plain = reference_teacher_forced(lm32, depth32, text_ids, codes)
+    del lm32, depth32
+    torch.cuda.empty_cache()
+    hidden = lm.config.hidden_size
+    kernels = (relative_error(logits, rounded[0]), relative_error(frames[:, :hidden], rounded[1][:, :hidden]),
+               relative_error(frames[:, hidden:], rounded[1][:, hidden:]))
+    effect = relative_error(rounded[0], plain[0])
+    print("\nint8-KV engine vs float32 reference with the int8 cache, max / mean: "
+          + ", ".join(f"{part} {e.max():.2e} / {e.mean():.2e}"
+                      for part, e in zip(("logits", "LM hidden", "depth hiddens"), kernels))
+          + f"; the format's own effect on the logits: max {effect.max():.2e} / mean {effect.mean():.2e}")
+    assert frames.shape[0] == 200 and torch.isfinite(frames).all()
+    assert all(e.max() < 4e-2 for e in kernels)
+
+
 def test_programmatic_dependent_launch_changes_no_bit(full):
     """PDL only lets each kernel become resident early (prefetching weights) and wait for the previous one: every
     value must be bit-identical to the plain launches over many replays, or a kernel read something too early."""

@@ -5,9 +5,9 @@ muted so every song runs to its full length. Through the API (gradio_client), as
 - 23.5 GiB free (a 24 GB card with a desktop): ready within 90 s; a 6-minute song, then two 120-s songs at once;
   first audio <= 2.5 s (its plan holds 6 minutes alone, so no request under 6 minutes is refused);
   this process's device memory <= 22.5 GiB throughout (measured from outside, by the card's holder).
-- 15 GiB free (a 16 GB card): ready, the longest song its memory plan holds alone (fp8 LM and DiT: about 2.5
-  minutes, README's auto table), first audio <= 3 s, a longer request refused with the plan's sentence, <= 14.5 GiB
-  throughout.
+- 15 GiB free (a 16 GB card): ready, the longest song its memory plan holds alone (fp8 LM and DiT, an int8 KV
+  cache: about 3.5 minutes for a 1,000-token prompt, README's auto table), first audio <= 3 s, a longer request
+  refused with the plan's sentence, <= 14.5 GiB throughout.
 
 About 8 minutes for both on an H200 (random-full loads in ~60 s, a 6-minute song takes ~90 s). The pytest process
 itself never touches CUDA (its context would count against the simulated card).
