@@ -136,7 +136,8 @@ def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: i
     if None in kv_int8:
         figures = summarize(reference, reference_teacher_forced(language_model, depth_decoder, text_ids, codes,
                                                                 "int8"), hidden)
-        results["kv/int8"] = figures | {"bytes_per_weight": language_model.lm_head.weight.element_size()}
+        head_dim = language_model.config.head_dim
+        results["kv/int8"] = figures | {"kv_bytes_vs_bf16": (head_dim + 4) / (2 * head_dim)}
     runs = ([(scheme, False, "bf16") for scheme in schemes] + [(scheme, True, "bf16") for scheme in equalized]
             + [(scheme, False, "int8") for scheme in kv_int8 if scheme is not None])
     for scheme, equalize, kv in runs:

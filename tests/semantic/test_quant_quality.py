@@ -1,4 +1,4 @@
-"""The default weight schemes' effect on the model, pinned: float32 reference with the
+"""The default weight schemes' effect on the model, and the int8 KV cache's, pinned: float32 reference with the
 dequantized weights vs float32 reference with the original weights, teacher-forced on a small random model with
 injected outlier columns (`bench/formats.py`). The bounds sit just above what was measured when the defaults were
 chosen, so a change to the formats, the scale rule or the default schemes that makes the model's logits or sampling
@@ -25,7 +25,9 @@ FRAMES = 6
 # the same as fp8/channel (0.118, 0.066, 0.849) for 1.6% more bytes, int8/channel far worse (0.241, 0.193, 0.697).
 # The internal int4 mode (int4/g64 LM, int8/g128 depth decoder; 2026-12-01): 0.808, 1.041, 0.234, depth hiddens
 # 0.257 (an int4 depth decoder too: 0.693).
+# The int8 KV cache with unquantized weights (semantic/kv_format.py; 2026-12-02): 0.0128, 0.00030, 0.989.
 PINNED = {
+    "kv/int8": {"logits_rel_error_mean": 0.0145, "kl_mean": 0.00034, "top50_overlap_mean": 0.97},
     "fp8/channel": {"logits_rel_error_mean": 0.132, "kl_mean": 0.072, "top50_overlap_mean": 0.82},
     "int8/g128": {"logits_rel_error_mean": 0.132, "kl_mean": 0.034, "top50_overlap_mean": 0.82},
     "int4/g64, depth int8/g128": {"logits_rel_error_mean": 0.89, "kl_mean": 1.15, "top50_overlap_mean": 0.21},
@@ -41,7 +43,8 @@ def figures():
     components = random_models.build_components(SMALL, seed=0)
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
     inject_outliers(lm, depth)
-    return measure_formats(lm, depth, FRAMES, prompt_tokens=16, schemes=tuple(DEFAULT_SCHEMES.values()))
+    return measure_formats(lm, depth, FRAMES, prompt_tokens=16, schemes=tuple(DEFAULT_SCHEMES.values()),
+                           kv_int8=(None,))
 
 
 def test_the_default_schemes_are_the_pinned_ones(figures):
