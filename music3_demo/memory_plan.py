@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from . import contract as c
-from .precision import QUANTIZED, PrecisionChoice, check_dit_precision, check_kv_precision, check_precision
+from .precision import EQUALIZED, QUANTIZED, PrecisionChoice, check_dit_precision, check_kv_precision, check_precision
 from .precision import fp8_capable, kv_bytes_per_position, refuse_unsupported, sm_name
 
 GB = 1e9
@@ -54,6 +54,7 @@ RUNTIME_BYTES = int(1.0 * GB)
 SLOT_BYTES = 16_000_000  # the engine's per-song buffers: frame ring, codes, forced prefix
 PREFILL_BYTES = 350_000_000  # a 512-token prefill chunk of both CFG rows (activations, k/v repeated for SDPA)
 QUANTIZED_PREFILL_BYTES = 300_000_000  # + one layer's weights dequantized for it in a 1-byte mode
+EQUALIZE_ROWS_BYTES = 1024 * 12_288 * 4  # semantic/equalize.ROWS rows of the widest block weight, float32
 CHECK_BYTES = 100_000_000  # the self-check's scratch (its own small KV pool, the reference's activations)
 ACTIVATION_MARGIN = 1.1
 DIT_CALL_BYTES = int(0.274e9 * ACTIVATION_MARGIN)  # one song's guided DiT call on a full chunk (689 latents)
@@ -301,7 +302,10 @@ def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, eng
     # has dropped what only loading needs (Music3Pipeline.ensure_stages): one block's bf16 weights at a time (0.13
     # GB at full size) beside what is loaded, within RUNTIME_BYTES, which the load does not use yet.
     deferred = weights["transformer"] if flow and dit == "fp8" else 0
-    load_peak = max(total - deferred + load_extra + CHECK_BYTES, total) + RUNTIME_BYTES
+    # An equalized LM (precision.EQUALIZED) holds one decoder layer's bf16 weights until the layer is whole
+    # (semantic/equalize.LayerGatherer), and a float32 copy of up to 1,024 of its rows: 0.44 GB at full size.
+    gathering = (2 * f.lm_blocks // f.lm_layers + EQUALIZE_ROWS_BYTES) if semantic and lm in EQUALIZED else 0
+    load_peak = max(total - deferred + load_extra + CHECK_BYTES + gathering, total) + RUNTIME_BYTES
     runtime = RUNTIME_BYTES
     if semantic:
         runtime += PREFILL_BYTES + (QUANTIZED_PREFILL_BYTES if lm in QUANTIZED else 0)

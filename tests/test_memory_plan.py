@@ -172,6 +172,17 @@ def test_merged_calls_only_where_their_working_set_fits():
             assert p.dit_bucket <= p.slots and p.vocoder_bucket <= p.slots
 
 
+def test_an_equalized_lm_loads_with_one_layers_bf16_weights_on_the_card_beside_it():
+    """int8 and int4 LMs are equalized layer by layer at load (semantic/equalize.LayerGatherer): the load peak
+    holds one decoder layer's bf16 weights and a float32 copy of 1,024 rows more than fp8's (0.44 GB)."""
+    from music3_demo.memory_plan import EQUALIZE_ROWS_BYTES
+
+    int8, fp8 = plan(141, precision="int8"), plan(141, precision="fp8")
+    layer = 2 * FULL.lm_blocks // FULL.lm_layers
+    assert int8.load_peak - fp8.load_peak == int8.weight_bytes - fp8.weight_bytes + layer + EQUALIZE_ROWS_BYTES
+    assert round((layer + EQUALIZE_ROWS_BYTES) / GB, 2) == 0.44
+
+
 def test_the_headroom_is_a_fixed_part_plus_a_fraction_capped():
     assert headroom_for(0) == HEADROOM_FIXED
     assert HEADROOM_FIXED < headroom_for(24 * GB) < headroom_for(30 * GB) <= HEADROOM_MAX == headroom_for(141 * GB)

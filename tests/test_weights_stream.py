@@ -48,7 +48,7 @@ def test_a_streamed_component_equals_the_librarys_from_pretrained(tiny_folder, d
     assert torch.equal(streamed["vocoder"](x), _library(tiny_folder, "vocoder", dtype)(x))
 
 
-@pytest.mark.parametrize("mode", ["fp8", "int8"])
+@pytest.mark.parametrize("mode", ["fp8", "int8", "int4"])
 def test_quantizing_as_the_weights_arrive_equals_quantizing_a_whole_model(tiny_folder, mode):
     from music3_demo.semantic.quant import QuantizedLinear, quantize_model_
 
@@ -62,6 +62,26 @@ def test_quantizing_as_the_weights_arrive_equals_quantizing_a_whole_model(tiny_f
     _same(streamed["rvq_depth_decoder"], depth, "rvq_depth_decoder")
     swapped = [m for m in streamed["language_model"].modules() if isinstance(m, QuantizedLinear)]
     assert len(swapped) == sum(isinstance(m, QuantizedLinear) for m in lm.modules()) > 0
+
+
+def test_int8_and_int4_loads_equalize_the_lms_columns_layer_by_layer_and_fp8_loads_do_not(tiny_folder):
+    """The modes of precision.EQUALIZED: each streamed decoder layer is equalized once whole (its norms grown, its
+    outlier columns shrunk) before its products are quantized; the depth decoder is never touched."""
+    from music3_demo.precision import EQUALIZED
+
+    assert EQUALIZED == ("int8", "int4")
+    source = resolve("tiny")
+    original = _library(tiny_folder, "language_model", torch.float32)
+    for mode in ("fp8", "int8", "int4"):
+        lm = loading.load_model(source, torch.device("cpu"), torch.float32,
+                                PrecisionChoice(mode, mode, "test"))["language_model"]
+        for got, loaded in zip(lm.model.layers, original.model.layers):
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                grown = getattr(got, norm).weight / getattr(loaded, norm).weight
+                if mode in EQUALIZED:
+                    assert (grown >= 1 - 1e-6).all() and (grown > 1.01).any(), (mode, norm)
+                else:
+                    assert torch.equal(grown, torch.ones_like(grown)), (mode, norm)
 
 
 def test_a_checkpoint_whose_names_do_not_match_loads_through_the_library(tiny_folder, tmp_path, caplog):

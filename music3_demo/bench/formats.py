@@ -14,7 +14,8 @@ Figures per scheme, over every forced step's LM audio logits (the CFG pair), in 
   quantized model's guided softmax over the same S), mean and max, in nats;
 - `depth_rel_error`: the same relative error for the 7 depth hiddens of each frame.
 The "+eq" schemes quantize the LM after column equalization (`semantic/equalize.py`: outlier input columns shrunk,
-the step before each product scaled up to match), against the same original reference. "kv/int8" keeps the weights
+the step before each product scaled up to match), against the same original reference; the others without it (the
+load path equalizes the modes of `precision.EQUALIZED`: what they serve is the "+eq" figure). "kv/int8" keeps the weights
 and stores the KV cache in the int8 format (`semantic/kv_format.py`'s rounding inside the reference); "+kv/int8"
 after a scheme's name does both.
 tests/semantic/test_quant_quality.py pins the chosen schemes' figures.
@@ -31,7 +32,6 @@ import torch
 from .. import contract as c
 from .. import random_models
 from ..random_models import ModelSizes
-from ..semantic.equalize import equalize_
 from ..semantic.quant import DEFAULT_SCHEMES, QuantizedLinear, Scheme, quantize_model_
 from ..semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 from .report import commit, finish
@@ -143,9 +143,7 @@ def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: i
     for scheme, equalize, kv in runs:
         scheme, depth_scheme = scheme if isinstance(scheme, tuple) else (scheme, None)
         lm_q, depth_q = copy.deepcopy(language_model), copy.deepcopy(depth_decoder)
-        if equalize:
-            equalize_(lm_q)
-        report = quantize_model_(lm_q, depth_q, scheme.fmt, device, scheme, depth_scheme)
+        report = quantize_model_(lm_q, depth_q, scheme.fmt, device, scheme, depth_scheme, equalize)
         densify_(lm_q)
         densify_(depth_q)
         figures = summarize(reference, reference_teacher_forced(lm_q, depth_q, text_ids, codes, kv), hidden)

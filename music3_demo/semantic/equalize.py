@@ -15,12 +15,18 @@ it does not see): they are left as they are.
 
 `s_j = max(1, (max_i |W_ij| / median_j max_i |W_ij|) ** alpha)`: only columns above the median shrink, `alpha`
 between 0 (nothing changes) and 1 (every column's maximum down to the median). What it does to each format's effect
-is measured by `bench formats` (the "+eq" schemes; docs/PERFORMANCE.md).
+is measured by `bench formats` (the "+eq" schemes; docs/PERFORMANCE.md); the modes that take it at load are
+`precision.EQUALIZED`. A streaming load hands a layer's tensors over one by one: `LayerGatherer` holds them (one
+layer's bf16 weights on the device, ~0.39 GB at full size) until the layer is whole, equalizes it and passes it on.
 """
 
 from __future__ import annotations
 
+import re
+from typing import Callable
+
 import torch
+from torch import nn
 
 ALPHA = 0.5  # the better of 0.35, 0.5, 0.75, 1.0 for int4/g64 on the 1/8-width model (bench formats --size mid)
 
@@ -35,14 +41,21 @@ def _column_max(*weights: torch.Tensor) -> torch.Tensor:
     return torch.stack([w.detach().abs().amax(0).float() for w in weights]).amax(0)
 
 
+ROWS = 1024  # rows rescaled at a time: a float32 copy of 1,024 rows at most (50 MB at full size), not a weight's
+
+
 def _shrink_columns(weight: torch.Tensor, s: torch.Tensor) -> None:
-    weight.copy_((weight.float() / s).to(weight.dtype))
+    for rows in weight.split(ROWS):
+        rows.copy_((rows.float() / s).to(weight.dtype))
 
 
 def _grow(weight: torch.Tensor, s: torch.Tensor) -> None:
     """A norm's weight (s per element) or a product's rows (s per row)."""
-    scale = s if weight.dim() == 1 else s[:, None]
-    weight.copy_((weight.float() * scale).to(weight.dtype))
+    if weight.dim() == 1:
+        weight.copy_((weight.float() * s).to(weight.dtype))
+        return
+    for rows, part in zip(weight.split(ROWS), s.split(ROWS)):
+        rows.copy_((rows.float() * part[:, None]).to(weight.dtype))
 
 
 @torch.no_grad()
@@ -74,3 +87,37 @@ def equalize_(language_model, alpha: float = ALPHA) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     for layer in language_model.model.layers:
         equalize_layer_(layer, config.num_attention_heads, config.num_key_value_heads, head_dim, alpha)
+
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+NORMS = ("input_layernorm", "post_attention_layernorm")
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+
+
+class LayerGatherer:
+    """Equalization on a streaming load: `take(name, tensor)` puts a decoder layer's block weight or norm weight into
+    the language model (a skeleton) and, once the layer's nine have all arrived, equalizes the layer in place and
+    calls `ready(index)` (the quantizer then quantizes its products). False for every other tensor."""
+
+    def __init__(self, language_model, ready: Callable[[int], None], alpha: float = ALPHA) -> None:
+        config = language_model.config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.layers, self.ready, self.alpha = language_model.model.layers, ready, alpha
+        self.waiting: dict[int, set[str]] = {}  # layer -> parts still to come
+
+    def take(self, name: str, tensor: torch.Tensor) -> bool:
+        match = _LAYER_TENSOR.fullmatch(name)
+        if match is None or match[2] not in LINEARS + NORMS:
+            return False
+        index = int(match[1])
+        layer = self.layers[index]
+        layer.get_submodule(match[2]).weight = nn.Parameter(tensor, requires_grad=False)
+        left = self.waiting.setdefault(index, set(LINEARS + NORMS))
+        left.discard(match[2])
+        if not left:
+            del self.waiting[index]
+            equalize_layer_(layer, self.heads, self.kv_heads, self.head_dim, self.alpha)
+            self.ready(index)
+        return True

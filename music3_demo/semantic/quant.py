@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import contract as c
+from ..precision import EQUALIZED
+from .equalize import LINEARS, LayerGatherer, equalize_
 from .kernels.qweight import INT4_ZERO, QWeight
 
 SUPPORTED = ("bf16", "fp8", "int8", "int4")
@@ -208,9 +210,14 @@ class LayerQuantizer:
     `DEPTH_SCHEMES`, else the LM's); lm_head's audio rows take the LM's."""
 
     def __init__(self, language_model, depth_decoder, mode: str, device: torch.device | str,
-                 scheme: Scheme | None = None, depth_scheme: Scheme | None = None) -> None:
+                 scheme: Scheme | None = None, depth_scheme: Scheme | None = None,
+                 equalize: bool | None = None) -> None:
         self.language_model, self.depth_decoder = language_model, depth_decoder
         self.mode, self.device = mode, torch.device(device)
+        # The modes that equalize the LM's columns first (None: `precision.EQUALIZED`): each decoder layer waits
+        # in `gatherer` until whole, then is equalized and quantized.
+        self.equalize = mode in EQUALIZED if equalize is None else equalize
+        self.gatherer = LayerGatherer(language_model, self._quantize_layer) if self.equalize else None
         if mode not in SUPPORTED:
             raise ValueError(f"Unknown precision {mode!r}: choose one of {', '.join(SUPPORTED)}.")
         self.report = QuantReport(mode)
@@ -246,7 +253,10 @@ class LayerQuantizer:
         self.report.group = self.group
 
     def place(self, component: str, name: str, tensor: torch.Tensor) -> bool:
-        """Quantize `tensor` (on the device) into its module if it is a block weight; False for every other."""
+        """Quantize `tensor` (on the device) into its module if it is a block weight (an equalized LM's layer: once
+        the layer is whole, its norms with it); False for every other."""
+        if component == "language_model" and self.gatherer is not None and self.gatherer.take(name, tensor):
+            return True
         target = self.targets.pop((component, name), None)
         if target is None:
             return False
@@ -257,8 +267,20 @@ class LayerQuantizer:
         self.seconds += time.perf_counter() - started
         return True
 
+    def _quantize_layer(self, index: int) -> None:
+        """The equalized LM layer `index`, its weights in its Linear modules: each quantized into its place."""
+        for part in LINEARS:
+            parent, child, linear = self.targets.pop(("language_model", f"model.layers.{index}.{part}.weight"))
+            started = time.perf_counter()
+            parent._modules[child] = _swap(linear, *self.formats["language_model"], self.device, self.report)
+            self.seconds += time.perf_counter() - started
+
     def swap_all(self) -> None:
-        """Quantize every block weight still waiting (the modules already hold their weights: quantize_model_)."""
+        """Quantize every block weight still waiting (the modules already hold their weights: quantize_model_),
+        the LM equalized first where the mode takes it."""
+        if self.gatherer is not None:
+            equalize_(self.language_model)
+            self.gatherer = None
         for (component, name), (_, _, linear) in list(self.targets.items()):
             self.place(component, name, linear.weight.detach())
 
@@ -284,13 +306,14 @@ class LayerQuantizer:
 @torch.no_grad()
 def quantize_model_(
     language_model, depth_decoder, mode: str, device: torch.device | str, scheme: Scheme | None = None,
-    depth_scheme: Scheme | None = None,
+    depth_scheme: Scheme | None = None, equalize: bool | None = None,
 ) -> QuantReport:
     """Swap the LM's and depth decoder's Linear modules for `QuantizedLinear` ones in `mode` ("bf16" changes nothing)
     and leave both models on `device`. Layer by layer: each weight is quantized on `device` and the module's own
     weight is dropped before the next, so the models may come in on the CPU or already on `device`, and two full
-    copies never sit on the GPU. `scheme` / `depth_scheme` override the mode's defaults (`LayerQuantizer`)."""
-    quantizer = LayerQuantizer(language_model, depth_decoder, mode, device, scheme, depth_scheme)
+    copies never sit on the GPU. `scheme` / `depth_scheme` / `equalize` override the mode's defaults
+    (`LayerQuantizer`)."""
+    quantizer = LayerQuantizer(language_model, depth_decoder, mode, device, scheme, depth_scheme, equalize)
     quantizer.swap_all()
     return quantizer.finish()
 
