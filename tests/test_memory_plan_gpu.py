@@ -49,8 +49,8 @@ def test_the_engine_and_the_flow_stage_follow_the_plan(card, monkeypatch, tiny_f
         assert engine.scheduler.regions is None  # the self-check's small pool is gone; the plan's comes at the warm-up
         pipeline.warm()
         assert engine.scheduler.regions.positions == plan.kv_pool_positions
-        kv = engine._state.kv
-        assert kv.numel() * kv.element_size() == plan.kv_pool_bytes
+        assert engine._state.kv_bytes == plan.kv_pool_bytes  # (an int8 pool's scales included)
+        assert engine.kv_format == plan.kv
         allowed = tuple(b for b in BUCKETS if b <= plan.dit_bucket)
         assert pipeline.flow_executor.buckets["graph"] == allowed
         assert set(pipeline.flow_calibration["dit_call_s"]) == set(allowed)
