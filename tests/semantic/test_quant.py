@@ -255,6 +255,22 @@ def test_fp16_routes_give_the_cast_route_results_bit_for_bit(fmt, group):
         assert torch.equal(gemv(x, q, torch.empty(2, n), config=GemvConfig(16, 32, convert=route)), cast), route
 
 
+@pytest.mark.parametrize("fmt, group", [("fp8", 0), ("int8", 128), ("int4", 64)])
+def test_dequantizing_a_few_rows_at_a_time_gives_the_whole_weights_bits(fmt, group, monkeypatch):
+    """QWeight.dequantize works DEQUANTIZE_STEP float32 elements at a time (a whole weight's float32 temporaries
+    were 6x its bf16 size); 3-row steps over 8 rows (a short last step) give what one whole-weight pass gives."""
+    from music3_demo.semantic.kernels import qweight
+
+    q = quantize_weight(_outlier_weight(8, 128, 3), fmt, group)
+    whole = (q.values() * q.expanded_scale()).to(q.dtype)  # (the default: the dtype it stands in for)
+    monkeypatch.setattr(qweight, "DEQUANTIZE_STEP", 3 * 128)
+    for dtype in (torch.bfloat16, torch.float32):
+        got = q.dequantize(dtype)
+        assert got.dtype == dtype and got.shape == (8, 128)
+        assert torch.equal(got, (q.values() * q.expanded_scale()).to(dtype))
+    assert torch.equal(q.dequantize(), whole)
+
+
 def test_int4_packs_two_columns_per_byte_low_nibble_first_and_dequantizes_to_the_rounded_weight():
     """Byte j of a row: column 2j in the low nibble, 2j + 1 in the high one, each q + 8 with q in [-7, 7]; the
     dequantized weight is q x the group's max|w| / 7, within half a step of the original; no scale groups: refused."""
