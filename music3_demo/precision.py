@@ -21,6 +21,7 @@ EQUALIZED = ("int8", "int4")
 # The semantic engine's KV cache (`--kv-precision`): the model's dtype, or int8 with a float32 scale per head vector
 # (semantic/kv_format.py); auto: the card's memory plan picks int8 only where the songs need the room.
 KV_PRECISIONS = ("auto", "bf16", "int8")
+KV_FORMATS = KV_PRECISIONS[1:]  # what a cache is stored in (auto picks one of them)
 KV_SCALE_BYTES = 4
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper, Blackwell: e4m3 conversions in hardware
 
@@ -63,11 +64,15 @@ def check_kv_precision(requested: str) -> str:
     return requested
 
 
+def check_kv_format(fmt: str) -> str:
+    if fmt not in KV_FORMATS:
+        raise ValueError(f"KV cache format must be one of {', '.join(KV_FORMATS)}, not {fmt!r}")
+    return fmt
+
+
 def kv_bytes_per_position(layers: int, kv_heads: int, head_dim: int, fmt: str = "bf16", dtype_bytes: int = 2) -> int:
     """K and V of both CFG rows over every LM layer, one position, in KV format `fmt` (bf16 | int8)."""
-    if fmt not in KV_PRECISIONS[1:]:
-        raise ValueError(f"KV cache format must be one of {', '.join(KV_PRECISIONS[1:])}, not {fmt!r}")
-    per_head = head_dim * dtype_bytes if fmt == "bf16" else head_dim + KV_SCALE_BYTES
+    per_head = head_dim * dtype_bytes if check_kv_format(fmt) == "bf16" else head_dim + KV_SCALE_BYTES
     return layers * 2 * 2 * kv_heads * per_head
 
 

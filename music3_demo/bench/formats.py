@@ -15,9 +15,9 @@ Figures per scheme, over every forced step's LM audio logits (the CFG pair), in 
 - `depth_rel_error`: the same relative error for the 7 depth hiddens of each frame.
 The "+eq" schemes quantize the LM after column equalization (`semantic/equalize.py`: outlier input columns shrunk,
 the step before each product scaled up to match), against the same original reference; the others without it (the
-load path equalizes the modes of `precision.EQUALIZED`: what they serve is the "+eq" figure). "kv/int8" keeps the weights
-and stores the KV cache in the int8 format (`semantic/kv_format.py`'s rounding inside the reference); "+kv/int8"
-after a scheme's name does both.
+load path equalizes the modes of `precision.EQUALIZED`: what they serve is the "+eq" figure). "kv/int8" keeps the
+weights and stores the KV cache in the int8 format (`semantic/kv_format.py`'s rounding inside the reference);
+"+kv/int8" after a scheme's name does both.
 tests/semantic/test_quant_quality.py pins the chosen schemes' figures.
 """
 

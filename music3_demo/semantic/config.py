@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .kv_format import check_kv_format
+from ..precision import check_kv_format
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ across positions. The decode-attention kernel (`kernels/attention.py`) writes a 
 the context back exactly as `dequantize` does, scores scaled per key and probabilities per value; the prefill writes
 through `quantize` and attends to what it wrote (`state.DeviceState.write_kv` / `read_kv`), so every position a song
 attends to, prompt or frame, has been through the same rounding. `RoundTripCache` applies that rounding inside the
-reference computation, which is how the format's own effect on the model is measured (`bench formats --kv int8`)
+reference computation, which is how the format's own effect on the model is measured (`bench formats --schemes kv/int8`)
 apart from any kernel, and what the engine's int8 kernels are checked against.
 """
 
@@ -17,17 +17,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from ..precision import KV_PRECISIONS
+from ..precision import check_kv_format  # noqa: F401 - the formats' names and bytes live in precision.py
 
-KV_FORMATS = KV_PRECISIONS[1:]  # bf16 | int8 (the bytes per position: precision.kv_bytes_per_position)
 LEVELS = 127  # int8 values in [-127, 127]: symmetric, so a scale maps sign for sign
 TINY = 1e-30  # an all-zero vector keeps a positive scale (its values stay zero)
-
-
-def check_kv_format(fmt: str) -> str:
-    if fmt not in KV_FORMATS:
-        raise ValueError(f"KV cache format must be one of {', '.join(KV_FORMATS)}, not {fmt!r}")
-    return fmt
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

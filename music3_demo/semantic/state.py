@@ -9,10 +9,10 @@ from typing import Callable
 
 import torch
 
+from ..precision import check_kv_format
 from . import kv_format
 from .kernels import AttentionScratch, GemvWorkspace, TailScratch
 from .kernels.frame import NO_END
-from .kv_format import check_kv_format
 from .weights import AUDIO_CODES, EngineWeights
 
 
@@ -38,6 +38,7 @@ class DeviceState:
                  kv_format: str = "bf16") -> None:
         w, dev, dt = weights, device, weights.dtype
         self.device, self.places, self.pool_positions, self.steps = device, places, pool_positions, steps
+        self.dtype = dt  # the model's: what the prefill attends in (read_kv)
         self.scope = scope
         self.kv_format = check_kv_format(kv_format)
         self._sizes = (weights, device, frame_ring, attention_splits, tail_programs)
@@ -132,9 +133,9 @@ class DeviceState:
         """k, v of positions [start, stop) of layer `layer` in the model's dtype (dequantized in int8)."""
         if self.kv_scale is None:
             return self.kv[layer, 0, :, :, start:stop], self.kv[layer, 1, :, :, start:stop]
-        dtype = self.qkv.dtype
         return tuple(kv_format.dequantize(self.kv[layer, index, :, :, start:stop],
-                                          self.kv_scale[layer, index, :, :, start:stop], dtype) for index in (0, 1))
+                                          self.kv_scale[layer, index, :, :, start:stop], self.dtype)
+                     for index in (0, 1))
 
     def copy_positions(self, start: int, to: int, length: int) -> None:
         """Every layer's K/V (and scales) of positions [start, start + length) to [to, to + length)."""

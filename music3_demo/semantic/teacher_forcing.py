@@ -9,7 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from .. import contract as c
-from .kv_format import RoundTripCache, check_kv_format
+from ..precision import check_kv_format
+from .kv_format import RoundTripCache
 from .reference import embed_audio_frame, lm_forward
 
 
