@@ -22,7 +22,8 @@ from .checkpoint import (
     model_figures,
 )
 from .errors import DeviceOutOfMemory, OnOutOfMemory, load_sentence
-from .memory import check_host_memory, free_and_capability, release_cached
+from .allocator import cap_allocator, lift_allocator_cap, release_cached
+from .memory import check_host_memory, device_memory, free_and_capability
 from .memory_plan import GB, PARKING, WARM_UP, MemoryPlan, plan_memory, song_positions
 from .precision import QUANTIZED, PrecisionChoice, fp8_capable
 from .random_models import WEIGHT_COMPONENTS
@@ -71,6 +72,25 @@ def plan_for(precision: str, dit_precision: str, device: torch.device, source: M
     # flow calls of at most as many songs as the first card runs
     return replace(semantic, dit=flow.dit), replace(flow, lm=semantic.lm, dit_bucket=min(flow.dit_bucket,
                    semantic.slots or 1), vocoder_bucket=min(flow.vocoder_bucket, semantic.slots or 1))
+
+
+def hold_to_plans(cards) -> None:
+    """From here on torch's allocator on each (device, plan) of `cards` stays within the plan's budget
+    (`MemoryPlan.allocator_bytes`, memory.cap_allocator); a None device or plan, or a plan off the GPU, is skipped."""
+    for device, plan in cards:
+        if device is None or plan is None or not plan.on_gpu:
+            continue
+        cap = cap_allocator(device, plan.allocator_bytes)
+        now = device_memory(device)
+        if cap is not None and now is not None:
+            log.info("torch's allocator on %s held to %.2f GB (this process %.2f GB now, %.2f GB of it outside "
+                     "torch)", device, cap / GB, now.process / GB, now.outside_torch / GB)
+
+
+def lift_allocator_caps(device: torch.device, flow_device: torch.device | None = None) -> None:
+    """A released (or failed) pipeline's devices: the allocator may use the whole card again."""
+    for card in {device, flow_device or device}:
+        lift_allocator_cap(card)
 
 
 def load_out_of_memory(device: torch.device, plan: MemoryPlan | None, stage: str = "loading the model",

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .allocator import prefer_expandable_segments
 from .errors import DeviceOutOfMemory, HostOutOfMemory, OnOutOfMemory, host_sentence, song_sentence
 
 GB = 1e9
@@ -95,15 +96,6 @@ class _Nvml:
 
 
 _NVML = _Nvml()
-
-
-def prefer_expandable_segments() -> None:
-    """Expandable allocator segments, unless the user configured the allocator: it grows one mapped segment instead
-    of caching blocks of every size it was asked for, so what a song frees is reused by the next request of another
-    size rather than held beside it (0.8 GB less at idle on a 24 GB card). Read once, at torch's first CUDA use."""
-    if not torch.cuda.is_initialized() and not any(
-            os.environ.get(name) for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def freeze_loaded_objects() -> None:
@@ -191,37 +183,6 @@ def free_and_capability(device: torch.device | str) -> tuple[int | None, tuple[i
         return None, None
     note_process_start()
     return torch.cuda.mem_get_info(device)[0], tuple(torch.cuda.get_device_capability(device))
-
-
-def release_cached(device: torch.device | str) -> None:
-    """Give the caching allocator's unused blocks back to the card (after a load, a self-check, a capture, a failed
-    song): what a later stage needs it takes again; what nothing needs no longer shows as used."""
-    if torch.device(device).type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.empty_cache()
-
-
-# What a song's end leaves cached beyond the live tensors. The allocator keeps what each stream freed for that
-# stream's next request; songs of every length on pooled streams grow each stream's cache toward the largest song it
-# served, and the process for minutes with no live tensor more (8 minutes of songs: +1.25 GB cached, live flat).
-TRIM_KEEP_BYTES = 512 << 20
-
-
-def trim_cache(device: torch.device | str, keep: int = TRIM_KEEP_BYTES) -> int | None:
-    """After a song: where the allocator caches more than `keep` bytes beyond the live tensors, give the unused
-    blocks back to the card; the bytes given back (0 when under `keep`, None off CUDA). The device's queued work is
-    waited for first without the interpreter (`synchronize` lets it go): the release itself waits for the streams
-    of what it unmaps while holding the allocator's lock, and every other thread that allocates meanwhile would
-    stand still holding the interpreter, the web server's included."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    reserved = torch.cuda.memory_reserved(device)
-    if reserved - torch.cuda.memory_allocated(device) <= keep:
-        return 0
-    torch.cuda.synchronize(device)
-    release_cached(device)
-    return reserved - torch.cuda.memory_reserved(device)
 
 
 def song_out_of_memory(device: torch.device | str, mode: str) -> DeviceOutOfMemory:

@@ -3,9 +3,11 @@ pool (the general pool and each CUDA graph's private pool), with the live and th
 live allocations with where they were made, and the live bytes summed by where they were made (many small blocks
 from one place show there; both need recording on).
 
-Off by default. `MUSIC3_MEMORY_MAP=DIR` (the app, the CLI, a bench) records allocation stacks from the load on and
-writes one JSON file per call point into DIR: `ready` after the warm-up, `song` after each song. Recording costs a
-stack capture per allocation, so it is for diagnosis runs only.
+Off by default. `MUSIC3_MEMORY_MAP=DIR` (the app, the CLI, a bench) writes one JSON file per call point into DIR:
+`ready` after the warm-up, `song` after each song (before its cache is trimmed), each with the allocator's peaks since
+the process started (reserved, allocated) and the allocator cap in force. The pools cost nothing to read; the live blocks'
+origins need allocation stacks, recorded from the load on only where `MUSIC3_MEMORY_STACKS=1` is set too: a stack
+capture per allocation, which slows every song (its timings then mean nothing).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 
 MAP_ENV = "MUSIC3_MEMORY_MAP"
+STACKS_ENV = "MUSIC3_MEMORY_STACKS"
 TOP_ALLOCATIONS = 25
 FRAMES_KEPT = 4  # the innermost frames of ours (or the libraries') that made an allocation
 _counter = itertools.count()
@@ -30,9 +33,9 @@ def asked() -> Path | None:
 
 
 def start_recording() -> None:
-    """Record allocation stacks from now on, where a map is asked for and CUDA is present (once)."""
+    """Record allocation stacks from now on, where a map and its stacks are asked for and CUDA is present (once)."""
     global _recording
-    if _recording or asked() is None or not torch.cuda.is_available():
+    if _recording or asked() is None or os.environ.get(STACKS_ENV) != "1" or not torch.cuda.is_available():
         return
     torch.cuda.memory._record_memory_history(max_entries=200_000)
     _recording = True
@@ -86,7 +89,12 @@ def memory_map(device: torch.device | str) -> dict | None:
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return summarize(torch.cuda.memory_snapshot(), index)
+    stats = torch.cuda.memory_stats(index)
+    peaks = {"peak_reserved_bytes": stats.get("reserved_bytes.all.peak", 0),
+             "peak_allocated_bytes": stats.get("allocated_bytes.all.peak", 0)}
+    from .allocator import allocator_cap
+
+    return summarize(torch.cuda.memory_snapshot(), index) | peaks | {"allocator_cap_bytes": allocator_cap(index)}
 
 
 def write_if_asked(device: torch.device | str, label: str) -> Path | None:

@@ -11,8 +11,8 @@ most HEADROOM_MAX: a desktop card drives a display and a browser whose use grows
 the rest is the KV pool, capped where MAX_SLOTS songs of the longest request fit. Slots: the most songs of
 FULL_SLOT_SONG_S (a REFERENCE_PROMPT_TOKENS prompt) that the pool holds at once. Merged DiT / vocoder calls take
 MERGE_SHARE of that room at most, or what the pool could not use. Nothing is sized from the model's maximum or
-from "whatever is free": the engine's pool and slots, the flow executor's largest merged calls and the admission of
-songs all come from here.
+from "whatever is free": the engine's pool and slots, the flow executor's merged calls, the admission of songs and
+the cap on torch's allocator (`allocator_bytes`) all come from here.
 
 `auto` takes the first of (bf16 LM, bf16 DiT), (fp8 | int8 LM, bf16 DiT), (fp8 | int8 LM, fp8 DiT), each with a
 bf16 then an int8 KV cache, whose plan holds a 6-minute song alone and two 2-minute songs at once
@@ -45,12 +45,12 @@ FULL_SLOT_SONG_S = 120.0  # the song length every slot must hold
 USEFUL_ALONE_S = c.MAX_DURATION_S  # auto's test: the longest song alone ...
 USEFUL_TOGETHER = (2, 120.0)  # ... and two 2-minute songs at once
 WARM_UP = (512, 256)  # prompt tokens, frames: what the warm-up reserves; a plan whose pool cannot hold it does not fit
-# The desktop's share: fixed + fraction of free, at most the cap. At load only the fixed part is kept (the load
-# peak is brief and the free figure was just read).
+# The desktop's share: fixed + fraction of free, at most the cap; at load only the fixed part (a brief peak).
 HEADROOM_FIXED = GiB // 2
 HEADROOM_FRACTION = 0.04
 HEADROOM_MAX = 2 * GiB
 RUNTIME_BYTES = int(1.0 * GB)
+OUTSIDE_TORCH_BYTES = 500_000_000  # of RUNTIME_BYTES, what lands outside torch's allocator after the plan (kernels)
 SLOT_BYTES = 16_000_000  # the engine's per-song buffers: frame ring, codes, forced prefix
 PREFILL_BYTES = 350_000_000  # a 512-token prefill chunk of both CFG rows (activations, k/v repeated for SDPA)
 QUANTIZED_PREFILL_BYTES = 300_000_000  # + one layer's weights dequantized for it in a 1-byte mode
@@ -171,13 +171,19 @@ class MemoryPlan:
                        self.stages, self.kv)
         return replace(plan, lm=self.lm, dit=self.dit, why=self.why)
 
-    @property
-    def on_gpu(self) -> bool:
-        return self.free_bytes is not None
+    on_gpu = property(lambda self: self.free_bytes is not None)
 
     @property
     def weight_bytes(self) -> int:
         return sum(self.weights.values())
+
+    @property
+    def allocator_bytes(self) -> int | None:
+        """What torch's allocator may add to what it held when the free bytes were read (allocator.cap_allocator):
+        the budget (or the load's peak, if higher) less what lies outside torch. None off the GPU."""
+        if not self.on_gpu:
+            return None
+        return max(self.free_bytes - self.headroom, self.load_peak) - OUTSIDE_TORCH_BYTES
 
     def max_frames(self, prompt_tokens: int = REFERENCE_PROMPT_TOKENS, songs: int = 1) -> int | None:
         """The most frames a song of this prompt may make while `songs` such songs run at once (None: no limit but
@@ -243,7 +249,8 @@ class MemoryPlan:
                 "flow_working_gb": gb(self.flow_working), "dit_bucket": self.dit_bucket,
                 "vocoder_bucket": self.vocoder_bucket, "vocoder_tile_latents": self.vocoder_tile,
                 "graphs_and_workspaces_gb": gb(self.runtime),
-                "headroom_gb": gb(self.headroom), "kv_pool_gb": gb(self.kv_pool_bytes),
+                "headroom_gb": gb(self.headroom), "allocator_gb": gb(self.allocator_bytes),
+                "kv_pool_gb": gb(self.kv_pool_bytes),
                 "kv_pool_positions": self.kv_pool_positions, "slots": self.slots,
                 "reference_prompt_tokens": REFERENCE_PROMPT_TOKENS,
                 "longest_song_alone_s": self.longest_alone_s, "longest_song_full_slots_s": self.longest_full_s,
@@ -277,8 +284,7 @@ def _merges(dit_bucket: int, vocoder_bucket: int) -> int:
 
 def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engine: str,
             stages: tuple[str, ...], kv: str = "bf16") -> MemoryPlan:
-    """The plan for one set of modes on a GPU with `free` bytes (`kv`: the graph engine's KV format; the
-    reference's cache is bf16)."""
+    """The plan for one set of modes on `free` bytes (`kv`: the graph engine's KV format; the reference's: bf16)."""
     f, semantic, flow = figures, "semantic" in stages, "flow" in stages
     kv = kv if engine == "graph" and semantic else "bf16"
     weights: dict[str, int] = {}

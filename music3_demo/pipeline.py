@@ -13,13 +13,24 @@ import torch
 
 from . import contract as c
 from . import flow as flow_stage
+from .allocator import release_cached, trim_cache
 from .checkpoint import CheckpointError, ModelSource, default_device, default_dtype, resolve
 from .continuation import SongState
 from .devices import normalize, on_device, split_devices
 from .events import Cancelled, Event, Song
 from .flow.worker import FLOW_PRIORITY, FirstChunks, StreamPool
-from .loading import as_loaded, fp8_dit_waiting, getting_ready, load_model, modes_text, place_fp8_dit, plan_for
-from .memory import PeakSampler, note_process_start, release_cached, song_guard, trim_cache
+from .loading import (
+    as_loaded,
+    fp8_dit_waiting,
+    getting_ready,
+    hold_to_plans,
+    lift_allocator_caps,
+    load_model,
+    modes_text,
+    place_fp8_dit,
+    plan_for,
+)
+from .memory import PeakSampler, note_process_start, song_guard
 from .memory_map import start_recording, write_if_asked
 from .memory_plan import WARM_UP, MemoryPlan
 from .precision import PrecisionChoice, check_dit_precision, check_kv_precision, check_precision
@@ -175,12 +186,17 @@ class Music3Pipeline:
             planned = resolve_engine_name(engine, device, allow_interpreter)
             plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device, kv_precision)
             plan = replace(plan, lm=as_loaded(plan.lm, dtype), dit=as_loaded(plan.dit, dtype))
-            with getting_ready(device, plan, flow_device=flow_device):
-                components = load_model(source, device, dtype, plan.lm, flow_device=flow_device, dit=plan.dit.mode,
-                                        defer_fp8_dit=True)
-                return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
-                           precision=plan.lm, lazy=lazy, flow_device=flow_device, memory_plan=plan,
-                           flow_memory_plan=flow_plan)
+            hold_to_plans(((device, plan), (flow_device, flow_plan)))  # torch's allocator within each plan
+            try:
+                with getting_ready(device, plan, flow_device=flow_device):
+                    components = load_model(source, device, dtype, plan.lm, flow_device=flow_device,
+                                            dit=plan.dit.mode, defer_fp8_dit=True)
+                    return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
+                               precision=plan.lm, lazy=lazy, flow_device=flow_device, memory_plan=plan,
+                               flow_memory_plan=flow_plan)
+            except BaseException:
+                lift_allocator_caps(device, flow_device)
+                raise
 
     @property
     def split(self) -> bool:
@@ -215,6 +231,7 @@ class Music3Pipeline:
                 self.velocity_graphs.release()
         self.components.clear()
         self.release_caches()
+        lift_allocator_caps(self.device, self.flow_device)
 
     def release_caches(self) -> None:
         """Give the allocator's unused blocks back on this pipeline's GPUs (both of a stage split)."""
@@ -222,8 +239,8 @@ class Music3Pipeline:
             release_cached(device)
 
     def trim_caches(self) -> None:
-        """After a song: the allocator's cache beyond `memory.TRIM_KEEP_BYTES` back to the card, on this pipeline's
-        GPUs (`memory.trim_cache`)."""
+        """After a song: the allocator's cache beyond `allocator.TRIM_KEEP_BYTES` back to the card, on this pipeline's
+        GPUs (`allocator.trim_cache`)."""
         for device in {self.device, self.flow_device}:
             trim_cache(device)
 

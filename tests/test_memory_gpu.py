@@ -9,7 +9,15 @@ import time
 import pytest
 import torch
 
-from music3_demo.memory import TRIM_KEEP_BYTES, MemoryWatch, PeakSampler, device_memory, release_cached, trim_cache
+from music3_demo.allocator import (
+    TRIM_KEEP_BYTES,
+    allocator_cap,
+    cap_allocator,
+    lift_allocator_cap,
+    release_cached,
+    trim_cache,
+)
+from music3_demo.memory import MemoryWatch, PeakSampler, device_memory
 from music3_demo.pipeline import Music3Pipeline
 from music3_demo.request import GenerationRequest
 
@@ -51,6 +59,30 @@ def test_the_sampler_sees_a_short_peak_and_the_card_gets_released_blocks_back():
     assert sampler.end.process >= before + 1.9 * GB  # the block is freed but still cached by torch...
     release_cached(device)
     assert device_memory(device).process < before + 0.1 * GB  # ...until the cache is given back
+
+
+def test_under_a_cap_the_allocator_gives_its_cache_back_before_growing_and_refuses_only_what_cannot_fit():
+    """A memory plan's cap (allocator.cap_allocator): blocks freed at one size are given back to make room for
+    another size instead of the reserve growing past the cap; only live tensors beyond it are an out-of-memory;
+    once lifted, the card is the limit again."""
+    device, mib = torch.device("cuda"), 1 << 20
+    release_cached(device)
+    cap = cap_allocator(device, 512 * mib)
+    try:
+        assert allocator_cap(torch.cuda.current_device()) == cap
+        blocks = [torch.empty(100 * mib, dtype=torch.uint8, device=device) for _ in range(4)]
+        del blocks  # 400 MiB cached, in blocks too small for what comes next
+        big = torch.empty(450 * mib, dtype=torch.uint8, device=device)
+        assert torch.cuda.memory_reserved(device) <= cap
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(200 * mib, dtype=torch.uint8, device=device)  # 650 MiB live: past the cap
+        del big
+    finally:
+        lift_allocator_cap(device)
+    assert allocator_cap(torch.cuda.current_device()) is None
+    beyond = torch.empty(1024 * mib, dtype=torch.uint8, device=device)
+    del beyond
+    release_cached(device)
 
 
 def test_a_lazy_pipeline_builds_its_engine_at_its_first_song_and_songs_report_the_cards_memory(tiny_folder):

@@ -19,6 +19,7 @@ from music3_demo.memory_plan import (
     GB,
     HEADROOM_FIXED,
     HEADROOM_MAX,
+    OUTSIDE_TORCH_BYTES,
     REFERENCE_PROMPT_TOKENS,
     RUNTIME_BYTES,
     VOCODER_CHUNK_BYTES,
@@ -186,6 +187,19 @@ def test_an_equalized_lm_loads_with_one_layers_bf16_weights_on_the_card_beside_i
 def test_the_headroom_is_a_fixed_part_plus_a_fraction_capped():
     assert headroom_for(0) == HEADROOM_FIXED
     assert HEADROOM_FIXED < headroom_for(24 * GB) < headroom_for(30 * GB) <= HEADROOM_MAX == headroom_for(141 * GB)
+
+
+@pytest.mark.parametrize("free_gb", CARDS)
+def test_torch_is_held_to_what_the_plan_sizes_beside_what_lands_outside_it(free_gb):
+    """The allocator's cap (allocator.cap_allocator) is the budget less what lands outside torch after the plan; what
+    the plan places inside torch (weights, KV pool, flow working set, the runtime's part inside torch) fits under it,
+    and so does the load's peak."""
+    p = plan(free_gb)
+    inside = p.weight_bytes + (p.kv_pool_bytes or 0) + p.flow_working + p.runtime - OUTSIDE_TORCH_BYTES
+    assert inside <= p.allocator_bytes == p.free_bytes - p.headroom - OUTSIDE_TORCH_BYTES
+    assert p.load_peak - OUTSIDE_TORCH_BYTES <= p.allocator_bytes
+    assert 0 < OUTSIDE_TORCH_BYTES < RUNTIME_BYTES
+    assert plan_memory(FULL, None, None).allocator_bytes is None  # no GPU: nothing to hold
 
 
 def test_explicit_modes_are_kept_and_fp8_without_hardware_is_one_sentence():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from music3_demo import random_models
+from music3_demo.allocator import allocator_cap
 from music3_demo.flow.stream import full_chunk_latents
 from music3_demo.loading import FREE_BYTES_ENV
 from music3_demo.memory_plan import BUCKETS, plan_memory
@@ -33,6 +34,7 @@ def test_the_engine_and_the_flow_stage_follow_the_plan(card, monkeypatch, tiny_f
 
     if card == "two-slot":
         monkeypatch.setenv(FREE_BYTES_ENV, str(free_for_slots(2)))
+    torch.cuda.reset_peak_memory_stats()
     pipeline = Music3Pipeline.from_pretrained("tiny", device="cuda", engine="graph", precision="bf16",
                                               dit_precision="bf16")
     try:
@@ -56,6 +58,9 @@ def test_the_engine_and_the_flow_stage_follow_the_plan(card, monkeypatch, tiny_f
         assert set(pipeline.flow_calibration["dit_call_s"]) == set(allowed)
         assert set(pipeline.flow_calibration["vocoder_call_s"]) == {b for b in BUCKETS if b <= plan.vocoder_bucket}
         assert pipeline.memory_plan_dict["kv_pool_positions"] == plan.kv_pool_positions
+        # torch's allocator held to the plan's budget, the load, the self-check and the warm-up within it
+        cap = allocator_cap(torch.cuda.current_device())
+        assert cap is not None and torch.cuda.max_memory_reserved() <= cap
         if plan.vocoder_tile is not None:  # a tiled chunk is the whole chunk's waveform, up to float32 rounding
             vocoder = pipeline.components["vocoder"]
             latents = torch.randn(1, vocoder.config.latent_channels, full_chunk_latents(pipeline.components),
@@ -67,3 +72,4 @@ def test_the_engine_and_the_flow_stage_follow_the_plan(card, monkeypatch, tiny_f
             assert ((tiled - whole).norm() / whole.norm()).item() < 1e-4
     finally:
         pipeline.release()
+    assert allocator_cap(torch.cuda.current_device()) is None  # a released pipeline leaves the card whole

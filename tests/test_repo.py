@@ -138,8 +138,8 @@ def test_every_doc_the_package_names_exists():
 # (semantic and flow; bench and ui) never import each other.
 LAYERS = [
     {"__init__", "contract", "errors", "events", "request", "prompt", "audio", "fused_weights", "random_models",
-     "checkpoint", "handoff", "versions", "devices", "continuation", "precision", "memory", "memory_map", "memory_plan",
-     "weights_stream", "first_audio", "variations"},
+     "checkpoint", "handoff", "versions", "devices", "continuation", "precision", "allocator", "memory", "memory_map",
+     "memory_plan", "weights_stream", "first_audio", "variations"},
     {"semantic", "flow"},
     {"loading", "song_run"},
     {"pipeline"},

@@ -89,7 +89,7 @@ def child() -> int:
                 rounds["products"] += 1
                 last["products"] = time.monotonic()
 
-    def trim_rounds() -> None:  # a song's end: memory.trim_cache
+    def trim_rounds() -> None:  # a song's end: allocator.trim_cache
         while not stop.is_set():
             with torch.cuda.stream(flow):
                 block = torch.empty(256 << 20, dtype=torch.uint8, device=device)
