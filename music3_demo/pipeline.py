@@ -37,6 +37,7 @@ from .precision import PrecisionChoice, check_dit_precision, check_kv_precision,
 from .prompt import count_prompt_tokens
 from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import make_engine, resolve_engine_name
+from .semantic.precompile import start as start_precompile
 from .song_run import Overlap, SongRun, Stages, overlap_rule
 from .variations import make_together, stream_song
 
@@ -187,14 +188,21 @@ class Music3Pipeline:
             plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device, kv_precision)
             plan = replace(plan, lm=as_loaded(plan.lm, dtype), dit=as_loaded(plan.dit, dtype))
             hold_to_plans(((device, plan), (flow_device, flow_plan)))  # torch's allocator within each plan
+            # The engine's kernels compile in worker processes while the weights load (a lazy pipeline builds its
+            # engine in another process, whose CUDA context this one must not make first).
+            compiling = None if lazy else start_precompile(device, plan)
             try:
                 with getting_ready(device, plan, flow_device=flow_device):
                     components = load_model(source, device, dtype, plan.lm, flow_device=flow_device,
                                             dit=plan.dit.mode, defer_fp8_dit=True)
+                    if compiling is not None:
+                        compiling.wait()
                     return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
                                precision=plan.lm, lazy=lazy, flow_device=flow_device, memory_plan=plan,
                                flow_memory_plan=flow_plan)
             except BaseException:
+                if compiling is not None:
+                    compiling.stop()
                 lift_allocator_caps(device, flow_device)
                 raise
 

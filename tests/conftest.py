@@ -17,6 +17,7 @@ import pytest
 LONGEST_FIRST = (
     "tests/semantic/test_arch_compile.py",
     "tests/semantic/test_batch.py",
+    "tests/semantic/test_precompile.py",
     "tests/test_continuation.py",
     "tests/semantic/test_graph_engine.py",
     "tests/flow/test_streaming.py",

@@ -92,9 +92,11 @@ class Compiled:
 MODELS = ("full", "tiny")  # random_models.FULL (the released checkpoint's sizes) and TINY
 
 
-def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv_format: str = "bf16"):
+def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv_format: str = "bf16",
+                slots: int | None = None):
     """The graph engine over the random-full (or tiny) model's language model and depth decoder, on the meta device,
-    with its weights in `precision` (bf16, or fp8/int8 in their default schemes) and its KV cache in `kv_format`."""
+    with its weights in `precision` (bf16, or fp8/int8/int4 in their default schemes), its KV cache in `kv_format`
+    and `slots` batch places (None: the engine's default)."""
     import copy
 
     from .. import random_models
@@ -113,7 +115,7 @@ def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv
     lm, depth = _MODELS[model, precision]
     with _patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
         return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=True, tuning=tuning,
-                                 kv_format=kv_format)
+                                 kv_format=kv_format, slots=slots)
 
 
 @contextlib.contextmanager
@@ -217,7 +219,16 @@ def _int4_launches(tuning: Tuning, weights) -> None:
                     config=tuning.tail(d, a, g, q, 1, group, "int4"), fused=True)
 
 
-def _record(engine, target: Target, launches: dict, routes: str | None = None) -> None:
+def record_engine(engine, target: Target, buckets: tuple[int, ...] = (1,)) -> list[Launch]:
+    """Every distinct launch of one frame of `engine` (a `meta_engine`) per batch size in `buckets` (sampled; one song
+    teacher-forced too), on `target`."""
+    launches: dict[str, Launch] = {}
+    _record(engine, target, launches, buckets=buckets)
+    return list(launches.values())
+
+
+def _record(engine, target: Target, launches: dict, routes: str | None = None, buckets: tuple[int, ...] = (1,)
+            ) -> None:
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         if is_manual_warmup:
             return False  # a preload: compile it
@@ -232,8 +243,9 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None) -
             _patched(tail, tma_supported=lambda device: tma), _patched(frame_graph, block_tail=fused_tails), \
             _stand_in(target.capability, RECORDING + target.capability):
         engine.allocate(512)
-        for forced in (False, True):
-            engine.frame_graph.prepare(1, forced)()
+        for bucket in buckets:
+            for forced in (False, True) if bucket == 1 else (False,):  # (teacher forcing: one song at a time)
+                engine.frame_graph.prepare(bucket, forced)()
         if routes is not None:
             _route_launches(engine.tuning, routes)
         if routes == "int8":  # (int8 runs on every architecture)

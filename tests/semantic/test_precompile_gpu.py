@@ -1,0 +1,77 @@
+"""GPU: after the precompile (semantic/precompile.py) the real engine's self-check and every batch size's capture
+find each kernel in Triton's cache (no compile of its own), and what that saves on a cold cache: each case in a
+fresh process with a fresh Triton cache, full-size random weights (bf16, 2 slots). Prints one JSON line per case."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _compiled(cache: Path) -> set[str]:
+    return {folder.name for folder in cache.iterdir() if any(folder.glob("*.cubin"))} if cache.exists() else set()
+
+
+def child(precompiled: bool) -> dict:
+    import torch
+
+    from music3_demo import random_models
+    from music3_demo.memory_plan import plan_memory
+    from music3_demo.semantic import precompile
+    from music3_demo.semantic.graph import GraphEngine
+    from music3_demo.semantic.select import self_check
+
+    cache, device = Path(os.environ["TRITON_CACHE_DIR"]), torch.device("cuda:0")
+    began = time.perf_counter()
+    plan = replace(plan_memory(random_models.figures(random_models.FULL), 60 * 10**9, (9, 0), precision="bf16",
+                               kv_precision="bf16"), slots=2)
+    compiling = precompile.start(device, plan) if precompiled else None
+    components = random_models.build_components(random_models.FULL, seed=0, device=device, dtype=torch.bfloat16)
+    report = compiling.wait() if compiling is not None else None
+    waited = time.perf_counter() - began
+    before = _compiled(cache)
+    started = time.perf_counter()
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    engine = GraphEngine(lm, depth, device, slots=2)
+    self_check(engine, lm, depth)
+    engine.reserve(512, 256)
+    torch.cuda.synchronize(device)
+    built = time.perf_counter() - started
+    compiled_here = sorted(_compiled(cache) - before)
+    return {"precompiled": precompiled, "precompile": report, "load_and_wait_s": round(waited, 1),
+            "check_and_captures_s": round(built, 1), "compiled_by_the_engine": len(compiled_here),
+            "precompiled_kernels": len(before)}
+
+
+def _case(precompiled: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="music3_triton_") as cache:
+        env = os.environ | {"TRITON_CACHE_DIR": cache, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+        done = subprocess.run([sys.executable, __file__, "1" if precompiled else "0"], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print("\nprecompile " + json.dumps(result))
+    return result
+
+
+def test_after_the_precompile_the_engine_compiles_nothing_and_gets_ready_sooner():
+    cold, warm = _case(False), _case(True)
+    assert cold["compiled_by_the_engine"] > 20  # the cold engine compiled its kernels itself
+    assert warm["precompile"] is not None and warm["precompile"]["kernels"] >= cold["compiled_by_the_engine"] * 0.8
+    assert warm["compiled_by_the_engine"] == 0, warm  # every launch of the self-check and the captures hit the cache
+    assert warm["load_and_wait_s"] + warm["check_and_captures_s"] < cold["load_and_wait_s"] + cold["check_and_captures_s"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(sys.argv[1] == "1")))
