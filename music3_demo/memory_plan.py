@@ -47,18 +47,17 @@ USEFUL_TOGETHER = (2, 120.0)  # ... and two 2-minute songs at once
 WARM_UP = (512, 256)  # prompt tokens, frames: what the warm-up reserves; a plan whose pool cannot hold it does not fit
 # The desktop's share: fixed + fraction of free, at most the cap; at load only the fixed part (a brief peak).
 HEADROOM_FIXED = GiB // 2
-HEADROOM_FRACTION = 0.035
+HEADROOM_FRACTION = 0.04
 HEADROOM_MAX = 2 * GiB
-RUNTIME_BYTES = int(0.85 * GB)  # OUTSIDE_TORCH_BYTES + in torch what the ready 16 GB card's maps held (0.29 GB)
+RUNTIME_BYTES = int(1.0 * GB)
 OUTSIDE_TORCH_BYTES = 500_000_000  # of RUNTIME_BYTES, what lands outside torch's allocator after the plan (kernels)
 SLOT_BYTES = 16_000_000  # the engine's per-song buffers: frame ring, codes, forced prefix
-PREFILL_BYTES = 250_000_000  # a 512-token prefill chunk of both CFG rows (~0.14 GB measured; SDPA's math path more)
-QUANTIZED_PREFILL_BYTES = 150_000_000  # + in a 1-byte mode a block of rows dense and its dequantize temporaries
+PREFILL_BYTES = 350_000_000  # a 512-token prefill chunk of both CFG rows (activations, k/v repeated for SDPA)
+QUANTIZED_PREFILL_BYTES = 300_000_000  # + one layer's weights dequantized for it in a 1-byte mode
 EQUALIZE_ROWS_BYTES = 1024 * 12_288 * 4  # semantic/equalize.ROWS rows of the widest block weight, float32
 CHECK_BYTES = 100_000_000  # the self-check's scratch (its own small KV pool, the reference's activations)
 ACTIVATION_MARGIN = 1.1
-DIT_CALL_BYTES = int(0.274e9 * ACTIVATION_MARGIN)  # one song's eager guided DiT call on a full chunk (689 latents)
-DIT_GRAPH_BYTES = int(0.128e9 * ACTIVATION_MARGIN)  # per song of a captured call: its graph pool (H200 maps)
+DIT_CALL_BYTES = int(0.274e9 * ACTIVATION_MARGIN)  # one song's guided DiT call on a full chunk (689 latents)
 VOCODER_CHUNK_BYTES = int(1.571e9 * ACTIVATION_MARGIN)  # one chunk through the vocoder (float32)
 CHUNK_LATENTS = 689  # a full chunk's latents (flow/stream.full_chunk_latents at the released checkpoint's rates)
 # Where whole chunks leave no room for a 6-minute song alone, the vocoder decodes a chunk in tiles of VOCODER_TILE
@@ -102,11 +101,11 @@ class ModelFigures:
     def kv_bytes_per_position(self, fmt: str = "bf16") -> int:
         return kv_bytes_per_position(self.lm_layers, self.kv_heads, self.head_dim, fmt)
 
-    def engine_tables_bytes(self, lm: str = "bf16") -> int:
-        """The graph engine's own copies: semantic embedding rows, the audio slice of lm_head (in the LM's format),
-        the depth decoder's per-code input tables and block-0 q|k|v tables."""
-        head = (c.SEMANTIC_VOCAB_SIZE + 1) * self.hidden
-        return 2 * head * 2 + (self.num_codebooks - 2) * self.audio_vocab * 4 * self.hidden * 2 + _stored(head, lm, 2)
+    def engine_tables_bytes(self) -> int:
+        """The graph engine's own copies: semantic embedding rows, the audio slice of lm_head, the depth decoder's
+        per-code input tables and block-0 q|k|v tables."""
+        rows = 3 * (c.SEMANTIC_VOCAB_SIZE + 1) + (self.num_codebooks - 2) * self.audio_vocab * 4
+        return rows * self.hidden * 2
 
 
 def song_positions(prompt_tokens: int, frames: int) -> int:
@@ -279,7 +278,7 @@ def _stored(count: int, mode: str, param_bytes: int) -> int:
 def _merges(dit_bucket: int, vocoder_bucket: int) -> int:
     """What merged calls of up to these many songs / chunks add to lone calls: a graph pool per captured DiT bucket
     (1, 2, 4 songs), and the vocoder's activations per extra chunk."""
-    return ((sum(b for b in BUCKETS if b <= dit_bucket) - 1) * DIT_GRAPH_BYTES
+    return ((sum(b for b in BUCKETS if b <= dit_bucket) - 1) * DIT_CALL_BYTES
             + (vocoder_bucket - 1) * VOCODER_CHUNK_BYTES)
 
 
@@ -293,7 +292,7 @@ def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, eng
         weights["language_model"] = _stored(f.lm_blocks, lm, 2) + 2 * f.lm_other
         weights["depth_decoder"] = _stored(f.depth_blocks, DEPTH_MODE.get(lm, lm), 2) + 2 * f.depth_other
         if engine == "graph":
-            weights["engine_tables"] = f.engine_tables_bytes(lm)
+            weights["engine_tables"] = f.engine_tables_bytes()
         else:  # the reference reads the full head and the token embeddings at every step
             weights["embeddings_and_head"] = 2 * f.trimmed
     if flow:
@@ -321,10 +320,10 @@ def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, eng
     per_slot = SLOT_BYTES + (FLOW_SONG_BYTES if flow else 0)
     alone = ((song_positions(REFERENCE_PROMPT_TOKENS, c.MAX_AUDIO_FRAMES) + PARKING) * per_position + per_slot
              if semantic else 0)
-    whole_chunks = budget - total - runtime - DIT_GRAPH_BYTES - VOCODER_CHUNK_BYTES >= alone
+    whole_chunks = budget - total - runtime - DIT_CALL_BYTES - VOCODER_CHUNK_BYTES >= alone
     tile = None if not flow or whole_chunks else VOCODER_TILE
     vocoder = VOCODER_CHUNK_BYTES if tile is None else VOCODER_TILE_BYTES
-    base_flow = (DIT_GRAPH_BYTES + max(vocoder, DIT_CALL_BYTES)) if flow else 0  # (the lone graph, an eager call)
+    base_flow = (DIT_CALL_BYTES + max(vocoder, DIT_CALL_BYTES)) if flow else 0
     room = budget - total - runtime - base_flow
     plan = MemoryPlan(
         lm=PrecisionChoice(lm, lm, ""), dit=PrecisionChoice(dit, dit, ""), engine=engine, stages=stages, kv=kv,
