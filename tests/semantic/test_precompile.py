@@ -33,11 +33,19 @@ def _compiled(cache: Path) -> int:
     return sum(1 for folder in cache.iterdir() if any(folder.glob("*.cubin")))
 
 
-def test_the_planned_engines_kernels_land_in_the_cache_and_a_second_run_finds_them(tmp_path):
+def _marked(args: dict, cache: Path, monkeypatch) -> bool:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    return precompile.marker(args).exists()
+
+
+def test_the_planned_engines_kernels_land_in_the_cache_and_a_second_run_finds_them(tmp_path, monkeypatch):
     figures = dataclasses.asdict(random_models.figures(random_models.TINY))
     args = {"name": "NVIDIA H200", "capability": 90, "sms": 132, "shared": 232448, "precision": "bf16",
             "kv": "bf16", "slots": 2, "figures": figures, "workers": 2}
+    assert not _marked(args, tmp_path, monkeypatch)
     cold = _run(args, tmp_path)
+    assert _marked(args, tmp_path, monkeypatch)  # a later start with the same plan skips it
+    assert not _marked(args | {"slots": 3}, tmp_path, monkeypatch)
     assert cold["model"] == "tiny" and cold["kernels"] >= 20
     assert _compiled(tmp_path) == cold["kernels"]  # one cubin per distinct launch, for sm_90
     warm = _run(args, tmp_path)
