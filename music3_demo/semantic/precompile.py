@@ -37,6 +37,7 @@ log = logging.getLogger("music3_demo.engine")
 
 WAIT_S = 240.0  # longer than a cold compile on a slow desktop CPU; past it the engine compiles what is left
 MAX_WORKERS = 16
+WORKER_HOST_BYTES = 2_000_000_000  # host memory available per worker: four times what one holds
 
 
 class Precompile:
@@ -114,9 +115,15 @@ def marker(args: dict) -> Path:
 
 
 def workers() -> int:
-    """Worker processes: the CPUs this process may use, one left for the load (ptxas runs inside each)."""
+    """Worker processes: the CPUs this process may use, one left for the load (ptxas runs inside each), and no more
+    than a quarter of the host's available memory holds (a worker is ~0.3-0.5 GB: torch, Triton, a compile) beside
+    the load's own (a 16 GB desktop keeps its memory for the weights streaming through it)."""
+    from ..memory import host_available
+
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(1, min(MAX_WORKERS, cpus - 1))
+    available = host_available()
+    by_memory = MAX_WORKERS if available is None else int(available // WORKER_HOST_BYTES)
+    return max(1, min(MAX_WORKERS, cpus - 1, by_memory))
 
 
 def model_of(figures: dict) -> str | None:

@@ -68,3 +68,15 @@ def test_nothing_starts_where_there_is_nothing_to_compile_for(case, monkeypatch)
     monkeypatch.setenv("MUSIC3_PRECOMPILE", "0" if case == "switched off" else "1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert precompile.start(device, plan) is None
+
+
+def test_workers_follow_the_cpus_and_the_hosts_available_memory(monkeypatch):
+    from music3_demo import memory
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(memory, "host_available", lambda: 128 * GB)
+    assert precompile.workers() == 15  # one CPU left for the load
+    monkeypatch.setattr(memory, "host_available", lambda: 10 * GB)  # a 16 GB desktop during the load
+    assert precompile.workers() == 5
+    monkeypatch.setattr(memory, "host_available", lambda: 1 * GB)
+    assert precompile.workers() == 1
