@@ -1,5 +1,6 @@
 """GPU: after the precompile (semantic/precompile.py) the real engine's self-check and every batch size's capture
-find each kernel in Triton's cache (no compile of its own), and what that saves on a cold cache: each case in a
+find each kernel in Triton's cache (no compile of its own), a later start with the same plan skips it, and what
+that saves on a cold cache: each case in a
 fresh process with a fresh Triton cache, full-size random weights (bf16, 2 slots). Prints one JSON line per case."""
 
 from __future__ import annotations
@@ -49,9 +50,12 @@ def child(precompiled: bool) -> dict:
     torch.cuda.synchronize(device)
     built = time.perf_counter() - started
     compiled_here = sorted(_compiled(cache) - before)
+    again = precompile.start(device, plan) if precompiled else None  # a later start: the marker, nothing to do
+    if again is not None:
+        again.stop()
     return {"precompiled": precompiled, "precompile": report, "load_and_wait_s": round(waited, 1),
             "check_and_captures_s": round(built, 1), "compiled_by_the_engine": len(compiled_here),
-            "precompiled_kernels": len(before)}
+            "precompiled_kernels": len(before), "a_later_start_skips": precompiled and again is None}
 
 
 def _case(precompiled: bool) -> dict:
@@ -70,6 +74,7 @@ def test_after_the_precompile_the_engine_compiles_nothing_and_gets_ready_sooner(
     assert cold["compiled_by_the_engine"] > 20  # the cold engine compiled its kernels itself
     assert warm["precompile"] is not None and warm["precompile"]["kernels"] >= cold["compiled_by_the_engine"] * 0.8
     assert warm["compiled_by_the_engine"] == 0, warm  # every launch of the self-check and the captures hit the cache
+    assert warm["a_later_start_skips"]
     assert warm["load_and_wait_s"] + warm["check_and_captures_s"] < cold["load_and_wait_s"] + cold["check_and_captures_s"]
 
 
