@@ -18,9 +18,9 @@ failure or a timeout is logged and the engine compiles what it needs itself.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import json
 import logging
@@ -177,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         print(json.dumps({"kernels": 0, "why": "not a built-in model's shapes"}))
         return 0
-    from music3_demo.semantic import precompile as this  # (its functions by their importable name: `-m` runs
-    # this file as __main__, which spawned workers would not find)
+    # The workers get this module's functions by their importable name: `-m` runs this file as __main__, which a
+    # spawned worker would not find.
+    from music3_demo.semantic import precompile as this
 
     count = max(1, int(args["workers"]))
     with ProcessPoolExecutor(count, mp_context=get_context("spawn")) as pool:
