@@ -49,11 +49,16 @@ WARM_UP = (512, 256)  # prompt tokens, frames: what the warm-up reserves; a plan
 HEADROOM_FIXED = GiB // 2
 HEADROOM_FRACTION = 0.04
 HEADROOM_MAX = 2 * GiB
+# Where no plan holds a 6-minute song alone with that share, the share gives way, HEADROOM_STEP at a time, down to
+# HEADROOM_FIXED (`_giving_way`): the desktop keeps the most that still lets the card hold such a song.
+HEADROOM_STEP = 32 << 20
 RUNTIME_BYTES = int(1.0 * GB)
 OUTSIDE_TORCH_BYTES = 500_000_000  # of RUNTIME_BYTES, what lands outside torch's allocator after the plan (kernels)
 SLOT_BYTES = 16_000_000  # the engine's per-song buffers: frame ring, codes, forced prefix
 PREFILL_BYTES = 350_000_000  # a 512-token prefill chunk of both CFG rows (activations, k/v repeated for SDPA)
-QUANTIZED_PREFILL_BYTES = 300_000_000  # + one layer's weights dequantized for it in a 1-byte mode
+# + in a 1-byte mode, what qweight.linear dequantizes at a time: LINEAR_STEP weights in bf16 beside the float32
+# values, scales and products of DEQUANTIZE_STEP of them (0.13 GB)
+QUANTIZED_PREFILL_BYTES = 150_000_000
 EQUALIZE_ROWS_BYTES = 1024 * 12_288 * 4  # semantic/equalize.ROWS rows of the widest block weight, float32
 CHECK_BYTES = 100_000_000  # the self-check's scratch (its own small KV pool, the reference's activations)
 ACTIVATION_MARGIN = 1.1
@@ -168,7 +173,7 @@ class MemoryPlan:
         if not self.on_gpu or self.figures is None:
             return replace(self, engine=engine)
         plan = _layout(self.figures, self.free_bytes, self.capability, self.lm.mode, self.dit.mode, engine,
-                       self.stages, self.kv)
+                       self.stages, self.kv, self.headroom)
         return replace(plan, lm=self.lm, dit=self.dit, why=self.why)
 
     on_gpu = property(lambda self: self.free_bytes is not None)
@@ -271,6 +276,20 @@ def headroom_for(free_bytes: int) -> int:
     return int(min(HEADROOM_MAX, HEADROOM_FIXED + HEADROOM_FRACTION * free_bytes))
 
 
+def _giving_way(plan: MemoryPlan) -> MemoryPlan | None:
+    """`plan`'s modes with the desktop's share cut, HEADROOM_STEP at a time down to HEADROOM_FIXED, to the largest
+    share at which the plan holds what auto asks of a card (`_useful`); None where even the fixed share does not."""
+    headroom = plan.headroom - HEADROOM_STEP
+    while headroom > HEADROOM_FIXED - HEADROOM_STEP:
+        share = max(HEADROOM_FIXED, headroom)
+        smaller = _layout(plan.figures, plan.free_bytes, plan.capability, plan.lm.mode, plan.dit.mode, plan.engine,
+                          plan.stages, plan.kv, share)
+        if _useful(smaller):
+            return smaller
+        headroom -= HEADROOM_STEP
+    return None
+
+
 def _stored(count: int, mode: str, param_bytes: int) -> int:
     return int(count * BYTES_PER_WEIGHT[mode]) if mode in QUANTIZED else count * param_bytes
 
@@ -283,8 +302,9 @@ def _merges(dit_bucket: int, vocoder_bucket: int) -> int:
 
 
 def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engine: str,
-            stages: tuple[str, ...], kv: str = "bf16") -> MemoryPlan:
-    """The plan for one set of modes on `free` bytes (`kv`: the graph engine's KV format; the reference's: bf16)."""
+            stages: tuple[str, ...], kv: str = "bf16", headroom: int | None = None) -> MemoryPlan:
+    """The plan for one set of modes on `free` bytes (`kv`: the graph engine's KV format; the reference's: bf16;
+    `headroom`: the desktop's share, headroom_for(free) unless given)."""
     f, semantic, flow = figures, "semantic" in stages, "flow" in stages
     kv = kv if engine == "graph" and semantic else "bf16"
     weights: dict[str, int] = {}
@@ -300,7 +320,7 @@ def _layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, eng
         weights["transformer"] = _stored(f.dit_blocks, dit, 2) + 2 * f.dit_other
         weights["vocoder"] = 4 * f.vocoder
     total = sum(weights.values())
-    headroom = headroom_for(free)
+    headroom = headroom_for(free) if headroom is None else headroom
     budget = free - headroom
     load_extra = 2 * f.trimmed if semantic and engine == "graph" else 0
     # Every weight streams onto the device as it is read, the 1-byte LM's quantized as it arrives; the fp8 DiT is
@@ -412,6 +432,9 @@ def plan_memory(
     eight_bit = [plan for plan in plans if plan.lm.mode != "int4"]
     candidates = eight_bit if lm_auto and any(plan.fits for plan in eight_bit) else plans
     chosen = next((plan for plan in candidates if _useful(plan)), None)
+    if chosen is None:  # the desktop's share gives way before auto settles for shorter songs
+        chosen = next((smaller for plan in candidates if plan.fits
+                       for smaller in [_giving_way(plan)] if smaller is not None), None)
     if chosen is not None:
         why = "the first that holds a 6-minute song alone and two 2-minute songs at once"
     else:
@@ -421,6 +444,8 @@ def plan_memory(
         why = f"no 8-bit language model fits; {why}"
     if not (lm_auto or dit_auto or kv_auto):
         why = "as asked"
+    if chosen.headroom < headroom_for(free_bytes):
+        why += f", with the desktop's share cut to {chosen.headroom / GB:.2f} GB"
     reason = (f"{chosen.modes()} on {free_bytes / GB:.1f} GB free ({sm_name(capability)}): {why}"
               + (f"; songs up to {duration_text(chosen.longest_alone_s)} alone" if chosen.slots else "") + ".")
     lm_reason = reason if lm_auto else f"{chosen.lm.mode} as asked (--precision {precision}); {reason}"

@@ -47,8 +47,8 @@ REQUEST = {"description": "dreamy synth-pop, 110 BPM, female vocals, warm pads",
            "lyrics": "[verse]\nlights across the water\nwe keep the summer near\n\n[chorus]\nla la la, we are here"}
 # A song's first-audio path in its report's timings (seconds after the song started; first_audio.first_audio_path).
 PATH = ("prompt_s", "prefill_started_s", "prefill_ended_s", "prefill_gpu_s", "first_frames_s", "chunk0_frames_s",
-        "chunk0_began_s", "chunk0_first_call_s", "chunk0_denoised_s", "chunk0_done_s", "first_audio_s",
-        "chunk0_executor_wait_s", "held_for_first_chunks_s")
+        "chunk0_began_s", "chunk0_encoded_s", "chunk0_first_submit_s", "chunk0_first_call_s", "chunk0_denoised_s",
+        "chunk0_done_s", "first_audio_s", "chunk0_executor_wait_s", "held_for_first_chunks_s")
 TARGETS = {"four_over_alone": 2.2, "eight_over_alone": 4.0, "first_audio_s": 3.0, "variations_over_alone": 2.2,
            "handover_s": 0.5, "status_s": 0.2, "soak_status_s": 0.2}
 HANDOVER_PHASES = ("alone", "variations")  # where the hand-over target applies (a song alone; each variation)

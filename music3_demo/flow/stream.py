@@ -46,10 +46,13 @@ class Piece:
 @dataclass
 class FirstChunk:
     """How a stream's first chunk (the one before its first audio) went, in time.perf_counter() seconds: its frames
-    were there and its decode began, the executor took its first DiT call, it was denoised, its audio was made; and
-    how long its calls stood queued in the executor behind other songs' calls, in all."""
+    were there and its decode began, its condition and noise were queued (host side), its first DiT call was handed
+    to the executor and taken by it, it was denoised, its audio was made; and how long its calls stood queued in
+    the executor behind other songs' calls, in all."""
 
     began: float
+    encoded: float | None = None
+    first_call_submitted: float | None = None
     first_call_started: float | None = None
     denoised: float | None = None
     done: float | None = None
@@ -57,7 +60,8 @@ class FirstChunk:
 
     def timings(self, since: float) -> dict[str, float]:
         """Its times as seconds after `since` (a song's start), for the song's timings."""
-        times = {"chunk0_began_s": self.began, "chunk0_first_call_s": self.first_call_started,
+        times = {"chunk0_began_s": self.began, "chunk0_encoded_s": self.encoded,
+                 "chunk0_first_submit_s": self.first_call_submitted, "chunk0_first_call_s": self.first_call_started,
                  "chunk0_denoised_s": self.denoised, "chunk0_done_s": self.done}
         return {name: at - since for name, at in times.items() if at is not None} | {
             "chunk0_executor_wait_s": self.executor_wait_s}
@@ -128,6 +132,7 @@ class ChunkDenoiser:
         if self.first is not None:
             if self.first.first_call_started is None:
                 self.first.first_call_started = pending.started
+                self.first.first_call_submitted = pending.submitted
             self.first.executor_wait_s += pending.started - pending.submitted
 
     def _velocity_here(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
@@ -302,6 +307,8 @@ class FlowStream:
         shape = (1, self.transformer.config.in_channels, condition.shape[1])
         latents = torch.randn(shape, generator=self.generator, device=self.generator.device, dtype=condition.dtype)
         latents = latents.to(self.device)
+        if self.denoiser.first is not None:
+            self.denoiser.first.encoded = time.perf_counter()
         latents = self.denoiser.denoise(
             latents,
             condition,

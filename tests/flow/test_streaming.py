@@ -110,8 +110,8 @@ def test_overlapped_song_equals_its_batch_decode_and_is_deterministic(tiny_folde
     assert ("Progress", "semantic") in kinds[first_piece:]
     # The first audio's path, in the song's timings (seconds after its start), in the order it happens.
     t = song.timings
-    path = ["first_frames_s", "chunk0_frames_s", "chunk0_began_s", "chunk0_first_call_s", "chunk0_denoised_s",
-            "chunk0_done_s", "first_audio_s"]
+    path = ["first_frames_s", "chunk0_frames_s", "chunk0_began_s", "chunk0_encoded_s", "chunk0_first_submit_s",
+            "chunk0_first_call_s", "chunk0_denoised_s", "chunk0_done_s", "first_audio_s"]
     assert [t[name] for name in path] == sorted(t[name] for name in path)
     assert t["held_for_first_chunks_s"] == 0.0 and t["chunk0_executor_wait_s"] >= 0.0  # alone: nobody else's
 
