@@ -1,5 +1,5 @@
 """The graph engine's CUDA stream and the events between it and its callers' streams: the scope launches run in,
-timeline marks, the copies handed over to a caller, and snapshots of the songs' end flags through pinned memory.
+timeline marks, the copies handed over to a caller (on a copy-out stream of their own), and snapshots of the songs' end flags through pinned memory.
 Off CUDA (the CPU interpreter in tests, the meta device of the compile checks) every call is its plain stand-in."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ class EngineStream:
         self._next_flags = 0
         if self.cuda:  # (made inside the device's scope: they belong to its context)
             self.stream = torch.cuda.Stream(device)
+            # Copies out (copy_out): high priority like the flow workers', whose next chunk waits for them.
+            self._copies = torch.cuda.Stream(device, priority=-1)
             self.graph_pool = torch.cuda.graph_pool_handle()
             self._pinned = torch.zeros(flag_rows, places, dtype=torch.int32, pin_memory=True)
 
@@ -70,13 +72,21 @@ class EngineStream:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         tensor.record_stream(self.stream)
 
-    def copied(self) -> object:
-        """An event after the copies queued so far (what `hand_over` waits for)."""
+    def copy_out(self, done: object, copy: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, object]:
+        """(`copy()`'s tensor, the event after it that `hand_over` waits for): rows copied out of the engine's state
+        once the block that wrote them is done (`done`: the mark after it), on a stream of their own. On the engine's
+        stream the copy would wait behind the blocks queued after that one (`in_flight` of them: ~0.16 s of frames
+        at full speed before every hand-over, a first chunk's included). The engine's stream waits for the copy
+        before anything it queues later, so no later block overwrites the rows first."""
         if not self.cuda:
-            return None
+            return copy(), None
+        self._copies.wait_event(done)
+        with on_device(self.device), torch.cuda.stream(self._copies):
+            tensor = copy()
         copied = torch.cuda.Event()
-        copied.record(self.stream)
-        return copied
+        copied.record(self._copies)
+        self.stream.wait_event(copied)
+        return tensor, copied
 
     def hand_over(self, tensor: torch.Tensor, copied: object) -> torch.Tensor:
         """On the caller's thread: its stream waits for the copy (and only for it)."""

@@ -10,13 +10,15 @@ Each song's caller iterates its own `FrameRun` on its own thread. There is no sc
 is empty takes the drive lock and runs one round (the scheduler's plan, carried out on the engine's stream), which
 hands each song its new frames through its own queue; the other callers wait on a condition. The host never syncs
 per frame: it reads the songs' end flags a few blocks late through pinned memory, and frames made after a song's end
-token are never yielded. Frame hiddens land in a small ring per song; each yielded block is copied out of it on the
-engine's stream before any later replay is queued.
+token are never yielded. Frame hiddens land in a small ring per song; each yielded block is copied out of it as soon
+as its own replay is done, on a copy-out stream (not behind the blocks queued after it), and the engine's stream waits
+for that copy before anything it queues later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import deque
@@ -373,19 +375,20 @@ class GraphEngine:
             made = self.scheduler.collected(block, ends)
         for item in made:
             song = item.song
-            # Copies out of the state on the engine's stream (replays queued later cannot overwrite them first),
-            # each with the event its caller's stream waits for (`EngineStream.hand_over`).
+            place = song.place
+            # Copies out of the state once this block is done (replays queued later cannot overwrite them first),
+            # each with the event its caller's stream waits for (`EngineStream.copy_out`, `hand_over`).
             if item.frames is not None:
-                frames = self._state.ring_rows(song.place, *item.frames)
-                self._push(song, ("frames", (frames, self.stream.copied())))
+                frames = self.stream.copy_out(mark, functools.partial(self._state.ring_rows, place, *item.frames))
+                self._push(song, ("frames", frames))
             if item.steps is not None:
                 admitted, in_place = song.marks
                 stats = SongStats(song.emitted, item.steps, self.stream.seconds(admitted, in_place),
                                   self.stream.seconds(in_place, mark), self.capture_count, song.peers,
                                   song.clock)
-                codes = self._state.song_codes(song.place, item.steps)
-                self._push(song, ("end", ((codes, self.stream.copied()), stats)))
-                self._state.park(song.place)
+                codes = self.stream.copy_out(mark, functools.partial(self._state.song_codes, place, item.steps))
+                self._push(song, ("end", (codes, stats)))
+                self._state.park(place)
 
     def _fail(self, error: BaseException) -> None:
         """A round raised (a kernel that cannot launch, a device error): every song ends with the error (the caller

@@ -175,13 +175,13 @@ class DeviceState:
             self.base[place].zero_()
             self.forced_steps[place].zero_()
 
+    # Copies out run on the caller's current stream: the engine's copy-out stream (EngineStream.copy_out), ordered
+    # after the block that wrote the rows rather than after every block queued since.
     def ring_rows(self, place: int, start: int, stop: int) -> torch.Tensor:
         """Frames [start, stop) of the song in `place`, copied out of its ring."""
-        with self.scope():
-            ring = self.frames[place]
-            rows = torch.arange(start, stop, device=self.device) % ring.shape[0]
-            return ring.index_select(0, rows)
+        ring = self.frames[place]
+        rows = torch.arange(start, stop, device=self.device) % ring.shape[0]
+        return ring.index_select(0, rows)
 
     def song_codes(self, place: int, steps: int) -> torch.Tensor:
-        with self.scope():
-            return self.codes[place, :steps].clone()
+        return self.codes[place, :steps].clone()

@@ -118,7 +118,11 @@ def test_a_six_minute_song_or_the_longest_the_plan_holds(card_app):
     _, report = _song(_client(card_app), seconds, seed=1)
     print(f"{card_app.card.name}: {seconds:.0f}-s song {report['timings']}, memory {report.get('memory')}")
     assert report["frames"] >= seconds * 25 - 10 and report["duration_s"] >= seconds - 1
-    assert report["timings"]["first_audio_s"] <= card_app.card.first_audio_s
+    timings = report["timings"]
+    assert timings["first_audio_s"] <= card_app.card.first_audio_s
+    # Its first chunk's frames reach the flow stage once made, not behind the semantic blocks queued after them
+    # (semantic/engine_stream.copy_out: 0.16 s later when they were copied out on the engine's stream).
+    assert timings["chunk0_first_call_s"] - timings["chunk0_frames_s"] <= 0.08, timings
     assert report["memory"]["device_peak_gb"] * 1e9 <= card_app.card.max_process_gib * GIB
 
 
