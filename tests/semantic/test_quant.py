@@ -362,3 +362,20 @@ def test_int4_block_tail_is_as_close_to_float32_as_the_fp16_tail_on_the_same_wei
     fp16 = tail([w.dequantize(torch.float16) for w in weights])
     for ours, bar, want in zip(tail(weights), fp16, exact):
         assert _err(ours, want) <= 2 * _err(bar, want), (_err(ours, want), _err(bar, want))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
+def test_dequantize_is_values_times_scales_in_float32_rounded_once(scheme):
+    """QWeight.dequantize (a prefill's and the self-check's dense weights) in pieces smaller than the weight: each
+    element exactly its value times its scale in float32, rounded once to the asked dtype."""
+    from music3_demo.semantic.kernels import qweight
+
+    q = quantize_weight(_outlier_weight(96, 256, seed=5), scheme.fmt, scheme.group)
+    exact = q.values() * q.expanded_scale()
+    step = qweight.DEQUANTIZE_STEP
+    try:
+        qweight.DEQUANTIZE_STEP = 40 * 256  # 40 rows a piece: the last piece shorter
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert torch.equal(q.dequantize(dtype), exact.to(dtype)), dtype
+    finally:
+        qweight.DEQUANTIZE_STEP = step

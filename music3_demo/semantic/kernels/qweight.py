@@ -26,7 +26,7 @@ import triton.language as tl
 ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
 INT4 = torch.uint8  # packed int4: two columns per byte
 INT4_ZERO = 8  # the nibble of q = 0
-DEQUANTIZE_STEP = 1 << 23  # float32 elements dequantized at a time (32 MB; QWeight.dequantize)
+DEQUANTIZE_STEP = 1 << 23  # elements dequantized at a time (QWeight.dequantize: int4's float32 pieces 32 MB each)
 LINEAR_STEP = 1 << 24  # weight elements dense at a time in `linear` (32 MB in bf16)
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # The kernels' QUANT constexpr; 0 is a plain (model-dtype) weight; PACKED_INT4: int4 words with per-group scales.
@@ -112,16 +112,24 @@ class QWeight:
         return nibbles.float() - INT4_ZERO
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The dense weight (values x scales in float32, rounded once to `dtype`, default the model dtype), made
-        DEQUANTIZE_STEP float32 elements at a time: a whole weight's float32 values, scales and products would be
-        three times its float32 size beside the result (1.2 GB for the LM's int8 gate|up, whose bf16 form is
-        0.2 GB), every time a prefill or an eager product dequantizes it."""
+        """The dense weight (values x scales in float32, rounded once to `dtype`, default the model dtype). A 1-byte
+        weight in one product per DEQUANTIZE_STEP elements that reads the bytes (fp8, which torch does not promote,
+        through an exact bf16 copy), multiplies by the broadcast scales in float32 and writes `dtype`: no float32
+        tensor in between (a prefill dequantizes every weight of the LM, and its time is the first audio's).
+        int4 unpacks its nibbles to float32 DEQUANTIZE_STEP elements at a time: a whole weight's float32 values,
+        scales and products would be three times its float32 size beside the result."""
         n, k = self.shape
         out = torch.empty(n, k, dtype=dtype or self.dtype, device=self.device)
         step = max(1, DEQUANTIZE_STEP // k)
         for start in range(0, n, step):
-            part = self.rows(start, min(n, start + step))
-            out[start : start + step] = part.values() * part.expanded_scale()  # (the copy rounds as .to() does)
+            part, target = self.rows(start, min(n, start + step)), out[start : start + step]
+            if self.int4:
+                target.copy_(part.values() * part.expanded_scale())  # (the copy rounds as .to() does)
+                continue
+            values = part.data.to(torch.bfloat16) if self.kind == "fp8" else part.data  # (exact either way)
+            rows, group = values.shape[0], self.group or k
+            torch.mul(values.view(rows, k // group, group), part.scale.view(rows, -1, 1),
+                      out=target.view(rows, k // group, group))
         return out
 
     def rows(self, start: int, stop: int) -> "QWeight":
