@@ -18,7 +18,7 @@ import torch
 from . import random_models
 from . import contract as c
 from .errors import is_out_of_memory
-from .memory_plan import ModelFigures
+from .model_figures import ModelFigures
 from .weights_stream import StreamMismatch, file_tensors, fill, skeleton, tensor_sizes
 
 log = logging.getLogger("music3_demo.loading")

@@ -4,10 +4,10 @@
 `ModelFigures`, the modes asked for the LM / depth decoder and the DiT, the engine) -> a frozen `MemoryPlan`: each
 component's bytes on the device and what sits there only while loading; the flow stage's working set (a captured
 guided DiT call's pool per captured merge bucket, one vocoder call's activations per merged chunk, or one tile's
-where whole chunks leave no room for a 6-minute song alone: VOCODER_TILE); the runtime
-(kernels and libraries loaded later, cuBLAS workspaces, graph executables, the engine's per-slot buffers, a prefill
-chunk, the allocator's slack); the desktop's headroom (HEADROOM_FIXED + HEADROOM_FRACTION of the free memory, at
-most HEADROOM_MAX: a desktop card drives a display and a browser whose use grows; a big card loses little to it);
+where whole chunks leave no room for a 6-minute song alone: VOCODER_TILE); the runtime (kernels and libraries loaded
+later, cuBLAS workspaces, graph executables, the engine's per-slot buffers, a prefill chunk, the allocator's slack);
+the desktop's headroom (HEADROOM_FIXED + HEADROOM_FRACTION of the free memory, at most HEADROOM_MAX: a desktop card
+drives a display and a browser whose use grows; a big card loses little to it; the fraction yields to a 6-minute song);
 the rest is the KV pool, capped where MAX_SLOTS songs of the longest request fit. Slots: the most songs of
 FULL_SLOT_SONG_S (a REFERENCE_PROMPT_TOKENS prompt) that the pool holds at once. Merged DiT / vocoder calls take
 MERGE_SHARE of that room at most, or what the pool could not use. Nothing is sized from the model's maximum or
@@ -17,7 +17,7 @@ the cap on torch's allocator (`allocator_bytes`) all come from here.
 `auto` takes the first of (bf16 LM, bf16 DiT), (fp8 | int8 LM, bf16 DiT), (fp8 | int8 LM, fp8 DiT), each with a
 bf16 then an int8 KV cache, whose plan holds a 6-minute song alone and two 2-minute songs at once
 (REFERENCE_PROMPT_TOKENS each); fp8 needs sm_89+ (int8 is the LM's 1-byte mode before it; the DiT stays bf16 there).
-Where none does, the one holding the longest song.
+Where none does, the first that does with less of the desktop's share; else the one holding the longest song.
 
 Calibration (H200, random full-size weights, docs/PERFORMANCE.md): weights follow the parameter counts (bf16: LM
 13.9 GB without the full head + 0.6 engine tables, depth 1.3, DiT + condition encoder 4.9, vocoder 0.2 fp32 =
@@ -33,8 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from . import contract as c
+from .model_figures import ModelFigures
 from .precision import EQUALIZED, QUANTIZED, PrecisionChoice, check_dit_precision, check_kv_precision, check_precision
-from .precision import fp8_capable, kv_bytes_per_position, refuse_unsupported, sm_name
+from .precision import fp8_capable, refuse_unsupported, sm_name
 
 GB = 1e9
 GiB = 2**30
@@ -49,8 +50,8 @@ WARM_UP = (512, 256)  # prompt tokens, frames: what the warm-up reserves; a plan
 HEADROOM_FIXED = GiB // 2
 HEADROOM_FRACTION = 0.04
 HEADROOM_MAX = 2 * GiB
-# Where no plan holds a 6-minute song alone with that share, the share gives way, HEADROOM_STEP at a time, down to
-# HEADROOM_FIXED (`_giving_way`): the desktop keeps the most that still lets the card hold such a song.
+# Where no plan holds a 6-minute song alone with that share, it gives way HEADROOM_STEP at a time (`_giving_way`) to
+# the most that holds one, else to HEADROOM_FIXED (then the card holds the longest songs it can).
 HEADROOM_STEP = 32 << 20
 RUNTIME_BYTES = int(1.0 * GB)
 OUTSIDE_TORCH_BYTES = 500_000_000  # of RUNTIME_BYTES, what lands outside torch's allocator after the plan (kernels)
@@ -81,37 +82,6 @@ BUCKETS = (1, 2, 4)  # songs per merged DiT / vocoder call (flow/executor.py)
 BYTES_PER_WEIGHT = {"fp8": 1 + 4 / 1024, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 64}
 DEPTH_MODE = {"int4": "int8"}
 STAGES = ("semantic", "flow")
-
-
-@dataclass(frozen=True)
-class ModelFigures:
-    """Parameter counts per component and role, and the LM's attention shape (what the KV cache holds per
-    position): what a plan is computed from. Read from a checkpoint's headers (checkpoint.model_figures)."""
-
-    lm_blocks: int  # LM block matrices: what fp8 / int8 store in one byte
-    lm_other: int  # the LM's norms
-    depth_blocks: int
-    depth_other: int  # depth decoder embeddings, projection, heads
-    trimmed: int  # token embeddings + full lm_head: on the device while loading and self-checking only
-    condition_encoder: int
-    dit_blocks: int  # DiT block matrices: what the fp8 DiT stores in one byte
-    dit_other: int
-    vocoder: int  # float32
-    lm_layers: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    audio_vocab: int = 1024
-    num_codebooks: int = 8
-
-    def kv_bytes_per_position(self, fmt: str = "bf16") -> int:
-        return kv_bytes_per_position(self.lm_layers, self.kv_heads, self.head_dim, fmt)
-
-    def engine_tables_bytes(self) -> int:
-        """The graph engine's own copies: semantic embedding rows, the audio slice of lm_head, the depth decoder's
-        per-code input tables and block-0 q|k|v tables."""
-        rows = 3 * (c.SEMANTIC_VOCAB_SIZE + 1) + (self.num_codebooks - 2) * self.audio_vocab * 4
-        return rows * self.hidden * 2
 
 
 def song_positions(prompt_tokens: int, frames: int) -> int:
@@ -277,14 +247,18 @@ def headroom_for(free_bytes: int) -> int:
     return int(min(HEADROOM_MAX, HEADROOM_FIXED + HEADROOM_FRACTION * free_bytes))
 
 
+def _with_share(plan: MemoryPlan, share: int) -> MemoryPlan:
+    """`plan`'s modes on the same card with `share` bytes kept for the desktop."""
+    return _layout(plan.figures, plan.free_bytes, plan.capability, plan.lm.mode, plan.dit.mode, plan.engine,
+                   plan.stages, plan.kv, share)
+
+
 def _giving_way(plan: MemoryPlan) -> MemoryPlan | None:
     """`plan`'s modes with the desktop's share cut, HEADROOM_STEP at a time down to HEADROOM_FIXED, to the largest
     share at which the plan holds what auto asks of a card (`_useful`); None where even the fixed share does not."""
     headroom = plan.headroom - HEADROOM_STEP
     while headroom > HEADROOM_FIXED - HEADROOM_STEP:
-        share = max(HEADROOM_FIXED, headroom)
-        smaller = _layout(plan.figures, plan.free_bytes, plan.capability, plan.lm.mode, plan.dit.mode, plan.engine,
-                          plan.stages, plan.kv, share)
+        smaller = _with_share(plan, max(HEADROOM_FIXED, headroom))
         if _useful(smaller):
             return smaller
         headroom -= HEADROOM_STEP
@@ -434,12 +408,13 @@ def plan_memory(
     candidates = eight_bit if lm_auto and any(plan.fits for plan in eight_bit) else plans
     chosen = next((plan for plan in candidates if _useful(plan)), None)
     if chosen is None:  # the desktop's share gives way before auto settles for shorter songs
-        chosen = next((smaller for plan in candidates if plan.fits
-                       for smaller in [_giving_way(plan)] if smaller is not None), None)
+        chosen = next((smaller for plan in candidates for smaller in [_giving_way(plan)] if smaller is not None),
+                      None)
     if chosen is not None:
         why = "the first that holds a 6-minute song alone and two 2-minute songs at once"
-    else:
-        chosen = max(candidates, key=lambda plan: (plan.fits, plan.max_frames() or 0, -plan.weight_bytes))
+    else:  # no share holds that: the desktop keeps its fixed part, the songs have the rest
+        fixed = [_with_share(plan, HEADROOM_FIXED) for plan in candidates]
+        chosen = max(fixed, key=lambda plan: (plan.fits, plan.max_frames() or 0, -plan.weight_bytes))
         why = "none holds a 6-minute song alone and two 2-minute songs at once: this one holds the longest"
     if lm_auto and chosen.fits and chosen.lm.mode == "int4":  # (auto reached int4: no 8-bit plan fits)
         why = f"no 8-bit language model fits; {why}"

@@ -159,12 +159,12 @@ def _make_models(sizes: ModelSizes) -> dict[str, torch.nn.Module]:
     return {name: build() for name, build in _builders(sizes).items()}
 
 
-# The components that hold weights, and what each weight is to a pipeline's memory (memory_plan.ModelFigures).
+# The components that hold weights, and what each weight is to a pipeline's memory (model_figures.ModelFigures).
 WEIGHT_COMPONENTS = ("language_model", "rvq_depth_decoder", "condition_encoder", "transformer", "vocoder")
 
 
 def weight_role(component: str, name: str, ndim: int) -> str:
-    """What a weight is to a pipeline's memory (memory_plan.ModelFigures' fields): block matrices (what the 1-byte
+    """What a weight is to a pipeline's memory (model_figures.ModelFigures' fields): block matrices (what the 1-byte
     modes store in one byte), trimmed (token embeddings, full lm_head: off the device once the graph engine runs),
     the rest of each component."""
     blocks = ndim == 2
@@ -180,9 +180,9 @@ def weight_role(component: str, name: str, ndim: int) -> str:
 
 
 def figures_from_shapes(shapes, lm_config: dict, depth_config: dict):
-    """memory_plan.ModelFigures from (component, weight name, shape) triples and the LM's / depth decoder's
+    """model_figures.ModelFigures from (component, weight name, shape) triples and the LM's / depth decoder's
     configs."""
-    from .memory_plan import ModelFigures
+    from .model_figures import ModelFigures
 
     counts = dict.fromkeys(("lm_blocks", "lm_other", "depth_blocks", "depth_other", "trimmed", "condition_encoder",
                             "dit_blocks", "dit_other", "vocoder"), 0)
@@ -200,7 +200,7 @@ def figures_from_shapes(shapes, lm_config: dict, depth_config: dict):
 
 
 def figures(sizes: ModelSizes):
-    """memory_plan.ModelFigures of a built-in model, from its classes on `meta` (nothing allocated)."""
+    """model_figures.ModelFigures of a built-in model, from its classes on `meta` (nothing allocated)."""
     with torch.device("meta"):
         models = _make_models(sizes)
     shapes = [(component, name, tuple(param.shape)) for component in WEIGHT_COMPONENTS

@@ -1,0 +1,41 @@
+"""The model's figures a memory plan is computed from (`memory_plan.plan_memory`): parameter counts per component
+and role, and the LM's attention shape. Read from a checkpoint's headers (`checkpoint.model_figures`) or from a
+random model's shapes (`random_models.figures`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import contract as c
+from .precision import kv_bytes_per_position
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """Parameter counts per component and role, and the LM's attention shape (what the KV cache holds per
+    position): what a plan is computed from. Read from a checkpoint's headers (checkpoint.model_figures)."""
+
+    lm_blocks: int  # LM block matrices: what fp8 / int8 store in one byte
+    lm_other: int  # the LM's norms
+    depth_blocks: int
+    depth_other: int  # depth decoder embeddings, projection, heads
+    trimmed: int  # token embeddings + full lm_head: on the device while loading and self-checking only
+    condition_encoder: int
+    dit_blocks: int  # DiT block matrices: what the fp8 DiT stores in one byte
+    dit_other: int
+    vocoder: int  # float32
+    lm_layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    audio_vocab: int = 1024
+    num_codebooks: int = 8
+
+    def kv_bytes_per_position(self, fmt: str = "bf16") -> int:
+        return kv_bytes_per_position(self.lm_layers, self.kv_heads, self.head_dim, fmt)
+
+    def engine_tables_bytes(self) -> int:
+        """The graph engine's own copies: semantic embedding rows, the audio slice of lm_head, the depth decoder's
+        per-code input tables and block-0 q|k|v tables."""
+        rows = 3 * (c.SEMANTIC_VOCAB_SIZE + 1) + (self.num_codebooks - 2) * self.audio_vocab * 4
+        return rows * self.hidden * 2
