@@ -243,6 +243,16 @@ def check_host_memory(what: str, need_bytes: int, on_cpu: bool, available: int |
                               available_bytes=available)
 
 
+# torch's allocator counters that name a stall: an allocation that found no cached block of its stream under the cap
+# and gave the cache back first (each one waits for the device), and the blocks given back to the card.
+ALLOCATOR_EVENTS = {"num_alloc_retries": "allocator_retries", "num_device_free": "allocator_frees"}
+
+
+def _allocator_events(device: torch.device) -> dict[str, int]:
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(key, 0)) for key, name in ALLOCATOR_EVENTS.items()}
+
+
 class PeakSampler:
     """This process's peak device memory while a block runs (a context manager; off CUDA it measures nothing).
     `peak_counters_reset`: the caller reset torch's peak statistics for this device just before (the bench does;
@@ -257,12 +267,15 @@ class PeakSampler:
         self.end: DeviceMemory | None = None
         self.sampled_peak = 0
         self.samples = 0
+        self.counters: dict[str, int] = {}  # the allocator's event counters (ALLOCATOR_EVENTS): at the start, then what
+        # happened in the whole process while the block ran
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> PeakSampler:
         self.start = device_memory(self.device)
         if self.start is not None:
+            self.counters = _allocator_events(self.device)
             self.sampled_peak = self.start.process
             self._thread = threading.Thread(target=self._sample, name="music3-memory", daemon=True)
             self._thread.start()
@@ -279,6 +292,8 @@ class PeakSampler:
         self._thread.join()
         self.end = device_memory(self.device)
         self._note(self.end.process)
+        now = _allocator_events(self.device)
+        self.counters = {name: now[name] - self.counters.get(name, 0) for name in now}
 
     def _sample(self) -> None:
         # Where NVML counts this process, only NVML is asked (through ctypes, which lets go of the interpreter while
@@ -312,7 +327,7 @@ class PeakSampler:
                    "method": self.start.method}
         if self.end is not None:
             figures |= {"device_end_gb": _gb(self.end.process), "reserved_end_gb": _gb(self.end.reserved),
-                        "card_used_end_gb": _gb(self.end.card_used)}
+                        "card_used_end_gb": _gb(self.end.card_used)} | self.counters
         if not self.peak_counters_reset:  # the allocator's own peaks since the process started
             figures |= {"reserved_peak_since_start_gb": _gb(torch.cuda.max_memory_reserved(self.device)),
                         "allocated_peak_since_start_gb": _gb(torch.cuda.max_memory_allocated(self.device))}

@@ -268,6 +268,10 @@ class Music3Pipeline:
                                                    instrumental=True))
             if self.velocity_graphs is not None:
                 self.flow_calibration = self.flow_executor.calibrate(flow_stage.full_chunk_latents(self.components))
+            # The calibration's merged calls leave gigabytes cached on the executor's stream: given back now, the
+            # first songs' streams find room under the allocator's cap instead of the cap making one of them give
+            # the cache back (a wait for the whole device) in the middle of a first chunk.
+            self.release_caches()
             write_if_asked(self.device, "ready")
             return song
 
