@@ -25,6 +25,7 @@ if importlib.util.find_spec("spaces") is not None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from music3_demo.checkpoint import default_model
+    from music3_demo.memory_plan import SWAP_MODES
     from music3_demo.precision import DIT_PRECISIONS, KV_PRECISIONS, PRECISIONS
     from music3_demo.semantic import ENGINE_NAMES
     from music3_demo.serve.backend import BACKENDS
@@ -44,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-precision", default="auto", choices=KV_PRECISIONS,
                         help="the graph engine's KV cache: bf16 (exact), int8 (half the memory per second of song); "
                              "auto = int8 only where a bf16 cache leaves the songs short (default: auto)")
+    parser.add_argument("--swap", default="auto", choices=SWAP_MODES,
+                        help="the two stages take turns on the GPU, their weights moved whole through pinned host "
+                             "memory: a song's audio then starts once all its frames are made; auto = only where "
+                             "the model does not fit with both stages on the GPU (default: auto)")
     parser.add_argument("--devices", default=None,
                         help="comma-separated devices, each running as many songs at once as its engine has batch "
                              "slots (default: every CUDA GPU, else the CPU); cuda:0+cuda:1 is one device whose "
@@ -122,7 +127,7 @@ def make_backend(args: argparse.Namespace, space: bool):
     # placed at start-up, the engines are built by each worker's first song, and there is no warm-up song here.
     return LocalBackend(args.model, devices, args.engine, warmup=args.warmup and not space, precision=args.precision,
                         lazy=space, max_running=args.concurrency, dit_precision=args.dit_precision,
-                        kv_precision=args.kv_precision)
+                        kv_precision=args.kv_precision, swap=args.swap)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ from .checkpoint import CheckpointError, default_model
 from .continuation import SongState, check_continuation, extension_request
 from .errors import OutOfMemory, is_out_of_memory, public_message
 from .events import AudioPiece, Event, Progress
+from .memory_plan import SWAP_MODES
 from .precision import DIT_PRECISIONS, KV_PRECISIONS, PRECISIONS
 from .request import MAX_VARIATIONS, GenerationRequest, InvalidRequest, check_variations, validate
 from .semantic import ENGINE_NAMES
@@ -57,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-precision", choices=KV_PRECISIONS, default="auto",
                      help="the graph engine's KV cache: bf16 (exact), int8 (half the memory per second of song); "
                      "auto = int8 only where a bf16 cache leaves the songs short")
+    gen.add_argument("--swap", choices=SWAP_MODES, default="auto",
+                     help="the two stages take turns on the GPU (their weights moved whole through pinned host "
+                     "memory; the audio then comes after all the frames); auto = only where both do not fit")
     gen.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available); "
                      "cuda:0+cuda:1 makes the frames on cuda:0 and the audio on cuda:1 (a stage split)")
     gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
@@ -202,7 +206,7 @@ def generate(args: argparse.Namespace) -> int:
         pipeline = Music3Pipeline.from_pretrained(args.model or default_model(), device=device,
                                                   engine=args.engine, revision=args.revision,
                                                   precision=args.precision, dit_precision=args.dit_precision,
-                                                  kv_precision=args.kv_precision)
+                                                  kv_precision=args.kv_precision, swap=args.swap)
         print(f"note: precision {pipeline.precision.mode}: {pipeline.precision.reason}", file=sys.stderr)
         if pipeline.memory_plan is not None and pipeline.memory_plan.on_gpu:
             print(f"note: memory plan: {pipeline.memory_plan.summary()}", file=sys.stderr)

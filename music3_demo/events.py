@@ -12,7 +12,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .continuation import SongState
 
-STAGES = ("loading", "prompt", "semantic", "flow", "vocoder")
+STAGES = ("loading", "prompt", "turn", "semantic", "flow", "vocoder")  # turn: a stage's weights onto the GPU
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Song:
     precision_reason: str | None = None  # why that precision (auto's sentence)
     memory: dict | None = None  # this process's device memory during the song (memory.PeakSampler)
     peers: int | None = None  # the most other songs that shared its semantic engine at once (0: it decoded alone)
-    memory_plan: dict | None = None  # the card's memory plan it was made under (memory_plan.MemoryPlan.as_dict)
+    memory_plan: dict | None = None  # the card's memory plan it was made under (memory_layout.MemoryPlan.as_dict)
 
     @property
     def duration(self) -> float:

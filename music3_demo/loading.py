@@ -24,7 +24,8 @@ from .checkpoint import (
 from .errors import DeviceOutOfMemory, OnOutOfMemory, load_sentence
 from .allocator import cap_allocator, lift_allocator_cap, release_cached
 from .memory import check_host_memory, device_memory, free_and_capability
-from .memory_plan import GB, PARKING, WARM_UP, MemoryPlan, plan_memory, song_positions
+from .memory_layout import GB, PARKING, WARM_UP, MemoryPlan, song_positions
+from .memory_plan import plan_memory
 from .precision import QUANTIZED, PrecisionChoice, fp8_capable
 from .random_models import WEIGHT_COMPONENTS
 from .weights_stream import tensor_sizes
@@ -50,10 +51,10 @@ def card_figures(device: torch.device) -> tuple[int | None, tuple[int, int] | No
 
 
 def plan_for(precision: str, dit_precision: str, device: torch.device, source: ModelSource, engine: str,
-             flow_device: torch.device | None = None, kv_precision: str = "auto"
+             flow_device: torch.device | None = None, kv_precision: str = "auto", swap: str = "auto"
              ) -> tuple[MemoryPlan, MemoryPlan | None]:
-    """The memory plan for `device` (and, in a stage split, the flow card's), logged as one block; NoRoom, one
-    sentence, where the model does not fit in the modes asked."""
+    """The memory plan for `device` (and, in a stage split, the flow card's: a stage each, never in turn), logged as
+    one block; NoRoom, one sentence, where the model does not fit in the modes asked."""
     cards = [(device, ("semantic", "flow") if flow_device is None else ("semantic",))]
     if flow_device is not None:
         cards.append((flow_device, ("flow",)))
@@ -61,7 +62,8 @@ def plan_for(precision: str, dit_precision: str, device: torch.device, source: M
     figures = model_figures(source)
     for card, stages in cards:
         free, capability = card_figures(card)
-        plan = plan_memory(figures, free, capability, precision, dit_precision, engine, stages, kv_precision)
+        plan = plan_memory(figures, free, capability, precision, dit_precision, engine, stages, kv_precision,
+                           swap if flow_device is None else "off")
         log.info("%s", plan.log_block(str(card)))
         if not plan.fits:
             raise NoRoom(no_room_sentence(plan, str(card)))
@@ -243,7 +245,7 @@ def host_need(folder, device: torch.device, dtype: torch.dtype, devices: dict | 
 def plan_need(plan: MemoryPlan) -> int:
     """What the plan's modes need of the card's free memory to load and make a song (the warm-up's), its
     headroom included."""
-    return plan.headroom + max(plan.load_peak, plan.weight_bytes + plan.runtime + plan.flow_working
+    return plan.headroom + max(plan.load_peak, plan.song_bytes
                                + (song_positions(*WARM_UP) + PARKING) * plan.kv_bytes_per_position)
 
 

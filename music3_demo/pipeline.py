@@ -32,13 +32,15 @@ from .loading import (
 )
 from .memory import PeakSampler, note_process_start, song_guard
 from .memory_map import start_recording, write_if_asked
-from .memory_plan import WARM_UP, MemoryPlan
+from .memory_layout import WARM_UP, MemoryPlan
+from .memory_plan import check_swap
 from .precision import PrecisionChoice, check_dit_precision, check_kv_precision, check_precision
 from .prompt import count_prompt_tokens
 from .request import GenerationRequest, InvalidRequest, validate
 from .semantic import make_engine, resolve_engine_name
 from .semantic.precompile import start as start_precompile
 from .song_run import Overlap, SongRun, Stages, overlap_rule
+from .stage_swap import StageTurns, StageWeights
 from .variations import make_together, stream_song
 
 __all__ = ["Music3Pipeline", "Cancelled", "CheckpointError", "InvalidRequest", "SongState"]
@@ -71,7 +73,10 @@ class Music3Pipeline:
         stage's largest merged calls and the longest song come from it (None: the engines' own defaults, no limit);
         `flow_memory_plan`: the flow card's, in a stage split. A plan's fp8 DiT that `components` still hold in bf16
         (loading.load_model's `defer_fp8_dit`) is quantized onto the flow device when the stages are built, after the
-        engine's self-check: the load's peak is then the larger of the two, not their sum."""
+        engine's self-check: the load's peak is then the larger of the two, not their sum. A plan whose stages take
+        turns (`MemoryPlan.swap`: `components`' flow parts still in host memory) has them on the device after the
+        semantic stage's weights have left it (stage_swap.py); its songs are made one at a time, each stage in its
+        turn (no overlap, no captured DiT: its weights' addresses change from turn to turn)."""
         self.components = components
         self.source = source
         self.device = normalize(device)
@@ -91,6 +96,9 @@ class Music3Pipeline:
         self.setup_s: float | None = None  # what building the stages took (self-check and captures included)
         self._stages_lock = threading.Lock()
         self._fp8_dit_on_host = fp8_dit_waiting(components, memory_plan)
+        self.swapping = bool(memory_plan is not None and memory_plan.swap)  # the stages take turns on the device
+        self.turns: StageTurns | None = None  # which stage's weights are on the device (built with the stages)
+        self._one_song = threading.Lock()  # with the stages in turn: the song that has them
         self.first_chunks = FirstChunks()  # songs waiting for their first audio: the others' frames wait meanwhile
         self.flow_streams = StreamPool(FLOW_PRIORITY)  # flow workers' streams, reused (their cache too)
         self.caller_streams = StreamPool()  # each song's caller runs on one of these, never on the default stream
@@ -116,24 +124,44 @@ class Music3Pipeline:
                 self.requested_engine, allow_interpreter=self._allow_interpreter, sizing=self._engine_sizing,
             )
             self.engine_name = self.engine_record.name
+            semantic = self._semantic_leaves() if self.swapping else None
             if self._fp8_dit_on_host:  # the self-check's full head and embeddings have left the card
                 self.release_caches()
                 place_fp8_dit(self.components, self.flow_device)
                 self._fp8_dit_on_host = False
-            self.overlap, self.separate_flow_rng = overlap_rule(self._overlap, self.engine.separate_flow_rng)
+            if self.swapping:
+                for name in ("condition_encoder", "transformer", "vocoder"):  # (the fp8 DiT is there already)
+                    self.components[name].to(self.flow_device)
+            asked = False if self.swapping else self._overlap  # (in turn: the frames first, then the audio)
+            self.overlap, self.separate_flow_rng = overlap_rule(asked, self.engine.separate_flow_rng)
             # Every song's DiT and vocoder calls go through the one executor (several songs may share this
             # pipeline); it holds the captured DiT graphs on CUDA, and its thread belongs to this process too.
             flow_plan = self.flow_memory_plan or self.memory_plan  # (merged calls only where they fit)
             with on_device(self.flow_device):  # its graphs are captured on the flow stage's own GPU
                 self.flow_executor = flow_stage.prepare(self.components, self.flow_device, fast=self.separate_flow_rng,
                                                         buckets=flow_plan.merge_buckets if flow_plan else None,
-                                                        vocoder_tile=flow_plan.vocoder_tile if flow_plan else None)
+                                                        vocoder_tile=flow_plan.vocoder_tile if flow_plan else None,
+                                                        capture=not self.swapping)
             self.velocity_graphs = self.flow_executor.graphs
+            if semantic is not None:  # the flow stage has the device now; songs take it in turn
+                parts = [self.components[name] for name in ("condition_encoder", "transformer", "vocoder")]
+                self.turns = StageTurns([semantic, StageWeights("flow", self.flow_device, parts)])
             # What the self-check and the trim (full lm_head dropped, embeddings to the host) left in the cache.
             self.release_caches()
             self.stages_pid = os.getpid()
             self.setup_s = time.perf_counter() - started
             return True
+
+    def _semantic_leaves(self) -> StageWeights:
+        """The semantic stage's weights (the modules', and the engine's prepared ones) to host memory, its graphs
+        dropped first: the flow stage's come onto the device in their place."""
+        engine = self.engine
+        semantic = StageWeights("semantic", self.device, [self.components["language_model"],
+                                                          self.components["rvq_depth_decoder"],
+                                                          getattr(engine, "weights", None)],
+                                on_leave=getattr(engine, "drop_graphs", lambda: None))
+        semantic.leave()
+        return semantic
 
     def _engine_sizing(self, name: str) -> tuple[int | None, int | None, str]:
         """(batch slots, KV pool positions, KV format) for the engine `name` from the card's plan (Nones: the
@@ -167,11 +195,12 @@ class Music3Pipeline:
         flow_device: str | torch.device | None = None,
         dit_precision: str = "auto",
         kv_precision: str = "auto",
+        swap: str = "auto",
     ) -> "Music3Pipeline":
         """`precision`: the LM / depth decoder's, auto | bf16 | fp8 | int8 | int4; `dit_precision`: the DiT's, auto
-        | bf16 | fp8 (sm_89+); `kv_precision`: the graph engine's KV cache, auto | bf16 | int8; auto: what the
-        card's memory plan picks (memory_plan.py). `lazy`, `flow_device`: see
-        __init__ (a `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1). An out-of-memory while
+        | bf16 | fp8 (sm_89+); `kv_precision`: the graph engine's KV cache, auto | bf16 | int8; `swap`: the stages
+        take turns on the device, auto | on | off; auto: what the card's memory plan picks (memory_plan.py).
+        `lazy`, `flow_device`: see __init__ (a `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1). An out-of-memory while
         loading, self-checking or capturing leaves as one sentence (loading.getting_ready)."""
         note_process_start()  # the card's use by the others, before this process's CUDA context (memory.py)
         start_recording()  # allocation stacks for a memory map, where one is asked for (memory_map.py)
@@ -181,11 +210,13 @@ class Music3Pipeline:
         check_precision(precision)
         check_dit_precision(dit_precision)
         check_kv_precision(kv_precision)
+        check_swap(swap)
         dtype = dtype or default_dtype(device)
         source = resolve(model, revision=revision, token=token)
         with on_device(device):
             planned = resolve_engine_name(engine, device, allow_interpreter)
-            plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device, kv_precision)
+            plan, flow_plan = plan_for(precision, dit_precision, device, source, planned, flow_device, kv_precision,
+                                       swap)
             plan = replace(plan, lm=as_loaded(plan.lm, dtype), dit=as_loaded(plan.dit, dtype))
             hold_to_plans(((device, plan), (flow_device, flow_plan)))  # torch's allocator within each plan
             # The engine's kernels compile in worker processes while the weights load (a lazy pipeline builds its
@@ -193,8 +224,9 @@ class Music3Pipeline:
             compiling = None if lazy else start_precompile(device, plan)
             try:
                 with getting_ready(device, plan, flow_device=flow_device):
-                    components = load_model(source, device, dtype, plan.lm, flow_device=flow_device,
-                                            dit=plan.dit.mode, defer_fp8_dit=True)
+                    # (with the stages in turn the flow stage waits in host memory until the semantic one has left)
+                    components = load_model(source, device, dtype, plan.lm, dit=plan.dit.mode, defer_fp8_dit=True,
+                                            flow_device=torch.device("cpu") if plan.swap else flow_device)
                     if compiling is not None:
                         compiling.wait()
                     return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,
@@ -215,8 +247,9 @@ class Music3Pipeline:
     def slots(self) -> int:
         """Songs this pipeline makes at once, each `generate()` on its own thread: the semantic engine's batch slots
         (1 for an engine without them). The flow stage takes them all: its shared state (the captured DiT graphs, the
-        rotary tables, the vocoder's weight-norm hooks) is used only by the pipeline's one `flow_executor`."""
-        return max(1, int(getattr(self.engine, "slots", 1)))
+        rotary tables, the vocoder's weight-norm hooks) is used only by the pipeline's one `flow_executor`. With the
+        stages in turn: one."""
+        return 1 if self.swapping else max(1, int(getattr(self.engine, "slots", 1)))
 
     @property
     def tokenizer(self):
@@ -237,6 +270,8 @@ class Music3Pipeline:
             self.flow_executor.close()
             if self.velocity_graphs is not None:
                 self.velocity_graphs.release()
+            if self.turns is not None:
+                self.turns.release()
         self.components.clear()
         self.release_caches()
         lift_allocator_caps(self.device, self.flow_device)
@@ -261,6 +296,8 @@ class Music3Pipeline:
         with getting_ready(self.device, self.memory_plan, "warming up", self.precision.mode, self.flow_device):
             self.ensure_stages()
             seconds = (c.CHUNK_FRAMES + 5) / c.FRAME_RATE if self.velocity_graphs is not None else 1.0
+            if self.turns is not None:  # (the engine's captures read its weights)
+                self.turns.take("semantic")
             reserve = getattr(self.engine, "reserve", None)
             if reserve is not None:  # the graph engine: its KV pool and every batch size's graph, before any user
                 reserve(*WARM_UP)  # (the pool's size is the plan's; this is only its least size)
@@ -315,9 +352,10 @@ class Music3Pipeline:
         modes = modes_text(self.memory_plan, self.precision.mode)
         with on_device(self.device), song_guard(self.device, modes, self.release_caches):
             built = self.ensure_stages()  # a lazy pipeline's first song (in this process) builds the engine
+            one_song = self._one_song if self.turns is not None else contextlib.nullcontext()
             flow_sampler = PeakSampler(self.flow_device) if self.split else contextlib.nullcontext()
             caller_stream = self.caller_streams.lent(self.device)
-            with PeakSampler(self.device) as memory, flow_sampler as flow_memory, caller_stream:
+            with one_song, PeakSampler(self.device) as memory, flow_sampler as flow_memory, caller_stream:
                 run = SongRun(self._stages(), self.validate(request), on_event, cancel, continue_from)
                 song = run.run(memory, flow_memory, self.setup_s if built else None)
             write_if_asked(self.device, "song")
@@ -328,4 +366,5 @@ class Music3Pipeline:
         """The built stages as a song runs on them (ensure_stages first)."""
         return Stages(self.components, self.device, self.flow_device, self.engine, self.engine_record,
                       self.flow_executor, Overlap(self.overlap, self.separate_flow_rng), self.first_chunks,
-                      self.flow_streams, self.memory_plan, self.memory_plan_dict, self.precision, self.source.notice)
+                      self.flow_streams, self.memory_plan, self.memory_plan_dict, self.precision, self.source.notice,
+                      self.turns)

@@ -4,7 +4,8 @@ them (or after them), the song's timings and its `Song`. pipeline.py builds the 
 The phases, in order: `prompt` (tokens, and the plan's refusal of a song too long for the card), `flow_stage` (the
 generators, the flow stream resumed for a continuation, its worker thread), `semantic` (the engine's frame blocks,
 each fed to the flow worker at once when the stages overlap, else held), `finish_flow` (the held frames, the last
-chunks, every piece delivered) and `song` (the one place a `Song` is built).
+chunks, every piece delivered) and `song` (the one place a `Song` is built). With the stages in turn, each stage's
+weights come onto the device before its phase (`_turn`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from .first_audio import first_audio_path
 from .flow.stream import FlowSettings, FlowStream, Piece
 from .flow.worker import FirstChunks, FlowWorker, StreamPool, progress_from_step
 from .memory import PeakSampler
-from .memory_plan import MemoryPlan
+from .memory_layout import MemoryPlan
 from .precision import PrecisionChoice
 from .prompt import tokenize
 from .request import GenerationRequest, InvalidRequest
 from .semantic import EngineRecord, SamplingSettings
+from .stage_swap import StageTurns
 
 # The flow stage's generator on the fast engines is seeded apart from the semantic one, so overlap cannot change
 # results run to run.
@@ -65,6 +67,7 @@ class Stages:
     memory_plan_dict: dict | None
     precision: PrecisionChoice
     model_notice: str | None
+    turns: StageTurns | None = None  # the stages take turns on the device: which has it (stage_swap.py)
 
     @property
     def split(self) -> bool:
@@ -130,8 +133,12 @@ class SongRun:
         if self.continue_from is not None and self.continue_from.head.shape[-1]:
             self._deliver(Piece(self.continue_from.head, 0))  # final already: heard while the rest is made
         try:
+            self._turn("semantic")
             held = self.semantic(text_ids)
             codes = self.blocks.codes()[: self.frames + 1].to("cpu", torch.int32).numpy()
+            if self.stages.turns is not None:
+                self.blocks.close()  # the engine is idle before its weights leave the device
+            self._turn("flow")
             self.finish_flow(held)
         finally:
             if self.blocks is not None:
@@ -142,6 +149,13 @@ class SongRun:
         song = self.song(codes, memory, flow_memory, setup_s)
         self.emit(Finished(song))
         return song
+
+    def _turn(self, stage: str) -> None:
+        """With the stages in turn: `stage`'s weights onto the device (the other's to host memory), its cost in the
+        song's timings."""
+        if self.stages.turns is not None:
+            self.emit(Progress("turn", 0, 1))
+            self.timings[f"turn_to_{stage}_s"] = self.stages.turns.take(stage)
 
     def prompt(self) -> torch.Tensor:
         """The prompt's token ids on the semantic device; a song longer than the card's plan holds even alone is

@@ -13,7 +13,7 @@ import pytest
 from music3_demo import contract as c
 from music3_demo import random_models
 from music3_demo.loading import no_room_sentence
-from music3_demo.memory_plan import (
+from music3_demo.memory_layout import (
     CHECK_BYTES,
     DIT_CALL_BYTES,
     GB,
@@ -27,8 +27,8 @@ from music3_demo.memory_plan import (
     MemoryPlan,
     duration_text,
     headroom_for,
-    plan_memory,
 )
+from music3_demo.memory_plan import plan_memory
 
 FULL = random_models.figures(random_models.FULL)
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -135,11 +135,12 @@ def test_the_desktops_share_gives_way_to_a_6_minute_song_by_the_least_that_holds
     MiB at a time and never below HEADROOM_FIXED, to the largest at which one does; where one does with the whole
     share (24 GB) the share stays whole, and where none does even with the fixed part (12 GB) the desktop keeps the
     fixed part and the songs have the rest."""
-    from music3_demo.memory_plan import HEADROOM_STEP, _layout, _useful
+    from music3_demo.memory_layout import layout
+    from music3_demo.memory_plan import HEADROOM_STEP, _useful
 
     p = plan((15 * GiB - CONTEXT) / GB)
     assert _useful(p) and p.headroom > HEADROOM_FIXED
-    wider = _layout(FULL, p.free_bytes, p.capability, p.lm.mode, p.dit.mode, p.engine, p.stages, p.kv,
+    wider = layout(FULL, p.free_bytes, p.capability, p.lm.mode, p.dit.mode, p.engine, p.stages, p.kv,
                     p.headroom + HEADROOM_STEP)
     assert not _useful(wider)  # one step more for the desktop and the 6-minute song no longer fits
     # its allocator cap is the smaller share's: torch may take what the desktop gave up, no more
@@ -149,7 +150,7 @@ def test_the_desktops_share_gives_way_to_a_6_minute_song_by_the_least_that_holds
     twelve = plan(11 * GiB / GB)
     assert twelve.headroom == HEADROOM_FIXED and twelve.longest_alone_s < c.MAX_DURATION_S
     assert twelve.why.endswith("this one holds the longest, with the desktop's share cut to 0.54 GB")
-    whole = _layout(FULL, twelve.free_bytes, twelve.capability, twelve.lm.mode, twelve.dit.mode, twelve.engine,
+    whole = layout(FULL, twelve.free_bytes, twelve.capability, twelve.lm.mode, twelve.dit.mode, twelve.engine,
                     twelve.stages, twelve.kv)
     assert whole.longest_alone_s < twelve.longest_alone_s  # what the desktop gave up went to the songs
 
@@ -204,7 +205,7 @@ def test_merged_calls_only_where_their_working_set_fits():
 def test_an_equalized_lm_loads_with_one_layers_bf16_weights_on_the_card_beside_it():
     """int8 and int4 LMs are equalized layer by layer at load (semantic/equalize.LayerGatherer): the load peak
     holds one decoder layer's bf16 weights and a float32 copy of 1,024 rows more than fp8's (0.44 GB)."""
-    from music3_demo.memory_plan import EQUALIZE_ROWS_BYTES
+    from music3_demo.memory_layout import EQUALIZE_ROWS_BYTES
 
     int8, fp8 = plan(141, precision="int8"), plan(141, precision="fp8")
     layer = 2 * FULL.lm_blocks // FULL.lm_layers
@@ -260,13 +261,14 @@ def test_a_song_too_long_for_the_card_is_one_sentence_naming_the_longest_that_fi
     assert sentence == (f"On this GPU (19.0 GB free, fp8 LM, bf16 DiT) songs with this prompt can be at most "
                         f"{duration_text(most / c.FRAME_RATE)} long; choose a shorter duration.")
     assert p.max_frames(4000) < most  # a longer prompt leaves a shorter song
-    assert "leaves no room for a song" in plan(17.2, precision="fp8", dit_precision="bf16",
-                                               kv_precision="bf16").too_long(4000, 25)
+    short = plan(17.2, precision="fp8", dit_precision="bf16", kv_precision="bf16", swap="off")
+    assert "leaves no room for a song" in short.too_long(4000, 25)
+    assert plan(17.2, precision="fp8", dit_precision="bf16", kv_precision="bf16").swap  # (auto: the stages in turn)
     assert duration_text(200) == "3 min 20 s" and duration_text(45) == "45 s" and duration_text(360) == "6 min"
 
 
 def test_a_card_too_small_is_refused_with_the_free_and_needed_memory():
-    p = plan(10.5)
+    p = plan(10.5, swap="off")  # (with the stages in turn it fits: the next test)
     assert not p.fits and (p.lm.mode, p.dit.mode) == ("int4", "fp8")  # the smallest modes were tried last
     sentence = no_room_sentence(p, "cuda:0")
     assert sentence.startswith("The model does not fit on cuda:0 in int4 LM, fp8 DiT: 10.5 GB are free and it "
@@ -321,11 +323,11 @@ def test_the_readme_states_what_auto_picks():
 def test_the_fp8_dit_arrives_after_the_self_check_so_the_load_peak_is_the_larger_phase_not_their_sum():
     """The fp8 DiT waits in host memory until the engine's self-check has dropped the full head and the token
     embeddings (Music3Pipeline.ensure_stages): on a 16 GB card that is what lets the load fit at all."""
-    p = plan(15.0, dit_precision="fp8", precision="fp8")
+    p = plan(15.0, dit_precision="fp8", precision="fp8", swap="off")
     semantic_phase = p.weight_bytes - p.weights["transformer"] + p.load_extra + CHECK_BYTES + RUNTIME_BYTES
     assert p.load_peak == max(semantic_phase, p.weight_bytes + RUNTIME_BYTES)
     assert p.load_peak < p.weight_bytes + p.load_extra  # the two phases never sit on the card together
-    bf16 = plan(15.0, dit_precision="bf16", precision="fp8")  # a bf16 DiT streams in with the rest
+    bf16 = plan(15.0, dit_precision="bf16", precision="fp8", swap="off")  # a bf16 DiT streams in with the rest
     assert bf16.load_peak == bf16.weight_bytes + bf16.load_extra + CHECK_BYTES + RUNTIME_BYTES
 
 
@@ -335,12 +337,12 @@ def test_auto_takes_an_int4_lm_only_where_no_8_bit_one_fits():
     gives three slots and 6 minutes); a 20 GB one keeps int8, as a 16 GB sm_89 card keeps fp8 (two slots, 6 minutes alone
     with an int8 cache), though int4 would hold more there: it costs accuracy (and on a fast card speed).
     `--precision int4` asks for it anywhere."""
-    from music3_demo.memory_plan import BYTES_PER_WEIGHT, DEPTH_MODE
+    from music3_demo.memory_layout import BYTES_PER_WEIGHT, DEPTH_MODE
     from music3_demo.semantic.quant import DEFAULT_SCHEMES, DEPTH_SCHEMES
 
     assert BYTES_PER_WEIGHT["int4"] == 0.5 + 4 / DEFAULT_SCHEMES["int4"].group
     assert DEPTH_MODE == {mode: scheme.fmt for mode, scheme in DEPTH_SCHEMES.items()}
-    assert not plan(16, SM86, precision="int8").fits
+    assert not plan(16, SM86, precision="int8", swap="off").fits
     p = plan(16, SM86, kv_precision="bf16")
     assert p.fits and (p.lm.mode, p.dit.mode, p.slots) == ("int4", "bf16", 2) and 327 <= p.longest_alone_s < 328
     assert (plan(16, SM86).kv, plan(16, SM86).slots, plan(16, SM86).longest_alone_s) == ("int8", 3, 360.0)
@@ -354,3 +356,32 @@ def test_auto_takes_an_int4_lm_only_where_no_8_bit_one_fits():
     assert small.fits and (small.lm.mode, small.dit.mode) == ("int4", "fp8")
     asked = plan(141, precision="int4")
     assert (asked.lm.mode, asked.lm.requested, asked.slots) == ("int4", "int4", 8) and "as asked" in asked.lm.reason
+
+
+def test_where_both_stages_do_not_fit_they_take_turns_and_streaming_stays_where_it_holds_two_minutes():
+    """The stages in turn (stage_swap.py): the card holds the larger stage (the flow stage with its working set)
+    beside the KV pool and the runtime, one song at a time, the weights of both in pinned host memory."""
+    from music3_demo.memory_layout import CHECK_BYTES, EQUALIZE_ROWS_BYTES
+
+    streams = plan(11 * GiB / GB)  # 11 GiB free: streaming holds more than 2 minutes, so it stays
+    assert streams.fits and not streams.swap and streams.longest_alone_s >= 120
+    turns = plan(10 * GiB / GB)  # nothing with both stages on the card holds a 2-minute song (a 12 GB card's
+    # 11 GiB less the CUDA context: streaming there holds 1 min 22 s)
+    assert plan((11 * GiB - CONTEXT) / GB, swap="off").longest_alone_s == 82.16
+    assert turns.fits and turns.swap and (turns.lm.mode, turns.dit.mode, turns.kv) == ("int4", "bf16", "int8")
+    assert turns.slots == 1 and (turns.dit_bucket, turns.vocoder_bucket) == (1, 1) and turns.longest_alone_s == 360
+    semantic, flow = turns.stage_bytes("semantic"), turns.stage_bytes("flow")
+    assert semantic + flow == turns.weight_bytes == turns.host_bytes
+    assert turns.song_bytes == turns.runtime + max(semantic, flow + turns.flow_working)
+    assert turns.song_bytes + turns.kv_pool_bytes + turns.headroom <= turns.free_bytes
+    assert "the stages take turns" in turns.why and "the stages in turn" in turns.modes()
+    assert "first audio once all of a song's frames are made" in turns.summary()
+    assert plan(10 * GiB / GB, swap="off").swap is False  # never, when asked
+    asked = plan(141, swap="on")  # always, when asked: the modes a whole card takes
+    assert asked.swap and asked.lm.mode == "bf16" and "as asked (--swap on)" in asked.why
+    # An 8 GB card: the turns would hold a 2-minute song, but the semantic stage's load does not fit yet: the
+    # engine's self-check holds the full LM head and token embeddings in bf16 beside the int4 weights
+    eight = plan(7 * GiB / GB, swap="on")
+    gathering = 2 * FULL.lm_blocks // FULL.lm_layers + EQUALIZE_ROWS_BYTES
+    assert eight.load_peak == eight.stage_bytes("semantic") + 2 * FULL.trimmed + CHECK_BYTES + gathering + RUNTIME_BYTES
+    assert not eight.fits and eight.load_peak > eight.free_bytes

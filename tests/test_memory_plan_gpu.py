@@ -12,7 +12,8 @@ from music3_demo import random_models
 from music3_demo.allocator import allocator_cap
 from music3_demo.flow.stream import full_chunk_latents
 from music3_demo.loading import FREE_BYTES_ENV
-from music3_demo.memory_plan import BUCKETS, plan_memory
+from music3_demo.memory_layout import BUCKETS
+from music3_demo.memory_plan import plan_memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

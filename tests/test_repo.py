@@ -139,7 +139,7 @@ def test_every_doc_the_package_names_exists():
 LAYERS = [
     {"__init__", "contract", "errors", "events", "request", "prompt", "audio", "fused_weights", "random_models",
      "checkpoint", "handoff", "versions", "devices", "continuation", "precision", "allocator", "memory", "memory_map",
-     "model_figures", "memory_plan", "weights_stream", "first_audio", "variations"},
+     "model_figures", "memory_layout", "memory_plan", "stage_swap", "weights_stream", "first_audio", "variations"},
     {"semantic", "flow"},
     {"loading", "song_run"},
     {"pipeline"},

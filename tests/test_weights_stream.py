@@ -160,7 +160,8 @@ def test_a_plans_fp8_dit_waits_in_host_memory_until_it_is_placed():
     """from_pretrained loads the fp8 DiT's bf16 weights into host memory; the pipeline places it after the engine's
     self-check while this says it still waits (a bf16 plan's DiT, or one already on the device, never waits)."""
     from music3_demo import random_models
-    from music3_demo.memory_plan import GB, plan_memory
+    from music3_demo.memory_layout import GB
+    from music3_demo.memory_plan import plan_memory
 
     figures = random_models.figures(random_models.TINY)
     fp8 = plan_memory(figures, int(24 * GB), (9, 0), dit_precision="fp8")

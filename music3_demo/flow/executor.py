@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..devices import on_device
-from ..memory_plan import VOCODER_HALO
+from ..memory_layout import VOCODER_HALO
 from .call_queue import BUCKETS, LATER, CallQueue, Order
 from .dit_graph import VelocityGraphs
 from .guidance import guided_velocity

@@ -212,9 +212,20 @@ class GraphEngine:
             self._state = DeviceState(self.weights, self.device, self.slots, positions, c.MAX_AUDIO_FRAMES + 2,
                                       self.config.frame_ring, self.attention_splits, self.tuning.programs,
                                       scope=self.stream.scope, kv_format=self.kv_format)
+        self._new_frame_graph()
+        self.scheduler.use_pool(positions)
+
+    def _new_frame_graph(self) -> None:
         self.frame_graph = FrameGraph(self.weights, self._state, self.stream, self.tuning, pdl=self.pdl,
                                       chain=self.chain, use_graphs=self.use_graphs)
-        self.scheduler.use_pool(positions)
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (idle engine; the state stays): they read the weights' device addresses,
+        which change when the weights leave the device and come back (stage_swap.py). The next replay captures."""
+        with self._exclusive():
+            if self.frame_graph is not None:
+                self._captures_before += self.frame_graph.captures
+                self._new_frame_graph()
 
     def _drop_state(self) -> None:
         if self.frame_graph is not None:

@@ -32,7 +32,7 @@ from .scheduler import Scheduler, Ticket
 from .speed import Speed
 
 if TYPE_CHECKING:  # the pipeline (diffusers, transformers) is imported on first load, not when the page is built
-    from ..memory_plan import MemoryPlan
+    from ..memory_layout import MemoryPlan
     from ..pipeline import Music3Pipeline
 
 # How a failed load tells users what to do, whatever the cause.
@@ -64,7 +64,7 @@ class HolderStatus:
     precision: str | None  # the LM / depth-decoder weights: bf16 | fp8 | int8
     precision_reason: str | None  # why (auto's sentence, or "as asked")
     memory: dict | None  # GPU -> the card's memory now (memory.DeviceMemory), for loaded CUDA devices (both of a split)
-    memory_plan: dict | None  # device -> its card's memory plan (memory_plan.MemoryPlan.as_dict), loaded devices
+    memory_plan: dict | None  # device -> its card's memory plan (memory_layout.MemoryPlan.as_dict), loaded devices
     plan_summary: str | None  # the first loaded device's plan in short: precision per stage, slots, longest song
     error: str | None
     notice: str | None  # set when the loaded model is a built-in random one
@@ -105,17 +105,16 @@ class Lease:
 class ModelHolder:
     def __init__(
         self, model: str, devices: list[str] | None = None, engine: str = "auto", warmup: bool = True,
-        precision: str = "auto", lazy: bool = False, max_running: int | None = None, dit_precision: str = "auto",
-        kv_precision: str = "auto",
+        precision: str = "auto", lazy: bool = False, max_running: int | None = None, **modes: str,
     ) -> None:
-        """`precision`, `dit_precision`, `kv_precision`: the LM's, the DiT's and the KV cache's (auto: each card's
-        memory plan). `lazy`: pipelines
+        """`precision` and `modes` (`dit_precision`, `kv_precision`, `swap`): the LM's, the DiT's, the KV cache's,
+        whether the stages take turns (Music3Pipeline.from_pretrained; auto: each card's memory plan). `lazy`: pipelines
         build their engines at their first song, in the process that runs it (Space mode: zerogpu.py); the holder
         then learns the engine from the songs. `max_running`: songs at once over all devices (None: their slots)."""
         self.model = model
         self.engine = engine
         self.warmup = warmup
-        self.precision, self.dit_precision, self.kv_precision = precision, dit_precision, kv_precision
+        self.precision, self.modes = precision, modes
         self.lazy = lazy
         self.workers = WorkerClock()  # Space mode: what the GPU workers' set-up costs
         self._song_engine: dict[str, tuple[str, str | None]] = {}  # device -> (engine, note) of its last song
@@ -261,8 +260,7 @@ class ModelHolder:
                     # deterministic per seed but not diffusers' waveform (the CLI and Python API keep that contract).
                     pipeline = Music3Pipeline.from_pretrained(target, device=held.device, engine=self.engine,
                                                               overlap=True, precision=self.precision,
-                                                              dit_precision=self.dit_precision, lazy=self.lazy,
-                                                              kv_precision=self.kv_precision)
+                                                              lazy=self.lazy, **self.modes)
                     if self._tokenizer is None:
                         self._tokenizer = pipeline.tokenizer
                     if self.warmup:

@@ -85,7 +85,7 @@ class SongWorker:
         return self.holder.status().as_dict() | {
             "replica": self.name, "actor": self.actor, "device": self.device,
             "speed": dataclasses.asdict(speed) if speed is not None else None,
-            "plans": self.holder.plans(),  # the front refuses a song no replica holds (memory_plan.MemoryPlan)
+            "plans": self.holder.plans(),  # the front refuses a song no replica holds (memory_layout.MemoryPlan)
         }
 
     def _keep_reporting(self) -> None:

@@ -56,6 +56,8 @@ class StageTracker:
             self.phase, self._phase_started, self.waiting = event.text, time.monotonic(), None
         elif event.stage == "prompt":
             self.phase, self.waiting = "preparing the prompt", None
+        elif event.stage == "turn":  # (the stages take turns on this GPU)
+            self.phase, self.waiting = "moving the next stage's weights onto the GPU", None
         elif event.stage == "semantic":
             self.phase, self.semantic = None, event
         elif event.stage == "flow":

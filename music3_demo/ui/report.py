@@ -64,6 +64,12 @@ def report_markdown(report: dict) -> str:
         + (f" · semantic {rate:.1f} frames/s" if rate else "")
         + (f" · first audio after {first:.2f} s" if first is not None else ""),
     ]
+    turns = {key.removeprefix("turn_to_").removesuffix("_s"): value for key, value in timings.items()
+             if key.startswith("turn_to_")}
+    if turns:
+        lines.append("The stages took turns on the GPU (their weights moved whole through host memory): "
+                     + ", ".join(f"{seconds:.2f} s to bring the {stage} stage in" for stage, seconds in turns.items())
+                     + "; the audio began once all the frames were made.")
     if report.get("shared_gpu_with"):
         others = report["shared_gpu_with"]
         lines[-1] += f" · shared the GPU with {others} other song{'s' if others > 1 else ''}"

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from music3_demo import random_models
-from music3_demo.memory_plan import GB, plan_memory
+from music3_demo.memory_layout import GB
+from music3_demo.memory_plan import plan_memory
 from music3_demo.semantic import precompile
 
 ROOT = Path(__file__).resolve().parents[2]

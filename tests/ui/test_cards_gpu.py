@@ -159,7 +159,7 @@ def test_two_120_s_songs_at_once(card_app):
     assert {report["seed"] for _, report in results} == {2, 3}
 
 
-# The plan's admission refusal (memory_plan.MemoryPlan.too_long): the longest song this prompt allows, alone.
+# The plan's admission refusal (memory_layout.MemoryPlan.too_long): the longest song this prompt allows, alone.
 REFUSAL = re.compile(r"songs with this prompt can be at most (?:(\d+) min ?)?(?:(\d+) s)? long; choose a shorter "
                      r"duration\.")
 
@@ -172,7 +172,7 @@ def test_a_song_longer_than_fits_is_refused_at_once_and_the_next_is_whole(card_a
     pool holds even that (24 GB: there a long song waits for room instead)."""
     from gradio_client.exceptions import AppError, ValidationError
 
-    from music3_demo.memory_plan import REFERENCE_PROMPT_TOKENS
+    from music3_demo.memory_layout import REFERENCE_PROMPT_TOKENS
 
     (plan,) = card_app.status["memory_plan"].values()
     longest = plan["longest_song_alone_s"]

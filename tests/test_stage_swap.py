@@ -1,0 +1,106 @@
+"""The stages in turn (stage_swap.py) on the CPU: a stage's weights leave (their storages freed in place, every view
+with them) and come back with the same bytes; a storage torch did not allocate (read from a file) is adopted at its
+old alignment; a stage used while away fails loudly; and a song made with the stages in turn is exactly the song made
+with both on the device (the tiny model, the real pipeline)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from music3_demo.stage_swap import ALIGNMENT, StageTurns, StageWeights, device_storages
+
+
+class Stage(nn.Module):
+    """A Linear whose weight is a view of a fused tensor, and a buffer read from bytes (not resizable in place)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        fused = torch.randn(12, 8, generator=generator)
+        self.linear = nn.Linear(8, 6, bias=False)
+        self.linear.weight = nn.Parameter(fused[:6], requires_grad=False)
+        self.other = nn.Parameter(fused[6:], requires_grad=False)
+        raw = bytearray(4 + 8 * 4)  # (4 bytes in: not at the allocator's alignment)
+        values = torch.frombuffer(raw, dtype=torch.float32, offset=4, count=8)
+        values.copy_(torch.randn(8, generator=generator))
+        self.register_buffer("scale", values)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale[:6] + x @ self.other.T
+
+
+def test_a_stage_leaves_the_device_and_comes_back_with_the_same_bytes():
+    stage = Stage(0)
+    x = torch.randn(3, 8)
+    expected = stage(x)
+    assert not stage.scale.untyped_storage().resizable()
+    misaligned = stage.scale.data_ptr() % ALIGNMENT
+    weights = StageWeights("semantic", torch.device("cpu"), [stage])
+    assert weights.nbytes == 12 * 8 * 4 + 8 * 4
+    weights.leave()
+    # every storage is freed in place: the fused tensor's two views with it; the host holds each once
+    assert all(storage.nbytes() == 0 for storage in weights.storages)
+    assert weights.host.numel() == sum(weights.sizes) < weights.nbytes + ALIGNMENT
+    assert stage.linear.weight.untyped_storage().nbytes() == stage.other.untyped_storage().nbytes() == 0
+    with pytest.raises(RuntimeError):  # used while away: an error, not numbers from freed memory
+        stage(x)
+    weights.come_back()
+    assert torch.equal(stage(x), expected)
+    # the adopted buffer sits at its old alignment (CPU kernels round by alignment) and resizes in place now
+    assert stage.scale.data_ptr() % ALIGNMENT == misaligned and stage.scale.untyped_storage().resizable()
+    assert stage.linear.weight.untyped_storage().data_ptr() == stage.other.untyped_storage().data_ptr()
+
+
+def test_the_storages_of_a_stage_are_each_found_once_and_only_on_its_device():
+    stage = Stage(1)
+    prepared = {"rows": (stage.linear.weight[1:3], stage.other), "elsewhere": torch.zeros(4, device="meta")}
+    storages = device_storages([stage, prepared, None], torch.device("cpu"))
+    assert len(storages) == 2  # the fused tensor (three views of it reached) and the buffer's copy
+
+
+def test_turns_give_the_device_to_one_stage_at_a_time_and_say_what_it_cost():
+    first, second = Stage(2), Stage(3)
+    x = torch.randn(2, 8)
+    expected = first(x), second(x)
+    turns = StageTurns([StageWeights("semantic", torch.device("cpu"), [first]),
+                        StageWeights("flow", torch.device("cpu"), [second])])
+    assert turns.take("flow") > 0.0 and turns.holds("flow") and not turns.holds("semantic")
+    assert turns.take("flow") == 0.0 and turns.turns == 1
+    assert torch.equal(second(x), expected[1])
+    turns.take("semantic")
+    assert torch.equal(first(x), expected[0]) and turns.current == "semantic"
+    with pytest.raises(RuntimeError):
+        second(x)
+    turns.release()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_song_with_the_stages_in_turn_is_the_song_with_both_on_the_device(tiny_folder):
+    """The real pipeline on the tiny model: the semantic stage's weights leave once the engine is built, each song
+    brings them back for its frames and the flow stage's for its audio; the song is bit for bit the same."""
+    from music3_demo.pipeline import Music3Pipeline
+    from music3_demo.request import GenerationRequest
+    from music3_demo.ui.report import report_markdown
+
+    request = GenerationRequest("bright synth-pop", lyrics="[verse]\nhello there", duration=6.0, num_steps=2, seed=5)
+    both = Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference", swap="off")
+    expected = both.generate(request)
+    both.release()
+    turns = Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference", swap="on")
+    assert turns.slots == 1 and turns.memory_plan_dict["stages_in_turn"] and not turns.overlap
+    assert not turns.turns.holds("semantic") and turns.turns.holds("flow")  # built: the flow stage has the device
+    songs = [turns.generate(request) for _ in range(2)]
+    for song in songs:
+        assert np.array_equal(song.audio, expected.audio) and np.array_equal(song.state.codes, expected.state.codes)
+        assert {"turn_to_semantic_s", "turn_to_flow_s"} <= song.timings.keys()
+    semantic = turns.turns.stages["semantic"]
+    assert not semantic.resident and sum(storage.nbytes() for storage in semantic.storages) == 0
+    assert turns.turns.turns == 4  # each song: the semantic stage in, then the flow stage
+    report = {"timings": songs[0].timings, "duration_s": 6.0, "frames": songs[0].frames, "sample_rate": 44100,
+              "seed": 5, "engine": "reference", "device": "cpu", "realtime_factor": 1.0,
+              "semantic_frames_per_s": None}
+    assert "The stages took turns on the GPU" in report_markdown(report)
+    turns.release()
