@@ -162,7 +162,7 @@ def as_loaded(choice: PrecisionChoice, dtype: torch.dtype) -> PrecisionChoice:
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, choice: PrecisionChoice,
                sizes=None, flow_device: torch.device | None = None, dit: str = "bf16",
-               defer_fp8_dit: bool = False) -> dict:
+               defer_fp8_dit: bool = False, lean_head: bool = False) -> dict:
     """The components on `device` (a stage split: the flow stage's on `flow_device`), the LM and depth decoder in
     `choice.mode`, the DiT in `dit` (bf16 | fp8). Every tensor is read (or drawn) and placed on its device one at a
     time; in a 1-byte mode each LM and depth-decoder block weight is quantized on the device as it arrives
@@ -171,8 +171,10 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, ch
     so the GPU holds one block's bf16 weights beside the fp8 ones at most, whichever stage arrived first. A load from
     files is first checked against the host's available memory (`host_need`, which counts the bf16 DiT there).
     `sizes`: a built-in model's (random-full only; the bench mutes its end token). `defer_fp8_dit`: leave the fp8
-    DiT's bf16 weights in host memory for the caller to quantize (`place_fp8_dit`) once the semantic stage is ready:
-    the engine's self-check holds the full lm_head and token embeddings, which the fp8 DiT need not sit beside."""
+    DiT's bf16 weights in host memory for the caller to quantize (`place_fp8_dit`) once the semantic stage is ready.
+    `lean_head` (a load for the graph engine): of lm_head only its audio rows stay, as they arrive (quant.audio_head:
+    the engine and its self-check read no other), and the token embeddings go to pinned host memory as they arrive
+    (weights.HostEmbedding: the prefill and the reference gather rows there), so neither sits on the GPU whole."""
     flow = flow_device or device
     devices = {name: flow for name in FLOW_COMPONENTS} if flow_device is not None else {}
     if dit == "fp8":
@@ -187,7 +189,12 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, ch
         return lambda component, name, tensor: component in QUANTIZED_COMPONENTS and quantizer.place(component,
                                                                                                      name, tensor)
 
-    placing = quantizing if choice.quantized else None
+    def placing(skeletons: dict):
+        quantized = quantizing(skeletons) if choice.quantized else (lambda component, name, tensor: False)
+        lean = _lean_head(skeletons["language_model"], device) if lean_head else (lambda name, tensor: False)
+        return lambda component, name, tensor: (component == "language_model" and lean(name, tensor)) or quantized(
+            component, name, tensor)
+
     if source.folder is None:
         components = build_random_full(device, dtype, placing, sizes=sizes, devices=devices or None)
     else:
@@ -205,6 +212,24 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, ch
         place_fp8_dit(components, flow)
     release_cached(device)  # what loading left in the allocator's cache (conversions)
     return components
+
+
+def _lean_head(language_model, device: torch.device):
+    """The place function of a lean-head load (load_model): lm_head's audio rows and the host's token embeddings."""
+    from .semantic.quant import audio_head
+    from .semantic.weights import host_embedding
+
+    def place(name: str, tensor: torch.Tensor) -> bool:
+        if name == "lm_head.weight":
+            language_model.lm_head = audio_head(tensor)
+        elif name == "model.embed_tokens.weight":
+            padding = language_model.model.embed_tokens.padding_idx
+            language_model.model.embed_tokens = host_embedding(tensor, device, padding)
+        else:
+            return False
+        return True
+
+    return place
 
 
 def place_fp8_dit(components: dict, device: torch.device) -> None:

@@ -19,7 +19,7 @@ class ModelFigures:
     lm_other: int  # the LM's norms
     depth_blocks: int
     depth_other: int  # depth decoder embeddings, projection, heads
-    trimmed: int  # token embeddings + full lm_head: on the device while loading and self-checking only
+    trimmed: int  # token embeddings + full lm_head (the reference engine's; a graph engine's load keeps neither)
     condition_encoder: int
     dit_blocks: int  # DiT block matrices: what the fp8 DiT stores in one byte
     dit_other: int

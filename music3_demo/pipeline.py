@@ -125,7 +125,7 @@ class Music3Pipeline:
             )
             self.engine_name = self.engine_record.name
             semantic = self._semantic_leaves() if self.swapping else None
-            if self._fp8_dit_on_host:  # the self-check's full head and embeddings have left the card
+            if self._fp8_dit_on_host:  # the self-check's scratch has left the card
                 self.release_caches()
                 place_fp8_dit(self.components, self.flow_device)
                 self._fp8_dit_on_host = False
@@ -226,7 +226,8 @@ class Music3Pipeline:
                 with getting_ready(device, plan, flow_device=flow_device):
                     # (with the stages in turn the flow stage waits in host memory until the semantic one has left)
                     components = load_model(source, device, dtype, plan.lm, dit=plan.dit.mode, defer_fp8_dit=True,
-                                            flow_device=torch.device("cpu") if plan.swap else flow_device)
+                                            flow_device=torch.device("cpu") if plan.swap else flow_device,
+                                            lean_head=planned == "graph")
                     if compiling is not None:
                         compiling.wait()
                     return cls(components, source, device, engine, overlap, allow_interpreter=allow_interpreter,

@@ -256,8 +256,10 @@ def build_components(
         taken = (lambda key, value, name=name: place(name, key, value)) if place is not None else None
         models[name] = fill(model, tensors, target, dtype, taken)
         if name == "language_model":
-            with torch.no_grad():
-                model.lm_head.weight[c.AUDIO_END_TOKEN_ID].mul_(sizes.end_token_gain)
+            with torch.no_grad():  # (a head of the audio rows only, as a load for the graph engine keeps: its last)
+                head = model.lm_head
+                rows, end = (head.audio.weight, -1) if hasattr(head, "audio") else (head.weight, c.AUDIO_END_TOKEN_ID)
+                rows[end].mul_(sizes.end_token_gain)
     models["tokenizer"] = build_tokenizer()
     models["scheduler"] = build_scheduler()
     return models

@@ -171,3 +171,32 @@ def test_a_plans_fp8_dit_waits_in_host_memory_until_it_is_placed():
     assert not loading.fp8_dit_waiting(on_host, bf16) and not loading.fp8_dit_waiting(on_host, None)
     on_meta = {"transformer": torch.nn.Linear(4, 4, device="meta")}  # (stands for one already on its GPU)
     assert not loading.fp8_dit_waiting(on_meta, fp8)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_a_load_for_the_graph_engine_keeps_the_heads_audio_rows_and_the_embeddings_on_the_host(tiny_folder, mode):
+    """lean_head: lm_head's text rows never stay on the device and the token embeddings go to host memory as they
+    arrive; the reference computation on what is left (the self-check's oracle, a fallback engine) is the full
+    model's on the audio rows, and the graph engine's prepared weights read the same rows (no second copy)."""
+    from music3_demo.semantic.quant import AudioHead
+    from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced
+    from music3_demo.semantic.weights import HostEmbedding, prepare_weights
+
+    source, choice = resolve("tiny"), PrecisionChoice(mode, mode, "test")
+    full = loading.load_model(source, torch.device("cpu"), torch.float32, choice)
+    lean = loading.load_model(source, torch.device("cpu"), torch.float32, choice, lean_head=True)
+    lm, depth = lean["language_model"], lean["rvq_depth_decoder"]
+    assert isinstance(lm.lm_head, AudioHead) and lm.lm_head.head is None
+    assert lm.lm_head.audio.out_features == 16_385 and isinstance(lm.model.embed_tokens, HostEmbedding)
+    assert "lm_head.weight" not in lm.state_dict()
+    generator = torch.Generator().manual_seed(0)
+    text_ids = torch.randint(0, 1000, (2, 12), generator=generator)
+    codes = random_codes(4, generator, depth.config.num_codebooks, depth.config.audio_vocab_size)
+    expected = reference_teacher_forced(full["language_model"], full["rvq_depth_decoder"], text_ids, codes)
+    got = reference_teacher_forced(lm, depth, text_ids, codes)
+    for value, reference in zip(got, expected):
+        torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-5)
+    weights = prepare_weights(lm, depth)
+    head = weights.audio_head if mode == "bf16" else weights.audio_head.data
+    module = lm.lm_head.audio.weight if mode == "bf16" else lm.lm_head.audio.qdata
+    assert head.untyped_storage().data_ptr() == module.untyped_storage().data_ptr()

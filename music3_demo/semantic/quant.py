@@ -16,7 +16,7 @@ What is left as it is, and why:
   they cost memory but no per-frame bandwidth worth a format change; the feedback embedding sums them in bf16;
 - norms: vectors of the hidden size;
 - lm_head's text rows: no audio frame reads them (the logits the sampler sees are the 16,384 audio rows and the end
-  row, which are quantized: `QuantizedAudioHead`), and the graph engine drops the full head after its self-check.
+  row, which are quantized: `AudioHead`); a load for the graph engine never puts them on the device (`audio_head`).
 """
 
 from __future__ import annotations
@@ -129,24 +129,43 @@ def audio_head_rows(device: torch.device | str | None = None) -> torch.Tensor:
                       torch.tensor([c.AUDIO_END_TOKEN_ID]))).to(device)
 
 
-class QuantizedAudioHead(nn.Module):
-    """lm_head with its audio rows (the 16,384 codes and the end token) quantized: the full-vocabulary logits of the
-    original head, with those rows' logits replaced by the quantized product's. The text rows stay (see the module
-    docstring); the graph engine reads `audio` and drops the whole head after its self-check."""
+class AudioHead(nn.Module):
+    """lm_head as the samplers read it: its audio rows (the 16,384 codes, then the end token) as a module of their own
+    (`audio`: a Linear, or a QuantizedLinear in a quantized mode) and the full-vocabulary logits with those rows'
+    values. The other rows come from `head`, the original lm_head, where it is kept; without it (a load for the graph
+    engine: the text rows never reach the device) they are -inf, which is what every sampler makes of them (the
+    reference masks all but the audio rows, the self-check reads those rows only)."""
 
-    def __init__(self, head: nn.Linear, audio: QuantizedLinear) -> None:
+    def __init__(self, audio: nn.Module, vocab_size: int, head: nn.Linear | None = None) -> None:
         super().__init__()
-        self.head, self.audio = head, audio
-        self.register_buffer("rows", audio_head_rows(audio.scale.device), persistent=False)
+        self.audio, self.head, self.vocab_size = audio, head, vocab_size
+        device = audio.scale.device if isinstance(audio, QuantizedLinear) else audio.weight.device
+        self.register_buffer("rows", audio_head_rows(device), persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
+        """The full head's weight (a head kept whole only)."""
+        if self.head is None:
+            raise AttributeError("this lm_head keeps its audio rows only (AudioHead.audio)")
         return self.head.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.head(x)
-        logits[..., self.rows] = self.audio(x).to(logits.dtype)
+        audio = self.audio(x)
+        if self.head is None:
+            logits = audio.new_full((*x.shape[:-1], self.vocab_size), float("-inf"))
+        else:
+            logits = self.head(x)
+        logits[..., self.rows] = audio.to(logits.dtype)
         return logits
+
+
+def audio_head(head: torch.Tensor) -> AudioHead:
+    """An lm_head of only the audio rows of the full head's weight `head` (copied on its device; the full weight can
+    go): the head a load for the graph engine keeps."""
+    rows = audio_head_rows(head.device)
+    audio = nn.Linear(head.shape[1], rows.numel(), bias=False, device="meta")
+    audio.weight = nn.Parameter(head.detach()[rows], requires_grad=False)
+    return AudioHead(audio, head.shape[0])
 
 
 @dataclass
@@ -285,18 +304,23 @@ class LayerQuantizer:
             self.place(component, name, linear.weight.detach())
 
     def finish(self) -> QuantReport:
-        """lm_head's audio rows quantized (the head itself stays), both models on the device; the report."""
+        """lm_head's audio rows quantized (the full head stays where the load kept it), both models on the device;
+        the report."""
         started = time.perf_counter()
         if self.targets:
             raise ValueError(f"{len(self.targets)} weights to quantize never arrived, e.g. {next(iter(self.targets))}")
         if self.mode != "bf16":
             language_model = self.language_model
             head = language_model.lm_head
-            rows = audio_head_rows(head.weight.device)
-            audio = nn.Linear(head.in_features, rows.numel(), bias=False, device="meta")
-            audio.weight = nn.Parameter(head.weight.detach()[rows], requires_grad=False)  # a copy of 16,385 rows
-            language_model.lm_head = QuantizedAudioHead(head, _swap(audio, *self.formats["language_model"],
-                                                                    self.device, self.report))
+            fmt = self.formats["language_model"]
+            if isinstance(head, AudioHead):  # the audio rows only (a load for the graph engine)
+                head.audio = _swap(head.audio, *fmt, self.device, self.report)
+            else:
+                rows = audio_head_rows(head.weight.device)
+                audio = nn.Linear(head.in_features, rows.numel(), bias=False, device="meta")
+                audio.weight = nn.Parameter(head.weight.detach()[rows], requires_grad=False)  # a copy of 16,385 rows
+                language_model.lm_head = AudioHead(_swap(audio, *fmt, self.device, self.report), head.out_features,
+                                                   head)
         self.language_model.to(self.device)
         self.depth_decoder.to(self.device)
         self.report.seconds = self.seconds + time.perf_counter() - started

@@ -96,8 +96,9 @@ def make_engine(
     sizing: Callable[[str], tuple[int | None, int | None, str]] | None = None,
 ) -> tuple[SemanticEngine, EngineRecord]:
     """The engine for `device` and its record. A graph engine that passes its self-check also gets its memory
-    trimmed: the full 168k-row lm_head is dropped and the token embeddings move to host memory, so nothing else may
-    read those modules afterwards (the reference engine would need them: it is never built after the trim).
+    trimmed: lm_head is dropped (the engine reads its own reference to the audio rows) and the token embeddings
+    move to host memory where the load has not put them there already (loading.load_model's `lean_head`), so
+    nothing else may read lm_head afterwards (the reference engine is never built after the trim).
     `sizing(engine name)`: its batch slots, KV pool positions and KV format (the card's memory plan; None: the
     engine's own default). The graph engine's self-check runs in a pool of its own size and the planned format
     (against the reference with that format's rounding); the planned pool is allocated after the trim, when first
@@ -113,9 +114,9 @@ def make_engine(
             language_model, depth_decoder, device, check_steps or SELF_CHECK_STEPS, slots, kv_format
         )
     if failure is None:
-        # The graph engine keeps its own copies of the audio rows it reads per frame: the full head (1.4 GB in
-        # bf16) is never read again, and the token embeddings only by the prefill, which gathers the prompt's rows
-        # on the host (another 1.24 GB of GPU memory).
+        # The graph engine holds the audio rows it reads per frame: the head is never read again, and the token
+        # embeddings only by the prefill, which gathers the prompt's rows on the host (1.4 GB in bf16 each, for a
+        # load that kept them whole).
         language_model.lm_head = None
         graph.text_embeddings_to_host()
         graph.size_pool(pool_positions)

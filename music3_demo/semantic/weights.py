@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .. import contract as c
 from ..fused_weights import fuse_rows
 from ..precision import kv_bytes_per_position
 from .kernels import interleave_rows
 from .kernels.qweight import Weight, dense, rows
-from .quant import QuantizedAudioHead, QuantizedLinear, fuse_quantized, precision_of
+from .quant import AudioHead, QuantizedLinear, fuse_quantized, precision_of
 
 
 AUDIO_CODES = c.SEMANTIC_VOCAB_SIZE + 1  # rows kept of lm_head: the 16,384 audio codes, then the end token
@@ -121,10 +122,12 @@ def prepare_weights(lm, depth) -> EngineWeights:
     # Token embeddings: the prompt's rows are read once per song (the prefill reads the module's table wherever it
     # is), the 16,384 semantic-code rows every frame. The latter get their own device copy so the full table can
     # leave the GPU (`text_embeddings_to_host`).
-    text_embed = lm.model.embed_tokens.weight.data
-    semantic_embed = text_embed[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE].clone()
-    if isinstance(lm.lm_head, QuantizedAudioHead):  # its own module holds just those rows, quantized
-        audio_head = lm.lm_head.audio.qweight(dtype)
+    device = lm.model.norm.weight.device
+    text_embed = lm.model.embed_tokens.weight.data  # (in host memory already after a load for this engine)
+    semantic_embed = text_embed[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE].to(device,
+                                                                                                   copy=True)
+    if isinstance(lm.lm_head, AudioHead):  # its own module holds just those rows (quantized in a quantized mode)
+        audio_head = _weight(lm.lm_head.audio, dtype)
     else:
         head = lm.lm_head.weight.data
         # Only the audio rows and the end row of the 200k-row head: a copy, so the full head can be dropped later.
@@ -183,15 +186,30 @@ def prepare_weights(lm, depth) -> EngineWeights:
     )
 
 
+class HostEmbedding(nn.Embedding):
+    """A token-embedding table in (pinned) host memory: the rows are gathered there and moved to the ids' device."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids.to(self.weight.device), self.weight, self.padding_idx).to(ids.device,
+                                                                                         non_blocking=True)
+
+
+@torch.no_grad()
+def host_embedding(table: torch.Tensor, device: torch.device, padding_idx: int | None = None) -> HostEmbedding:
+    """`table` (the LM's token embeddings, anywhere) as a HostEmbedding, pinned where `device` is a GPU."""
+    host = table.detach().to("cpu")
+    if torch.device(device).type == "cuda" and not host.is_pinned():
+        host = host.pin_memory()
+    return HostEmbedding.from_pretrained(host, freeze=True, padding_idx=padding_idx)
+
+
 @torch.no_grad()
 def text_embeddings_to_host(language_model, device: torch.device) -> None:
-    """Move the language model's token-embedding table to (pinned) host memory: 1.4 GB of GPU memory for the
-    released checkpoint in bf16. Only the prefill reads it, gathering the prompt's rows on the host and copying
-    them over once per song; the per-frame feedback uses the engine's own copy of the semantic-code rows. The
-    module's weight moves (no second copy), so other engines on the same modules would then embed on the host:
-    pipelines call this only for the graph engine."""
+    """The language model's token-embedding table to (pinned) host memory: 1.4 GB of GPU memory for the released
+    checkpoint in bf16. The prefill reads it, gathering the prompt's rows on the host and copying them over once per
+    song; the per-frame feedback uses the engine's own copy of the semantic-code rows; the reference computation
+    (the self-check, a fallback engine) gathers there too (`HostEmbedding`). A load for the graph engine puts it
+    there as it arrives (loading.load_model); this moves one already on the device."""
     module = language_model.model.embed_tokens
-    host = module.weight.data.to("cpu")
-    if device.type == "cuda":
-        host = host.pin_memory()
-    module.weight.data = host
+    if not isinstance(module, HostEmbedding):
+        language_model.model.embed_tokens = host_embedding(module.weight, device, module.padding_idx)

@@ -17,7 +17,7 @@ from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, TailScratch,
 from music3_demo.semantic.kernels.linear import convert_tile
 from music3_demo.semantic.kernels.qweight import BITS_BF16, BITS_F16, NATIVE_F16, QWeight
 from music3_demo.semantic.quant import (
-    QuantizedAudioHead, QuantizedLinear, Scheme, audio_head_rows, fp8_supported, quantize_model_, quantize_weight,
+    AudioHead, QuantizedLinear, Scheme, audio_head_rows, fp8_supported, quantize_model_, quantize_weight,
 )
 from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 
@@ -132,7 +132,7 @@ def test_quantize_model_swaps_the_linear_modules_and_the_reference_reads_the_deq
     assert report.group == 16 and report.scheme == "int8/g16" and report.notes  # tiny's K: 32, 48, 64
     assert report.bytes_after == report.weights * (1 + 4 / 16)  # float32 weights -> 1 byte + a scale per 16
     assert torch.equal(lm.model.embed_tokens.weight, embed)  # embeddings and text rows as they were
-    assert isinstance(lm.lm_head, QuantizedAudioHead)
+    assert isinstance(lm.lm_head, AudioHead)
     x = rand(3, lm.config.hidden_size, seed=9)
     logits = lm.lm_head(x)
     rows = audio_head_rows()

@@ -35,14 +35,16 @@ def compile_error(set_attr: SetAttr) -> None:
 def wrong_model(set_attr: SetAttr) -> None:
     """The engine disagrees with the reference about the model (what the self-check exists for): its own copy of
     lm_head's audio rows is negated, so its logits are off by a relative error of 2 while its hidden states stay
-    right."""
+    right (a negated copy: the engine reads the module's own rows otherwise, which the reference reads too)."""
+    from dataclasses import replace
+
     from music3_demo.semantic.graph import GraphEngine
 
     build = GraphEngine.__init__
 
     def perturbed(self, *args, **kwargs) -> None:
         build(self, *args, **kwargs)
-        self.weights.audio_head.neg_()
+        self.weights = replace(self.weights, audio_head=-self.weights.audio_head)
 
     set_attr(GraphEngine, "__init__", perturbed)
 
