@@ -104,3 +104,18 @@ def test_a_song_with_the_stages_in_turn_is_the_song_with_both_on_the_device(tiny
               "semantic_frames_per_s": None}
     assert "The stages took turns on the GPU" in report_markdown(report)
     turns.release()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_the_app_says_the_stages_take_turns_and_runs_one_song_at_a_time(tiny_folder):
+    """What a user of such a card is told before a song: the banner's plan line, and one song at a time."""
+    from music3_demo.serve.holder import ModelHolder
+    from music3_demo.ui.assets import banner_html
+
+    holder = ModelHolder("tiny", ["cpu"], "reference", warmup=False, swap="on")
+    holder.preload(background=False)
+    status = holder.status()
+    assert status.state == "ready" and status.slots == {"cpu": 1}
+    assert status.memory_plan["cpu"]["stages_in_turn"] is True
+    assert "the stages in turn" in status.plan_summary and "the stages in turn" in banner_html(status)
+    holder.release()
