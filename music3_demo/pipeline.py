@@ -14,7 +14,7 @@ import torch
 from . import contract as c
 from . import flow as flow_stage
 from .allocator import release_cached, trim_cache
-from .checkpoint import CheckpointError, ModelSource, default_device, default_dtype, resolve
+from .checkpoint import FLOW_COMPONENTS, CheckpointError, ModelSource, default_device, default_dtype, resolve
 from .continuation import SongState
 from .devices import normalize, on_device, split_devices
 from .events import Cancelled, Event, Song
@@ -130,7 +130,7 @@ class Music3Pipeline:
                 place_fp8_dit(self.components, self.flow_device)
                 self._fp8_dit_on_host = False
             if self.swapping:
-                for name in ("condition_encoder", "transformer", "vocoder"):  # (the fp8 DiT is there already)
+                for name in FLOW_COMPONENTS:  # (the fp8 DiT is there already)
                     self.components[name].to(self.flow_device)
             asked = False if self.swapping else self._overlap  # (in turn: the frames first, then the audio)
             self.overlap, self.separate_flow_rng = overlap_rule(asked, self.engine.separate_flow_rng)
@@ -144,7 +144,7 @@ class Music3Pipeline:
                                                         capture=not self.swapping)
             self.velocity_graphs = self.flow_executor.graphs
             if semantic is not None:  # the flow stage has the device now; songs take it in turn
-                parts = [self.components[name] for name in ("condition_encoder", "transformer", "vocoder")]
+                parts = [self.components[name] for name in FLOW_COMPONENTS]
                 self.turns = StageTurns([semantic, StageWeights("flow", self.flow_device, parts)])
             # What the self-check and the trim (full lm_head dropped, embeddings to the host) left in the cache.
             self.release_caches()

@@ -9,7 +9,8 @@ never change: later turns only free them) and frees the device storages in place
 view over them stays the same object; coming back allocates them again and copies the bytes in, waiting for the copy
 before anything reads them. Their device addresses change on the way: whatever captured
 them (CUDA graphs) is dropped by the stage's `on_leave` before the weights go, and captured again at its next use.
-A stage used while away fails loudly (a storage of size zero), never silently.
+Nothing may read a stage while it is away: a module's own forward then fails on a storage of size zero, but a raw
+read (a kernel given the pointer) would not, so `StageTurns.take` is the only way to a stage's weights.
 """
 
 from __future__ import annotations
@@ -179,12 +180,12 @@ class StageTurns:
     def take(self, name: str) -> float:
         """`name`'s weights on the device, the others' in host memory; the seconds it took (0.0: it had the device)."""
         with self._lock:
-            if self.current == name and all(not s.resident for n, s in self.stages.items() if n != name):
+            others = [stage for other, stage in self.stages.items() if other != name]
+            if self.stages[name].resident and not any(stage.resident for stage in others):
                 return 0.0
             started = time.perf_counter()
-            for other, stage in self.stages.items():
-                if other != name:
-                    stage.leave()
+            for stage in others:
+                stage.leave()
             self.stages[name].come_back()
             self.turns += 1
             return time.perf_counter() - started
