@@ -213,23 +213,41 @@ _ONES_SUFFIXES = ("norm.weight", "layernorm.weight", "norm1.weight", "norm2.weig
                   "original0", "weight_g", "q_norm.weight", "k_norm.weight")
 
 
-def random_tensors(model: torch.nn.Module, generator: torch.Generator,
-                   device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+# A weight larger than this many elements is drawn in float32 blocks of about this size, each rounded into the
+# model's dtype as it is drawn: a full-size embedding table (688M elements) is never whole in float32 on a small card.
+DRAW_BLOCK = 1 << 22
+
+
+def random_tensors(model: torch.nn.Module, generator: torch.Generator, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
     """Deterministic scale-aware random weights (unit-variance activations) for every parameter of `model` (a
     skeleton: only names and shapes are read), drawn on `device` in float32 in parameter order from one generator,
-    the same on CPU and GPU; a bf16 model gets exactly the rounded float32 model's weights."""
+    floating weights yielded in `dtype`; the draws do not depend on `dtype`, so a bf16 model gets exactly the rounded
+    float32 model's weights."""
     for pname, param in model.named_parameters():
         if pname == "conv_out.weight_g":
             # Keeps the vocoder's output tanh out of saturation, so waveform comparisons stay sensitive.
-            yield pname, torch.full(param.shape, 0.03, device=device)
+            yield pname, torch.full(param.shape, 0.03, device=device, dtype=dtype)
         elif pname.endswith(_ONES_SUFFIXES):
-            yield pname, torch.ones(param.shape, device=device)
+            yield pname, torch.ones(param.shape, device=device, dtype=dtype)
         elif pname.endswith("bias"):
-            yield pname, torch.zeros(param.shape, device=device)
+            yield pname, torch.zeros(param.shape, device=device, dtype=dtype)
         else:
             unit = param.dim() == 1 or ("embed" in pname and param.dim() == 2)
             std = 1.0 if unit or param.dim() < 2 else param[0].numel() ** -0.5
-            yield pname, torch.empty(param.shape, device=device).normal_(0.0, std, generator=generator)
+            yield pname, _normal(param.shape, std, generator, device, dtype)
+
+
+def _normal(shape: torch.Size, std: float, generator: torch.Generator, device: torch.device,
+            dtype: torch.dtype) -> torch.Tensor:
+    if shape.numel() <= DRAW_BLOCK or len(shape) < 2:
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=generator).to(dtype)
+    out = torch.empty(shape, device=device, dtype=dtype)
+    rows = max(1, DRAW_BLOCK // shape[1:].numel())
+    for start in range(0, shape[0], rows):
+        block = out[start : start + rows]
+        block.copy_(torch.empty(block.shape, device=device).normal_(0.0, std, generator=generator))
+    return out
 
 
 def build_components(
@@ -250,7 +268,7 @@ def build_components(
     models = {}
     for name, model in skeletons.items():
         target = torch.device((devices or {}).get(name, device))
-        tensors = random_tensors(model, generator, device)  # drawn on the generator's device, in the same order
+        tensors = random_tensors(model, generator, device, dtype)  # drawn on the generator's device, in the same order
         if target != device:  # (converted where drawn: the same rounding, half the bytes to move)
             tensors = ((key, value.to(target, dtype)) for key, value in tensors)
         taken = (lambda key, value, name=name: place(name, key, value)) if place is not None else None

@@ -372,6 +372,10 @@ def test_where_both_stages_do_not_fit_they_take_turns_and_streaming_stays_where_
     turns = plan(10 * GiB / GB)  # nothing with both stages on the card holds a 2-minute song (a 12 GB card's
     # 11 GiB less the CUDA context: streaming there holds 1 min 22 s)
     assert plan((11 * GiB - CONTEXT) / GB, swap="off").longest_alone_s == 82.16
+    # ... so it takes turns with 8-bit weights, which hold about 3 minutes there (int4's 6 would cost its accuracy)
+    twelve = plan((11 * GiB - CONTEXT) / GB)
+    assert twelve.swap and (twelve.lm.mode, twelve.dit.mode, twelve.kv) == ("fp8", "fp8", "int8"), twelve.why
+    assert 180 <= twelve.longest_alone_s < 190
     assert turns.fits and turns.swap and (turns.lm.mode, turns.dit.mode, turns.kv) == ("int4", "bf16", "int8")
     assert turns.slots == 1 and (turns.dit_bucket, turns.vocoder_bucket) == (1, 1) and turns.longest_alone_s == 360
     semantic, flow = turns.stage_bytes("semantic"), turns.stage_bytes("flow")

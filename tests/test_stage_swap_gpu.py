@@ -1,7 +1,8 @@
 """GPU: the stages in turn on CUDA (stage_swap.py) with the graph engine: the semantic stage's weights leave the card
 (torch's allocator holds that much less), come back for each song's frames (the frame graph captured again over the
-new addresses), and the song's codes are the streaming pipeline's bit for bit, its audio within the eager DiT's
-rounding of the captured one (the tiny model: the mechanism; the full-size figures per card are the plan's)."""
+new addresses), and the song is the streaming pipeline's bit for bit with the DiT run eagerly there too (in turn the
+DiT is never captured: its weights' addresses change from turn to turn). The tiny model: the mechanism; the
+full-size figures per card are the plan's."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from music3_demo.pipeline import Music3Pipeline
 from music3_demo.request import GenerationRequest
 
 pytestmark = pytest.mark.gpu
-AUDIO_TOLERANCE = 5e-2  # relative: the eager DiT against its captured graph, over a whole song (flow tests' bound)
 
 
 def test_the_stages_in_turn_on_cuda_make_the_streaming_pipelines_song_and_free_what_leaves():
     request = GenerationRequest("lofi", "[verse]\nla la", duration=10.0, num_steps=2, seed=4)
     both = Music3Pipeline.from_pretrained("tiny", device="cuda:0", swap="off")
+    captured = both.generate(request)
+    both.flow_executor.graphs = None  # the streaming pipeline's DiT eager, as in turn
     expected = both.generate(request)
     both.release()
     turns = Music3Pipeline.from_pretrained("tiny", device="cuda:0", swap="on")
@@ -35,9 +37,10 @@ def test_the_stages_in_turn_on_cuda_make_the_streaming_pipelines_song_and_free_w
     captures = turns.engine.capture_count
     songs = [turns.generate(request) for _ in range(2)]
     assert turns.engine.capture_count > captures  # the frame graph read new addresses: captured again
+    difference = np.linalg.norm(captured.audio - expected.audio) / np.linalg.norm(expected.audio)
+    print(f"the captured DiT's song against the eager one: {difference:.3g} relative")
     for song in songs:
-        assert np.array_equal(song.state.codes, expected.state.codes)
+        assert np.array_equal(song.state.codes, captured.state.codes)
         error = np.linalg.norm(song.audio - expected.audio) / np.linalg.norm(expected.audio)
-        assert error < AUDIO_TOLERANCE and song.timings["turn_to_semantic_s"] > 0
-    assert np.array_equal(songs[0].audio, songs[1].audio)
+        assert error == 0.0 and song.timings["turn_to_semantic_s"] > 0, error
     turns.release()
