@@ -175,10 +175,12 @@ class OnOutOfMemory:
     figures measured after `release()` gave the caches back). The original error and its traceback go to the log;
     the traceback's frames are cleared, so the tensors they held are freed at once rather than when the exception
     is collected. `during`: "song" keeps any OutOfMemory already raised inside; "load" also turns a song's (the
-    warm-up is a song) into a load failure."""
+    warm-up is a song) into a load failure. `note()`, where given, runs first, while the tensors of the failed
+    work are still held (a memory map of the moment)."""
 
-    def __init__(self, during: str, build: Callable[[], DeviceOutOfMemory], release: Callable[[], None]) -> None:
-        self.during, self.build, self.release = during, build, release
+    def __init__(self, during: str, build: Callable[[], DeviceOutOfMemory], release: Callable[[], None],
+                 note: Callable[[], object] | None = None) -> None:
+        self.during, self.build, self.release, self.note = during, build, release, note
 
     def __enter__(self) -> None:
         return None
@@ -189,6 +191,8 @@ class OnOutOfMemory:
         if isinstance(error, OutOfMemory) and not (self.during == "load" and getattr(error, "during", "") == "song"):
             return False
         log.info("out of memory (%s): %s", self.during, " ".join(str(error).split())[:400], exc_info=error)
+        if self.note is not None:
+            self.note()
         traceback.clear_frames(tb)
         error.__traceback__ = None
         self.release()

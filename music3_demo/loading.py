@@ -25,6 +25,7 @@ from .errors import DeviceOutOfMemory, OnOutOfMemory, load_sentence
 from .allocator import cap_allocator, lift_allocator_cap, release_cached
 from .memory import check_host_memory, device_memory, free_and_capability
 from .memory_layout import GB, PARKING, WARM_UP, MemoryPlan, song_positions
+from .memory_map import write_if_asked
 from .memory_plan import plan_memory
 from .precision import QUANTIZED, PrecisionChoice, fp8_capable
 from .random_models import WEIGHT_COMPONENTS
@@ -138,7 +139,8 @@ def getting_ready(device: torch.device, plan: MemoryPlan | None, stage: str = "l
         for card in {device, flow_device or device}:
             release_cached(card)
 
-    return OnOutOfMemory("load", lambda: load_out_of_memory(device, plan, stage, mode), release)
+    return OnOutOfMemory("load", lambda: load_out_of_memory(device, plan, stage, mode), release,
+                         note=lambda: write_if_asked(device, "oom-load"))
 
 
 def modes_text(plan: MemoryPlan | None, fallback: str = "") -> str:

@@ -26,6 +26,7 @@ import torch
 
 from .allocator import prefer_expandable_segments
 from .errors import DeviceOutOfMemory, HostOutOfMemory, OnOutOfMemory, host_sentence, song_sentence
+from .memory_map import write_if_asked
 
 GB = 1e9
 # What a load leaves the host beyond its own need: the rest of the process, the desktop.
@@ -196,8 +197,10 @@ def song_out_of_memory(device: torch.device | str, mode: str) -> DeviceOutOfMemo
 
 def song_guard(device: torch.device | str, mode: str, release: Callable[[], None]) -> OnOutOfMemory:
     """A song's `with` block: an out-of-memory inside ends the song with `song_out_of_memory`'s sentence (weights in
-    `mode`), once `release()` gave the caches back."""
-    return OnOutOfMemory("song", lambda: song_out_of_memory(device, mode), release)
+    `mode`), once `release()` gave the caches back; first, where MUSIC3_MEMORY_MAP asks, the map of that moment
+    (memory_map.py: DIR/oom-<pid>-<n>.json)."""
+    return OnOutOfMemory("song", lambda: song_out_of_memory(device, mode), release,
+                         note=lambda: write_if_asked(device, "oom"))
 
 
 # ---- the host ----------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ SEGMENTS = [
             {"filename": "/x/music3_demo/flow/executor.py", "line": 99, "name": "vocode"}]},
         {"size": 2 << 20, "state": "active_allocated", "frames": []},
         {"size": 2 << 20, "state": "inactive", "frames": []}]},
-    {"device": 0, "segment_pool_id": (1, 3), "total_size": 2 << 20, "allocated_size": 0, "blocks": [
+    {"device": 0, "segment_pool_id": (1, 3), "stream": 7, "total_size": 2 << 20, "allocated_size": 0, "blocks": [
         {"size": 2 << 20, "state": "inactive", "frames": []}]},
     {"device": 1, "segment_pool_id": (0, 0), "total_size": 64 << 20, "allocated_size": 64 << 20, "blocks": []},
 ]
@@ -28,7 +28,8 @@ def test_the_summary_tells_the_general_pool_from_a_graphs_and_names_where_live_b
     figures = memory_map.summarize(SEGMENTS, device_index=0)
     assert (figures["reserved_bytes"], figures["allocated_bytes"]) == (10 << 20, 6 << 20)
     assert figures["pools"]["general"] == {"reserved_bytes": 8 << 20, "allocated_bytes": 6 << 20, "segments": 1,
-                                           "cached_bytes": 2 << 20}
+                                           "cached_bytes": 2 << 20, "cached_by_stream": {"0": 2 << 20}}
+    assert figures["pools"]["graph pool 1.3"]["cached_by_stream"] == {"7": 2 << 20}  # (a side stream's cache)
     assert figures["pools"]["graph pool 1.3"]["cached_bytes"] == 2 << 20  # a captured graph's pool: all cached
     largest = figures["largest_live"]
     assert [block["bytes"] for block in largest] == [4 << 20, 2 << 20]
