@@ -67,7 +67,7 @@ def fill(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], device: 
     """Give `model` (a skeleton) its tensors, one at a time on `device`; floating tensors in `dtype`, the others as
     they come. `place(name, tensor)` may take a tensor instead (it must then put what the module needs in place).
     Raises StreamMismatch at a name the model lacks, and after the last tensor for a parameter or persistent buffer
-    that none gave. Returns the model on `device`, in eval mode."""
+    that none gave. Returns the model (its computed buffers on `device` too), in eval mode."""
     expected = set(model.state_dict().keys())
     seen: set[str] = set()
     for name, tensor in tensors:
@@ -84,9 +84,19 @@ def fill(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], device: 
     missing = sorted(name for name, value in model.state_dict().items() if value.is_meta)
     if missing:
         raise StreamMismatch(f"the checkpoint lacks {', '.join(missing[:3])} of {type(model).__name__}", seen)
-    model.to(device)  # the buffers the module computed at init
+    buffers_to(model, device)
     _refresh_weight_norm(model)
     return model.eval()
+
+
+def buffers_to(model: nn.Module, device: torch.device | str) -> None:
+    """The buffers `model` computed at init (rotary inverse frequencies: made where init ran) onto `device`; the
+    parameters stay where they were put: a place function may keep one elsewhere on purpose (a load for the graph
+    engine keeps the token embeddings in host memory), which `model.to(device)` would bring back."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != torch.device(device):
+                module._buffers[name] = buffer.to(device)
 
 
 def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:

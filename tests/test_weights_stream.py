@@ -217,3 +217,15 @@ def test_a_large_random_weight_is_drawn_in_blocks_into_the_models_dtype(monkeypa
         assert torch.equal(value, drawn[torch.float32][name].to(torch.bfloat16)), name
     table = drawn[torch.float32]["0.weight"]  # (std 64 ** -0.5: its name is not an embedding's)
     assert 0.11 < table.std().item() < 0.14 and not torch.equal(table[:15], table[15:30])  # every block its own draws
+
+
+def test_a_weight_placed_elsewhere_stays_there_while_the_computed_buffers_come_to_the_device():
+    """fill's last step moves only the buffers a module computed at init: a load for the graph engine keeps the
+    token embeddings in host memory, and `model.to(device)` there put the 1.4 GB table back on a 12 GB card. (The
+    CPU's stand-in for another device: `meta`.)"""
+    from torch import nn
+
+    model = nn.Linear(4, 2)
+    model.register_buffer("computed", torch.arange(3.0))
+    weights_stream.buffers_to(model, "meta")
+    assert model.weight.device.type == "cpu" and model.computed.device.type == "meta"

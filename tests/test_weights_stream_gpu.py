@@ -1,0 +1,26 @@
+"""GPU: a load for the graph engine keeps what it keeps off the card there: the token embeddings stay in pinned host
+memory after the load (a model.to(device) at the end of each component's fill brought the 1.4 GB table back
+on a full-size model), and of lm_head only its audio rows are on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from music3_demo.pipeline import Music3Pipeline
+from music3_demo.semantic.quant import AudioHead
+
+pytestmark = pytest.mark.gpu
+
+
+def test_a_load_for_the_graph_engine_leaves_the_embeddings_in_host_memory():
+    pipeline = Music3Pipeline.from_pretrained("tiny", device="cuda:0", lazy=True)
+    try:
+        lm = pipeline.components["language_model"]
+        table = lm.model.embed_tokens.weight
+        assert table.device.type == "cpu" and table.is_pinned()
+        assert isinstance(lm.lm_head, AudioHead) and lm.lm_head.head is None
+        assert lm.lm_head.audio.weight.device.type == "cuda"
+        assert lm.model.norm.weight.device.type == "cuda"
+    finally:
+        pipeline.release()
