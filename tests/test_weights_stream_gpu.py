@@ -13,14 +13,16 @@ from music3_demo.semantic.quant import AudioHead
 pytestmark = pytest.mark.gpu
 
 
-def test_a_load_for_the_graph_engine_leaves_the_embeddings_in_host_memory():
-    pipeline = Music3Pipeline.from_pretrained("tiny", device="cuda:0", lazy=True)
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])  # (fp8: the quantizer's finish moved the models too)
+def test_a_load_for_the_graph_engine_leaves_the_embeddings_in_host_memory(precision):
+    pipeline = Music3Pipeline.from_pretrained("tiny", device="cuda:0", lazy=True, precision=precision)
     try:
         lm = pipeline.components["language_model"]
         table = lm.model.embed_tokens.weight
         assert table.device.type == "cpu" and table.is_pinned()
         assert isinstance(lm.lm_head, AudioHead) and lm.lm_head.head is None
-        assert lm.lm_head.audio.weight.device.type == "cuda"
+        assert next(lm.lm_head.audio.buffers(), None) is not None or lm.lm_head.audio.weight.is_cuda
+        assert all(tensor.is_cuda for tensor in lm.lm_head.audio.state_dict().values())
         assert lm.model.norm.weight.device.type == "cuda"
     finally:
         pipeline.release()

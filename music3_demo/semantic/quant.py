@@ -31,6 +31,7 @@ from torch import nn
 
 from .. import contract as c
 from ..precision import EQUALIZED
+from ..weights_stream import buffers_to
 from .equalize import LINEARS, LayerGatherer, equalize_
 from .kernels.qweight import INT4_ZERO, QWeight
 
@@ -303,9 +304,10 @@ class LayerQuantizer:
         for (component, name), (_, _, linear) in list(self.targets.items()):
             self.place(component, name, linear.weight.detach())
 
-    def finish(self) -> QuantReport:
-        """lm_head's audio rows quantized (the full head stays where the load kept it), both models on the device;
-        the report."""
+    def finish(self, whole: bool = False) -> QuantReport:
+        """lm_head's audio rows quantized (the full head stays where the load kept it), both models on the device
+        (`whole`: every tensor; else, as a load placed them, their computed buffers only: the host's token
+        embeddings stay there); the report."""
         started = time.perf_counter()
         if self.targets:
             raise ValueError(f"{len(self.targets)} weights to quantize never arrived, e.g. {next(iter(self.targets))}")
@@ -321,8 +323,8 @@ class LayerQuantizer:
                 audio.weight = nn.Parameter(head.weight.detach()[rows], requires_grad=False)  # a copy of 16,385 rows
                 language_model.lm_head = AudioHead(_swap(audio, *fmt, self.device, self.report), head.out_features,
                                                    head)
-        self.language_model.to(self.device)
-        self.depth_decoder.to(self.device)
+        for model in (self.language_model, self.depth_decoder):
+            model.to(self.device) if whole else buffers_to(model, self.device)
         self.report.seconds = self.seconds + time.perf_counter() - started
         return self.report
 
@@ -339,7 +341,7 @@ def quantize_model_(
     (`LayerQuantizer`)."""
     quantizer = LayerQuantizer(language_model, depth_decoder, mode, device, scheme, depth_scheme, equalize)
     quantizer.swap_all()
-    return quantizer.finish()
+    return quantizer.finish(whole=True)
 
 
 def _swap(linear: nn.Linear, fmt: str, group: int, device: torch.device, report: QuantReport) -> QuantizedLinear:
