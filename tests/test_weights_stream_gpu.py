@@ -21,7 +21,6 @@ def test_a_load_for_the_graph_engine_leaves_the_embeddings_in_host_memory(precis
         table = lm.model.embed_tokens.weight
         assert table.device.type == "cpu" and table.is_pinned()
         assert isinstance(lm.lm_head, AudioHead) and lm.lm_head.head is None
-        assert next(lm.lm_head.audio.buffers(), None) is not None or lm.lm_head.audio.weight.is_cuda
         assert all(tensor.is_cuda for tensor in lm.lm_head.audio.state_dict().values())
         assert lm.model.norm.weight.device.type == "cuda"
     finally:
