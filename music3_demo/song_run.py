@@ -239,10 +239,12 @@ class SongRun:
                 self._held_s += first_chunks.wait(self.cancel)
 
     def finish_flow(self, held: list[torch.Tensor]) -> None:
-        """The frames held back (no overlap), the last chunks, and every piece left delivered."""
+        """The frames held back (no overlap), the last chunks, and every piece left delivered. The held blocks go to
+        the worker one by one, as they were made: each chunk's piece is delivered when that chunk is done, not after
+        the song's last (one push of all the frames decodes every chunk before it returns)."""
         check_cancel(self.cancel)
-        if held:
-            self.worker.submit(torch.cat(held))
+        for block in held:
+            self.worker.submit(block)
         self.worker.finish()
         self._publish(wait=True)
         check_cancel(self.cancel)

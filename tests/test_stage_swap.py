@@ -85,21 +85,28 @@ def test_a_song_with_the_stages_in_turn_is_the_song_with_both_on_the_device(tiny
     from music3_demo.request import GenerationRequest
     from music3_demo.ui.report import report_markdown
 
-    request = GenerationRequest("bright synth-pop", lyrics="[verse]\nhello there", duration=6.0, num_steps=2, seed=5)
+    from music3_demo.events import AudioPiece, Progress
+
+    request = GenerationRequest("bright synth-pop", lyrics="[verse]\nhello there", duration=12.0, num_steps=2, seed=5)
     both = Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference", swap="off")
     expected = both.generate(request)
     both.release()
     turns = Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference", swap="on")
     assert turns.slots == 1 and turns.memory_plan_dict["stages_in_turn"] and not turns.overlap
     assert not turns.turns.holds("semantic") and turns.turns.holds("flow")  # built: the flow stage has the device
-    songs = [turns.generate(request) for _ in range(2)]
+    events = []
+    songs = [turns.generate(request, on_event=events.append), turns.generate(request)]
+    # its audio streams once the frames are made: the first chunk's piece before the last chunk's steps
+    kinds = [("audio" if isinstance(e, AudioPiece) else "flow" if isinstance(e, Progress) and e.stage == "flow"
+              else None) for e in events]
+    assert kinds.index("audio") < len(kinds) - 1 - kinds[::-1].index("flow"), kinds
     for song in songs:
         assert np.array_equal(song.audio, expected.audio) and np.array_equal(song.state.codes, expected.state.codes)
         assert {"turn_to_semantic_s", "turn_to_flow_s"} <= song.timings.keys()
     semantic = turns.turns.stages["semantic"]
     assert not semantic.resident and sum(storage.nbytes() for storage in semantic.storages) == 0
     assert turns.turns.turns == 4  # each song: the semantic stage in, then the flow stage
-    report = {"timings": songs[0].timings, "duration_s": 6.0, "frames": songs[0].frames, "sample_rate": 44100,
+    report = {"timings": songs[0].timings, "duration_s": 12.0, "frames": songs[0].frames, "sample_rate": 44100,
               "seed": 5, "engine": "reference", "device": "cpu", "realtime_factor": 1.0,
               "semantic_frames_per_s": None}
     assert "The stages took turns on the GPU" in report_markdown(report)
