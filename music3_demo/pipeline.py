@@ -264,7 +264,7 @@ class Music3Pipeline:
 
     def release(self) -> None:
         """Drop engine state (graphs, KV caches) and the weights; the object is unusable afterwards."""
-        if self.stages_pid == os.getpid():  # another process's graphs and executor thread are not ours to free
+        if self.stages_pid == os.getpid() and self.flow_executor is not None:  # (another process's are not ours)
             release = getattr(self.engine, "release", None)
             if release is not None:
                 release()
@@ -274,6 +274,8 @@ class Music3Pipeline:
             if self.turns is not None:
                 self.turns.release()
         self.components.clear()
+        # (and what holds weights: a pipeline still referenced, by a failed warm-up's traceback say, frees them)
+        self.engine = self.flow_executor = self.velocity_graphs = self.turns = None
         self.release_caches()
         lift_allocator_caps(self.device, self.flow_device)
 

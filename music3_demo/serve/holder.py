@@ -247,7 +247,7 @@ class ModelHolder:
             from ..pipeline import Music3Pipeline
 
             self._loading[held.device] = started = time.monotonic()
-            self._error = None
+            self._error, pipeline = None, None
             try:
                 source = self._resolve(on_phase)
                 self._set_phase(f"{LOAD_PHASES[1]} {self.model} onto {held.device}", on_phase)
@@ -269,6 +269,8 @@ class ModelHolder:
                         self._set_phase(f"{LOAD_PHASES[2]} up on {held.device}", on_phase)
                         self.record_song(held.device, pipeline, pipeline.warm(), steps=1)
             except Exception as error:
+                if pipeline is not None:  # loaded, then its warm-up failed: its memory goes now, not at a collection
+                    pipeline.release()
                 self._error = load_error_message(self.model, error)
                 self._phase = "failed to load"
                 raise CheckpointError(self._error) from error

@@ -140,3 +140,31 @@ def test_the_cli_exits_2_when_the_card_is_too_small_for_the_model(monkeypatch, t
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert re.search(r"^error: The model does not fit on cpu in int4 LM, fp8 DiT: 2\.0 GB are free and it needs about "
                      r"[\d.]+ GB to load and make a song; close other programs", result.stderr, flags=re.M)
+
+
+def test_a_warm_up_that_runs_out_of_memory_frees_what_the_load_took(monkeypatch, tiny_folder):
+    """The load succeeded, its warm-up ran out of memory: the load fails with one sentence and the loaded pipeline
+    is released at once (its weights, engine and flow executor), so the next request's load plans with the card's
+    memory and not with 2.7 GB beside a dead pipeline's 21 GB (seen on a 24 GB card)."""
+    from music3_demo import pipeline as pipeline_module
+    from music3_demo.errors import DeviceOutOfMemory
+    from music3_demo.serve.holder import ModelHolder
+
+    built = []
+    load = pipeline_module.Music3Pipeline.from_pretrained.__func__
+
+    def from_pretrained(cls, *args, **kwargs):
+        built.append(load(cls, *args, **kwargs))
+        return built[-1]
+
+    def warm(self):
+        raise DeviceOutOfMemory("Not enough GPU memory on cpu for warming up in bf16.", "load")
+
+    monkeypatch.setattr(pipeline_module.Music3Pipeline, "from_pretrained", classmethod(from_pretrained))
+    monkeypatch.setattr(pipeline_module.Music3Pipeline, "warm", warm)
+    holder = ModelHolder("tiny", ["cpu"], "reference", warmup=True)
+    holder.preload(background=False)
+    status = holder.status()
+    assert status.state == "failed" and "warming up" in status.error, status.error
+    (pipeline,) = built
+    assert pipeline.components == {} and pipeline.engine is None and pipeline.flow_executor is None
