@@ -62,9 +62,8 @@ def summarize(segments: list[dict], device_index: int | None = None) -> dict:
         pool["allocated_bytes"] += segment.get("allocated_size", 0)
         pool["segments"] += 1
         # (a stream's freed blocks serve only that stream: cache stranded on one stream shows here)
-        stream = pool.setdefault("cached_by_stream", {}).setdefault(str(segment.get("stream", 0)), 0)
-        pool["cached_by_stream"][str(segment.get("stream", 0))] = (
-            stream + segment.get("total_size", 0) - segment.get("allocated_size", 0))
+        by_stream, stream = pool.setdefault("cached_by_stream", {}), str(segment.get("stream", 0))
+        by_stream[stream] = by_stream.get(stream, 0) + segment.get("total_size", 0) - segment.get("allocated_size", 0)
         for block in segment.get("blocks", []):
             if block.get("state") == "active_allocated":
                 live.append((block.get("size", 0), name, _where(block.get("frames", []))))

@@ -95,8 +95,8 @@ def buffers_to(model: nn.Module, device: torch.device | str) -> None:
     engine keeps the token embeddings in host memory), which `model.to(device)` would bring back."""
     for module in model.modules():
         for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != torch.device(device):
-                module._buffers[name] = buffer.to(device)
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)  # (itself where it is there already)
 
 
 def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
