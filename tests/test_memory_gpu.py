@@ -31,6 +31,7 @@ def song(seed: int = 1) -> GenerationRequest:
 
 def test_the_memory_watch_follows_the_card_on_its_own_thread():
     """What the status endpoint reads: the card's memory sampled on the watch's thread, a second or less old."""
+    release_cached("cuda:0")  # (a 2 GB block taken from the cache earlier tests left would not show on the card)
     watch = MemoryWatch(every_s=0.1)
     watch.watch(["cuda:0"])
     before = watch.latest()["cuda:0"]  # one sample at once
