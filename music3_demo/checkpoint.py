@@ -184,15 +184,18 @@ FLOW_COMPONENTS = ("condition_encoder", "transformer", "vocoder")
 # made from the weight components' skeletons before any tensor is read (a quantizer needs both models' shapes).
 ComponentPlace = Callable[[str, str, torch.Tensor], bool]
 Placing = Callable[[dict[str, torch.nn.Module]], ComponentPlace]
+# component -> the tensors its place function takes in host memory (weights_stream.fill's `on_host`)
+HostTensors = dict[str, frozenset[str]]
 
 
 def load_components(
     folder: Path, device: torch.device, dtype: torch.dtype, placing: Placing | None = None,
-    devices: dict[str, torch.device] | None = None,
+    devices: dict[str, torch.device] | None = None, host: HostTensors | None = None,
 ) -> dict[str, object]:
     """Every component, loaded with its own class, tensor by tensor onto its device (weights_stream.py: host memory
     holds one tensor at a time). The vocoder stays float32 (bf16 costs ~2e-3 of audio error). `placing` may take
-    tensors as they arrive (a quantized load); `devices` sends components elsewhere than `device` (a stage split)."""
+    tensors as they arrive (a quantized load), those named in `host` in host memory; `devices` sends components
+    elsewhere than `device` (a stage split)."""
     components: dict[str, object] = {}
     index = read_index(folder)
     name = "modular_model_index.json"
@@ -209,7 +212,8 @@ def load_components(
             taken = (lambda key, value, name=name: place(name, key, value)) if place is not None else None
             target = (devices or {}).get(name, device)
             components[name] = _stream(classes[name], skeletons.pop(name), folder / name, target,
-                                       torch.float32 if name == "vocoder" else dtype, taken)
+                                       torch.float32 if name == "vocoder" else dtype, taken,
+                                       (host or {}).get(name, frozenset()))
     except CheckpointError:
         raise
     except Exception as error:  # noqa: BLE001 - safetensors, JSON, torch: every loader has its own error types
@@ -225,13 +229,13 @@ def load_components(
     return components
 
 
-def _stream(cls, model: torch.nn.Module, subfolder: Path, device: torch.device, dtype: torch.dtype, place
-            ) -> torch.nn.Module:
+def _stream(cls, model: torch.nn.Module, subfolder: Path, device: torch.device, dtype: torch.dtype, place,
+            on_host: frozenset[str] = frozenset()) -> torch.nn.Module:
     """One component (its skeleton `model`) streamed onto `device`. Where the files' tensor names do not match the
     class built from its config, the library's own from_pretrained reads it (the whole component in host memory, as
     without streaming) and the tensors not yet placed are streamed from there."""
     try:
-        return fill(model, file_tensors(subfolder), device, dtype, place)
+        return fill(model, file_tensors(subfolder), device, dtype, place, on_host)
     except StreamMismatch as mismatch:
         log.warning("%s: %s; loading it with %s.from_pretrained (through host memory)", subfolder.name, mismatch,
                     cls.__name__)
@@ -239,7 +243,7 @@ def _stream(cls, model: torch.nn.Module, subfolder: Path, device: torch.device, 
     loaded = cls.from_pretrained(str(subfolder), dtype=dtype)
     tensors = [(name, tensor) for name, tensor in loaded.state_dict().items() if name not in seen]
     del loaded
-    return fill(model, tensors, device, dtype, place)
+    return fill(model, tensors, device, dtype, place, on_host)
 
 
 def _from_config(cls, subfolder: Path) -> torch.nn.Module:
@@ -268,12 +272,14 @@ def damaged_weight_files(component: Path) -> list[str]:
 def build_random_full(
     device: torch.device, dtype: torch.dtype, placing: Placing | None = None,
     sizes: random_models.ModelSizes | None = None, devices: dict[str, torch.device] | None = None,
+    host: HostTensors | None = None,
 ) -> dict[str, object]:
-    """The full-size random model built on the GPU tensor by tensor (`placing`, `devices`: as in load_components)."""
+    """The full-size random model built on the GPU tensor by tensor (`placing`, `devices`, `host`: as in
+    load_components)."""
     if device.type != "cuda":
         raise CheckpointError("random-full is the full-size test model for GPU speed work; use --model tiny on a CPU.")
     components = random_models.build_components(sizes or random_models.full_sizes(), seed=0, device=device,
-                                                dtype=dtype, placing=placing, devices=devices)
+                                                dtype=dtype, placing=placing, devices=devices, host=host)
     components["vocoder"] = components["vocoder"].float()
     return components
 

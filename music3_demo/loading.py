@@ -174,9 +174,10 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, ch
     files is first checked against the host's available memory (`host_need`, which counts the bf16 DiT there).
     `sizes`: a built-in model's (random-full only; the bench mutes its end token). `defer_fp8_dit`: leave the fp8
     DiT's bf16 weights in host memory for the caller to quantize (`place_fp8_dit`) once the semantic stage is ready.
-    `lean_head` (a load for the graph engine): of lm_head only its audio rows stay, as they arrive (quant.audio_head:
-    the engine and its self-check read no other), and the token embeddings go to pinned host memory as they arrive
-    (weights.HostEmbedding: the prefill and the reference gather rows there), so neither sits on the GPU whole."""
+    `lean_head` (a load for the graph engine): both tables arrive in host memory; of lm_head only its audio rows go
+    on to the device (quant.audio_head: the engine and its self-check read no other), and the token embeddings stay
+    in pinned host memory (weights.HostEmbedding: the prefill and the reference gather rows there), so neither is
+    ever whole on the GPU."""
     flow = flow_device or device
     devices = {name: flow for name in FLOW_COMPONENTS} if flow_device is not None else {}
     if dit == "fp8":
@@ -197,15 +198,16 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, ch
         return lambda component, name, tensor: (component == "language_model" and lean(name, tensor)) or quantized(
             component, name, tensor)
 
+    host = {"language_model": LEAN_ON_HOST} if lean_head else None
     if source.folder is None:
-        components = build_random_full(device, dtype, placing, sizes=sizes, devices=devices or None)
+        components = build_random_full(device, dtype, placing, sizes=sizes, devices=devices or None, host=host)
     else:
         what = f"{source.name} on the CPU in {str(dtype).removeprefix('torch.')}" if device.type == "cpu" else (
             f"{source.name} onto {device}")
         need = host_need(source.folder, device, dtype, devices or None)
         if need is not None:  # (a damaged file: load_components names it)
             check_host_memory(what, need, on_cpu=device.type == "cpu")
-        components = load_components(source.folder, device, dtype, placing, devices or None)
+        components = load_components(source.folder, device, dtype, placing, devices or None, host)
     if quantizers:  # lm_head's audio rows, then the report
         report = quantizers[0].finish()
         log.info("quantized the language model and depth decoder to %s on %s as they loaded: %s", choice.mode,
@@ -216,14 +218,20 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, ch
     return components
 
 
+# What a lean-head load takes in host memory as it arrives: the full head (its audio rows go on to the device) and the
+# token embeddings (they stay there): neither table is ever whole on the device, so the load's peak holds neither.
+LEAN_ON_HOST = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
+
+
 def _lean_head(language_model, device: torch.device):
-    """The place function of a lean-head load (load_model): lm_head's audio rows and the host's token embeddings."""
+    """The place function of a lean-head load (load_model): lm_head's audio rows and the host's token embeddings,
+    both tables handed over in host memory (LEAN_ON_HOST)."""
     from .semantic.quant import audio_head
     from .semantic.weights import host_embedding
 
     def place(name: str, tensor: torch.Tensor) -> bool:
         if name == "lm_head.weight":
-            language_model.lm_head = audio_head(tensor)
+            language_model.lm_head = audio_head(tensor, device)
         elif name == "model.embed_tokens.weight":
             padding = language_model.model.embed_tokens.padding_idx
             language_model.model.embed_tokens = host_embedding(tensor, device, padding)

@@ -105,7 +105,6 @@ class MemoryPlan:
     free_bytes: int | None = None
     capability: tuple[int, int] | None = None
     weights: dict[str, int] = field(default_factory=dict)
-    load_extra: int = 0  # on the device only while loading: a table in flight before it is cut or moved
     load_peak: int = 0
     flow_working: int = 0
     runtime: int = 0
@@ -235,7 +234,7 @@ class MemoryPlan:
         if self.on_gpu:
             figures |= {
                 "weights_gb": {name: gb(value) for name, value in self.weights.items()},
-                "loading_only_gb": gb(self.load_extra), "load_peak_gb": gb(self.load_peak),
+                "load_peak_gb": gb(self.load_peak),
                 "flow_working_gb": gb(self.flow_working), "dit_bucket": self.dit_bucket,
                 "vocoder_bucket": self.vocoder_bucket, "vocoder_tile_latents": self.vocoder_tile,
                 "graphs_and_workspaces_gb": gb(self.runtime), "host_gb_for_turns": gb(self.host_bytes),
@@ -298,9 +297,9 @@ def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engi
     flow_weights = total - semantic_weights
     headroom = headroom_for(free) if headroom is None else headroom
     budget = free - headroom
-    # A load for the graph engine keeps of lm_head its audio rows and puts the token embeddings in host memory as
-    # each arrives (loading.load_model's lean_head); one of the two is on the device whole (bf16) while it is cut.
-    load_extra = f.trimmed if semantic and engine == "graph" else 0
+    # A load for the graph engine takes lm_head and the token embeddings in host memory as they arrive and puts only
+    # the head's audio rows (in the engine's tables) on the device (loading.load_model's lean_head): no table in
+    # flight on the card.
     # Every weight streams onto the device as it is read, the 1-byte LM's quantized as it arrives; the fp8 DiT is
     # quantized onto the device block by block from its bf16 weights in host memory once the engine's self-check
     # has dropped what only loading needs (Music3Pipeline.ensure_stages): one block's bf16 weights at a time (0.13
@@ -309,7 +308,7 @@ def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engi
     # An equalized LM (precision.EQUALIZED) holds one decoder layer's bf16 weights until the layer is whole
     # (semantic/equalize.LayerGatherer), and a float32 copy of up to 1,024 of its rows: 0.44 GB at full size.
     gathering = (2 * f.lm_blocks // f.lm_layers + EQUALIZE_ROWS_BYTES) if semantic and lm in EQUALIZED else 0
-    checked = total - flow_weights * swap - deferred * (not swap) + max(load_extra, CHECK_BYTES + gathering)
+    checked = total - flow_weights * swap - deferred * (not swap) + CHECK_BYTES + gathering
     # (stages in turn: the semantic stage loads and checks alone, then leaves for the flow stage's weights)
     load_peak = max(checked, flow_weights if swap else total) + RUNTIME_BYTES
     runtime = RUNTIME_BYTES
@@ -333,7 +332,7 @@ def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engi
     room = room_beside(base_flow)
     plan = MemoryPlan(
         lm=PrecisionChoice(lm, lm, ""), dit=PrecisionChoice(dit, dit, ""), engine=engine, stages=stages, kv=kv,
-        free_bytes=free, capability=capability, weights=weights, load_extra=load_extra, load_peak=load_peak,
+        free_bytes=free, capability=capability, weights=weights, load_peak=load_peak,
         flow_working=base_flow, runtime=runtime, headroom=headroom, kv_bytes_per_position=per_position,
         vocoder_tile=tile, swap=swap, host_bytes=total if swap else 0, figures=figures,
     )

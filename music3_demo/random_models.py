@@ -219,30 +219,41 @@ DRAW_BLOCK = 1 << 22
 
 
 def random_tensors(model: torch.nn.Module, generator: torch.Generator, device: torch.device,
-                   dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+                   dtype: torch.dtype = torch.float32, on_host: frozenset[str] = frozenset(),
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """Deterministic scale-aware random weights (unit-variance activations) for every parameter of `model` (a
     skeleton: only names and shapes are read), drawn on `device` in float32 in parameter order from one generator,
     floating weights yielded in `dtype`; the draws do not depend on `dtype`, so a bf16 model gets exactly the rounded
-    float32 model's weights."""
+    float32 model's weights. Those named in `on_host` are yielded in host memory (pinned where `device` is a GPU),
+    drawn there a block at a time: the same numbers, never whole on the device."""
     for pname, param in model.named_parameters():
+        where = "cpu" if pname in on_host else device
         if pname == "conv_out.weight_g":
             # Keeps the vocoder's output tanh out of saturation, so waveform comparisons stay sensitive.
-            yield pname, torch.full(param.shape, 0.03, device=device, dtype=dtype)
+            yield pname, torch.full(param.shape, 0.03, device=where, dtype=dtype)
         elif pname.endswith(_ONES_SUFFIXES):
-            yield pname, torch.ones(param.shape, device=device, dtype=dtype)
+            yield pname, torch.ones(param.shape, device=where, dtype=dtype)
         elif pname.endswith("bias"):
-            yield pname, torch.zeros(param.shape, device=device, dtype=dtype)
+            yield pname, torch.zeros(param.shape, device=where, dtype=dtype)
         else:
-            unit = param.dim() == 1 or ("embed" in pname and param.dim() == 2)
-            std = 1.0 if unit or param.dim() < 2 else param[0].numel() ** -0.5
-            yield pname, _normal(param.shape, std, generator, device, dtype)
+            yield pname, _normal(param.shape, _std(pname, param), generator, device, dtype, host=pname in on_host)
+
+
+def _std(pname: str, param: torch.Tensor) -> float:
+    """Unit variance for vectors and embedding tables, 1/sqrt(fan-in) for matrices."""
+    unit = param.dim() == 1 or ("embed" in pname and param.dim() == 2)
+    return 1.0 if unit or param.dim() < 2 else param[0].numel() ** -0.5
 
 
 def _normal(shape: torch.Size, std: float, generator: torch.Generator, device: torch.device,
-            dtype: torch.dtype) -> torch.Tensor:
+            dtype: torch.dtype, host: bool = False) -> torch.Tensor:
+    """A normal draw of `shape` on `device`, in `dtype`, a large matrix block by block (`host`: into host memory,
+    pinned where `device` is a GPU)."""
+    pinned = host and torch.device(device).type == "cuda"
     if shape.numel() <= DRAW_BLOCK or len(shape) < 2:
-        return torch.empty(shape, device=device).normal_(0.0, std, generator=generator).to(dtype)
-    out = torch.empty(shape, device=device, dtype=dtype)
+        value = torch.empty(shape, device=device).normal_(0.0, std, generator=generator).to(dtype)
+        return (value.pin_memory() if pinned else value.cpu()) if host else value
+    out = torch.empty(shape, device="cpu" if host else device, dtype=dtype, pin_memory=pinned)
     rows = max(1, DRAW_BLOCK // shape[1:].numel())
     for start in range(0, shape[0], rows):
         block = out[start : start + rows]
@@ -252,13 +263,14 @@ def _normal(shape: torch.Size, std: float, generator: torch.Generator, device: t
 
 def build_components(
     sizes: ModelSizes, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-    placing=None, devices: dict[str, torch.device] | None = None,
+    placing=None, devices: dict[str, torch.device] | None = None, host: dict[str, frozenset[str]] | None = None,
 ) -> dict[str, object]:
     """Random components with the real classes, built as a checkpoint is loaded (weights_stream.py): each module
     with its parameters on `meta`, then its weights drawn one at a time on the device and placed there, so a
     full-size model is built on the GPU in seconds without a host copy and never whole in another dtype.
     `placing(skeletons)` gives a place(component, name, tensor) that may take tensors as they arrive (a quantized
-    load, checkpoint.Placing); `devices` puts components elsewhere than `device` (a stage split's flow stage)."""
+    load, checkpoint.Placing), those named in `host` (component -> tensor names) in host memory; `devices` puts
+    components elsewhere than `device` (a stage split's flow stage)."""
     from .weights_stream import fill, skeleton
 
     device = torch.device(device)
@@ -268,11 +280,13 @@ def build_components(
     models = {}
     for name, model in skeletons.items():
         target = torch.device((devices or {}).get(name, device))
-        tensors = random_tensors(model, generator, device, dtype)  # drawn on the generator's device, in the same order
+        on_host = (host or {}).get(name, frozenset()) if place is not None else frozenset()
+        # (drawn on the generator's device, in the same order; the host's in blocks from there)
+        tensors = random_tensors(model, generator, device, dtype, on_host)
         if target != device:  # (converted where drawn: the same rounding, half the bytes to move)
-            tensors = ((key, value.to(target, dtype)) for key, value in tensors)
+            tensors = ((key, value if key in on_host else value.to(target, dtype)) for key, value in tensors)
         taken = (lambda key, value, name=name: place(name, key, value)) if place is not None else None
-        models[name] = fill(model, tensors, target, dtype, taken)
+        models[name] = fill(model, tensors, target, dtype, taken, on_host)
         if name == "language_model":
             with torch.no_grad():  # (a head of the audio rows only, as a load for the graph engine keeps: its last)
                 head = model.lm_head

@@ -63,17 +63,20 @@ def skeleton(build: Callable[[], nn.Module]) -> nn.Module:
 
 
 def fill(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device | str,
-         dtype: torch.dtype, place: Place | None = None) -> nn.Module:
+         dtype: torch.dtype, place: Place | None = None, on_host: frozenset[str] = frozenset()) -> nn.Module:
     """Give `model` (a skeleton) its tensors, one at a time on `device`; floating tensors in `dtype`, the others as
-    they come. `place(name, tensor)` may take a tensor instead (it must then put what the module needs in place).
-    Raises StreamMismatch at a name the model lacks, and after the last tensor for a parameter or persistent buffer
-    that none gave. Returns the model (its computed buffers on `device` too), in eval mode."""
+    they come. `place(name, tensor)` may take a tensor instead (it must then put what the module needs in place);
+    the tensors named in `on_host` reach it in host memory, never whole on the device (a place function that keeps
+    a few rows of a table, or the table itself in host memory). Raises StreamMismatch at a name the model lacks, and
+    after the last tensor for a parameter or persistent buffer that none gave. Returns the model (its computed
+    buffers on `device` too), in eval mode."""
     expected = set(model.state_dict().keys())
     seen: set[str] = set()
     for name, tensor in tensors:
         if name not in expected:
             raise StreamMismatch(f"the checkpoint has {name}, which {type(model).__name__} does not", seen)
-        value = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+        target = "cpu" if name in on_host and place is not None else device
+        value = tensor.to(device=target, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
         del tensor
         seen.add(name)
         if place is None or not place(name, value):

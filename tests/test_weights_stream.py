@@ -229,3 +229,38 @@ def test_a_weight_placed_elsewhere_stays_there_while_the_computed_buffers_come_t
     model.register_buffer("computed", torch.arange(3.0))
     weights_stream.buffers_to(model, "meta")
     assert model.weight.device.type == "cpu" and model.computed.device.type == "meta"
+
+
+def test_tables_a_place_function_takes_in_host_memory_never_reach_the_device():
+    """fill's `on_host`: the named tensors reach the place function in host memory, the rest on the device (the CPU's
+    stand-in for a GPU: `meta`); a lean-head load names lm_head and the token embeddings, so the load's peak on the
+    card holds neither 1.4-GB table (it used to take each whole onto the card before cutting or moving it)."""
+    from torch import nn
+
+    model = weights_stream.skeleton(lambda: nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 4)))
+    arrived = {}
+
+    def place(name, tensor):  # takes every tensor (a module left on meta would count as not loaded)
+        arrived[name] = tensor.device.type
+        owner, attribute = name.split(".")
+        setattr(model[int(owner)], attribute, nn.Parameter(torch.zeros(tensor.shape), requires_grad=False))
+        return True
+
+    tensors = random_models.random_tensors(model, torch.Generator().manual_seed(0), torch.device("cpu"))
+    weights_stream.fill(model, tensors, "meta", torch.float32, place, on_host=frozenset({"0.weight"}))
+    assert arrived == {"0.weight": "cpu", "1.weight": "meta", "1.bias": "meta"}
+    assert loading.LEAN_ON_HOST == {"lm_head.weight", "model.embed_tokens.weight"}
+
+
+def test_a_random_table_drawn_into_host_memory_is_the_one_drawn_on_the_device(monkeypatch):
+    """random_tensors' `on_host`: the same numbers from the same generator, block by block into host memory."""
+    from torch import nn
+
+    monkeypatch.setattr(random_models, "DRAW_BLOCK", 1_000)
+    model = nn.Sequential(nn.Embedding(300, 64), nn.Linear(64, 8))
+    on_device = dict(random_models.random_tensors(model, torch.Generator().manual_seed(5), torch.device("cpu"),
+                                                  torch.bfloat16))
+    on_host = dict(random_models.random_tensors(model, torch.Generator().manual_seed(5), torch.device("cpu"),
+                                                torch.bfloat16, on_host=frozenset({"0.weight", "1.bias"})))
+    for name, value in on_device.items():
+        assert on_host[name].dtype == torch.bfloat16 and torch.equal(on_host[name], value), name

@@ -160,12 +160,12 @@ class AudioHead(nn.Module):
         return logits
 
 
-def audio_head(head: torch.Tensor) -> AudioHead:
-    """An lm_head of only the audio rows of the full head's weight `head` (copied on its device; the full weight can
-    go): the head a load for the graph engine keeps."""
+def audio_head(head: torch.Tensor, device: torch.device | str | None = None) -> AudioHead:
+    """An lm_head of only the audio rows of the full head's weight `head` (gathered where it is, then on `device`,
+    its own device by default; the full weight can go): the head a load for the graph engine keeps."""
     rows = audio_head_rows(head.device)
     audio = nn.Linear(head.shape[1], rows.numel(), bias=False, device="meta")
-    audio.weight = nn.Parameter(head.detach()[rows], requires_grad=False)
+    audio.weight = nn.Parameter(head.detach()[rows].to(device or head.device), requires_grad=False)
     return AudioHead(audio, head.shape[0])
 
 
