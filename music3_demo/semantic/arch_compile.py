@@ -164,7 +164,7 @@ def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",), mod
     launches: dict[str, Launch] = {}
     for precision in precisions:
         _record(meta_engine(tuning, precision, model), target, launches,
-                routes=precision if precision != "bf16" and model == "full" else None)
+                routes=precision if precision in ("fp8", "int8") and model == "full" else None)
     if model == "full":  # the int8 KV cache: its decode attention (every other launch is the bf16 engine's)
         _record(meta_engine(tuning, "bf16", model, kv_format="int8"), target, launches)
     return tuning, list(launches.values())
@@ -177,6 +177,8 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
     from .kernels.qweight import CONVERSIONS, NATIVE_F16, QWeight
     from .quant import DEFAULT_SCHEMES
 
+    if kind not in ("fp8", "int8"):  # (int4's packed tiles have their own launches: _int4_launches)
+        raise ValueError(f"conversion routes are the 1-byte formats', not {kind!r}")
     meta, bf16 = torch.device("meta"), torch.bfloat16
     group, n, k = DEFAULT_SCHEMES[kind].group, 4096, 12288
     dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
