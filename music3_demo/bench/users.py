@@ -15,7 +15,9 @@ WAV is valid (44.1 kHz stereo, finite, not silent, as long as the report says); 
 songs ran on and the largest overlap of two songs on different devices. Prints one JSON object (also
 $OUT/users.json) with each phase's figures and the targets (4 users within 2.2x one song's wall time, 8
 within 4x, first audio <= 3 s, 4 variations within 2.2x, hand-over <= 0.5 s for a song alone and for each variation,
-status <= 200 ms at every sample and during the soak, no memory growth after its first quarter). Exits 1 when a song
+status <= 200 ms at every sample and during the soak, memory after the soak's first quarter at most 1 GiB above
+the most it used in that quarter; beside it what the idle server holds after the soak against before it, by kind:
+`soak_idle_growth_gb`). Exits 1 when a song
 failed or was invalid, the server died, or, on several devices, no phase of several users had songs on every device
 at the same time (`spread`); the targets are reported, not enforced. The server's log: $OUT/users_app.log. The app
 on two GPUs under concurrent clients: `--devices cuda:0,cuda:1 --phases four --seconds 20 --steps 8`.
@@ -52,6 +54,7 @@ PATH = ("prompt_s", "prefill_started_s", "prefill_ended_s", "prefill_gpu_s", "fi
 TARGETS = {"four_over_alone": 2.2, "eight_over_alone": 4.0, "first_audio_s": 3.0, "variations_over_alone": 2.2,
            "handover_s": 0.5, "status_s": 0.2, "soak_status_s": 0.2}
 HANDOVER_PHASES = ("alone", "variations")  # where the hand-over target applies (a song alone; each variation)
+IDLE_SAMPLE_S = 5.0  # how long the soak samples the idle server before its first song and after its last
 
 
 class Watcher:
@@ -305,12 +308,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{phase}: {json.dumps({k: v for k, v in summary['phases'][phase].items() if k != 'results'})}",
                       file=sys.stderr, flush=True)
             if args.soak > 0:
+                watcher.phase = "before_soak"  # (a few samples of the idle server: what the soak is measured from)
+                time.sleep(IDLE_SAMPLE_S)
                 watcher.phase = "soak"
                 results = soak(url, args.soak, args.steps, rng)
                 delivered = [r for r in results if not r.get("cancelled")]
                 summary["phases"]["soak"] = phase_summary(delivered) | {
                     "requests": len(results), "cancelled": sum(1 for r in results if r.get("cancelled")),
                     "status": watcher.latency("soak"), "results": results}
+                watcher.phase = "after_soak"  # (every song has ended: the server idle again, its caches trimmed)
+                time.sleep(IDLE_SAMPLE_S)
             watcher.phase = "idle"
         summary["memory_mib"] = [(phase, round(t - started, 1), used) for phase, t, used in watcher.memory]
         summary["memory_kinds_gb"] = [(phase, round(t - started, 1), kinds) for phase, t, kinds in watcher.kinds]
@@ -365,19 +372,40 @@ def targets(summary: dict) -> dict:
               for name, value in values.items()}
     soak_memory = [used for phase, _, used in summary["memory_mib"] if phase == "soak"]
     if len(soak_memory) > 4 and (phases.get("soak") or {}).get("songs") != 0:  # (a soak that made nothing: no figure)
-        # Per GPU: the most it grew above its use at the end of the soak's first quarter (its first minutes).
+        # Per GPU: how far its use rose, after the soak's first quarter (its first minutes), above the most it used
+        # during them. The first quarter already runs the soak's load (8 clients, songs up to 2 minutes), so what
+        # the load itself holds (the songs in flight, their flow stages' cache) is in that baseline and only what
+        # keeps accumulating shows; `above_quarter_mark` is the same against the single sample at the quarter's end,
+        # which also counts how many songs happened to be in flight then against the later peak.
         settled = len(soak_memory) // 4
-        growth = max(max(series[settled:]) - series[settled] for series in zip(*soak_memory))
-        report["soak_memory_growth_mib"] = {"value": growth, "target": 1024, "met": growth <= 1024}
+        growth = max(max(0, max(series[settled:]) - max(series[: settled + 1])) for series in zip(*soak_memory))
+        mark = max(max(series[settled:]) - series[settled] for series in zip(*soak_memory))
+        report["soak_memory_growth_mib"] = {"value": growth, "target": 1024, "met": growth <= 1024,
+                                            "above_quarter_mark": mark}
         report["soak_memory_growth_by_kind_gb"] = growth_by_kind(
             [kinds for phase, _, kinds in summary.get("memory_kinds_gb", []) if phase == "soak"])
+        report["soak_idle_growth_gb"] = idle_growth(summary.get("memory_kinds_gb", []))
     return report
+
+
+def idle_growth(samples: list) -> dict | None:
+    """Per GPU and kind: the idle server's memory after the soak (its last sample once every song had ended) less
+    its memory before (the last sample before the first song), in GB: with nothing in flight on either side, what
+    the soak left behind (`allocated`: live tensors no song holds any more)."""
+    before = [kinds for phase, _, kinds in samples if phase == "before_soak"]
+    after = [kinds for phase, _, kinds in samples if phase == "after_soak"]
+    if not before or not after:
+        return None
+    return {gpu: {kind: round(after[-1][gpu][kind] - before[-1][gpu][kind], 3) for kind in MEMORY_KINDS
+                  if after[-1][gpu].get(kind) is not None and before[-1][gpu].get(kind) is not None}
+            for gpu in after[-1] if gpu in before[-1]}
 
 
 def growth_by_kind(samples: list[dict]) -> dict | None:
     """Per GPU and kind (the app's process, torch's reserved and live bytes, what lies outside torch: graph
-    executables, libraries' own memory): the most it grew above its value at the end of the soak's first quarter,
-    in GB. Tells a leak of live tensors from the allocator's cache and from memory torch does not see."""
+    executables, libraries' own memory): how far it rose after the soak's first quarter above the most it was
+    during it, in GB (as the soak's growth target counts it). Tells a leak of live tensors from the allocator's cache
+    and from memory torch does not see."""
     if len(samples) <= 4:
         return None
     settled = len(samples) // 4
@@ -385,8 +413,8 @@ def growth_by_kind(samples: list[dict]) -> dict | None:
     for gpu in samples[settled]:
         report[gpu] = {}
         for kind in MEMORY_KINDS:
-            series = [s.get(gpu, {}).get(kind) for s in samples[settled:]]
-            series = [value for value in series if value is not None]
-            if series:
-                report[gpu][kind] = round(max(series) - series[0], 3)
+            early = [value for s in samples[: settled + 1] if (value := s.get(gpu, {}).get(kind)) is not None]
+            later = [value for s in samples[settled:] if (value := s.get(gpu, {}).get(kind)) is not None]
+            if early and later:
+                report[gpu][kind] = round(max(0.0, max(later) - max(early)), 3)
     return report

@@ -31,13 +31,20 @@ def test_phase_summary_and_targets():
     assert result["handover_s"] == {"value": 0.2, "target": 0.5, "met": True}
     assert result["four_over_alone"] == {"value": 2.2, "target": 2.2, "met": True}
     assert result["eight_over_alone"]["value"] is None and result["first_audio_s"]["value"] == 2.5
-    assert result["soak_memory_growth_mib"] == {"value": 200, "target": 1024, "met": True}
+    assert result["soak_memory_growth_mib"] == {"value": 200, "target": 1024, "met": True, "above_quarter_mark": 200}
     assert result["soak_memory_growth_by_kind_gb"] is None  # no status answer carried memory figures
+    # The load's own swing (a busy first quarter, a quiet sample at its end) is not growth; what keeps rising is.
+    swing = [("soak", t, [1000 + (600 if t in (1, 5) else 0)]) for t in range(8)]
+    leak = [("soak", t, [1000 + 150 * t + (600 if t == 1 else 0)]) for t in range(8)]
+    for series, grew, mark in ((swing, 0, 600), (leak, 2050 - 1750, 2050 - 1300)):
+        figures = users.targets({"phases": {}, "memory_mib": series, "status_samples": []})["soak_memory_growth_mib"]
+        assert (figures["value"], figures["above_quarter_mark"]) == (grew, mark)
 
 
 def test_the_soaks_growth_is_told_apart_by_kind():
     """From status' memory figures: live tensors that grow after the first quarter show as `allocated`, memory torch
-    does not see as `outside_torch`; the first quarter's growth (warming caches) does not count."""
+    does not see as `outside_torch`; the first quarter's growth (warming caches) and its peaks (songs in flight) do
+    not count."""
     def kinds(t: int) -> dict:
         return {"cuda:0": {"process": 30.0 + 0.1 * t, "reserved": 25.0 + 0.1 * max(0, t - 2),
                            "allocated": 20.0 + (0.5 if t == 1 else 0.0), "outside_torch": 5.0 + 0.1 * min(t, 2)}}
@@ -47,6 +54,14 @@ def test_the_soaks_growth_is_told_apart_by_kind():
                             "memory_kinds_gb": samples, "status_samples": []})
     growth = result["soak_memory_growth_by_kind_gb"]["cuda:0"]
     assert growth == {"process": 0.5, "reserved": 0.5, "allocated": 0.0, "outside_torch": 0.0}
+    assert result["soak_idle_growth_gb"] is None  # (no idle samples around the soak)
+    # With nothing in flight before and after: what the soak left behind, by kind.
+    idle = [("before_soak", -1.0, kinds(0)), *samples, ("after_soak", 9.0, {"cuda:0": kinds(7)["cuda:0"] | {
+        "allocated": 20.25}}), ("idle", 10.0, kinds(0))]
+    result = users.targets({"phases": {}, "memory_mib": [("soak", t, [1000]) for t in range(8)],
+                            "memory_kinds_gb": idle, "status_samples": []})
+    assert result["soak_idle_growth_gb"] == {"cuda:0": {"process": 0.7, "reserved": 0.5, "allocated": 0.25,
+                                                        "outside_torch": 0.2}}
 
 
 def _song(device: str, started: float, ended: float) -> dict:
