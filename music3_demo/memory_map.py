@@ -7,7 +7,12 @@ Off by default. `MUSIC3_MEMORY_MAP=DIR` (the app, the CLI, a bench) writes one J
 `ready` after the warm-up, `song` after each song (before its cache is trimmed), each with the allocator's peaks since
 the process started (reserved, allocated) and the allocator cap in force. The pools cost nothing to read; the live blocks'
 origins need allocation stacks, recorded from the load on only where `MUSIC3_MEMORY_STACKS=1` is set too: a stack
-capture per allocation, which slows every song (its timings then mean nothing).
+capture per allocation, which slows every song (its timings then mean nothing). `MUSIC3_MEMORY_STACKS=events` records
+no stacks and no allocations, only the allocator's segment events (a segment mapped or given back, an out-of-memory),
+each with its time, stream and size: each map then lists those since the one before and the wall-clock time it was
+written (a song's map comes right after the song: its timings place its events), cheap enough to leave the songs'
+timings as they are. That is what tells whether a host stood still in a give-back of the cache (which waits for the
+device) at a given moment of a song.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -23,8 +29,10 @@ MAP_ENV = "MUSIC3_MEMORY_MAP"
 STACKS_ENV = "MUSIC3_MEMORY_STACKS"
 TOP_ALLOCATIONS = 25
 FRAMES_KEPT = 4  # the innermost frames of ours (or the libraries') that made an allocation
+EVENTS_KEPT = 5_000  # the most segment events one map lists (the latest)
 _counter = itertools.count()
-_recording = False
+_recording: str | None = None  # "stacks" | "events" once recording
+_events_since_us = 0  # the latest segment event a map has listed
 
 
 def asked() -> Path | None:
@@ -33,12 +41,34 @@ def asked() -> Path | None:
 
 
 def start_recording() -> None:
-    """Record allocation stacks from now on, where a map and its stacks are asked for and CUDA is present (once)."""
+    """Record allocation stacks (MUSIC3_MEMORY_STACKS=1) or the segment events only (=events) from now on, where a
+    map is asked for and CUDA is present (once)."""
     global _recording
-    if _recording or asked() is None or os.environ.get(STACKS_ENV) != "1" or not torch.cuda.is_available():
+    kind = {"1": "stacks", "events": "events"}.get(os.environ.get(STACKS_ENV, ""))
+    if _recording or kind is None or asked() is None or not torch.cuda.is_available():
         return
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
-    _recording = True
+    if kind == "stacks":
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    else:
+        try:
+            torch.cuda.memory._record_memory_history(
+                "all", context=None, max_entries=200_000, skip_actions=["alloc", "free_requested", "free_completed"])
+        except TypeError:  # (a torch without skip_actions: every action, still without stacks)
+            torch.cuda.memory._record_memory_history("all", context=None, max_entries=200_000)
+    _recording = kind
+
+
+def segment_events(traces: list[dict]) -> list[dict]:
+    """The allocator's segment events (and out-of-memories) in `traces` (a snapshot's device trace) newer than the
+    last map's, oldest first: action, time (µs since the epoch), stream, bytes."""
+    global _events_since_us
+    events = [{"action": entry.get("action"), "time_us": entry.get("time_us", 0), "stream": entry.get("stream"),
+               "bytes": entry.get("size", 0)} for entry in traces
+              if ("segment" in str(entry.get("action")) or entry.get("action") == "oom")
+              and entry.get("time_us", 0) > _events_since_us]
+    if events:
+        _events_since_us = max(event["time_us"] for event in events)
+    return events[-EVENTS_KEPT:]
 
 
 def _where(frames: list[dict]) -> list[str]:
@@ -97,7 +127,15 @@ def memory_map(device: torch.device | str) -> dict | None:
              "peak_allocated_bytes": stats.get("allocated_bytes.all.peak", 0)}
     from .allocator import allocator_cap
 
-    return summarize(torch.cuda.memory_snapshot(), index) | peaks | {"allocator_cap_bytes": allocator_cap(index)}
+    extra: dict = {"written_unix_us": int(time.time() * 1e6)}
+    if _recording == "events":
+        snapshot = torch.cuda.memory._snapshot(index)
+        traces = snapshot["device_traces"][index] if index < len(snapshot["device_traces"]) else []
+        extra["segment_events"] = segment_events(traces)
+        segments = snapshot["segments"]
+    else:
+        segments = torch.cuda.memory_snapshot()
+    return summarize(segments, index) | peaks | {"allocator_cap_bytes": allocator_cap(index)} | extra
 
 
 def write_if_asked(device: torch.device | str, label: str) -> Path | None:

@@ -203,7 +203,7 @@ class Music3Pipeline:
         `lazy`, `flow_device`: see __init__ (a `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1). An out-of-memory while
         loading, self-checking or capturing leaves as one sentence (loading.getting_ready)."""
         note_process_start()  # the card's use by the others, before this process's CUDA context (memory.py)
-        start_recording()  # allocation stacks for a memory map, where one is asked for (memory_map.py)
+        start_recording()  # allocation stacks or segment events for memory maps, where asked for (memory_map.py)
         device, flow_device = split_devices(device, flow_device)
         device = device if device is not None else normalize(default_device())
         resolve_engine_name(engine, device, allow_interpreter)  # fail before a long load

@@ -59,3 +59,18 @@ def test_nothing_is_recorded_or_written_unless_asked(tmp_path, monkeypatch):
         kept = torch.empty(1 << 20, device="cuda")
         path = memory_map.write_if_asked("cuda", "ready")
         assert json.loads(path.read_text())["allocated_bytes"] >= kept.numel() * 4
+
+
+def test_segment_events_are_listed_once_each_newest_since_the_last_map(monkeypatch):
+    """MUSIC3_MEMORY_STACKS=events: each map lists the allocator's segment events (mapped, given back, an
+    out-of-memory) since the one before, with time, stream and bytes; allocations are not listed."""
+    monkeypatch.setattr(memory_map, "_events_since_us", 0)
+    traces = [{"action": "alloc", "time_us": 1, "stream": 3, "size": 10},
+              {"action": "segment_map", "time_us": 2, "stream": 3, "size": 2 << 20},
+              {"action": "segment_unmap", "time_us": 5, "stream": 0, "size": 8 << 20},
+              {"action": "oom", "time_us": 6, "stream": 3, "size": 1 << 30}]
+    first = memory_map.segment_events(traces)
+    assert [(e["action"], e["time_us"], e["stream"], e["bytes"]) for e in first] == [
+        ("segment_map", 2, 3, 2 << 20), ("segment_unmap", 5, 0, 8 << 20), ("oom", 6, 3, 1 << 30)]
+    later = traces + [{"action": "segment_free", "time_us": 9, "stream": 7, "size": 4 << 20}]
+    assert [e["time_us"] for e in memory_map.segment_events(later)] == [9]  # only what is new
