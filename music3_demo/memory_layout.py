@@ -17,8 +17,9 @@ engine's pool and slots, the flow executor's merged calls, the admission of song
 With `swap` the stages take turns on the device (stage_swap.py): the semantic stage's weights while a song's frames
 are made, then the flow stage's for its audio, each stage's weights in pinned host memory while the other's are on
 the device. The card then holds the larger of the two (the flow stage's with its working set) beside the KV pool and
-the runtime, one song at a time (one slot, no merged calls, the DiT uncaptured: a graph would keep reading the
-addresses of weights that leave), and a song's first audio comes after all of its frames.
+the runtime, one song at a time (one slot, no merged calls; the DiT's graph, which reads its weights' addresses,
+dropped when they leave and captured again in the next flow turn), and a song's first audio comes after all of its
+frames.
 
 Calibration (H200, random full-size weights, docs/PERFORMANCE.md): weights follow the parameter counts (bf16: LM
 13.9 GB without the full head + 0.6 engine tables, depth 1.3, DiT + condition encoder 4.9, vocoder 0.2 fp32 =

@@ -140,12 +140,15 @@ class Music3Pipeline:
             with on_device(self.flow_device):  # its graphs are captured on the flow stage's own GPU
                 self.flow_executor = flow_stage.prepare(self.components, self.flow_device, fast=self.separate_flow_rng,
                                                         buckets=flow_plan.merge_buckets if flow_plan else None,
-                                                        vocoder_tile=flow_plan.vocoder_tile if flow_plan else None,
-                                                        capture=not self.swapping)
+                                                        vocoder_tile=flow_plan.vocoder_tile if flow_plan else None)
             self.velocity_graphs = self.flow_executor.graphs
             if semantic is not None:  # the flow stage has the device now; songs take it in turn
                 parts = [self.components[name] for name in FLOW_COMPONENTS]
-                self.turns = StageTurns([semantic, StageWeights("flow", self.flow_device, parts)])
+                # Its captured DiT steps read the weights' addresses: dropped before they leave (with their graph
+                # pool), captured again at the first full chunk of the next flow turn.
+                graphs = self.velocity_graphs
+                self.turns = StageTurns([semantic, StageWeights(
+                    "flow", self.flow_device, parts, on_leave=graphs.release if graphs is not None else lambda: None)])
             # What the self-check and the trim (full lm_head dropped, embeddings to the host) left in the cache.
             self.release_caches()
             self.stages_pid = os.getpid()

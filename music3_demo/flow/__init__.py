@@ -19,22 +19,21 @@ from .stream import full_chunk_latents
 
 
 def prepare(components: dict, device: torch.device, fast: bool, buckets: tuple[int, int] | None = None,
-            vocoder_tile: int | None = None, capture: bool = True) -> FlowExecutor:
+            vocoder_tile: int | None = None) -> FlowExecutor:
     """The pipeline's flow executor (every song's DiT and vocoder calls go through it). Where the fast path applies
     (a CUDA device, and `fast`: the stage has its own generator and batches CFG) it first installs the DiT's fused
     q|k|v + one-launch rotary (the fp8 path for a transformer that `dit_fp8.quantize_dit` made) and, since full
     chunks share one shape, gives the executor captured graphs of the guided DiT step for them; otherwise every
     step runs eagerly. `buckets`: the largest merged DiT call (songs) and vocoder call (chunks) the card's memory
     plan allows (None: the executor's largest); `vocoder_tile`: latents per vocoder call where the plan has no room
-    for a whole chunk's (None: whole chunks); `capture` False: no graphs (weights that leave the device between
-    songs: the stages in turn)."""
+    for a whole chunk's (None: whole chunks). With the stages in turn the graphs are dropped whenever the flow
+    stage's weights leave the device (`VelocityGraphs.release`) and captured again at their next use."""
     graphs = None
     if device.type == "cuda" and fast:
         from . import dit_fp8, dit_fused  # Triton kernels: imported only where they run
 
         transformer = components["transformer"]
         (dit_fp8.install if dit_fp8.is_fp8(transformer) else dit_fused.install)(transformer)
-        if capture:
-            graphs = VelocityGraphs(components["transformer"], (full_chunk_latents(components),))
+        graphs = VelocityGraphs(components["transformer"], (full_chunk_latents(components),))
     return FlowExecutor(components["transformer"], components["vocoder"], device, graphs,
                         largest=buckets or (max(BUCKETS), max(BUCKETS)), vocoder_tile=vocoder_tile)

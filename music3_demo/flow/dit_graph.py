@@ -87,6 +87,13 @@ class VelocityGraphs:
                 self.captures += 1
             return self._graphs[key]
 
+    @property
+    def held(self) -> int:
+        """How many captured graphs are held now."""
+        return len(self._graphs)
+
     def release(self) -> None:
+        """Drop every captured graph (its pool goes back to the allocator's cache): the pipeline's release, or the
+        flow stage's weights leaving the device (the stages in turn); the next full chunk captures again."""
         with self._lock:
             self._graphs.clear()
