@@ -224,8 +224,8 @@ def random_tensors(model: torch.nn.Module, generator: torch.Generator, device: t
     """Deterministic scale-aware random weights (unit-variance activations) for every parameter of `model` (a
     skeleton: only names and shapes are read), drawn on `device` in float32 in parameter order from one generator,
     floating weights yielded in `dtype`; the draws do not depend on `dtype`, so a bf16 model gets exactly the rounded
-    float32 model's weights. Those named in `on_host` are yielded in host memory (pinned where `device` is a GPU),
-    drawn there a block at a time: the same numbers, never whole on the device."""
+    float32 model's weights. Those named in `on_host` are yielded in host memory, drawn on `device` a block at a
+    time: the same numbers, never whole on the device."""
     for pname, param in model.named_parameters():
         where = "cpu" if pname in on_host else device
         if pname == "conv_out.weight_g":
@@ -247,13 +247,13 @@ def _std(pname: str, param: torch.Tensor) -> float:
 
 def _normal(shape: torch.Size, std: float, generator: torch.Generator, device: torch.device,
             dtype: torch.dtype, host: bool = False) -> torch.Tensor:
-    """A normal draw of `shape` on `device`, in `dtype`, a large matrix block by block (`host`: into host memory,
-    pinned where `device` is a GPU)."""
-    pinned = host and torch.device(device).type == "cuda"
+    """A normal draw of `shape` on `device`, in `dtype`, a large matrix block by block (`host`: into pageable host
+    memory, as a file's tensor arrives: whoever keeps it pins it; torch's pinned allocator would round a 1.4-GB table
+    up to 2 GiB and keep it cached after a transient use)."""
     if shape.numel() <= DRAW_BLOCK or len(shape) < 2:
         value = torch.empty(shape, device=device).normal_(0.0, std, generator=generator).to(dtype)
-        return (value.pin_memory() if pinned else value.cpu()) if host else value
-    out = torch.empty(shape, device="cpu" if host else device, dtype=dtype, pin_memory=pinned)
+        return value.cpu() if host else value
+    out = torch.empty(shape, device="cpu" if host else device, dtype=dtype)
     rows = max(1, DRAW_BLOCK // shape[1:].numel())
     for start in range(0, shape[0], rows):
         block = out[start : start + rows]
