@@ -43,6 +43,9 @@ GiB = 2**30
 MAX_SLOTS = 8  # two rows per song, at most 16 rows per product (semantic/config.py)
 PARKING = 16  # KV positions kept for idle slots (semantic/state.py)
 REFERENCE_PROMPT_TOKENS = 1_000  # a description and a whole song's lyrics: the prompt the headline figures assume
+# Where the reference prompt leaves songs shorter than this, the banner also says what a short prompt (a description
+# and a verse) leaves: on the smallest cards the prompt's share of the KV pool is most of it.
+SHORT_PROMPT_TOKENS, SHORT_NOTE_BELOW_S = 200, 60.0
 FULL_SLOT_SONG_S = 120.0  # the song length every slot must hold
 WARM_UP = (512, 256)  # prompt tokens, frames: what the warm-up reserves; a plan whose pool cannot hold it does not fit
 # The desktop's share: fixed + fraction of free, at most the cap; at load only the fixed part (a brief peak).
@@ -217,6 +220,9 @@ class MemoryPlan:
             parts.append(f"songs up to {duration_text(self.longest_alone_s)} alone, "
                          f"{duration_text(self.longest_full_s)} with every slot busy" if self.slots > 1 else
                          f"songs up to {duration_text(self.longest_alone_s)}")
+            if self.longest_alone_s < SHORT_NOTE_BELOW_S:  # (the figure assumes a whole song's lyrics)
+                parts[-1] += (f" after a {REFERENCE_PROMPT_TOKENS:,}-token prompt, "
+                              f"{duration_text(self.longest_s(SHORT_PROMPT_TOKENS))} after a short one")
         if self.swap:
             parts.append("first audio once all of a song's frames are made (the stages take turns on this GPU)")
         return " · ".join(parts)

@@ -395,3 +395,13 @@ def test_where_both_stages_do_not_fit_they_take_turns_and_streaming_stays_where_
     assert eight.load_peak < eight.free_bytes - HEADROOM_FIXED and eight.longest_alone_s < 1
     ten = plan(9 * GiB / GB)
     assert ten.fits and ten.swap and ten.longest_alone_s == 360 and ten.dit.mode == "fp8"
+
+
+def test_where_a_whole_songs_lyrics_leave_little_the_banner_also_says_what_a_short_prompt_leaves():
+    """On the smallest card that loads (7.5 GiB free: the stages in turn, int4), a 1,000-token prompt leaves no
+    song; the banner says so and what a 200-token prompt leaves, which is what the refusal for one also says."""
+    small = plan((7.5 * GiB - CONTEXT) / GB)
+    assert small.fits and small.swap and small.longest_alone_s < 1
+    assert "songs up to 0 s after a 1,000-token prompt, 32 s after a short one" in small.summary()
+    assert "at most 32 s long" in small.too_long(200, 3000)
+    assert "short one" not in plan(24.0).summary()  # (a card whose songs are long says one figure)

@@ -102,8 +102,10 @@ def test_a_song_waiting_in_line_that_no_card_holds_leaves_the_line_with_the_sent
         waiter.join(timeout=60)
     assert len(failures) == 1 and isinstance(failures[0], InvalidRequest) and failures[0].field == "duration"
     assert LONGEST.fullmatch(str(failures[0])) and short.placed and holder.scheduler.waiting() == 0
-    # The page's banner says the plan in short (precision per stage, slots, longest song).
-    assert re.search(r'id="plan-note">float32 LM, float32 DiT · 1 song at once · songs up to \d+ s</div>',
+    # The page's banner says the plan in short (precision per stage, slots, longest song; under a minute after a
+    # whole song's lyrics, also after a short prompt).
+    assert re.search(r'id="plan-note">float32 LM, float32 DiT · 1 song at once · songs up to \d+ s'
+                     r' after a 1,000-token prompt, \d+ s after a short one</div>',
                      banner_html(holder.status()))
     holder.release()
 
