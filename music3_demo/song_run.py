@@ -191,12 +191,15 @@ class SongRun:
         prefix = None if self.continue_from is None else torch.from_numpy(self.continue_from.codes).long()
         held: list[torch.Tensor] = []
         semantic_started = time.perf_counter()
-        self.blocks = stages.engine.frames(text_ids, self.max_frames, sampling_for(request), self.semantic_generator,
-                                           self.cancel, prefix=prefix)
         # Until its first chunk's frames exist, other songs' later chunks wait (their listeners have audio ahead):
-        # the batch makes these frames at its full speed (a song continued here has audio playing already).
+        # the batch makes these frames at its full speed (a song continued here has audio playing already). Once
+        # they are queued, the engine queues no frames ahead of them until that chunk is heard (`urgent_frames`).
+        first_audio_here = stages.overlap.overlap and not stages.split and self.continue_from is None
+        self.blocks = stages.engine.frames(text_ids, self.max_frames, sampling_for(request), self.semantic_generator,
+                                           self.cancel, prefix=prefix,
+                                           urgent_frames=c.CHUNK_FRAMES if first_audio_here else 0)
         gathering = contextlib.ExitStack()
-        if stages.overlap.overlap and not stages.split and self.continue_from is None:
+        if first_audio_here:
             gathering.enter_context(stages.flow_executor.gathering())
         with gathering:
             for block in self.blocks:
@@ -232,6 +235,7 @@ class SongRun:
             self.timings.setdefault("chunk0_frames_s", waited - self.started)
             with first_chunks.denoising():
                 self._publish(wait=False, until_audio=True)
+            self.blocks.heard()
             self._paused += time.perf_counter() - waited
         else:
             self._publish(wait=False)

@@ -38,11 +38,14 @@ class SemanticEngine(Protocol):
         generator: torch.Generator,
         cancel: threading.Event | None = None,
         prefix: torch.Tensor | None = None,
+        urgent_frames: int = 0,
     ) -> FrameRun:
         """The song's run: iterating it yields blocks of frame hiddens, [n, num_codebooks * hidden], in order, until
         the end token or max_frames; then `run.codes()` gives its [steps, num_codebooks] codes and `run.stats` its
         SongStats. `prefix` ([P, num_codebooks] codes, see `check_prefix`) forces the first P decode steps' codes (a
-        song's own codes reproduce its frames; decoding then goes on from there: "continue this song"). Safe to call
+        song's own codes reproduce its frames; decoding then goes on from there: "continue this song").
+        `urgent_frames`: the caller turns its first that many frames into audio at once, on the same GPU, and says
+        so with `run.heard()`; an engine that runs frames ahead of its callers holds back meanwhile. Safe to call
         from up to `slots` threads at once; a song's codes do not depend on the songs that share the engine."""
         ...
 

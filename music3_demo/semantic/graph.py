@@ -124,9 +124,11 @@ class GraphEngine:
             return self.scheduler.can_admit(prompt_tokens, max_frames)
 
     def frames(self, text_ids: torch.Tensor, max_frames: int, sampling: SamplingSettings, generator: torch.Generator,
-               cancel: threading.Event | None = None, prefix: torch.Tensor | None = None) -> FrameRun:
+               cancel: threading.Event | None = None, prefix: torch.Tensor | None = None,
+               urgent_frames: int = 0) -> FrameRun:
         """`prefix` ([P, 8] codes): the first P steps take these codes in place of the sampled ones (the samplers
-        still draw, so the random stream does not depend on P), then decoding goes on freely."""
+        still draw, so the random stream does not depend on P), then decoding goes on freely. `urgent_frames`: the
+        scheduler's `lookahead` (no frames made ahead of them until `run.heard()`)."""
         prefix = check_prefix(prefix, max_frames, self.weights.audio_vocab)
         if text_ids.dim() != 2 or text_ids.shape[0] != 2:
             raise ValueError(f"text_ids must be the [2, T] CFG pair, got {tuple(text_ids.shape)}")
@@ -134,10 +136,9 @@ class GraphEngine:
             raise ValueError("max_frames must be at least 1")
         if not 1 <= sampling.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be in 1..{MAX_TOP_K}, got {sampling.top_k}")
-
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
         sing = torch.no_grad()(self._sing)
-        return FrameRun(lambda run: sing(run, text_ids, max_frames, sampling, seed, prefix, cancel))
+        return FrameRun(lambda run: sing(run, text_ids, max_frames, sampling, seed, prefix, cancel, urgent_frames))
 
     @torch.no_grad()
     def teacher_forced(
@@ -253,13 +254,14 @@ class GraphEngine:
 
     # ------------------------------------------------------------------ the callers' side
     def _sing(self, run: FrameRun, text_ids: torch.Tensor, max_frames: int, sampling: SamplingSettings, seed: int,
-              forced: torch.Tensor, cancel: threading.Event | None) -> Iterator[torch.Tensor]:
+              forced: torch.Tensor, cancel: threading.Event | None, urgent_frames: int) -> Iterator[torch.Tensor]:
         seat = self.occupancy.enter()
         prompt = text_ids.detach().to("cpu")
         song = Song(prompt_tokens=text_ids.shape[1], max_frames=max_frames,
                     prompt=(tuple(prompt.shape), str(prompt.dtype), prompt.numpy().tobytes()), run=run,
                     text_ids=text_ids.to(self.device), sampling=sampling, seed=seed, forced=forced,
-                    ready=self.stream.caller_ready())
+                    ready=self.stream.caller_ready(), urgent=urgent_frames + 1 if urgent_frames > 0 else 0)
+        run.on_heard = functools.partial(setattr, song, "heard", True)  # (the next round reads it)
         with self._lock:
             self.scheduler.add(song)
         try:

@@ -116,9 +116,11 @@ class ReferenceEngine:
         generator: torch.Generator,
         cancel: threading.Event | None = None,
         prefix: torch.Tensor | None = None,
+        urgent_frames: int = 0,
     ) -> FrameRun:
         """`prefix` ([P, 8] codes): the first P decode steps take these codes instead of sampling (teacher forcing,
-        no draws), then decoding goes on freely; a song's own codes as the prefix reproduce its frames exactly."""
+        no draws), then decoding goes on freely; a song's own codes as the prefix reproduce its frames exactly.
+        `urgent_frames` changes nothing here: this engine makes a frame only when its caller asks for it."""
         prefix = check_prefix(prefix, max_frames, self.depth_decoder.config.audio_vocab_size)
         return FrameRun(lambda run: self._song(run, text_ids, max_frames, sampling, generator, cancel, prefix))
 

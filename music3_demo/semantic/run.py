@@ -46,6 +46,7 @@ class FrameRun:
     def __init__(self, body: Callable[["FrameRun"], Iterator[torch.Tensor]]) -> None:
         self.stats: SongStats | None = None
         self._codes: torch.Tensor | None = None
+        self.on_heard: Callable[[], None] | None = None  # the engine's, where it paces songs by their first audio
         self._blocks = body(self)
 
     def __iter__(self) -> "FrameRun":
@@ -56,6 +57,11 @@ class FrameRun:
 
     def close(self) -> None:
         self._blocks.close()
+
+    def heard(self) -> None:
+        """The caller has the song's first audio: the frames asked for at once (`urgent_frames`) were used."""
+        if self.on_heard is not None:
+            self.on_heard()
 
     def codes(self) -> torch.Tensor:
         if self._codes is None:

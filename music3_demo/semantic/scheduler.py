@@ -12,6 +12,10 @@ so that decode attention reads its context as one run. Songs join a first-come-f
   last bits, and its codes with them), a chunk that does not fit what is left of the round waiting whole;
 - then either the block of `replay_block` frames to replay (the smallest bucket holding every active place) while
   at most `in_flight` blocks are queued ahead of the oldest, or the oldest block in flight to read back.
+A song may ask for its first `urgent` steps at once (the frames of its first audio chunk): once they are queued and
+until its caller has heard that audio (`heard`), nothing more is queued ahead of the block being read back, unless
+another song is still gathering its own (`lookahead`). The flow stage's first chunk then has the GPU to itself: the
+blocks queued ahead (a few tenths of a second of frames) would otherwise share it and come before that audio.
 After reading a block's end flags, `collected` says which frames each song has made and which songs ended; an ended
 song's place and region are free at once. A song whose caller stops leaves the line, or is retired at the next
 round (`retire_gone`). A song that does not fit the pool waits, and so does every song behind it; the pool grows
@@ -110,6 +114,8 @@ class ScheduledSong:
     peers: int = 0  # the most other songs beside it in the batch
     finished: bool = False
     gone: bool = False  # its caller stopped
+    urgent: int = 0  # decode steps wanted at once: those of its first audio chunk (0: none)
+    heard: bool = False  # its caller has that audio (no step is urgent any more)
 
     @property
     def total(self) -> int:
@@ -243,11 +249,23 @@ class BatchScheduler:
     def plan(self) -> RoundPlan:
         plan = RoundPlan(self._admit(), self._prefill())
         running = any(song.live and song.launched < song.total for song in self.active.values())
-        if running and len(self.in_flight) <= self.in_flight_limit:
+        if running and len(self.in_flight) <= self.lookahead():
             plan.launch = self._launch()
         elif self.in_flight:
             plan.collect = self.in_flight.popleft()
         return plan
+
+    def lookahead(self) -> int:
+        """Blocks that may be queued ahead of the oldest in flight: `in_flight`, or none while a song whose urgent
+        steps are all queued waits for its audio and no song still gathers urgent steps of its own."""
+        waiting = gathering = False
+        for song in self.active.values():
+            if song.urgent and not song.heard:
+                if song.live and song.launched >= min(song.urgent, song.total):
+                    waiting = True
+                else:
+                    gathering = True
+        return 0 if waiting and not gathering else self.in_flight_limit
 
     def _admit(self) -> list[Admission]:
         admitted = []

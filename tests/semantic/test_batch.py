@@ -23,13 +23,13 @@ OTHER = (9, 2, 2, SamplingSettings(cfg_scale=2.0, top_k=7), 12)
 VARIATION = (6, 1, 2, SamplingSettings(top_k=5), 13)
 
 
-def _engine(models, slots: int, pool: int | None = None, kv_format: str = "bf16"):
+def _engine(models, slots: int, pool: int | None = None, kv_format: str = "bf16", in_flight: int = 0):
     from music3_demo.semantic.config import GraphConfig
     from music3_demo.semantic.graph import GraphEngine
 
     # prompts of 6 and 9 tokens join in chunks of 4 (as long prompts join a running batch)
-    config = GraphConfig(replay_block=1, in_flight=0, frame_ring=2, attention_splits=2, slots=slots, prefill_chunk=4,
-                         kv_format=kv_format)
+    config = GraphConfig(replay_block=1, in_flight=in_flight, frame_ring=in_flight + 2, attention_splits=2,
+                         slots=slots, prefill_chunk=4, kv_format=kv_format)
     return GraphEngine(*models, "cpu", config=config, kv_pool_positions=pool)
 
 
@@ -114,6 +114,25 @@ def test_a_song_joining_mid_song_changes_neither(models, alone):
     _same(first, first_blocks, alone[FIRST])
     _same(other, other_blocks, alone[OTHER])
     assert first.stats.peers == other.stats.peers == 1
+
+
+def test_frames_asked_for_at_once_hold_the_batch_back_until_heard_and_change_nothing(models, alone):
+    """A song asks for its first 2 frames at once (a first chunk, scaled down): once their steps are queued, no
+    block is queued ahead of them while its caller turns them into audio, until it says it has heard it; its
+    frames and codes are those it makes alone (the old engine had a fourth step queued here)."""
+    engine = _engine(models, slots=2, in_flight=2)
+    tokens, prompt_seed, frames, settings, seed = FIRST
+    text_ids = torch.randint(0, 250, (2, tokens), generator=torch.Generator().manual_seed(prompt_seed))
+    run = engine.frames(text_ids, frames, settings, torch.Generator().manual_seed(seed), urgent_frames=2)
+    blocks = []
+    while sum(block.shape[0] for block in blocks) < 2:
+        blocks.append(next(run))
+    (song,) = engine.scheduler.active.values()
+    assert song.launched == 3 and not engine.scheduler.in_flight  # steps 0-2: frames 0 and 1
+    run.heard()
+    assert engine.scheduler.lookahead() == 2
+    blocks += list(run)
+    _same(run, blocks, alone[FIRST])
 
 
 def _at_once(engine, runs: list) -> list[list]:

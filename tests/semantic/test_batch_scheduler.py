@@ -120,3 +120,25 @@ def test_leaving_the_line_and_a_fixed_pool():
     failed = scheduler.fail()
     assert failed == songs and all(song.finished for song in failed) and not scheduler.busy
     assert scheduler.regions.free == 1024 - PARKING
+
+
+def test_no_frames_are_queued_ahead_of_a_first_chunk_until_it_is_heard():
+    """A song asks for its first 5 frames (6 steps) at once: blocks go ahead as usual while they are queued; once
+    they are, a block is queued only when none is in flight (its first chunk's audio has the GPU), until its caller
+    has heard that audio; a second song still gathering its own urgent steps keeps the batch running ahead."""
+    scheduler = _scheduler(in_flight=3)
+    song = ScheduledSong(2, 40, "a", urgent=6)
+    scheduler.add(song)
+    launched = [scheduler.plan().launch for _ in range(3)]  # prefill + 2 steps, 4, 6: its urgent steps are queued
+    assert [block.steps[0][1] for block in launched] == [2, 4, 6]
+    assert scheduler.lookahead() == 0
+    assert scheduler.plan().collect is launched[0]  # (the old plan queued a fourth block here)
+    assert scheduler.plan().collect is launched[1] and scheduler.plan().collect is launched[2]
+    assert scheduler.plan().launch is not None  # nothing in flight: one block at a time (whoever drives goes on)
+    assert scheduler.plan().collect is not None
+    later = ScheduledSong(2, 40, "b", urgent=6)  # another song joins: while it gathers, the batch runs ahead
+    scheduler.add(later)
+    assert scheduler.plan().launch is not None and scheduler.lookahead() == 3
+    assert scheduler.plan().launch is not None
+    song.heard = later.heard = True
+    assert scheduler.lookahead() == 3
