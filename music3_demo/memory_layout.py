@@ -56,9 +56,9 @@ RUNTIME_BYTES = int(1.0 * GB)
 OUTSIDE_TORCH_BYTES = 500_000_000  # of RUNTIME_BYTES, what lands outside torch's allocator after the plan (kernels)
 SLOT_BYTES = 16_000_000  # the engine's per-song buffers: frame ring, codes, forced prefix
 PREFILL_BYTES = 350_000_000  # a 512-token prefill chunk of both CFG rows (activations, k/v repeated for SDPA)
-# + in a quantized mode, what qweight.linear dequantizes at a time: LINEAR_STEP weights in bf16 beside what
-# QWeight.dequantize holds meanwhile (int4's float32 values, scales and products of DEQUANTIZE_STEP weights: 0.13 GB
-# in all; a 1-byte weight's 0.05 GB)
+# + in a quantized mode: the prefill's products (kernels/matmul.py) hold no dense copy of a weight any more (a block
+# of it in bf16 and the dequantize's temporaries took 0.05-0.13 GB); the figure stays as slack for the allocator's
+# fragments until a card's test shows the plans hold without it
 QUANTIZED_PREFILL_BYTES = 150_000_000
 EQUALIZE_ROWS_BYTES = 1024 * 12_288 * 4  # semantic/equalize.ROWS rows of the widest block weight, float32
 CHECK_BYTES = 100_000_000  # the self-check's scratch (its own small KV pool, the reference's activations)

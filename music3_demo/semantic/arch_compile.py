@@ -8,7 +8,8 @@ runs one frame (sampled and teacher-forced) with Triton's launcher pointed at a 
 launch is recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with Triton's own compiler for
 `GPUTarget("cuda", capability, 32)`. The configs are those `kernels/tuning.py` chooses for that architecture.
 With int8 weights, the GEMV and the chained tail on packed int4 weights (the int4 mode's LM) are compiled once each
-too, in the configs the tuning gives them; and the full-size model's decode attention on an int8 KV cache.
+too, in the configs the tuning gives them; and the full-size model's decode attention on an int8 KV cache. An
+engine on quantized weights also records its prefill's products (`kernels/matmul.py`).
 tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
 
 Run (TRITON_INTERPRET must be unset): python -m music3_demo.semantic.arch_compile 86 90 [--sms 82]
@@ -36,6 +37,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
 from .kernels import linear, tail
+from .kernels.qweight import QWeight
 from .kernels.tuning import (
     BLOCK_RESERVED_SHARED,
     REGISTERS_PER_SM,
@@ -174,7 +176,7 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
     """The down product's GEMV once per conversion route of 1-byte tiles (`qweight.CONVERSIONS`; the native fp16
     conversion only for fp8) in `kind`'s default scheme, on meta tensors: every route compiles everywhere the format
     runs, whichever the tuning picks today."""
-    from .kernels.qweight import CONVERSIONS, NATIVE_F16, QWeight
+    from .kernels.qweight import CONVERSIONS, NATIVE_F16
     from .quant import DEFAULT_SCHEMES
 
     if kind not in ("fp8", "int8"):  # (int4's packed tiles have their own launches: _int4_launches)
@@ -193,12 +195,12 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
 
 
 def _int4_launches(tuning: Tuning, weights) -> None:
-    """On packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group), meta tensors: the down product's GEMV and an LM
-    block's chained tail with the next block's q|k|v (fused, as on a GPU), in the configs the engine's int4 LM takes
+    """On packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group), meta tensors: the down product's GEMV and its
+    prefill product, and an LM block's chained tail with the next block's q|k|v (fused, as on a GPU), in the configs the engine's int4 LM takes
     (`Tuning.gemv` / `Tuning.tail`). One launch each instead of recording an int4 engine's frame, which would add the
     tail without a next block and the first q|k|v and audio-head GEMVs (variants of the same code) for about 2.5x
     the compile time."""
-    from .kernels.qweight import QWeight
+    from .kernels.matmul import config_for, product
     from .quant import DEFAULT_SCHEMES
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
@@ -212,6 +214,8 @@ def _int4_launches(tuning: Tuning, weights) -> None:
     out = torch.empty(2, n, device=meta)
     linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), int4(n, k), out, residual=out,
                 config=tuning.gemv(2, n, k, False, 2, 1, group, "int4"), workspace=linear.GemvWorkspace(meta))
+    down = int4(n, k)
+    product(torch.empty(1024, k, dtype=bf16, device=meta), down, config_for(down, tuning.target.capability))
     block = weights.blocks[0]
     d, a, g, q = weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0]
     h, xn, ln = torch.empty(2, d, device=meta), torch.empty(2, d, dtype=bf16, device=meta), block.ln2
@@ -219,6 +223,18 @@ def _int4_launches(tuning: Tuning, weights) -> None:
                     int4(d, a), int4(g, d), int4(d, g // 2), ln, weights.eps, tail.TailScratch(meta, tuning.programs),
                     next_qkv=(int4(q, d), ln, torch.empty(2, q, dtype=bf16, device=meta)),
                     config=tuning.tail(d, a, g, q, 1, group, "int4"), fused=True)
+
+
+def _prefill_launches(weights, capability: int, rows: int = 1024) -> None:
+    """The prefill's products on a quantized LM block's weights (`kernels/matmul.py`; a plain weight's are cuBLAS's),
+    on meta tensors: one compile per format and tile shape (M is not specialised)."""
+    from .kernels.matmul import config_for, product
+
+    block = weights.blocks[0]
+    for weight in (block.qkv, block.o, block.gate_up, block.down):
+        if isinstance(weight, QWeight):
+            product(torch.empty(rows, weight.shape[1], dtype=weight.dtype, device="meta"), weight,
+                    config_for(weight, capability))
 
 
 def record_engine(engine, target: Target, buckets: tuple[int, ...] = (1,)) -> list[Launch]:
@@ -248,6 +264,7 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None, b
         for bucket in buckets:
             for forced in (False, True) if bucket == 1 else (False,):  # (teacher forcing: one song at a time)
                 engine.frame_graph.prepare(bucket, forced)()
+        _prefill_launches(engine.weights, target.capability)
         if routes is not None:
             _route_launches(engine.tuning, routes)
         if routes == "int8":  # (int8 runs on every architecture)

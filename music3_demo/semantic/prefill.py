@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels.qweight import linear
+from .kernels.matmul import product
 from .state import DeviceState
 from .weights import EngineWeights
 
@@ -40,7 +40,7 @@ def prefill(state: DeviceState, weights: EngineWeights, lm, text_ids: torch.Tens
         torch.arange(end, device=device)[None, :] <= torch.arange(begin, end, device=device)[:, None])
     for index, (layer, block) in enumerate(zip(lm.model.layers, weights.blocks)):
         attn = layer.self_attn
-        q, k, v = linear(layer.input_layernorm(h), block.qkv).split(
+        q, k, v = product(layer.input_layernorm(h), block.qkv).split(
             [heads * hd, kv_heads * hd, kv_heads * hd], dim=-1
         )
         q = attn.q_norm(q.view(2, count, heads, hd)).transpose(1, 2)
@@ -57,9 +57,9 @@ def prefill(state: DeviceState, weights: EngineWeights, lm, text_ids: torch.Tens
                 q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=causal,
                 is_causal=causal is None, scale=hd**-0.5,
             ).transpose(1, 2)
-        h = h + linear(out.reshape(2, count, heads * hd), block.o)
-        gate, up = linear(layer.post_attention_layernorm(h), block.gate_up).unflatten(-1, (-1, 2)).unbind(-1)
-        h = h + linear(F.silu(gate) * up, block.down)
+        h = h + product(out.reshape(2, count, heads * hd), block.o)
+        gate, up = product(layer.post_attention_layernorm(h), block.gate_up).unflatten(-1, (-1, 2)).unbind(-1)
+        h = h + product(F.silu(gate) * up, block.down)
     if end == length:
         state.prompt_hidden[place].copy_(lm.model.norm(h[:, -1]))
 

@@ -3,7 +3,7 @@ weights of semantic/quant.py where the architecture runs them) compiles for sm_8
 configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
 tail's spin-barrier grid is resident all at once (semantic/arch_compile.py does the compiling, in two processes);
 so do the GEMV and the chained tail on packed int4 weights, in the configs the int4 LM takes (~8 CPU s per
-architecture), and decode attention on an int8 KV cache.
+architecture), decode attention on an int8 KV cache, and the prefill's products on every quantized format.
 The tiny model's kernels (small shapes: their own tiles) compile too, for sm_90 in every weight format."""
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(repor
         routes = {k["constants"]["CONV"] for k in report["kernels"] if k["constants"].get("QUANT")
                   and "CONV" in k["constants"]}
         assert routes == ({0, 1, 2, 3} if cap >= 89 else {0, 1, 2}), (cap, routes)
+        # the prefill's products (kernels/matmul.py) in every quantized format the architecture runs
+        prefill = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] == "_matmul_kernel"}
+        assert prefill == ({1, 2, 3} if cap >= 89 else {2, 3}), (cap, prefill)
 
 
 def test_the_tiny_model_compiles_on_sm90_in_every_weight_format(reports):
@@ -98,7 +101,7 @@ def test_the_tiny_model_compiles_on_sm90_in_every_weight_format(reports):
     assert tiny["capability"] == 90 and tiny["precisions"] == ["bf16", "int8", "fp8"] and tiny["problems"] == []
     names = {k["kernel"] for k in tiny["kernels"]}
     assert names == {"_gemv_kernel", "_block_tail_kernel", "_decode_attn_kernel", "_depth_attn_kernel",
-                     "_cfg_sample_kernel", "_rmsnorm_kernel", "_frame_tail_kernel"}
+                     "_cfg_sample_kernel", "_rmsnorm_kernel", "_frame_tail_kernel", "_matmul_kernel"}
     assert {k["constants"]["QUANT"] for k in tiny["kernels"] if k["kernel"] == "_block_tail_kernel"} == {0, 1, 2}
     (attention,) = [k for k in tiny["kernels"] if k["kernel"] == "_decode_attn_kernel"]
     assert (attention["constants"]["D"], attention["constants"]["DP"]) == (8, 16)

@@ -19,6 +19,7 @@ from music3_demo.bench.formats import inject_outliers
 from music3_demo.bench.semantic import random_prompt
 from music3_demo.semantic.graph import GraphEngine
 from music3_demo.semantic.kernels import GemvWorkspace, TailScratch, block_tail, gemv, interleave_rows
+from music3_demo.semantic.kernels.matmul import product
 from music3_demo.semantic.kernels.qweight import CONVERSIONS, weight_format
 from music3_demo.semantic.kernels.tuning import tuning_for
 from music3_demo.semantic.quant import DEFAULT_SCHEMES, Scheme, fp8_supported, quantize_model_, quantize_weight
@@ -204,9 +205,9 @@ def test_quantizing_moves_layer_by_layer_without_a_second_full_copy(full_models)
 
 @pytest.mark.parametrize("fmt, group", [("fp8", 0), ("int8", 128), ("int4", 64)])
 def test_dequantizing_the_largest_lm_weight_holds_little_beside_its_result(fmt, group):
-    """The prefill (and any eager product) dequantizes one block weight at a time: the LM's gate|up (24,576 x 4,096)
-    to bf16 is 0.2 GB, and the steps beside it a few float32 rows (`qweight.DEQUANTIZE_STEP`); done in one pass,
-    the float32 values, scales and product held 1.2 GB more."""
+    """The reference engine (and any eager product) dequantizes one block weight at a time: the LM's gate|up
+    (24,576 x 4,096) to bf16 is 0.2 GB, and the steps beside it a few float32 rows (`qweight.DEQUANTIZE_STEP`);
+    done in one pass, the float32 values, scales and product held 1.2 GB more."""
     if fmt == "fp8" and not fp8_supported(DEVICE):
         pytest.skip("fp8 weights need sm_89+")
     q = quantize_weight(_weight(24576, 4096, 5).bfloat16(), fmt, group)
@@ -219,3 +220,46 @@ def test_dequantizing_the_largest_lm_weight_holds_little_beside_its_result(fmt, 
     extra = torch.cuda.max_memory_allocated(DEVICE) - before - result
     print(f"\n{fmt}: result {result / 1e9:.2f} GB, beside it at the peak {extra / 1e6:.0f} MB")
     assert dense.dtype == torch.bfloat16 and extra <= 150e6
+
+
+PREFILL = [Scheme("fp8", 0), Scheme("int8", 128), Scheme("int4", 64)]
+
+
+@pytest.mark.parametrize("scheme", PREFILL, ids=[s.name for s in PREFILL])
+def test_prefill_products_are_as_close_to_float32_as_cublas_and_take_less_time_than_dequantizing(scheme):
+    """An LM block's four products for 800 rows (both CFG rows of a 400-token prompt) in `kernels/matmul.py`: each
+    within 2x cuBLAS's bf16 product on the same dequantized weights against float32, with nothing beside its
+    output; in all no slower than dequantizing each weight whole and calling cuBLAS (the prefill's old way, less
+    its launches: it dequantized a block of rows at a time). Times printed for docs/."""
+    if scheme.fmt == "fp8" and not fp8_supported(DEVICE):
+        pytest.skip("fp8 weights need sm_89+")
+    rows, ours_s, old_s = 800, 0.0, 0.0
+    for index, (n, k) in enumerate([(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]):
+        x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
+        q = quantize_weight(_weight(n, k, seed=index), scheme.fmt, scheme.group)
+        exact = x.float() @ q.dequantize(torch.float32).T
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(DEVICE)
+        torch.cuda.reset_peak_memory_stats(DEVICE)
+        ours = product(x, q)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated(DEVICE) - before <= ours.numel() * 2 + (1 << 20)
+        error = relative_error(ours.float(), exact).max().item()
+        bar = relative_error(torch.nn.functional.linear(x, q.dequantize()).float(), exact).max().item()
+        assert error <= 2 * bar + 1e-6, (n, k, error, bar)
+        ours_s += _seconds(lambda: product(x, q))
+        old_s += _seconds(lambda: torch.nn.functional.linear(x, q.dequantize()))
+    print(f"\n{scheme.name}: a block's prefill products for {rows} rows {ours_s * 1e3:.2f} ms; dequantize + cuBLAS "
+          f"{old_s * 1e3:.2f} ms")
+    assert ours_s <= old_s
+
+
+def _seconds(call, repeats: int = 20) -> float:
+    call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats

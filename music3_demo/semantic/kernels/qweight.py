@@ -10,8 +10,7 @@ The kernels load the 1-byte tile, convert it to `dtype` (the model's dtype, whic
 registers, take the product with fp32 accumulation and apply the scales: per-channel once per output row in the
 epilogue, per-group once per K tile inside the loop (so a K tile never straddles two groups). `dequantize` is the
 same weight as a dense tensor: what `semantic/quant.QuantizedLinear` hands F.linear, so the eager reference and the
-kernels compute with one set of weights; `linear` is F.linear on either kind, a quantized weight's product a block of
-rows at a time (the prefill's: one block dense beside its activations, not the whole weight).
+kernels compute with one set of weights (the prefill's products on it: `matmul.py`, converted tile by tile).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -27,7 +25,6 @@ ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
 INT4 = torch.uint8  # packed int4: two columns per byte
 INT4_ZERO = 8  # the nibble of q = 0
 DEQUANTIZE_STEP = 1 << 23  # elements dequantized at a time (QWeight.dequantize: int4's float32 pieces 32 MB each)
-LINEAR_STEP = 1 << 24  # weight elements dense at a time in `linear` (32 MB in bf16)
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # The kernels' QUANT constexpr; 0 is a plain (model-dtype) weight; PACKED_INT4: int4 words with per-group scales.
 PER_CHANNEL, PER_GROUP, PACKED_INT4 = 1, 2, 3
@@ -115,7 +112,7 @@ class QWeight:
         """The dense weight (values x scales in float32, rounded once to `dtype`, default the model dtype). A 1-byte
         weight in one product per DEQUANTIZE_STEP elements that reads the bytes (fp8, which torch does not promote,
         through an exact bf16 copy), multiplies by the broadcast scales in float32 and writes `dtype`: no float32
-        tensor in between (a prefill dequantizes every weight of the LM, and its time is the first audio's).
+        tensor in between (the reference engine's every pass dequantizes every weight of the LM).
         int4 unpacks its nibbles to float32 DEQUANTIZE_STEP elements at a time: a whole weight's float32 values,
         scales and products would be three times its float32 size beside the result."""
         n, k = self.shape
@@ -146,22 +143,6 @@ Weight = torch.Tensor | QWeight
 def dense(weight: Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
     """What F.linear takes: the tensor itself, or the dequantized weight."""
     return weight.dequantize(dtype) if isinstance(weight, QWeight) else weight
-
-
-def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """F.linear(x, weight) for a dense or quantized weight: a quantized one LINEAR_STEP weight elements' rows at a
-    time, each block dequantized to x's dtype just before its product (the LM's int8 gate|up would otherwise be 0.2
-    GB dense beside a prefill's activations)."""
-    if not isinstance(weight, QWeight):
-        return F.linear(x, weight)
-    n, k = weight.shape
-    step = max(1, LINEAR_STEP // k)
-    if step >= n:
-        return F.linear(x, weight.dequantize(x.dtype))
-    out = x.new_empty(*x.shape[:-1], n)
-    for start in range(0, n, step):
-        out[..., start : start + step] = F.linear(x, weight.rows(start, min(n, start + step)).dequantize(x.dtype))
-    return out
 
 
 def weight_format(weight: Weight) -> tuple[int, ...]:
