@@ -92,8 +92,9 @@ class BackgroundWriter:
         return done
 
     def _work(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # Linux: this thread only
+        try:  # Linux: this thread only, NICE below what it was made with (a server started under `nice` included)
+            thread = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + NICE))
         except (AttributeError, OSError):
             pass
         while True:
