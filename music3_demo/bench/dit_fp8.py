@@ -30,7 +30,7 @@ import torch
 
 from .. import contract as c
 from .. import random_models
-from ..flow import dit_fp8, dit_fused
+from ..flow import dit_fp8, dit_fused, vocoder_fused
 from ..flow.stream import FlowSettings, FlowStream, full_chunk_latents
 from .dit_fp8_figures import (
     chunk_trajectory,
@@ -96,6 +96,8 @@ def build(device: torch.device, tiny: bool) -> dict:
     for name in ("language_model", "rvq_depth_decoder", "tokenizer"):
         components.pop(name)
     components["vocoder"] = components["vocoder"].float()
+    if device.type == "cuda":  # as flow.prepare does: one pass per Snake (the same samples)
+        vocoder_fused.install(components["vocoder"])
     inject_outlier_columns(components["transformer"])
     if device.type == "cuda":
         torch.cuda.empty_cache()
