@@ -1,9 +1,9 @@
 """Whole-song benchmark on the GPU: wall time, time to first audio, per-stage busy time, overlap and peak memory.
 
-`python -m music3_demo.bench song --seconds 120 [--memory-song 300] [--reference-song 8] [--output song.json]`
-prints one JSON object. Random full-size weights with the end token muted (every song runs to its full length),
-loaded and warmed as the app does, then timed through `Music3Pipeline.generate`; a full flow chunk is also timed
-alone. The eager reference pipeline runs ~30x slower than ours, so within one device call it is timed on a shorter
+`python -m music3_demo.bench song --seconds 120 [--memory-song 300] [--reference-song 8] [--dit-precision bf16,fp8]
+[--output song.json]` prints one JSON object (`--reference-song 0`: no reference). Random full-size weights with
+the end token muted (every song runs to its full length), loaded and warmed as the app does, then timed through
+`Music3Pipeline.generate`; a full flow chunk is also timed alone. The eager reference pipeline runs ~30x slower than ours, so within one device call it is timed on a shorter
 song (`--reference-song`) and its time for the long song is reported both as measured rates and as a projection
 labelled as such.
 """
@@ -130,15 +130,24 @@ def time_flow_chunk(pipeline: Music3Pipeline, steps: int = c.DEFAULT_STEPS, repe
     return results
 
 
-def bench_song(seconds: float, reference_song_s: float, device: torch.device, memory_song_s: float | None) -> dict:
-    ours = full_size_pipeline("graph", device)
-    time_song(ours, 10.0, steps=2)  # warm: captures the semantic and flow graphs once, as the app's holder does
-    result = {"ours": time_song(ours, seconds), "flow_chunk": time_flow_chunk(ours)}
-    if memory_song_s:
-        result["ours_memory_song"] = time_song(ours, memory_song_s)
-    ours.release()
-    del ours
-    torch.cuda.empty_cache()
+def bench_song(seconds: float, reference_song_s: float, device: torch.device, memory_song_s: float | None,
+               dit_precisions: tuple[str, ...] = ("bf16",)) -> dict:
+    """Our pipeline with the flow transformer in each of `dit_precisions` (the first: `ours`, the others
+    `ours_dit_<mode>`, one after another in this process), then the reference (none for `reference_song_s` 0)."""
+    result = {}
+    for index, dit in enumerate(dit_precisions):
+        ours = full_size_pipeline("graph", device, dit_precision=dit)
+        time_song(ours, 10.0, steps=2)  # warm: captures the semantic and flow graphs once, as the app's holder does
+        suffix = "" if index == 0 else f"_dit_{dit}"
+        result["ours" + suffix] = time_song(ours, seconds) | {"dit_precision": dit}
+        result["flow_chunk" + suffix] = time_flow_chunk(ours)
+        if memory_song_s and index == 0:
+            result["ours_memory_song"] = time_song(ours, memory_song_s)
+        ours.release()
+        del ours
+        torch.cuda.empty_cache()
+    if not reference_song_s:
+        return result
 
     reference = full_size_pipeline("reference", device)
     measured = time_song(reference, reference_song_s)
@@ -158,16 +167,27 @@ def bench_song(seconds: float, reference_song_s: float, device: torch.device, me
     return result
 
 
+def _dit_precisions(text: str) -> tuple[str, ...]:
+    modes = tuple(mode.strip() for mode in text.split(",") if mode.strip())
+    if not modes or any(mode not in ("bf16", "fp8") for mode in modes):
+        raise argparse.ArgumentTypeError(f"the flow transformer runs in bf16 or fp8, not {text!r}")
+    return modes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m music3_demo.bench song", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=120.0, help="length of the timed song (120)")
     parser.add_argument("--reference-song", type=float, default=10.0,
                         help="seconds of the reference pipeline's song (10; its time is projected to --seconds)")
     parser.add_argument("--memory-song", type=float, help="also time a song of this length for peak memory")
+    parser.add_argument("--dit-precision", default="bf16", type=_dit_precisions,
+                        help="comma list of the flow transformer's precisions, each a song of --seconds (bf16; "
+                        "bf16,fp8: both, one after the other)")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
     if not needs_cuda():
         return 2
     report = environment("random-full")
-    report["song"] = bench_song(args.seconds, args.reference_song, torch.device("cuda"), args.memory_song)
+    report["song"] = bench_song(args.seconds, args.reference_song, torch.device("cuda"), args.memory_song,
+                                args.dit_precision)
     return finish(report, args.output)

@@ -51,3 +51,14 @@ def test_split_needs_two_gpus():
 
     with pytest.raises(SystemExit, match="needs two GPUs"):
         stage_split.main([])
+
+
+def test_the_song_bench_takes_each_flow_transformer_precision_once_checked(capsys):
+    """`song --dit-precision bf16,fp8` times a song with each flow transformer in one call; another mode is refused
+    before anything touches a GPU."""
+    from music3_demo.bench.song import _dit_precisions
+
+    assert _dit_precisions("bf16, fp8") == ("bf16", "fp8")
+    with pytest.raises(SystemExit) as exit_:
+        main(["song", "--dit-precision", "bf16,int8"])
+    assert exit_.value.code == 2 and "bf16 or fp8, not 'bf16,int8'" in capsys.readouterr().err
