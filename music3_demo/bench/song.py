@@ -3,9 +3,9 @@
 `python -m music3_demo.bench song --seconds 120 [--memory-song 300] [--reference-song 8] [--dit-precision bf16,fp8]
 [--output song.json]` prints one JSON object (`--reference-song 0`: no reference). Random full-size weights with
 the end token muted (every song runs to its full length), loaded and warmed as the app does, then timed through
-`Music3Pipeline.generate`; a full flow chunk is also timed alone. The eager reference pipeline runs ~30x slower than ours, so within one device call it is timed on a shorter
-song (`--reference-song`) and its time for the long song is reported both as measured rates and as a projection
-labelled as such.
+`Music3Pipeline.generate`; a full flow chunk is also timed alone. The eager reference pipeline runs ~30x slower
+than ours, so within one device call it is timed on a shorter song (`--reference-song`) and its time for the long
+song is reported both as measured rates and as a projection labelled as such.
 """
 
 from __future__ import annotations
