@@ -1,5 +1,5 @@
-"""The vocoder's fast path (CUDA), installed on diffusers' modules: each Snake activation, x + (α + 1e-9)⁻¹ · sin(αx)²,
-in one Triton pass over its input instead of five eager elementwise kernels.
+"""The vocoder's fast path (CUDA), installed on diffusers' modules: each Snake activation,
+x + (α + 1e-9)⁻¹ · sin(αx)², in one Triton pass over its input instead of five eager elementwise kernels.
 
 Why: the decoder's last two blocks run at 192 x 176,384 and 96 x 352,768 samples per audio channel in float32, and
 each of their Snakes read and wrote those tensors five times (α·x, sin, the square, the product with 1/α, the sum):

@@ -36,7 +36,7 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-from .kernels import linear, tail
+from .kernels import linear, matmul, tail
 from .kernels.qweight import QWeight
 from .kernels.tuning import (
     BLOCK_RESERVED_SHARED,
@@ -196,11 +196,10 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
 
 def _int4_launches(tuning: Tuning, weights) -> None:
     """On packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group), meta tensors: the down product's GEMV and its
-    prefill product, and an LM block's chained tail with the next block's q|k|v (fused, as on a GPU), in the configs the engine's int4 LM takes
-    (`Tuning.gemv` / `Tuning.tail`). One launch each instead of recording an int4 engine's frame, which would add the
-    tail without a next block and the first q|k|v and audio-head GEMVs (variants of the same code) for about 2.5x
-    the compile time."""
-    from .kernels.matmul import config_for, product
+    prefill product, and an LM block's chained tail with the next block's q|k|v (fused, as on a GPU), in the configs
+    the engine's int4 LM takes (`Tuning.gemv` / `Tuning.tail`). One launch each instead of recording an int4
+    engine's frame, which would add the tail without a next block and the first q|k|v and audio-head GEMVs (variants
+    of the same code) for about 2.5x the compile time."""
     from .quant import DEFAULT_SCHEMES
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
@@ -215,7 +214,8 @@ def _int4_launches(tuning: Tuning, weights) -> None:
     linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), int4(n, k), out, residual=out,
                 config=tuning.gemv(2, n, k, False, 2, 1, group, "int4"), workspace=linear.GemvWorkspace(meta))
     down = int4(n, k)
-    product(torch.empty(1024, k, dtype=bf16, device=meta), down, config_for(down, tuning.target.capability))
+    matmul.product(torch.empty(1024, k, dtype=bf16, device=meta), down,
+                   matmul.config_for(down, tuning.target.capability))
     block = weights.blocks[0]
     d, a, g, q = weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0]
     h, xn, ln = torch.empty(2, d, device=meta), torch.empty(2, d, dtype=bf16, device=meta), block.ln2
@@ -228,13 +228,11 @@ def _int4_launches(tuning: Tuning, weights) -> None:
 def _prefill_launches(weights, capability: int, rows: int = 1024) -> None:
     """The prefill's products on a quantized LM block's weights (`kernels/matmul.py`; a plain weight's are cuBLAS's),
     on meta tensors: one compile per format and tile shape (M is not specialised)."""
-    from .kernels.matmul import config_for, product
-
     block = weights.blocks[0]
     for weight in (block.qkv, block.o, block.gate_up, block.down):
         if isinstance(weight, QWeight):
-            product(torch.empty(rows, weight.shape[1], dtype=weight.dtype, device="meta"), weight,
-                    config_for(weight, capability))
+            matmul.product(torch.empty(rows, weight.shape[1], dtype=weight.dtype, device="meta"), weight,
+                           matmul.config_for(weight, capability))
 
 
 def record_engine(engine, target: Target, buckets: tuple[int, ...] = (1,)) -> list[Launch]:
