@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                      "auto = int8 only where a bf16 cache leaves the songs short")
     gen.add_argument("--swap", choices=SWAP_MODES, default="auto",
                      help="the two stages take turns on the GPU (their weights moved whole through pinned host "
-                     "memory; the audio then comes after all the frames); auto = only where both do not fit")
+                     "memory, in turns during the song); auto = only where both do not fit")
     gen.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available); "
                      "cuda:0+cuda:1 makes the frames on cuda:0 and the audio on cuda:1 (a stage split)")
     gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")

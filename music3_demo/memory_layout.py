@@ -18,8 +18,8 @@ With `swap` the stages take turns on the device (stage_swap.py): the semantic st
 are made, then the flow stage's for its audio, each stage's weights in pinned host memory while the other's are on
 the device. The card then holds the larger of the two (the flow stage's with its working set) beside the KV pool and
 the runtime, one song at a time (one slot, no merged calls; the DiT's graph, which reads its weights' addresses,
-dropped when they leave and captured again in the next flow turn), and a song's first audio comes after all of its
-frames.
+dropped when they leave and captured again in the next flow turn), and a song's first audio comes after its first
+chunk's frames and one round trip of the weights (its frames go to the flow stage in turns: stage_swap.flow_turns).
 
 Calibration (H200, random full-size weights, docs/PERFORMANCE.md): weights follow the parameter counts (bf16: LM
 13.9 GB without the full head + 0.6 engine tables, depth 1.3, DiT + condition encoder 4.9, vocoder 0.2 fp32 =
@@ -224,7 +224,7 @@ class MemoryPlan:
                 parts[-1] += (f" after a {REFERENCE_PROMPT_TOKENS:,}-token prompt, "
                               f"{duration_text(self.longest_s(SHORT_PROMPT_TOKENS))} after a short one")
         if self.swap:
-            parts.append("first audio once all of a song's frames are made (the stages take turns on this GPU)")
+            parts.append("the stages take turns on this GPU: first audio after the first chunk's frames and a turn")
         return " · ".join(parts)
 
     def as_dict(self) -> dict:

@@ -75,8 +75,8 @@ class Music3Pipeline:
         (loading.load_model's `defer_fp8_dit`) is quantized onto the flow device when the stages are built, after the
         engine's self-check: the load's peak is then the larger of the two, not their sum. A plan whose stages take
         turns (`MemoryPlan.swap`: `components`' flow parts still in host memory) has them on the device after the
-        semantic stage's weights have left it (stage_swap.py); its songs are made one at a time, each stage in its
-        turn (no overlap, no captured DiT: its weights' addresses change from turn to turn)."""
+        semantic stage's weights have left it (stage_swap.py); its songs are made one at a time, the stages taking
+        turns during each (no overlap; the graphs captured again after each turn: their weights' addresses change)."""
         self.components = components
         self.source = source
         self.device = normalize(device)
@@ -133,7 +133,7 @@ class Music3Pipeline:
                 for name in FLOW_COMPONENTS:  # (the fp8 DiT is there already)
                     self.components[name].to(self.flow_device)
             asked = False if self.swapping else self._overlap  # (in turn: the frames first, then the audio)
-            self.overlap, self.separate_flow_rng = overlap_rule(asked, self.engine.separate_flow_rng)
+            self.overlap, self.separate_flow_rng = overlap_rule(asked, self.engine.separate_flow_rng, self.swapping)
             # Every song's DiT and vocoder calls go through the one executor (several songs may share this
             # pipeline); it holds the captured DiT graphs on CUDA, and its thread belongs to this process too.
             flow_plan = self.flow_memory_plan or self.memory_plan  # (merged calls only where they fit)

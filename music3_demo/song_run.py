@@ -5,7 +5,8 @@ The phases, in order: `prompt` (tokens, and the plan's refusal of a song too lon
 generators, the flow stream resumed for a continuation, its worker thread), `semantic` (the engine's frame blocks,
 each fed to the flow worker at once when the stages overlap, else held), `finish_flow` (the held frames, the last
 chunks, every piece delivered) and `song` (the one place a `Song` is built). With the stages in turn, each stage's
-weights come onto the device before its phase (`_turn`).
+weights come onto the device before its phase (`_turn`), and the frames held so far go to the flow stage in turns
+during the song (`_flow_turn`, at stage_swap.flow_turns), so its audio streams from its first chunk on.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .precision import PrecisionChoice
 from .prompt import tokenize
 from .request import GenerationRequest, InvalidRequest
 from .semantic import EngineRecord, SamplingSettings
-from .stage_swap import StageTurns
+from .stage_swap import StageTurns, flow_turns
 
 # The flow stage's generator on the fast engines is seeded apart from the semantic one, so overlap cannot change
 # results run to run.
@@ -42,12 +43,13 @@ class Overlap(NamedTuple):
     separate_flow_rng: bool  # the flow stage draws from a generator of its own (on the flow device)
 
 
-def overlap_rule(asked: bool | None, engine_separate_rng: bool) -> Overlap:
+def overlap_rule(asked: bool | None, engine_separate_rng: bool, turns: bool = False) -> Overlap:
     """Whether a song's flow stage runs beside the semantic engine: as `asked`, else when the engine draws from a
     generator of its own (the fast engines). Overlapping needs the flow stage's own generator too, so that how the
-    two stages interleave cannot change a song; without it every stage shares one CPU generator, diffusers' draws."""
+    two stages interleave cannot change a song, and so do the stages in turn (`turns`: no overlap, but the frames
+    go to the flow stage during the song); without it every stage shares one CPU generator, diffusers' draws."""
     overlap = engine_separate_rng if asked is None else asked
-    return Overlap(overlap, engine_separate_rng or overlap)
+    return Overlap(overlap, engine_separate_rng or overlap or turns)
 
 
 @dataclass(frozen=True)
@@ -151,11 +153,27 @@ class SongRun:
         return song
 
     def _turn(self, stage: str) -> None:
-        """With the stages in turn: `stage`'s weights onto the device (the other's to host memory), its cost in the
-        song's timings."""
+        """With the stages in turn: `stage`'s weights onto the device (the other's to host memory), its cost added
+        to the song's timings."""
         if self.stages.turns is not None:
             self.emit(Progress("turn", 0, 1))
-            self.timings[f"turn_to_{stage}_s"] = self.stages.turns.take(stage)
+            key = f"turn_to_{stage}_s"
+            self.timings[key] = self.timings.get(key, 0.0) + self.stages.turns.take(stage)
+            self.timings["stage_turns"] = self.timings.get("stage_turns", 0) + 1
+
+    def _flow_turn(self, held: list[torch.Tensor]) -> None:
+        """With the stages in turn, during the frames: the frames held so far to the flow stage (its weights in,
+        the semantic stage's out), every chunk they complete delivered, then the semantic stage back for the next
+        frames (the engine's graphs captured again over its weights' new addresses)."""
+        began = time.perf_counter()
+        self._turn("flow")
+        for block in held:
+            self.worker.submit(block)
+        held.clear()
+        self.worker.drain()
+        self._publish(wait=False, until_drained=True)
+        self._turn("semantic")
+        self._paused += time.perf_counter() - began
 
     def prompt(self) -> torch.Tensor:
         """The prompt's token ids on the semantic device; a song longer than the card's plan holds even alone is
@@ -186,7 +204,8 @@ class SongRun:
 
     def semantic(self, text_ids: torch.Tensor) -> list[torch.Tensor]:
         """The engine's frames, block by block: fed to the flow worker as they come when the stages overlap, else
-        returned (held) for the flow stage to take after the last one."""
+        held: with the stages in turn, handed over at each of the song's flow turns; what is held after the last
+        block is returned for the flow stage to take."""
         stages, request = self.stages, self.request
         prefix = None if self.continue_from is None else torch.from_numpy(self.continue_from.codes).long()
         held: list[torch.Tensor] = []
@@ -195,6 +214,7 @@ class SongRun:
         # the batch makes these frames at its full speed (a song continued here has audio playing already). Once
         # they are queued, the engine queues no frames ahead of them until that chunk is heard (`urgent_frames`).
         first_audio_here = stages.overlap.overlap and not stages.split and self.continue_from is None
+        turns_at = flow_turns(self.max_frames) if stages.turns is not None else []  # (the stages in turn)
         self.blocks = stages.engine.frames(text_ids, self.max_frames, sampling_for(request), self.semantic_generator,
                                            self.cancel, prefix=prefix,
                                            urgent_frames=c.CHUNK_FRAMES if first_audio_here else 0)
@@ -212,8 +232,11 @@ class SongRun:
                                    (self.max_frames - self.frames) / rate))
                 if stages.overlap.overlap:
                     self._beside(block)
-                else:
-                    held.append(block)
+                    continue
+                held.append(block)
+                if turns_at and self.frames >= turns_at[0] and self.frames < self.max_frames:
+                    turns_at = [at for at in turns_at if at > self.frames]
+                    self._flow_turn(held)
         self.timings["semantic_s"] = time.perf_counter() - semantic_started - self._paused - self._held_s
         self.timings["held_for_first_chunks_s"] = self._held_s
         if self.frames == 0:
@@ -258,10 +281,10 @@ class SongRun:
         self.pieces.append(piece.samples)
         self.emit(AudioPiece(piece.samples, piece.start_sample))
 
-    def _publish(self, wait: bool, until_audio: bool = False) -> None:
+    def _publish(self, wait: bool, until_audio: bool = False, until_drained: bool = False) -> None:
         """The flow worker's progress and pieces so far, as events (`wait`: until it has ended)."""
         expected_chunks = len(c.chunk_starts(self.max_frames))
-        for item in self.worker.results(wait, until_audio):
+        for item in self.worker.results(wait, until_audio, until_drained):
             if isinstance(item, tuple):
                 self.emit(progress_from_step(item, expected_chunks))
                 continue

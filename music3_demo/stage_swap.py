@@ -11,6 +11,9 @@ before anything reads them. Their device addresses change on the way: whatever c
 them (CUDA graphs) is dropped by the stage's `on_leave` before the weights go, and captured again at its next use.
 Nothing may read a stage while it is away: a module's own forward then fails on a storage of size zero, but a raw
 read (a kernel given the pointer) would not, so `StageTurns.take` is the only way to a stage's weights.
+
+A song still streams: its flow turns come during its frames (`flow_turns`), the first once its first chunk's frames
+exist, so its first audio follows them and one round trip of the weights, not the song's last frame.
 """
 
 from __future__ import annotations
@@ -23,10 +26,28 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from . import contract as c
 from .allocator import release_cached
 from .memory import check_host_memory
 
 ALIGNMENT = 64  # bytes: what torch's allocators align a new storage to
+# A song's flow turns: the first at its first chunk's frames, each later one after twice the frames of the one before
+# (CHUNK_HOP at first), at most MAX_TURN_FRAMES. A round trip costs ~0.6 s on an H200 (the weights both ways, a frame
+# graph and a DiT graph captured again) and frames come at >= 4x realtime, chunks at ~10x: each turn's audio plays
+# for longer than the next turn takes, so the listener's lead grows turn by turn. The cap bounds the frames held
+# on the device between turns (64 KB a frame at full size: 64 MB at 1,000) and keeps the lead from growing into
+# a wait at the end.
+MAX_TURN_FRAMES = 1_000
+
+
+def flow_turns(max_frames: int) -> list[int]:
+    """The frame counts at which a song of up to `max_frames` frames hands its frames to the flow stage before its
+    last (which always does): 200, 300, 500, 900, 1700, 2700, ..."""
+    turns, step, at = [], c.CHUNK_HOP, c.CHUNK_FRAMES
+    while at < max_frames:
+        turns.append(at)
+        at, step = at + step, min(2 * step, MAX_TURN_FRAMES)
+    return turns
 
 def _tensors(holder: object, seen: set[int]) -> Iterator[torch.Tensor]:
     """Every tensor `holder` reaches: a module's parameters and buffers, a dataclass's fields, a list's, tuple's or

@@ -382,7 +382,7 @@ def test_where_both_stages_do_not_fit_they_take_turns_and_streaming_stays_where_
     assert turns.song_bytes == turns.runtime + max(semantic, flow + turns.flow_working)
     assert turns.song_bytes + turns.kv_pool_bytes + turns.headroom <= turns.free_bytes
     assert "the stages take turns" in turns.why and "the stages in turn" in turns.modes()
-    assert "first audio once all of a song's frames are made" in turns.summary()
+    assert "first audio after the first chunk's frames and a turn" in turns.summary()
     assert plan(10 * GiB / GB, swap="off").swap is False  # never, when asked
     asked = plan(141, swap="on")  # always, when asked: the modes a whole card takes
     assert asked.swap and asked.lm.mode == "bf16" and "as asked (--swap on)" in asked.why

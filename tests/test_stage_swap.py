@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from music3_demo.stage_swap import ALIGNMENT, StageTurns, StageWeights, device_storages
+from music3_demo import contract as c
+from music3_demo.stage_swap import ALIGNMENT, MAX_TURN_FRAMES, StageTurns, StageWeights, device_storages, flow_turns
 
 
 class Stage(nn.Module):
@@ -78,9 +79,11 @@ def test_turns_give_the_device_to_one_stage_at_a_time_and_say_what_it_cost():
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-def test_a_song_with_the_stages_in_turn_is_the_song_with_both_on_the_device(tiny_folder):
-    """The real pipeline on the tiny model: the semantic stage's weights leave once the engine is built, each song
-    brings them back for its frames and the flow stage's for its audio; the song is bit for bit the same."""
+def test_a_song_with_the_stages_in_turn_streams_and_is_the_streaming_pipelines_song(tiny_folder):
+    """The real pipeline on the tiny model: the semantic stage's weights leave once the engine is built; each song
+    brings them back for its frames, hands the frames made so far to the flow stage at its 200th frame (its first
+    chunk's audio then, mid-song) and takes the semantic stage back for the rest; the song is bit for bit the
+    streaming pipeline's (both stages on the device, the flow stage beside the frames, its own generator)."""
     from music3_demo.pipeline import Music3Pipeline
     from music3_demo.request import GenerationRequest
     from music3_demo.ui.report import report_markdown
@@ -88,29 +91,42 @@ def test_a_song_with_the_stages_in_turn_is_the_song_with_both_on_the_device(tiny
     from music3_demo.events import AudioPiece, Progress
 
     request = GenerationRequest("bright synth-pop", lyrics="[verse]\nhello there", duration=12.0, num_steps=2, seed=5)
-    both = Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference", swap="off")
+    base = Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference", swap="off")
+    both = Music3Pipeline(base.components, base.source, base.device, engine="reference", overlap=True)
     expected = both.generate(request)
     both.release()
+    base.release()
     turns = Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference", swap="on")
     assert turns.slots == 1 and turns.memory_plan_dict["stages_in_turn"] and not turns.overlap
+    assert turns.separate_flow_rng  # (the turns' order cannot change a song)
     assert not turns.turns.holds("semantic") and turns.turns.holds("flow")  # built: the flow stage has the device
     events = []
     songs = [turns.generate(request, on_event=events.append), turns.generate(request)]
-    # its audio streams once the frames are made: the first chunk's piece before the last chunk's steps
-    kinds = [("audio" if isinstance(e, AudioPiece) else "flow" if isinstance(e, Progress) and e.stage == "flow"
-              else None) for e in events]
-    assert kinds.index("audio") < len(kinds) - 1 - kinds[::-1].index("flow"), kinds
+    assert songs[0].frames > c.CHUNK_FRAMES  # (12 s: two chunks, a flow turn at the 200th frame)
+    # it streams: the first chunk's audio comes before the song's last frames are made
+    kinds = [("audio" if isinstance(e, AudioPiece) else "semantic" if isinstance(e, Progress) and
+              e.stage == "semantic" else None) for e in events]
+    assert kinds.index("audio") < len(kinds) - 1 - kinds[::-1].index("semantic"), kinds
     for song in songs:
         assert np.array_equal(song.audio, expected.audio) and np.array_equal(song.state.codes, expected.state.codes)
-        assert {"turn_to_semantic_s", "turn_to_flow_s"} <= song.timings.keys()
+        assert song.timings["stage_turns"] == 4  # semantic in, flow at frame 200, semantic back, flow at the end
+        assert song.timings["first_audio_s"] < song.timings["total_s"]
     semantic = turns.turns.stages["semantic"]
     assert not semantic.resident and sum(storage.nbytes() for storage in semantic.storages) == 0
-    assert turns.turns.turns == 4  # each song: the semantic stage in, then the flow stage
+    assert turns.turns.turns == 8
     report = {"timings": songs[0].timings, "duration_s": 12.0, "frames": songs[0].frames, "sample_rate": 44100,
               "seed": 5, "engine": "reference", "device": "cpu", "realtime_factor": 1.0,
               "semantic_frames_per_s": None}
-    assert "The stages took turns on the GPU" in report_markdown(report)
+    assert "The stages took turns on the GPU 4 times" in report_markdown(report)
     turns.release()
+
+
+def test_a_songs_flow_turns_come_at_its_first_chunk_then_after_twice_the_frames_up_to_the_cap():
+    assert flow_turns(c.CHUNK_FRAMES) == [] and flow_turns(c.CHUNK_FRAMES + 1) == [c.CHUNK_FRAMES]
+    turns = flow_turns(c.MAX_AUDIO_FRAMES)
+    assert turns[:5] == [200, 300, 500, 900, 1700]
+    gaps = np.diff(turns)
+    assert gaps.max() == MAX_TURN_FRAMES and (gaps[4:] == MAX_TURN_FRAMES).all() and turns[-1] < c.MAX_AUDIO_FRAMES
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

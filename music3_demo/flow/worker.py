@@ -23,6 +23,7 @@ from ..handoff import END, Handoff
 from .stream import FlowStream, Piece
 
 _FINISH = object()
+_DRAIN, DRAINED = object(), object()  # `drain`'s marker in the inbox, and the worker's answer in its results
 FLOW_PRIORITY = -1  # the flow workers' streams (StreamPool)
 
 
@@ -152,6 +153,12 @@ class FlowWorker:
     def finish(self) -> None:
         self._inbox.put(_FINISH)
 
+    def drain(self) -> None:
+        """Once the frames submitted so far are denoised and decoded as far as they go (every chunk they complete),
+        the worker's stream idle, the results say so (`results(until_drained=True)` returns there): the flow
+        stage's weights may then leave the device (the stages in turn, stage_swap.py)."""
+        self._inbox.put(_DRAIN)
+
     def _run(self, put) -> None:
         # A new thread starts with device 0 current: Triton kernels (the DiT's fused launches) would run from there.
         self.flow.on_step = lambda chunk, done, total: put(("step", chunk, done, total))
@@ -165,6 +172,11 @@ class FlowWorker:
                     if item is _FINISH:
                         put(self.flow.finish())
                         break
+                    if item is _DRAIN:
+                        if self._stream is not None:
+                            self._stream.synchronize()
+                        put(DRAINED)
+                        continue
                     frames, ready = item
                     if ready is not None:
                         self._stream.wait_event(ready)
@@ -173,17 +185,23 @@ class FlowWorker:
             if self._stream is not None:
                 self._stream.synchronize()
 
-    def results(self, wait: bool, until_audio: bool = False) -> Iterator[list[Piece] | tuple]:
+    def results(self, wait: bool, until_audio: bool = False,
+                until_drained: bool = False) -> Iterator[list[Piece] | tuple]:
         """Yield what the worker made: lists of pieces and ("step", chunk, done, total) tuples. With `wait`, block
         until the worker is done; with `until_audio`, block until it hands back audio (only ask once it has the
-        frames for a chunk). Errors raised in the worker are re-raised here."""
+        frames for a chunk); with `until_drained`, block until it has done what came before `drain()`. Errors
+        raised in the worker are re-raised here."""
         while True:
             try:
-                item = self._results.get(block=wait or until_audio)
+                item = self._results.get(block=wait or until_audio or until_drained)
             except queue.Empty:
                 return
             if item is END:
                 return
+            if item is DRAINED:
+                if until_drained:
+                    return
+                continue
             yield item
             if until_audio and isinstance(item, list) and item:
                 return

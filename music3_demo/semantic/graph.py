@@ -86,9 +86,8 @@ class GraphEngine:
         self.language_model = language_model
         self.depth_decoder = depth_decoder
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
-        self.config = config = (config or GraphConfig()).with_overrides(pdl=pdl, attention_splits=attention_splits,
-                                                                          chain=chain, slots=slots,
-                                                                          kv_format=kv_format)
+        self.config = config = (config or GraphConfig()).with_overrides(
+            pdl=pdl, attention_splits=attention_splits, chain=chain, slots=slots, kv_format=kv_format)
         self.slots = config.slots  # songs at once: the batch's places
         self.buckets = tuple(sorted({min(bucket, self.slots) for bucket in BUCKETS}))
         self.pdl = config.pdl and pdl_supported(device)
@@ -221,10 +220,11 @@ class GraphEngine:
                                       chain=self.chain, use_graphs=self.use_graphs)
 
     def drop_graphs(self) -> None:
-        """Forget the captured graphs (idle engine; the state stays): they read the weights' device addresses,
-        which change when the weights leave the device and come back (stage_swap.py). The next replay captures."""
-        with self._exclusive():
+        """Forget the captured graphs (the state stays): they read the weights' addresses, which change as they leave
+        and come back (stage_swap.py). Between rounds, songs on it: queued steps end, the next replay captures."""
+        with self._drive:
             if self.frame_graph is not None:
+                self.stream.synchronize()
                 self._captures_before += self.frame_graph.captures
                 self._new_frame_graph()
 

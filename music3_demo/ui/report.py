@@ -67,9 +67,10 @@ def report_markdown(report: dict) -> str:
     turns = {key.removeprefix("turn_to_").removesuffix("_s"): value for key, value in timings.items()
              if key.startswith("turn_to_")}
     if turns:
-        lines.append("The stages took turns on the GPU (their weights moved whole through host memory): "
-                     + ", ".join(f"{seconds:.2f} s to bring the {stage} stage in" for stage, seconds in turns.items())
-                     + "; the audio began once all the frames were made.")
+        count = timings.get("stage_turns")
+        lines.append(f"The stages took turns on the GPU{f' {count:.0f} times' if count else ''} (their weights moved "
+                     "whole through host memory): " + ", ".join(f"{seconds:.2f} s in all to bring the {stage} stage in"
+                                                             for stage, seconds in turns.items()) + ".")
     if report.get("shared_gpu_with"):
         others = report["shared_gpu_with"]
         lines[-1] += f" · shared the GPU with {others} other song{'s' if others > 1 else ''}"

@@ -9,11 +9,12 @@ muted so every song runs to its full length. Through the API (gradio_client), as
   to what lets the plan hold it: README's auto table), first audio <= 3 s, a request longer than its prompt leaves
   room for refused with the plan's sentence, <= 14.5 GiB throughout.
 - 11 GiB free (a 12 GB card): the plan takes turns (stage_swap.py: fp8 LM and DiT, an int8 KV cache; auto keeps
-  the LM 8-bit, which holds about 3 minutes there, rather than int4's 6), the longest song the plan holds, its audio
-  once its frames are made, the turns in its report, <= 10.5 GiB throughout.
+  the LM 8-bit, which holds about 3 minutes there, rather than int4's 6), the longest song the plan holds, streamed:
+  its frames handed to the flow stage in turns during the song, first audio <= 3 s (after its first chunk's frames
+  and one round trip of the weights), the turns in its report, <= 10.5 GiB throughout.
 
 About 8 minutes for the first two on an H200 (random-full loads in ~60 s, a 6-minute song takes ~90 s), the 12 GB
-card's turns ~5 more (expected: the frames at int4's speed, then the uncaptured DiT). The pytest process
+card ~4 more. The pytest process
 itself never touches CUDA (its context would count against the simulated card).
 """
 
@@ -51,12 +52,12 @@ class Card:
     two_at_once: bool
     six_minutes: bool  # the plan holds a 6-minute song alone (README's auto table)
     ready_s: float = 90.0
-    in_turn: bool = False  # the plan's stages take turns: first audio after the frames (first_audio_s unused)
+    in_turn: bool = False  # the plan's stages take turns (during each song: it still streams)
 
 
 ARTIFACTS_ENV = "MUSIC3_ARTIFACTS"  # a folder that receives each card's app log
 CARDS = [Card("24GB", 23.5, 22.5, 2.5, True, True), Card("16GB", 15.0, 14.5, 3.0, False, True),
-         Card("12GB", 11.0, 10.5, 0.0, False, False, ready_s=180.0, in_turn=True)]
+         Card("12GB", 11.0, 10.5, 3.0, False, False, ready_s=180.0, in_turn=True)]
 
 
 @dataclass
@@ -146,10 +147,9 @@ def test_a_six_minute_song_or_the_longest_the_plan_holds(card_app):
     assert report["frames"] >= seconds * 25 - 10 and report["duration_s"] >= seconds - 1
     timings = report["timings"]
     assert plan["stages_in_turn"] == card_app.card.in_turn, plan
-    if card_app.card.in_turn:  # the frames first, then the flow stage's weights, then the audio
-        assert timings["turn_to_flow_s"] > 0 and timings["first_audio_s"] >= timings["semantic_s"], timings
-        # ... and chunk by chunk: the first chunk's audio long before the song's last (its flow stage ~60 s here)
-        assert timings["first_audio_s"] < timings["semantic_s"] + 10 < timings["total_s"], timings
+    if card_app.card.in_turn:  # the frames handed to the flow stage in turns: the first chunk heard mid-song
+        assert timings["turn_to_flow_s"] > 0 and timings["stage_turns"] > 4, timings
+        assert timings["first_audio_s"] <= card_app.card.first_audio_s, timings
         assert report["memory"]["device_peak_gb"] * 1e9 <= card_app.card.max_process_gib * GIB
         return
     assert timings["first_audio_s"] <= card_app.card.first_audio_s
