@@ -121,6 +121,33 @@ def test_a_song_with_the_stages_in_turn_streams_and_is_the_streaming_pipelines_s
     turns.release()
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_song_cancelled_in_its_flow_turn_leaves_the_turns_ready_for_the_next_song(tiny_folder):
+    """Cancelled when its first audio arrives (inside its flow turn, the semantic stage away, the song still on the
+    engine): the song ends with `Cancelled`, and the next song brings the semantic stage back and is whole."""
+    import threading
+
+    from music3_demo.events import AudioPiece, Cancelled
+    from music3_demo.pipeline import Music3Pipeline
+    from music3_demo.request import GenerationRequest
+
+    request = GenerationRequest("lofi", lyrics="[verse]\nla la", duration=12.0, num_steps=2, seed=9)
+    turns = Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference", swap="on")
+    expected = turns.generate(request)
+    cancel = threading.Event()
+
+    def on_event(event) -> None:
+        if isinstance(event, AudioPiece):
+            cancel.set()
+
+    with pytest.raises(Cancelled):
+        turns.generate(request, on_event=on_event, cancel=cancel)
+    assert cancel.is_set()
+    again = turns.generate(request)
+    assert np.array_equal(again.audio, expected.audio) and again.timings["stage_turns"] == 4
+    turns.release()
+
+
 def test_a_songs_flow_turns_come_at_its_first_chunk_then_after_twice_the_frames_up_to_the_cap():
     assert flow_turns(c.CHUNK_FRAMES) == [] and flow_turns(c.CHUNK_FRAMES + 1) == [c.CHUNK_FRAMES]
     turns = flow_turns(c.MAX_AUDIO_FRAMES)
