@@ -148,6 +148,30 @@ def test_a_song_cancelled_in_its_flow_turn_leaves_the_turns_ready_for_the_next_s
     turns.release()
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_song_continued_with_the_stages_in_turn_is_the_streaming_pipelines_continuation(tiny_folder):
+    """A continuation hands its frames over in turns too (its forced prefix counted): the same codes and audio as
+    the streaming pipeline's continuation of the same song."""
+    from music3_demo.continuation import extension_request
+    from music3_demo.pipeline import Music3Pipeline
+    from music3_demo.request import GenerationRequest
+
+    song = GenerationRequest("warm lo-fi", "[verse]\nhello", duration=9.0, num_steps=1, seed=3)
+    base = Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference", swap="off")
+    streaming = Music3Pipeline(base.components, base.source, base.device, "reference", overlap=True)
+    first = streaming.generate(song)
+    request = extension_request(first.state, 6.0, seed=8)
+    expected = streaming.generate(request, continue_from=first.state)
+    base.release()
+    turns = Music3Pipeline.from_pretrained("tiny", device="cpu", engine="reference", swap="on")
+    first_in_turn = turns.generate(song)
+    continued = turns.generate(request, continue_from=first_in_turn.state)
+    assert continued.frames == expected.frames > 300 and continued.timings["stage_turns"] == 6
+    assert np.array_equal(continued.state.codes, expected.state.codes)
+    assert np.array_equal(continued.audio, expected.audio)
+    turns.release()
+
+
 def test_a_songs_flow_turns_come_at_its_first_chunk_then_after_twice_the_frames_up_to_the_cap():
     assert flow_turns(c.CHUNK_FRAMES) == [] and flow_turns(c.CHUNK_FRAMES + 1) == [c.CHUNK_FRAMES]
     turns = flow_turns(c.MAX_AUDIO_FRAMES)
