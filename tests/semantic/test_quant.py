@@ -13,7 +13,10 @@ import triton
 import triton.language as tl
 import torch.nn.functional as F
 
+from dataclasses import replace
+
 from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, TailScratch, block_tail, gemv
+from music3_demo.semantic.kernels.tail import TailConfig
 from music3_demo.semantic.kernels.linear import convert_tile
 from music3_demo.semantic.kernels.qweight import BITS_BF16, BITS_F16, NATIVE_F16, QWeight
 from music3_demo.semantic.quant import (
@@ -84,6 +87,65 @@ def test_one_byte_gemv_with_unit_scales_equals_the_fp16_gemv_on_the_same_values_
     ours = gemv(x, q, torch.empty(rows, n, dtype=torch.float16), config=cfg)
     plain = gemv(x, data.to(torch.float16), torch.empty(rows, n, dtype=torch.float16), config=cfg)
     assert torch.equal(ours, plain)
+
+
+@pytest.mark.parametrize("scheme", [Scheme("int4", 16), Scheme("int8", 16), Scheme("fp8", 32)],
+                         ids=["int4/g16", "int8/g16", "fp8/g32"])
+def test_tiles_spanning_several_scale_groups_are_as_close_to_float32_as_tiles_within_one(scheme):
+    """K tiles of 64 or 128 columns over scales per 16 or 32 (fp16 routes: the weights scaled before the MMA) in the
+    GEMV (plain, split-K, SwiGLU) and the chained tail: within 2x the error of the fp16-weight kernel against float32
+    on the same dequantized weights. On a bf16 route such a tile is cut to one group (`fit_group`), and the tuning
+    takes no table entry that would need it."""
+    from music3_demo.semantic.kernels.linear import fit_group
+    from music3_demo.semantic.kernels.tuning import Target, Tuning
+
+    rows, k, n = 2, 256, 64
+    x = rand(rows, k, dtype=torch.float16, seed=1)
+    w = _outlier_weight(n, k, 2).half()
+    q = quantize_weight(w, scheme.fmt, scheme.group)
+    exact = x.float() @ q.dequantize(torch.float32).T
+    route = NATIVE_F16 if scheme.fmt == "fp8" else BITS_F16
+    for cfg in (GemvConfig(16, 128, convert=route), GemvConfig(32, 64, split_k=2, convert=route)):
+        assert fit_group(cfg, q) == cfg
+        ours = gemv(x, q, torch.empty(rows, n, dtype=torch.float16), config=cfg, workspace=GemvWorkspace("cpu"))
+        fp16 = gemv(x, w, torch.empty(rows, n, dtype=torch.float16), config=cfg, workspace=GemvWorkspace("cpu"))
+        assert _err(ours, exact) <= 2 * _err(fp16, x.float() @ w.float().T) + 1e-6, cfg
+    swiglu = gemv(x, q, torch.empty(rows, n // 2, dtype=torch.float16), swiglu=True,
+                  config=GemvConfig(16, 128, convert=route))
+    gate, up = exact.unflatten(-1, (-1, 2)).unbind(-1)
+    assert _err(swiglu, F.silu(gate) * up) < 5e-3
+    assert fit_group(GemvConfig(16, 128), q).block_k == scheme.group  # the bf16 MMA: within one group
+    h200 = Tuning(Target("NVIDIA H200", 90, 132, 227 * 1024))
+    assert h200.valid(GemvConfig(16, 128, convert=route), 2, 1, scheme.group, scheme.fmt)
+    assert not h200.valid(GemvConfig(16, 128), 2, 1, scheme.group, scheme.fmt)
+    # the chained tail: its four products on tiles of 64 columns over the groups
+    d, a, i, nq = 64, 64, 64, 64
+    weights = [quantize_weight(_outlier_weight(*shape, seed=seed).half(), scheme.fmt, scheme.group)
+               for seed, shape in enumerate([(d, a), (2 * i, d), (d, i), (nq, d)])]
+    ln1, ln2 = (rand(d, dtype=torch.float16, seed=seed, scale=0.1) + 1 for seed in (5, 6))
+    attn, start = rand(2, a, dtype=torch.float16, seed=7), rand(2, d, seed=8)
+    wide = GemvConfig(16, 64, convert=route)
+    tail_cfg = TailConfig(wide, replace(wide, block_n=32), wide, wide, num_warps=4)
+
+    def run(ws: list, cfg) -> tuple[torch.Tensor, ...]:
+        h, act, out = start.clone(), torch.zeros(2, i, dtype=torch.float16), torch.zeros(2, nq, dtype=torch.float16)
+        block_tail(attn, h, start.half(), act, *ws[:3], ln2, 1e-6, TailScratch("cpu", 3),
+                   next_qkv=(ws[3], ln1, out), config=cfg)
+        return h, act, out
+
+    def norm(v: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.float()
+
+    wo, wgu, wd, wq = (wt.dequantize(torch.float32) for wt in weights)
+    h = start + attn.float() @ wo.T
+    gate, up = (norm(h, ln2) @ wgu.T).unflatten(-1, (-1, 2)).unbind(-1)
+    act = F.silu(gate) * up
+    h = h + act @ wd.T
+    want = (h, act, norm(h, ln1) @ wq.T)
+    within = TailConfig(*(replace(wide, block_k=scheme.group) for _ in range(2)), replace(wide, block_k=scheme.group),
+                        replace(wide, block_k=scheme.group), num_warps=4)
+    for ours, bar, expected in zip(run(weights, tail_cfg), run(weights, within), want):
+        assert _err(ours, expected) <= 2 * _err(bar, expected) + 1e-6, (_err(ours, expected), _err(bar, expected))
 
 
 @pytest.mark.parametrize("scheme", [Scheme("fp8", 0), Scheme("int8", 16)], ids=["fp8/channel", "int8/g16"])

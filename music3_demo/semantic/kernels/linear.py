@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
 from .launch import interpreting, pdl_enter, pdl_launch
-from .qweight import QWeight, Weight, kernel_args, unpack_int4
+from .qweight import BITS_F16, NATIVE_F16, QWeight, Weight, kernel_args, unpack_int4
 
 
 @dataclass(frozen=True)
@@ -150,12 +150,25 @@ def activation_tile(x, DOT: tl.constexpr):
 def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
              CONV: tl.constexpr = 0, WSCALE: tl.constexpr = 1.0):
     """acc += W_tile · x_tileᵀ. QUANT 0: a model-dtype weight, as before. 1-byte weights (`qweight.py`) are converted
-    to DOT in registers by route CONV (`convert_tile`); per-group (QUANT 2) scales are applied per K tile here (the
-    tile lies in one group), per-channel ones (QUANT 1) later, by `channel_scale`."""
+    to DOT in registers by route CONV (`convert_tile`); per-group (QUANT 2, 3) scales are applied here: to the
+    product of a tile that lies in one group, or, where a tile spans several groups, to the converted weights before
+    the product (fp16 routes only: q exact, times the scale rounded to fp16, each product rounded once to fp16's 11
+    bits, finer than the bf16 reference's own rounding of the dequantized weight); per-channel ones (QUANT 1) later,
+    by `channel_scale`."""
+    BK: tl.constexpr = x.shape[1]
     if QUANT == 0:
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     elif QUANT == 1:
         acc = tl.dot(convert_tile(w, CONV, DOT), tl.trans(activation_tile(x, DOT)), acc)
+    elif BK > GROUP:  # several scale groups per tile (fp16 routes only: `tile_fits_groups`): scaled weights, one MMA
+        BN: tl.constexpr = w.shape[0]
+        NG: tl.constexpr = BK // GROUP
+        scale = tl.load(s_ptr + offs_n.to(tl.int64)[:, None] * (K // GROUP) + k0 // GROUP + tl.arange(0, NG)[None, :],
+                        mask=n_mask[:, None], other=0.0)
+        if WSCALE != 1.0:
+            scale = scale * WSCALE
+        wt = tl.reshape(convert_tile(w, CONV, DOT), [BN, NG, GROUP]) * scale.to(DOT)[:, :, None]
+        acc = tl.dot(tl.reshape(wt, [BN, BK]), tl.trans(activation_tile(x, DOT)), acc)
     else:
         scale = tl.load(s_ptr + offs_n.to(tl.int64) * (K // GROUP) + k0 // GROUP, mask=n_mask, other=0.0)
         if WSCALE != 1.0:
@@ -278,9 +291,17 @@ def tma_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def tile_fits_groups(block_k: int, group: int, convert: int) -> bool:
+    """Whether K tiles of `block_k` columns run as they are on weights with scales per `group` columns (0: per
+    channel): within one group, or spanning whole groups on an fp16 route (the weights scaled before the MMA, in
+    fp16: `dot_tile`); a bf16 MMA would round each scaled weight to 8 bits, so its tiles stay within a group."""
+    return not group or group % block_k == 0 or (block_k % group == 0 and convert in (BITS_F16, NATIVE_F16))
+
+
 def fit_group(cfg: GemvConfig, weight: Weight) -> GemvConfig:
-    """A per-group 1-byte weight needs K tiles that lie within one scale group."""
-    if isinstance(weight, QWeight) and weight.group and weight.group % cfg.block_k:
+    """A per-group 1-byte weight needs K tiles that lie within one scale group, or span whole groups on an fp16
+    route (`tile_fits_groups`)."""
+    if isinstance(weight, QWeight) and not tile_fits_groups(cfg.block_k, weight.group, cfg.convert):
         return replace(cfg, block_k=math.gcd(cfg.block_k, weight.group))
     return cfg
 

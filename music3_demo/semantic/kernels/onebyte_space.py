@@ -3,7 +3,7 @@ conversion routes, and the GEMV tile grid per scale layout, with the rule of whi
 
 from __future__ import annotations
 
-from .linear import GemvConfig
+from .linear import GemvConfig, tile_fits_groups
 from .tuning import shared_bytes
 
 FORMATS = {"fp8/channel": ("fp8", 0), "int8/g128": ("int8", 128), "fp8/g128": ("fp8", 128),
@@ -14,11 +14,23 @@ ROUTES = {"fp8": ["cast", "bits_bf16", "bits_f16", "native_f16"], "int8": ["cast
 SHARED_LIMIT = 227 * 1024  # sm_90's per-block limit
 
 
+# K tiles spanning several scale groups (fp16 routes only, `linear.tile_fits_groups`): as many bytes per stage as
+# the per-channel tiles at fewer stages, the scales applied to the converted weights.
+_G = GemvConfig
+MULTI_GROUP = [_G(64, 256, 4, 4, 1, True), _G(32, 512, 4, 4), _G(64, 256, 8, 4, 1, True), _G(32, 256, 4, 6, 2),
+               _G(128, 256, 8, 3, 1, True)]
+MULTI_GROUP_INT4 = [_G(64, 256, 4, 6, 1, True), _G(128, 256, 8, 4, 1, True), _G(64, 512, 4, 4, 1, True),
+                    _G(32, 512, 4, 6), _G(128, 128, 4, 8, 1, True), _G(64, 128, 4, 8, 1, True),
+                    _G(16, 512, 4, 6), _G(64, 256, 4, 4, 2, True), _G(256, 128, 8, 4, 1, True)]
+
+
 def tiles(group: int, kind: str = "") -> list[GemvConfig]:
     """The tile grid: a 1-byte tile carries half the bytes of a bf16 tile of its shape, so longer K tiles
-    (per-channel) or more stages (per-group: K tiles stay within a 128-column group) keep as many bytes in flight.
+    (per-channel) or more stages (per-group: K tiles within a 128-column group) keep as many bytes in flight.
     Packed int4 carries half a 1-byte tile's bytes: K tiles within its group (64 columns: 32 or 64), wider rows and
-    deeper pipelines; a TMA block row is 16 bytes at least (K tiles of 32 columns and more)."""
+    deeper pipelines; a TMA block row is 16 bytes at least (K tiles of 32 columns and more). Then, for both, tiles
+    spanning several groups (MULTI_GROUP*: fp16 routes only; `fits_shape` leaves them out of the others). The first,
+    fourth and eighth tile of a grid (the routes' ranking: `route_tiles`) lie within one group."""
     G = GemvConfig
     if kind == "int4":
         grid = [G(32, 64, 4, 8), G(64, 64, 4, 8), G(64, 64, 4, 12, 1, True), G(128, 64, 4, 8, 1, True),
@@ -26,12 +38,12 @@ def tiles(group: int, kind: str = "") -> list[GemvConfig]:
                 G(64, 32, 4, 16, 1, True), G(128, 32, 4, 12, 1, True), G(32, 64, 4, 8, 2), G(64, 64, 4, 8, 2, True)]
         if group >= 128:
             grid += [G(64, 128, 4, 8, 1, True), G(128, 128, 4, 6, 1, True), G(128, 128, 8, 6, 1, True)]
-        grid = [c for c in grid if not group % c.block_k]
+        grid = [c for c in grid if not group % c.block_k] + MULTI_GROUP_INT4
     elif group:
         grid = [G(16, 128, 4, 8), G(32, 128, 4, 8), G(64, 128, 4, 6), G(64, 128, 8, 6), G(32, 128, 4, 8, 1, True),
                 G(32, 128, 4, 12, 1, True), G(64, 128, 4, 8, 1, True), G(128, 128, 4, 4, 1, True),
                 G(128, 128, 8, 6, 1, True), G(64, 64, 4, 12, 1, True), G(32, 128, 4, 8, 2), G(64, 128, 4, 6, 2),
-                G(32, 128, 4, 8, 2, True)]
+                G(32, 128, 4, 8, 2, True)] + [c for c in MULTI_GROUP if c.block_k > group]
     else:
         grid = [G(16, 512, 4, 4), G(16, 512, 4, 6), G(32, 512, 4, 4), G(32, 256, 4, 6), G(64, 256, 4, 4),
                 G(64, 256, 8, 4), G(16, 1024, 4, 3), G(32, 512, 4, 4, 1, True), G(32, 256, 4, 8, 1, True),
@@ -45,6 +57,8 @@ def route_tiles(group: int, kind: str = "") -> list[GemvConfig]:
     return [grid[0], grid[3], grid[7]]
 
 
-def fits_shape(cfg: GemvConfig, shape: tuple) -> bool:
+def fits_shape(cfg: GemvConfig, shape: tuple, group: int = 0) -> bool:
+    """Whether `cfg` (with its route) runs as it is on a product of `shape` with scales per `group` columns."""
     rows, n, k, epilogue = shape
-    return k % (cfg.block_k * cfg.split_k) == 0 and not (epilogue == "swiglu" and n % cfg.block_n)
+    return (k % (cfg.block_k * cfg.split_k) == 0 and not (epilogue == "swiglu" and n % cfg.block_n)
+            and tile_fits_groups(cfg.block_k, group, cfg.convert))

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from .linear import GemvConfig, GemvWorkspace, gemv
+from .linear import GemvConfig, GemvWorkspace, gemv, tile_fits_groups
 from .onebyte_space import FORMATS, ROUTES, fits_shape, route_tiles, tiles
-from .qweight import CONVERSIONS
+from .qweight import BITS_F16, CONVERSIONS, NATIVE_F16
 from .tail import TailConfig, TailScratch, block_tail
 from .tune_gemv import SHAPES, time_graph
 from .tuning import Target, Tuning, load_table, tuning_for
@@ -205,7 +205,8 @@ def tail_candidates(fmt: str, family: str, tuning: Tuning, best: dict, which: st
         for route in ROUTES[kind]:
             cfg = TailConfig(*(with_route(c, route) for c in (base.o, base.gate_up, base.down, base.qkv)),
                              num_warps=base.num_warps, prefetch=base.prefetch)
-            if cfg not in out:
+            if cfg not in out and all(tile_fits_groups(c.block_k, group, c.convert) for c in
+                                      (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)):
                 out.append(cfg)
     return out
 
@@ -227,7 +228,8 @@ def main() -> None:
     if args.dry:
         for fmt in formats:
             kind, group = FORMATS[fmt]
-            n_tiles = sum(1 for s in SHAPES for c in tiles(group, kind) if fits_shape(c, s))
+            n_tiles = sum(1 for r in ROUTES[kind] for s in SHAPES for c in tiles(group, kind)
+                          if fits_shape(with_route(c, r), s, group))
             print(f"{fmt}: routes {ROUTES[kind]}, {len(tiles(group, kind))} tiles, {n_tiles} shape x tile cases")
         return
 
@@ -301,12 +303,12 @@ def main() -> None:
             print(f"BUDGET: {fmt} not tuned", flush=True)
             continue
         jobs = [("gemv", fmt, s, with_route(c, r)) for r in ROUTES[kind] for s in ROUTE_SHAPES
-                for c in route_tiles(group, kind) if fits_shape(c, s)]
+                for c in route_tiles(group, kind) if fits_shape(with_route(c, r), s, group)]
         compile_all(jobs)
         totals = dict.fromkeys(ROUTES[kind], 0.0)
         for shape in ROUTE_SHAPES:  # shape outside: one set of weights per shape
             for route in ROUTES[kind]:
-                times = [t for c in route_tiles(group, kind) if fits_shape(c, shape)
+                times = [t for c in route_tiles(group, kind) if fits_shape(with_route(c, route), shape, group)
                          if (t := measure(fmt, shape, with_route(c, route))) is not None]
                 totals[route] += min(times) if times else float("inf")
         for route, total in totals.items():
@@ -319,8 +321,11 @@ def main() -> None:
     for fmt in routes:
         kind, group = FORMATS[fmt]
         ranked = routes[fmt][:1] if left() < 150 else routes[fmt][:2]  # the runner-up too where time allows
+        fp16 = [r for r in routes[fmt] if CONVERSIONS[r] in (BITS_F16, NATIVE_F16)]
+        if group and fp16 and not set(ranked) & set(fp16):  # the tiles spanning groups need an fp16 route
+            ranked.append(fp16[0])
         jobs = [("gemv", fmt, s, with_route(c, r)) for r in ranked for s in SHAPES for c in tiles(group, kind)
-                if fits_shape(c, s)]
+                if fits_shape(with_route(c, r), s, group)]
         for rows_, n, k, epilogue in SHAPES:  # the two baselines of the table: the heuristic and bf16's tuned config
             shape = (rows_, n, k, epilogue)
             jobs.append(("gemv", fmt, shape, tuning.gemv(rows_, n, k, epilogue == "swiglu", 2, 1, group, kind)))
@@ -336,7 +341,8 @@ def main() -> None:
             found = None
             for route in ranked:
                 for cfg in tiles(group, kind):
-                    if fits_shape(cfg, shape) and (t := measure(fmt, shape, with_route(cfg, route))) is not None:
+                    routed = with_route(cfg, route)
+                    if fits_shape(routed, shape, group) and (t := measure(fmt, shape, routed)) is not None:
                         if found is None or t < found[1]:
                             found = (with_route(cfg, route), t)
             if found is None:

@@ -167,11 +167,12 @@ class Tuning:
 
     def valid(self, cfg: GemvConfig, x_bytes: int = 2, w_bytes: int = 2, group: int = 0, kind: str = "") -> bool:
         """Whether a tuned config can run on this device (entries of another GPU's table may not) and weight format
-        (per-group scales need K tiles within a group; the native fp8 conversion needs sm_89)."""
+        (per-group scales need K tiles within a group, or whole groups on an fp16 route; the native fp8 conversion
+        needs sm_89)."""
         target = self.target
         return target is not None and (target.tma or not cfg.tma) and (
-            shared_bytes(cfg, x_bytes, w_bytes) <= target.shared_per_block) and not (
-            group and group % cfg.block_k) and not (
+            shared_bytes(cfg, x_bytes, w_bytes) <= target.shared_per_block) and (
+            linear.tile_fits_groups(cfg.block_k, group, cfg.convert)) and not (
             kind == "fp8" and cfg.convert == NATIVE_F16 and target.capability < 89)
 
     def gemv(self, m: int, n: int, k: int, swiglu: bool = False, x_bytes: int = 2, w_bytes: int = 2,
