@@ -65,9 +65,13 @@ def test_the_sweeps_write_the_table_format_the_engine_loads(tmp_path, monkeypatc
 
 
 def test_the_int4_sweep_offers_only_tiles_its_format_can_run():
-    """Packed int4's K tiles stay within a scale group (64 columns: 32 or 64), a TMA tile reads 16 bytes a row at
-    least (32 columns), the routes are the two MMA dtypes, and every tile is one the H200's tuning would accept for
-    that format (a tuned entry it rejected would silently fall back to the heuristic)."""
+    """Packed int4's K tiles lie within a scale group (64 columns: 32 or 64) or span whole groups on the fp16 route
+    only (the weights scaled before the MMA), a TMA tile reads 16 bytes a row at least (32 columns), the routes are
+    the two MMA dtypes, the routes' ranking uses tiles within a group (fair to both), and every (tile, route) the sweep
+    runs is one the H200's tuning would accept for that format (a tuned entry it rejected would silently fall back to
+    the heuristic)."""
+    from music3_demo.semantic.kernels.qweight import CONVERSIONS
+
     tuning = tuning_for_target(H200)
     assert tune_onebyte.FORMATS is onebyte_space.FORMATS  # the sweep searches this space
     assert onebyte_space.ROUTES["int4"] == ["cast", "bits_f16"]
@@ -75,7 +79,13 @@ def test_the_int4_sweep_offers_only_tiles_its_format_can_run():
         kind, group = onebyte_space.FORMATS[fmt]
         grid = onebyte_space.tiles(group, kind)
         assert len(grid) >= 8 and len(onebyte_space.route_tiles(group, kind)) == 3
+        assert all(group % cfg.block_k == 0 for cfg in onebyte_space.route_tiles(group, kind))
+        assert any(cfg.block_k > group for cfg in grid)
         for cfg in grid:
-            assert group % cfg.block_k == 0 and (not cfg.tma or cfg.block_k >= 32), (fmt, cfg)
-            assert tuning.valid(cfg, 2, 1, group, kind), (fmt, cfg)
-            assert any(onebyte_space.fits_shape(cfg, shape) for shape in tune_gemv.SHAPES), (fmt, cfg)
+            assert (group % cfg.block_k == 0 or cfg.block_k % group == 0) and (not cfg.tma or cfg.block_k >= 32)
+            for route in onebyte_space.ROUTES[kind]:
+                routed = tune_onebyte.with_route(cfg, route)
+                runs = any(onebyte_space.fits_shape(routed, shape, group) for shape in tune_gemv.SHAPES)
+                assert runs == (cfg.block_k <= group or route == "bits_f16"), (fmt, cfg, route)
+                assert tuning.valid(routed, 2, 1, group, kind) == (group % cfg.block_k == 0
+                                                                   or CONVERSIONS[route] != 0), (fmt, cfg, route)

@@ -88,10 +88,11 @@ def _power_of_two(value: int) -> bool:
 
 def _one_byte(suffix: tuple) -> tuple[int, int, str]:
     """(weight bytes, scale group, format) of a key's ending: () a model-dtype weight, ("w1", kind, group) or
-    ("w1",) a 1-byte one."""
+    ("w1",) a 1-byte one (packed int4 is keyed with them: its tiles are sized as 1-byte ones, and it has groups)."""
     if suffix in ((), ("w1",)):
         return 2 - len(suffix), 0, ""
-    assert len(suffix) == 3 and suffix[0] == "w1" and suffix[1] in ("fp8", "int8") and suffix[2] >= 0, suffix
+    assert len(suffix) == 3 and suffix[0] == "w1" and suffix[1] in ("fp8", "int8", "int4") and suffix[2] >= 0, suffix
+    assert suffix[1] != "int4" or suffix[2] > 0, suffix
     return 1, suffix[2], suffix[1]
 
 
