@@ -174,9 +174,9 @@ def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",), mod
 
 def _route_launches(tuning: Tuning, kind: str) -> None:
     """The down product's GEMV once per conversion route of 1-byte tiles (`qweight.CONVERSIONS`; the native fp16
-    conversion only for fp8; the FMA route is packed int4's: `_int4_launches`) in `kind`'s default scheme, on meta tensors: every route compiles everywhere the format
+    conversion only for fp8) in `kind`'s default scheme, on meta tensors: every route compiles everywhere the format
     runs, whichever the tuning picks today."""
-    from .kernels.qweight import CONVERSIONS, FMA, NATIVE_F16
+    from .kernels.qweight import CONVERSIONS, NATIVE_F16
     from .quant import DEFAULT_SCHEMES
 
     if kind not in ("fp8", "int8"):  # (int4's packed tiles have their own launches: _int4_launches)
@@ -189,7 +189,7 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
     out = torch.empty(2, n, device=meta)
     cfg = tuning.gemv(2, n, k, False, 2, 1, group, kind)
     for route in CONVERSIONS.values():
-        if route != FMA and (route != NATIVE_F16 or kind == "fp8"):
+        if route != NATIVE_F16 or kind == "fp8":
             linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
                         config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
 
@@ -197,11 +197,9 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
 def _int4_launches(tuning: Tuning, weights) -> None:
     """On packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group), meta tensors: the down product's GEMV and its
     prefill product, and an LM block's chained tail with the next block's q|k|v (fused, as on a GPU), in the configs
-    the engine's int4 LM takes (`Tuning.gemv` / `Tuning.tail`), and the GEMV and tail on the FMA route too (and the
-    GEMV on the fp16 MMA route). One launch each instead of recording an int4
+    the engine's int4 LM takes (`Tuning.gemv` / `Tuning.tail`). One launch each instead of recording an int4
     engine's frame, which would add the tail without a next block and the first q|k|v and audio-head GEMVs (variants
     of the same code) for about 2.5x the compile time."""
-    from .kernels.qweight import BITS_F16, FMA
     from .quant import DEFAULT_SCHEMES
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
@@ -213,11 +211,8 @@ def _int4_launches(tuning: Tuning, weights) -> None:
 
     n, k = 4096, 12288
     out = torch.empty(2, n, device=meta)
-    tuned = tuning.gemv(2, n, k, False, 2, 1, group, "int4")
-    for cfg in {tuned, replace(tuned, convert=FMA), replace(tuned, convert=BITS_F16)}:  # (the FMA route and the
-        # fp16 MMA route it falls back to past FMA_MAX_ROWS compile wherever the format runs)
-        linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), int4(n, k), out, residual=out, config=cfg,
-                    workspace=linear.GemvWorkspace(meta))
+    linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), int4(n, k), out, residual=out,
+                config=tuning.gemv(2, n, k, False, 2, 1, group, "int4"), workspace=linear.GemvWorkspace(meta))
     down = int4(n, k)
     matmul.product(torch.empty(1024, k, dtype=bf16, device=meta), down,
                    matmul.config_for(down, tuning.target.capability))
@@ -228,12 +223,6 @@ def _int4_launches(tuning: Tuning, weights) -> None:
                     int4(d, a), int4(g, d), int4(d, g // 2), ln, weights.eps, tail.TailScratch(meta, tuning.programs),
                     next_qkv=(int4(q, d), ln, torch.empty(2, q, dtype=bf16, device=meta)),
                     config=tuning.tail(d, a, g, q, 1, group, "int4"), fused=True)
-    fma = tuning.tail(d, a, g, q, 1, group, "int4")
-    fma = tail.TailConfig(*(replace(c, convert=FMA) for c in (fma.o, fma.gate_up, fma.down, fma.qkv)),
-                          num_warps=fma.num_warps, prefetch=fma.prefetch)
-    tail.block_tail(torch.empty(2, a, dtype=bf16, device=meta), h, xn, torch.empty(2, g // 2, dtype=bf16, device=meta),
-                    int4(d, a), int4(g, d), int4(d, g // 2), ln, weights.eps, tail.TailScratch(meta, tuning.programs),
-                    next_qkv=(int4(q, d), ln, torch.empty(2, q, dtype=bf16, device=meta)), config=fma, fused=True)
 
 
 def _prefill_launches(weights, capability: int, rows: int = 1024) -> None:

@@ -65,16 +65,16 @@ def test_the_sweeps_write_the_table_format_the_engine_loads(tmp_path, monkeypatc
 
 
 def test_the_int4_sweep_offers_only_tiles_its_format_can_run():
-    """Packed int4's K tiles lie within a scale group (64 columns: 32 or 64) or span whole groups on the fp16 and FMA
-    routes only (the weights scaled before the MMA, or per word), a TMA tile reads 16 bytes a row at least (32
-    columns), the routes are the two MMA dtypes and the FMA route, the routes' ranking uses tiles within a group (fair to both), and every (tile, route) the sweep
+    """Packed int4's K tiles lie within a scale group (64 columns: 32 or 64) or span whole groups on the fp16 route
+    only (the weights scaled before the MMA), a TMA tile reads 16 bytes a row at least (32 columns), the routes are
+    the two MMA dtypes, the routes' ranking uses tiles within a group (fair to both), and every (tile, route) the sweep
     runs is one the H200's tuning would accept for that format (a tuned entry it rejected would silently fall back to
     the heuristic)."""
     from music3_demo.semantic.kernels.qweight import CONVERSIONS
 
     tuning = tuning_for_target(H200)
     assert tune_onebyte.FORMATS is onebyte_space.FORMATS  # the sweep searches this space
-    assert onebyte_space.ROUTES["int4"] == ["cast", "bits_f16", "fma"]
+    assert onebyte_space.ROUTES["int4"] == ["cast", "bits_f16"]
     for fmt in ("int4/g64", "int4/g128"):
         kind, group = onebyte_space.FORMATS[fmt]
         grid = onebyte_space.tiles(group, kind)
@@ -86,6 +86,6 @@ def test_the_int4_sweep_offers_only_tiles_its_format_can_run():
             for route in onebyte_space.ROUTES[kind]:
                 routed = tune_onebyte.with_route(cfg, route)
                 runs = any(onebyte_space.fits_shape(routed, shape, group) for shape in tune_gemv.SHAPES)
-                assert runs == (cfg.block_k <= group or route in ("bits_f16", "fma")), (fmt, cfg, route)
+                assert runs == (cfg.block_k <= group or route == "bits_f16"), (fmt, cfg, route)
                 assert tuning.valid(routed, 2, 1, group, kind) == (group % cfg.block_k == 0
                                                                    or CONVERSIONS[route] != 0), (fmt, cfg, route)

@@ -148,63 +148,6 @@ def test_tiles_spanning_several_scale_groups_are_as_close_to_float32_as_tiles_wi
         assert _err(ours, expected) <= 2 * _err(bar, expected) + 1e-6, (_err(ours, expected), _err(bar, expected))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
-def test_the_fma_route_on_int4_is_the_float32_product_and_gives_way_to_the_mma_past_four_rows(rows):
-    """Packed int4 on the FMA route (`planes.py`: nibble planes times their activations in float32, no MMA), tiles
-    within a group and spanning several, split-K, every GEMV epilogue, and the chained tail: the float32 product on
-    the dequantized weights up to the output's rounding (the MMA routes: within 2x the fp16 kernel's error). Past
-    FMA_MAX_ROWS rows the launch takes the fp16 MMA route (`mma_fallback`), with the same results as asking for it."""
-    from music3_demo.semantic.kernels.planes import FMA_MAX_ROWS, mma_fallback
-    from music3_demo.semantic.kernels.qweight import FMA
-
-    k, n, group = 256, 64, 32
-    x = rand(rows, k, dtype=torch.float16, seed=1)
-    g = rand(k, dtype=torch.float16, seed=3, scale=0.1) + 1
-    res = rand(rows, n, seed=4)
-    q = quantize_weight(_outlier_weight(n, k, 2).half(), "int4", group)
-    dense = q.dequantize(torch.float32)
-    # the GEMV's RMSNorm: 1/rms of each row times W·(x ⊙ g), in float32 on this route
-    normed = x.float() * g.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-    fallback = rows > FMA_MAX_ROWS
-    tol = 2e-3 if fallback else 1e-6  # float32 outputs: the FMA route's only rounding is float32's
-    for cfg in (GemvConfig(16, 128, convert=FMA), GemvConfig(32, 32, convert=FMA),
-                GemvConfig(16, 64, split_k=2, convert=FMA)):
-        assert (mma_fallback(cfg, q, rows).convert == BITS_F16) == fallback
-        for kw, want in (({}, x.float() @ dense.T), ({"norm_weight": g}, normed @ dense.T),
-                         ({"residual": res}, res + x.float() @ dense.T)):
-            out = gemv(x, q, torch.empty(rows, n), config=cfg, workspace=GemvWorkspace("cpu"), **kw)
-            assert _err(out, want) < tol, (cfg, kw, _err(out, want))
-            if fallback:
-                asked = gemv(x, q, torch.empty(rows, n), config=replace(cfg, convert=BITS_F16),
-                             workspace=GemvWorkspace("cpu"), **kw)
-                assert torch.equal(out, asked)
-    gate, up = (x.float() @ dense.T).unflatten(-1, (-1, 2)).unbind(-1)
-    swiglu = gemv(x, q, torch.empty(rows, n // 2), swiglu=True, config=GemvConfig(16, 64, convert=FMA))
-    assert _err(swiglu, F.silu(gate) * up) < (2e-3 if fallback else 1e-5)
-    # the chained tail on the FMA route: its products as the FMA route's GEMVs compute them
-    d, a, i, nq = 64, 64, 64, 64
-    weights = [quantize_weight(_outlier_weight(*shape, seed=seed).half(), "int4", group)
-               for seed, shape in enumerate([(d, a), (2 * i, d), (d, i), (nq, d)])]
-    ln1, ln2 = (rand(d, dtype=torch.float16, seed=seed, scale=0.1) + 1 for seed in (5, 6))
-    attn, start = rand(rows, a, dtype=torch.float16, seed=7), rand(rows, d, seed=8)
-    fma = GemvConfig(16, 64, convert=FMA)
-    outputs = []
-    for chained in (False, True):
-        h, h16 = start.clone(), start.half()
-        act, qkv = torch.zeros(rows, i, dtype=torch.float16), torch.zeros(rows, nq, dtype=torch.float16)
-        if chained:
-            block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, TailScratch("cpu", 3),
-                       next_qkv=(weights[3], ln1, qkv), config=TailConfig(fma, fma, fma, fma))
-        else:
-            gemv(attn, weights[0], h, residual=h, out_copy=h16, config=fma)
-            gemv(h16, weights[1], act, norm_weight=ln2, swiglu=True, config=fma)
-            gemv(act, weights[2], h, residual=h, out_copy=h16, config=fma)
-            gemv(h16, weights[3], qkv, norm_weight=ln1, config=fma)
-        outputs.append((h, act, qkv))
-    for chained, separate in zip(outputs[1], outputs[0]):
-        assert _err(chained, separate) < 2e-3
-
-
 @pytest.mark.parametrize("scheme", [Scheme("fp8", 0), Scheme("int8", 16)], ids=["fp8/channel", "int8/g16"])
 def test_block_tail_on_one_byte_weights_runs_the_products_as_the_gemvs_do(scheme):
     """The chained tail's products (one launch each under the interpreter) with 1-byte weights against the same

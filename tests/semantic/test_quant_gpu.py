@@ -86,10 +86,8 @@ def test_every_conversion_route_is_as_close_to_float32_as_the_bf16_kernel(route,
     route whose scaled values the tensor cores flush (bits_bf16 leaves fp8 weights at 2^-126..2^-111)."""
     if route == "native_f16" and scheme.fmt == "int8":
         pytest.skip("int8 has no native fp16 route worth keeping (an I2F per weight, as the cast)")
-    if scheme.fmt == "int4" and route not in ("cast", "bits_f16", "fma"):
-        pytest.skip("packed int4 takes one route per MMA dtype, the model's (cast) or fp16 (bits_f16), or none (fma)")
-    if scheme.fmt != "int4" and route == "fma":
-        pytest.skip("the FMA route reads packed int4 words")
+    if scheme.fmt == "int4" and route not in ("cast", "bits_f16"):
+        pytest.skip("packed int4 takes one route per MMA dtype: the model's (cast) or fp16 (bits_f16)")
     rows, n, k = 2, 4096, 12288
     x = (torch.randn(rows, k, device=DEVICE) * torch.rand(rows, k, device=DEVICE).pow(4) * 8).to(torch.bfloat16)
     w = _weight(n, k, seed=7)

@@ -46,8 +46,7 @@ except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
 from .launch import interpreting, pdl_enter, pdl_launch
-from .planes import fma_tile, mma_fallback, rows_block
-from .qweight import BITS_F16, FMA, NATIVE_F16, QWeight, Weight, kernel_args, unpack_int4
+from .qweight import BITS_F16, NATIVE_F16, QWeight, Weight, kernel_args, unpack_int4
 
 
 @dataclass(frozen=True)
@@ -224,11 +223,9 @@ def _gemv_kernel(
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr,
     TMA: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr,
-    WSCALE: tl.constexpr, ROWS: tl.constexpr,
+    WSCALE: tl.constexpr,
 ):
-    # rows >= M are masked to zero: 16, the smallest tl.dot side; the FMA route (planes.py): M padded to ROWS
-    FMA: tl.constexpr = CONV == 4
-    BLOCK_M: tl.constexpr = ROWS if FMA else 16
+    BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     PACK: tl.constexpr = 8 if QUANT == 3 else 1  # weights per element of w (packed int4: 8 per int32 word)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -245,8 +242,6 @@ def _gemv_kernel(
                           BLOCK_K // PACK * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
         pdl_enter()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    if FMA:
-        acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K // 8], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
         w = weight_tile(w_ptrs + k0 // PACK, w_desc, n_mask, pid * BLOCK_N, split * k_len + k0, TMA, QUANT)
@@ -255,12 +250,7 @@ def _gemv_kernel(
             xf = x.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
             x = xf * tl.load(g_ptr + offs_k + k0).to(tl.float32)[None, :]
-        if FMA:
-            acc3 = fma_tile(w, x, acc3, s_ptr, offs_n, n_mask, split * k_len + k0, K, GROUP)
-        else:
-            acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, split * k_len + k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
-    if FMA:
-        acc = tl.sum(acc3, axis=2)
+        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, split * k_len + k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
     if SPLIT_K == 1:
         acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
         gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm,
@@ -304,10 +294,8 @@ def tma_supported(device: torch.device) -> bool:
 def tile_fits_groups(block_k: int, group: int, convert: int) -> bool:
     """Whether K tiles of `block_k` columns run as they are on weights with scales per `group` columns (0: per
     channel): within one group, or spanning whole groups on an fp16 route (the weights scaled before the MMA, in
-    fp16: `dot_tile`; or on the FMA route, which scales per word: `planes.fma_tile`); a bf16 MMA would round each
-    scaled weight to 8 bits, so its tiles stay within a group."""
-    return not group or group % block_k == 0 or (block_k % group == 0 and convert in (BITS_F16, NATIVE_F16, FMA))
-
+    fp16: `dot_tile`); a bf16 MMA would round each scaled weight to 8 bits, so its tiles stay within a group."""
+    return not group or group % block_k == 0 or (block_k % group == 0 and convert in (BITS_F16, NATIVE_F16))
 
 
 def fit_group(cfg: GemvConfig, weight: Weight) -> GemvConfig:
@@ -388,8 +376,7 @@ def gemv(
         raise ValueError(
             f"gemv shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}"
         )
-    cfg = fit_group(mma_fallback(config or fit_shape(default_config(m, n, k, swiglu), n, k, swiglu), weight, m),
-                    weight)
+    cfg = fit_group(config or fit_shape(default_config(m, n, k, swiglu), n, k, swiglu), weight)
     if cfg.tma and not tma_supported(weight.device):
         cfg = replace(cfg, tma=False)
     if swiglu:  # whole gate/up pairs per tile: the row block must divide N
@@ -421,7 +408,7 @@ def gemv(
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl,
-        TMA=cfg.tma, QUANT=quant, GROUP=group, DOT=dot, CONV=conv, WSCALE=wscale, ROWS=rows_block(m),
+        TMA=cfg.tma, QUANT=quant, GROUP=group, DOT=dot, CONV=conv, WSCALE=wscale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out

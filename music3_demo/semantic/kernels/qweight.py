@@ -40,11 +40,10 @@ PER_CHANNEL, PER_GROUP, PACKED_INT4 = 1, 2, 3
 # The fp16 routes round the bf16 activations to fp16: exact inside fp16's range (|x| < 65504; bf16's 8 significant
 # bits fit fp16's 11), flushed towards zero below 6e-5 (a negligible share of a sum), infinite above: they are for
 # products whose activations are known to stay in range.
-# Packed int4 takes the magic-number route of its MMA dtype, two nibbles per 32-bit operation (`unpack_int4`); the
-# route only picks that dtype: BITS_F16 / NATIVE_F16 fp16, else the model's. Or, for a few rows, FMA: no MMA, each
-# nibble plane multiplied in float32 where it arrived (`planes.py`: what it does and why).
-CAST, BITS_BF16, BITS_F16, NATIVE_F16, FMA = 0, 1, 2, 3, 4
-CONVERSIONS = {"cast": CAST, "bits_bf16": BITS_BF16, "bits_f16": BITS_F16, "native_f16": NATIVE_F16, "fma": FMA}
+# Packed int4 always takes the magic-number route of its MMA dtype, two nibbles per 32-bit operation
+# (`unpack_int4`); the route only picks that dtype: BITS_F16 / NATIVE_F16 fp16, else the model's.
+CAST, BITS_BF16, BITS_F16, NATIVE_F16 = 0, 1, 2, 3
+CONVERSIONS = {"cast": CAST, "bits_bf16": BITS_BF16, "bits_f16": BITS_F16, "native_f16": NATIVE_F16}
 
 
 @dataclass(frozen=True)

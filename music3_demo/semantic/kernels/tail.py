@@ -41,7 +41,6 @@ from .linear import (
     GemvConfig, TensorDescriptor, channel_scale, dot_tile, fit_group, fit_shape, gemv_epilogue, prefetch_rows_l2,
     tma_supported, weight_ptrs, weight_tile,
 )
-from .planes import fma_tile, mma_fallback, rows_block
 from .qweight import Weight, kernel_args
 
 # The fused tail's launch is cooperative (see the module docstring); "0" only to measure the other way.
@@ -152,7 +151,6 @@ def _product(
     STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
     NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr,
     QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr, WSCALE: tl.constexpr,
-    ROWS: tl.constexpr,
 ):
     """This program's row blocks of out = epilogue(W · x). FRESH: x and out were written earlier in this launch
     (by other programs), so they are read through L2 only (`.cg`; L1 is not coherent).
@@ -164,11 +162,9 @@ def _product(
     program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s, and so is the
     handling of quantized weights (QUANT, GROUP, DOT, CONV, WSCALE): its tile loads (`linear.weight_ptrs`,
     `weight_tile`: packed int4 as K / 8 words per row) and conversions (`linear.dot_tile`; per-channel scales at each
-    row block's end; the FMA route's products: `planes.fma_tile`, rows padded to ROWS, not 16). The partial sums of
-    squares keep 16 entries per program whatever the route.
+    row block's end).
     """
-    FMA: tl.constexpr = CONV == 4
-    BLOCK_M: tl.constexpr = ROWS if FMA else 16
+    BLOCK_M: tl.constexpr = 16
     K_TILES: tl.constexpr = K // BLOCK_K
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -180,13 +176,11 @@ def _product(
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     if NORM:  # every program's partial, in program order (deterministic)
         parts = tl.arange(0, PARTS)
-        sumsq = tl.sum(tl.load(part_ptr + parts[:, None] * 16 + offs_m[None, :],
+        sumsq = tl.sum(tl.load(part_ptr + parts[:, None] * BLOCK_M + offs_m[None, :],
                                mask=(parts < programs)[:, None] & m_mask[None, :], other=0.0, cache_modifier=".cg"),
                        axis=0)
     part = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    if FMA:
-        acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K // 8], tl.float32)
     for t in tl.range(0, blocks * K_TILES, num_stages=STAGES):
         row0 = (pid + (t // K_TILES) * programs) * BLOCK_N
         k0 = (t % K_TILES) * BLOCK_K
@@ -197,14 +191,8 @@ def _product(
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
         else:
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-        if FMA:
-            acc3 = fma_tile(w, x, acc3, s_ptr, offs_n, n_mask, k0, K, GROUP)
-        else:
-            acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
+        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
         if t % K_TILES == K_TILES - 1:
-            if FMA:
-                acc = tl.sum(acc3, axis=2)
-                acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K // 8], tl.float32)
             acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
             if RESIDUAL:
                 mask = n_mask[:, None] & m_mask[None, :]
@@ -226,7 +214,7 @@ def _product(
                                stride_o, eps, K, NORM, False, SWIGLU, False)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if NEXT:
-        tl.store(part_ptr + pid * 16 + offs_m, part)
+        tl.store(part_ptr + pid * BLOCK_M + offs_m, part)
 
 
 @triton.jit
@@ -246,7 +234,7 @@ def _block_tail_kernel(
     QUANT: tl.constexpr, GROUP: tl.constexpr,
     DT_O: tl.constexpr, CV_O: tl.constexpr, WS_O: tl.constexpr, DT_GU: tl.constexpr, CV_GU: tl.constexpr,
     WS_GU: tl.constexpr, DT_D: tl.constexpr, CV_D: tl.constexpr, WS_D: tl.constexpr, DT_Q: tl.constexpr,
-    CV_Q: tl.constexpr, WS_Q: tl.constexpr, ROWS: tl.constexpr,
+    CV_Q: tl.constexpr, WS_Q: tl.constexpr,
 ):
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
     input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/GROUP: the weights' format (one for all four
@@ -255,25 +243,25 @@ def _block_tail_kernel(
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
         _product(attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps,
                  M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, QUANT, GROUP, DT_O, CV_O,
-                 WS_O, ROWS)
+                 WS_O)
     if SYNC:
         _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU, QUANT)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
         _product(xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps,
                  M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC, QUANT, GROUP, DT_GU,
-                 CV_GU, WS_GU, ROWS)
+                 CV_GU, WS_GU)
     if SYNC:
         _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D, QUANT)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
         _product(act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps,
                  M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC, QUANT, GROUP,
-                 DT_D, CV_D, WS_D, ROWS)
+                 DT_D, CV_D, WS_D)
     if SYNC and HAS_NEXT:
         _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q, QUANT)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
         _product(xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps,
                  M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, QUANT, GROUP, DT_Q, CV_Q,
-                 WS_Q, ROWS)
+                 WS_Q)
 
 
 def _descriptor(data: torch.Tensor, cfg: GemvConfig, k: int):
@@ -326,9 +314,8 @@ def block_tail(
         cfg = TailConfig(*(replace(c, tma=False) for c in
                            (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)), num_warps=cfg.num_warps, prefetch=cfg.prefetch)
     wq, ln1, qkv_out = next_qkv if next_qkv is not None else (o, ln2, act)
-    cfg = TailConfig(*(fit_group(mma_fallback(c, w, m), w) for c, w in ((cfg.o, o), (cfg.gate_up, gate_up),
-                                                                      (cfg.down, down), (cfg.qkv, wq))),
-                     num_warps=cfg.num_warps, prefetch=cfg.prefetch)
+    cfg = TailConfig(*(fit_group(c, w) for c, w in ((cfg.o, o), (cfg.gate_up, gate_up), (cfg.down, down),
+                                                    (cfg.qkv, wq))), num_warps=cfg.num_warps, prefetch=cfg.prefetch)
     products = (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)
     packed = [kernel_args(w, c.convert) for w, c in zip((o, gate_up, down, wq), products)]
     if len({p[2:4] for p in packed}) > 1:
@@ -347,7 +334,7 @@ def block_tail(
            for name, p in zip(("GU", "D", "Q"), packed[1:])},
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
-        QUANT=packed[0][2], GROUP=packed[0][3], ROWS=rows_block(m),
+        QUANT=packed[0][2], GROUP=packed[0][3],
         **{f"{key}_{name}": value for name, p in zip(("O", "GU", "D", "Q"), packed)
            for key, value in zip(("DT", "CV", "WS"), p[4:])},
     )
