@@ -33,7 +33,7 @@ from .. import contract as c
 from ..precision import EQUALIZED
 from ..weights_stream import buffers_to
 from .equalize import LINEARS, LayerGatherer, equalize_
-from .kernels.qweight import INT4_ZERO, QWeight
+from .kernels.qweight import INT4_ZERO, QWeight, int4_mma_order, int4_permute
 
 SUPPORTED = ("bf16", "fp8", "int8", "int4")
 FP8_MAX, INT8_MAX, INT4_MAX = 448.0, 127.0, 7.0
@@ -94,7 +94,9 @@ def quantize_weight(weight: torch.Tensor, fmt: str, group: int = 0) -> QWeight:
         data = scaled.round_().to(torch.int8).view(n, k)
     else:
         nibbles = (scaled.round_() + INT4_ZERO).to(torch.uint8).view(n, k)
-        data = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # the even column in the low nibble
+        if int4_mma_order(group):  # (kernels/qweight.py: which nibble holds which column)
+            nibbles = int4_permute(nibbles)
+        data = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # low nibble first
     return QWeight(data.contiguous(), (scale if group else scale[:, 0]).contiguous(), group, weight.dtype)
 
 

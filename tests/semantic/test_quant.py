@@ -18,7 +18,7 @@ from dataclasses import replace
 from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, TailScratch, block_tail, gemv
 from music3_demo.semantic.kernels.tail import TailConfig
 from music3_demo.semantic.kernels.linear import convert_tile
-from music3_demo.semantic.kernels.qweight import BITS_BF16, BITS_F16, NATIVE_F16, QWeight
+from music3_demo.semantic.kernels.qweight import BITS_BF16, BITS_F16, NATIVE_F16, QWeight, int4_mma_order, int4_permute
 from music3_demo.semantic.quant import (
     AudioHead, QuantizedLinear, Scheme, audio_head_rows, fp8_supported, quantize_model_, quantize_weight,
 )
@@ -333,36 +333,49 @@ def test_dequantizing_a_few_rows_at_a_time_gives_the_whole_weights_bits(fmt, gro
     assert torch.equal(q.dequantize(), whole)
 
 
-def test_int4_packs_two_columns_per_byte_low_nibble_first_and_dequantizes_to_the_rounded_weight():
-    """Byte j of a row: column 2j in the low nibble, 2j + 1 in the high one, each q + 8 with q in [-7, 7]; the
-    dequantized weight is q x the group's max|w| / 7, within half a step of the original; no scale groups: refused."""
+def test_int4_packs_in_mma_order_or_column_order_and_dequantizes_to_the_rounded_weight():
+    """Each value is q + 8 with q in [-7, 7]. With 64-column groups (a multiple of 32: MMA order), in each run of 32
+    columns word c holds column 8a + 2c + b in nibble 2a + b (bits 4(2a + b) of the little-endian word); with 16-column groups, column order: byte j holds column 2j low, 2j + 1 high. The dequantized
+    weight is q x the group's max|w| / 7, within half a step of the original; no scale groups: refused."""
     w = _outlier_weight(8, 128, 11)
     q = quantize_weight(w, "int4", 64)
     assert q.data.dtype == torch.uint8 and q.data.shape == (8, 64) and q.shape == (8, 128) and q.kind == "int4"
     scale = w.view(8, 2, 64).abs().amax(-1) / 7
     assert torch.equal(q.scale, scale)
     expected = (w.view(8, 2, 64) / scale[..., None]).round().view(8, 128)
-    assert torch.equal((q.data & 0xF).float() - 8, expected[:, 0::2])
-    assert torch.equal((q.data >> 4).float() - 8, expected[:, 1::2])
+    words = q.data.view(torch.int32)  # [8, 16]: four runs of four words
+    for word in range(16):
+        run, c = divmod(word, 4)
+        for a in range(4):
+            for b in range(2):
+                nibble = ((words[:, word] >> (4 * (2 * a + b))) & 0xF).float() - 8
+                assert torch.equal(nibble, expected[:, 32 * run + 8 * a + 2 * c + b]), (word, a, b)
     assert ((q.data & 0xF) >= 1).all() and ((q.data >> 4) >= 1).all()
     step = scale.repeat_interleave(64, dim=1)
     assert ((q.dequantize(torch.float32) - w).abs() <= step / 2 + 1e-6).all()
     assert q.nbytes() == 8 * 64 + 8 * 2 * 4
+    small = quantize_weight(w, "int4", 16)  # column order
+    expected = (w.view(8, 8, 16) / small.scale[..., None]).round().view(8, 128)
+    assert torch.equal((small.data & 0xF).float() - 8, expected[:, 0::2])
+    assert torch.equal((small.data >> 4).float() - 8, expected[:, 1::2])
     with pytest.raises(ValueError, match="int4 weights need scale groups"):
         quantize_weight(w, "int4", 0)
 
 
 def test_int4_gemv_with_unit_scales_equals_the_fp16_gemv_on_the_same_values_bit_for_bit():
     """Every nibble value at every position of a word (N not a multiple of the row block, split-K, TMA tiles), in
-    fp16 and float32 models: the unpacking by magic numbers gives each weight exactly its value."""
+    fp16 and float32 models, in MMA order (32-column groups) and column order (16): the unpacking by magic numbers
+    gives each weight exactly its value."""
     rows, k, n = 2, 128, 40
     values = torch.randint(-8, 8, (n, k), generator=torch.Generator().manual_seed(12)).float()
-    nibbles = (values + 8).to(torch.uint8)
-    for dtype in (torch.float16, torch.float32):
-        q = QWeight(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), torch.ones(n, k // 32), 32, dtype)
+    for dtype, group in ((torch.float16, 32), (torch.float32, 32), (torch.float16, 16)):
+        nibbles = (values + 8).to(torch.uint8)
+        nibbles = int4_permute(nibbles) if int4_mma_order(group) else nibbles
+        q = QWeight(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), torch.ones(n, k // group), group, dtype)
         assert torch.equal(q.dequantize(torch.float32), values)
         x = rand(rows, k, dtype=dtype, seed=13)
-        for cfg in (GemvConfig(16, 32), GemvConfig(16, 32, split_k=2), GemvConfig(32, 32, tma=True)):
+        tma = [GemvConfig(32, 32, tma=True)] if group >= 32 else []  # (a TMA row: 16 bytes at least)
+        for cfg in [GemvConfig(16, 32), GemvConfig(16, 32, split_k=2)] + tma:
             ours = gemv(x, q, torch.empty(rows, n, dtype=dtype), config=cfg, workspace=GemvWorkspace("cpu"))
             plain = gemv(x, values.to(dtype), torch.empty(rows, n, dtype=dtype), config=cfg,
                          workspace=GemvWorkspace("cpu"))

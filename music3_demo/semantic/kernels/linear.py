@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
 from .launch import interpreting, pdl_enter, pdl_launch
-from .qweight import BITS_F16, NATIVE_F16, QWeight, Weight, kernel_args, unpack_int4
+from .qweight import BITS_F16, INT4_RUN, NATIVE_F16, QWeight, Weight, int4_mma_order, kernel_args, unpack_int4
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,12 @@ def weight_tile(w_ptrs, w_desc, n_mask, row0, k, TMA: tl.constexpr, QUANT: tl.co
 
 
 @triton.jit
-def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr):
+def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False):
     """A 1-byte weight tile (int8 or fp8 e4m3) as DOT values, by route CONV (`qweight.CAST` ...: what each does and
     why). The bit routes are integer ops on the sign-extended bytes; the fp8 ones leave a power of two in the values
     (`qweight.kernel_args`' WSCALE), which the scales take back. Packed int4 words: `qweight.unpack_int4`."""
     if w.dtype == tl.int32:
-        return unpack_int4(w, DOT if DOT != tl.float32 else tl.float16).to(DOT)
+        return unpack_int4(w, DOT if DOT != tl.float32 else tl.float16, MMA_ORDER).to(DOT)
     elif CONV == 0:
         return w.to(DOT)
     elif CONV == 3:
@@ -156,10 +156,11 @@ def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP
     bits, finer than the bf16 reference's own rounding of the dequantized weight); per-channel ones (QUANT 1) later,
     by `channel_scale`."""
     BK: tl.constexpr = x.shape[1]
+    ORDER: tl.constexpr = QUANT == 3 and GROUP % 32 == 0  # packed int4 in MMA order (`qweight.int4_mma_order`)
     if QUANT == 0:
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     elif QUANT == 1:
-        acc = tl.dot(convert_tile(w, CONV, DOT), tl.trans(activation_tile(x, DOT)), acc)
+        acc = tl.dot(convert_tile(w, CONV, DOT, ORDER), tl.trans(activation_tile(x, DOT)), acc)
     elif BK > GROUP:  # several scale groups per tile (fp16 routes only: `tile_fits_groups`): scaled weights, one MMA
         BN: tl.constexpr = w.shape[0]
         NG: tl.constexpr = BK // GROUP
@@ -167,13 +168,13 @@ def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP
                         mask=n_mask[:, None], other=0.0)
         if WSCALE != 1.0:
             scale = scale * WSCALE
-        wt = tl.reshape(convert_tile(w, CONV, DOT), [BN, NG, GROUP]) * scale.to(DOT)[:, :, None]
+        wt = tl.reshape(convert_tile(w, CONV, DOT, ORDER), [BN, NG, GROUP]) * scale.to(DOT)[:, :, None]
         acc = tl.dot(tl.reshape(wt, [BN, BK]), tl.trans(activation_tile(x, DOT)), acc)
     else:
         scale = tl.load(s_ptr + offs_n.to(tl.int64) * (K // GROUP) + k0 // GROUP, mask=n_mask, other=0.0)
         if WSCALE != 1.0:
             scale = scale * WSCALE
-        acc += tl.dot(convert_tile(w, CONV, DOT), tl.trans(activation_tile(x, DOT))) * scale[:, None]
+        acc += tl.dot(convert_tile(w, CONV, DOT, ORDER), tl.trans(activation_tile(x, DOT))) * scale[:, None]
     return acc
 
 
@@ -300,9 +301,11 @@ def tile_fits_groups(block_k: int, group: int, convert: int) -> bool:
 
 def fit_group(cfg: GemvConfig, weight: Weight) -> GemvConfig:
     """A per-group 1-byte weight needs K tiles that lie within one scale group, or span whole groups on an fp16
-    route (`tile_fits_groups`)."""
+    route (`tile_fits_groups`); packed int4 in MMA order, whole runs of 32 columns."""
     if isinstance(weight, QWeight) and not tile_fits_groups(cfg.block_k, weight.group, cfg.convert):
-        return replace(cfg, block_k=math.gcd(cfg.block_k, weight.group))
+        cfg = replace(cfg, block_k=math.gcd(cfg.block_k, weight.group))
+    if isinstance(weight, QWeight) and weight.int4 and int4_mma_order(weight.group) and cfg.block_k < INT4_RUN:
+        cfg = replace(cfg, block_k=INT4_RUN)  # (whole runs of four words: `qweight.int4_mma_order`)
     return cfg
 
 

@@ -2,13 +2,21 @@
 one per output row ("per-channel") or one per output row and group of `group` input columns ("per-group"); or packed
 int4 values (two per byte, per-group scales only; the GEMV and the chained tail read them alike).
 
-Packed int4 (`data` uint8 [N, K / 2]): byte j of a row holds column 2j in its low nibble and column 2j + 1 in its
-high nibble, each as q + 8 for q in [-7, 7] (offset binary: nibble 8 is zero, 0 is never written). Read as
-little-endian int32 words, nibble i (bits 4i..4i+3) of word j is column 8j + i (`kernel_args`: [N, K / 8] words).
+Packed int4 (`data` uint8 [N, K / 2]): each value as q + 8 for q in [-7, 7] (offset binary: nibble 8 is zero, 0 is
+never written), read as little-endian int32 words ([N, K / 8], `kernel_args`; nibble i is bits 4i..4i+3). Which
+column a nibble holds ("the order"):
+- MMA order, where the scale group is a multiple of 32 columns (every full-size scheme): in each run of 32 columns,
+  word c (0..3) holds column 8a + 2c + b in nibble 2a + b (a 0..3, b 0..1). That is the MMA's operand layout (thread
+  c of each quad holds columns 2c, 2c + 1, 2c + 8, 2c + 9 of every 16): unpacked in the registers the words were
+  loaded to, the tile is already where the MMA reads it, and on sm_90 it goes from shared memory to the tensor
+  cores once, as int4 (in column order the converted fp16 tile went through shared memory again, 4x the bytes, with
+  barriers, on every K step). Tiles then take whole runs (`linear.fit_group`).
+- Column order otherwise (a small model's 16-column groups): nibble i of word j is column 8j + i.
 
 The kernels load the 1-byte tile, convert it to `dtype` (the model's dtype, which the weight stands in for) in
 registers, take the product with fp32 accumulation and apply the scales: per-channel once per output row in the
-epilogue, per-group once per K tile inside the loop (so a K tile never straddles two groups). `dequantize` is the
+epilogue, per-group once per K tile inside the loop (a K tile within one group), or to the converted weights of a
+tile spanning several (`linear.dot_tile`). `dequantize` is the
 same weight as a dense tensor: what `semantic/quant.QuantizedLinear` hands F.linear, so the eager reference and the
 kernels compute with one set of weights (the prefill's products on it: `matmul.py`, converted tile by tile).
 """
@@ -24,6 +32,19 @@ import triton.language as tl
 ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
 INT4 = torch.uint8  # packed int4: two columns per byte
 INT4_ZERO = 8  # the nibble of q = 0
+INT4_RUN = 32  # the columns of one run of four words in MMA order
+
+
+def int4_mma_order(group: int) -> bool:
+    """Whether packed int4 with scales per `group` columns is stored in MMA order (see the module docstring)."""
+    return group % INT4_RUN == 0
+
+
+def int4_permute(nibbles: torch.Tensor) -> torch.Tensor:
+    """Column order <-> MMA order of a [N, K] tensor of nibbles (K a multiple of INT4_RUN): the same permutation
+    both ways (it swaps a and c in column 8a + 2c + b of each run)."""
+    n, k = nibbles.shape
+    return nibbles.view(n, k // INT4_RUN, 4, 4, 2).transpose(2, 3).reshape(n, k)
 DEQUANTIZE_STEP = 1 << 23  # elements dequantized at a time (QWeight.dequantize: int4's float32 pieces 32 MB each)
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # The kernels' QUANT constexpr; 0 is a plain (model-dtype) weight; PACKED_INT4: int4 words with per-group scales.
@@ -105,7 +126,9 @@ class QWeight:
         """The quantized values as float32 [N, K] (int4: the nibbles unpacked, q = nibble - 8)."""
         if not self.int4:
             return self.data.float()
-        nibbles = torch.stack((self.data & 0xF, self.data >> 4), dim=-1).flatten(-2)  # low nibble: the even column
+        nibbles = torch.stack((self.data & 0xF, self.data >> 4), dim=-1).flatten(-2)  # low nibble first
+        if int4_mma_order(self.group):
+            nibbles = int4_permute(nibbles)
         return nibbles.float() - INT4_ZERO
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -181,19 +204,23 @@ def _nibble_pair(w, s: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def unpack_int4(w, DOT: tl.constexpr):
-    """A tile of packed int4 words (int32 [BN, BK / 8], nibble i of word j = column 8j + i, stored as q + 8) as DOT
-    values [BN, BK] (fp16 or bf16), by magic numbers two nibbles per 32-bit operation: (w >> 4s) & 0x000F000F |
-    0x64006400 is two fp16 values 1024 + u (nibbles s and s + 4 of each word, u in [0, 15]), minus 1032 is q
-    exactly; bf16 the same with 0x43004300 (128 + u) and 136. The eight planes are put back in column order by joins
-    (a new minor axis each: the last join picks bit 0 of the column within the word) and one reshape."""
+def unpack_int4(w, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False):
+    """A tile of packed int4 words (int32 [BN, BK / 8], stored as q + 8; in MMA order or column order, see the
+    module docstring) as DOT values [BN, BK] (fp16 or bf16) in column order, by magic numbers two nibbles per 32-bit
+    operation: (w >> 4s) & 0x000F000F | 0x64006400 is two fp16 values 1024 + u (nibbles s and s + 4 of each word, u
+    in [0, 15]), minus 1032 is q exactly; bf16 the same with 0x43004300 (128 + u) and 136. The planes are put in
+    column order by joins (each a new minor axis, in the thread) and reshapes: in MMA order each thread then holds
+    its own MMA operand columns, so no value crosses threads."""
     BN: tl.constexpr = w.shape[0]
     BW: tl.constexpr = w.shape[1]
-    if DOT == tl.bfloat16:
-        t = tl.join(tl.join(_nibble_pair(w, 0, 0x43004300, tl.bfloat16), _nibble_pair(w, 2, 0x43004300, tl.bfloat16)),
-                    tl.join(_nibble_pair(w, 1, 0x43004300, tl.bfloat16), _nibble_pair(w, 3, 0x43004300, tl.bfloat16)))
-        return tl.reshape(t, [BN, BW * 8]) - 136.0
-    else:
-        t = tl.join(tl.join(_nibble_pair(w, 0, 0x64006400, tl.float16), _nibble_pair(w, 2, 0x64006400, tl.float16)),
-                    tl.join(_nibble_pair(w, 1, 0x64006400, tl.float16), _nibble_pair(w, 3, 0x64006400, tl.float16)))
-        return tl.reshape(t, [BN, BW * 8]) - 1032.0
+    MAGIC: tl.constexpr = 0x43004300 if DOT == tl.bfloat16 else 0x64006400
+    HALF: tl.constexpr = tl.bfloat16 if DOT == tl.bfloat16 else tl.float16
+    OFFSET: tl.constexpr = 136.0 if DOT == tl.bfloat16 else 1032.0
+    if MMA_ORDER:  # nibble s + 4h = 2a + b of word c of run r: column 32r + 16h + 8(s // 2) + 2c + s % 2
+        t = tl.join(tl.join(_nibble_pair(w, 0, MAGIC, HALF), _nibble_pair(w, 1, MAGIC, HALF)),
+                    tl.join(_nibble_pair(w, 2, MAGIC, HALF), _nibble_pair(w, 3, MAGIC, HALF)))  # [n, j, h, b, s//2]
+        t = tl.permute(tl.reshape(t, [BN, BW // 4, 4, 2, 2, 2]), (0, 1, 3, 5, 2, 4))  # [n, r, h, s//2, c, b]
+    else:  # nibble s + 4h of word j: column 8j + 4h + s
+        t = tl.join(tl.join(_nibble_pair(w, 0, MAGIC, HALF), _nibble_pair(w, 2, MAGIC, HALF)),
+                    tl.join(_nibble_pair(w, 1, MAGIC, HALF), _nibble_pair(w, 3, MAGIC, HALF)))  # [n, j, h, s//2, s%2]
+    return tl.reshape(t, [BN, BW * 8]) - OFFSET
