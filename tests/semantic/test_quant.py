@@ -39,6 +39,19 @@ def _err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return relative_error(actual.reshape(1, -1), expected.reshape(1, -1)).item()
 
 
+def _tail_in_float32(weights: list, attn, start, ln1, ln2) -> tuple[torch.Tensor, ...]:
+    """A block's chained tail in float32 on the dequantized weights: h, act and the next block's q|k|v."""
+    def norm(v: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.float()
+
+    wo, wgu, wd, wq = (w.dequantize(torch.float32) for w in weights)
+    h = start + attn.float() @ wo.T
+    gate, up = (norm(h, ln2) @ wgu.T).unflatten(-1, (-1, 2)).unbind(-1)
+    act = F.silu(gate) * up
+    h = h + act @ wd.T
+    return h, act, norm(h, ln1) @ wq.T
+
+
 @pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
 def test_gemv_on_quantized_weights_is_as_close_to_float32_as_on_fp16_weights(scheme):
     """Every epilogue the engine uses (plain, RMSNorm, residual, SwiGLU) and split-K, fp16 activations: the error
@@ -133,15 +146,7 @@ def test_tiles_spanning_several_scale_groups_are_as_close_to_float32_as_tiles_wi
                    next_qkv=(ws[3], ln1, out), config=cfg)
         return h, act, out
 
-    def norm(v: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
-        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.float()
-
-    wo, wgu, wd, wq = (wt.dequantize(torch.float32) for wt in weights)
-    h = start + attn.float() @ wo.T
-    gate, up = (norm(h, ln2) @ wgu.T).unflatten(-1, (-1, 2)).unbind(-1)
-    act = F.silu(gate) * up
-    h = h + act @ wd.T
-    want = (h, act, norm(h, ln1) @ wq.T)
+    want = _tail_in_float32(weights, attn, start, ln1, ln2)
     within = TailConfig(*(replace(wide, block_k=scheme.group) for _ in range(2)), replace(wide, block_k=scheme.group),
                         replace(wide, block_k=scheme.group), num_warps=4)
     for ours, bar, expected in zip(run(weights, tail_cfg), run(weights, within), want):
@@ -425,15 +430,7 @@ def test_int4_block_tail_is_as_close_to_float32_as_the_fp16_tail_on_the_same_wei
         block_tail(attn, h, start.half(), act, *ws[:3], ln2, 1e-6, TailScratch("cpu", 3), next_qkv=(ws[3], ln1, qkv))
         return h, act, qkv
 
-    def norm(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.float()
-
-    wo, wgu, wd, wq = (w.dequantize(torch.float32) for w in weights)
-    h = start + attn.float() @ wo.T
-    gate, up = (norm(h, ln2) @ wgu.T).unflatten(-1, (-1, 2)).unbind(-1)
-    act = F.silu(gate) * up
-    h = h + act @ wd.T
-    exact = (h, act, norm(h, ln1) @ wq.T)
+    exact = _tail_in_float32(weights, attn, start, ln1, ln2)
     fp16 = tail([w.dequantize(torch.float16) for w in weights])
     for ours, bar, want in zip(tail(weights), fp16, exact):
         assert _err(ours, want) <= 2 * _err(bar, want), (_err(ours, want), _err(bar, want))

@@ -8,9 +8,12 @@ column a nibble holds ("the order"):
 - MMA order, where the scale group is a multiple of 32 columns (every full-size scheme): in each run of 32 columns,
   word c (0..3) holds column 8a + 2c + b in nibble 2a + b (a 0..3, b 0..1). That is the MMA's operand layout (thread
   c of each quad holds columns 2c, 2c + 1, 2c + 8, 2c + 9 of every 16): unpacked in the registers the words were
-  loaded to, the tile is already where the MMA reads it, and on sm_90 it goes from shared memory to the tensor
-  cores once, as int4 (in column order the converted fp16 tile went through shared memory again, 4x the bytes, with
-  barriers, on every K step). Tiles then take whole runs (`linear.fit_group`).
+  loaded to, the tile is already where the MMA reads it, so it goes from shared memory to the tensor cores once, as
+  int4 (in column order the converted tile went through shared memory again, 4x the bytes, with barriers, on every
+  K step). Compiled for sm_86, 89, 90 and 120, no tile goes back to shared memory (wgmma; mma.sync with bf16
+  operands), and the sm_8x tails need 80 registers instead of 164; only mma.sync with fp16 operands (the fp16
+  routes there) lays its operand out 4 values a thread (a run order 16h + 4c + e would suit it). Tiles then take
+  whole runs (`linear.fit_group`).
 - Column order otherwise (a small model's 16-column groups): nibble i of word j is column 8j + i.
 
 The kernels load the 1-byte tile, convert it to `dtype` (the model's dtype, which the weight stands in for) in
