@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from torch.nn.utils.weight_norm import WeightNorm
 
 from music3_demo import random_models
 from music3_demo.bench.flow_batch import hold_executor
@@ -180,6 +181,26 @@ def test_a_tiled_vocoder_call_gives_the_whole_chunks_samples(modules):
         assert got.shape == whole.shape
         torch.testing.assert_close(got, whole, rtol=1e-9, atol=1e-12)
         assert (tiled_vocode(vocoder, latents, 64, halo=4) - whole).abs().max() > 1e-3  # the test can fail
+    executor.close()
+
+
+def test_the_executors_vocoder_calls_leave_no_second_copy_of_the_weights_behind(modules):
+    """The vocoder's weight-norm hooks compute each convolution's weight before every call and leave it on the module
+    (a second copy of the weights no plan counts, which stayed on the card when the stages took turns): after each
+    executor call none is left, and the next call, which computes them again, gives the same samples bit for bit,
+    as a direct call does."""
+    vocoder = type(modules[1]).from_config(modules[1].config)
+    vocoder.load_state_dict(modules[1].state_dict())
+    executor = FlowExecutor(modules[0], vocoder, torch.device("cpu"))
+    normed = [(module, hook.name) for module in vocoder.modules() for hook in module._forward_pre_hooks.values()
+              if isinstance(hook, WeightNorm)]
+    assert normed and all(name in module.__dict__ for module, name in normed)  # (computed at load)
+    latents = torch.randn(1, vocoder.config.latent_channels, 40, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        first = executor.vocode(latents)
+        assert not any(name in module.__dict__ for module, name in normed)
+        assert torch.equal(executor.vocode(latents), first)
+        assert torch.equal(vocoder(latents), first)
     executor.close()
 
 
