@@ -61,10 +61,11 @@ class _Captured:
 
 class VelocityGraphs:
     """Captured guided-velocity graphs keyed by (chunk length, songs per call); owned by the pipeline (through its
-    executor), reused across songs. Every capture warms up and captures on one side stream per device, made once:
-    torch keeps a cuBLAS workspace for each stream that ever ran a product, for the process's life, so a new stream
-    per capture (each flow turn captures again when the stages take turns) held 16 MB more on the card each time
-    (0.48 GB after a 6-minute song in 26 turns, which left the next song's prefill without room)."""
+    executor), reused across songs. Every capture warms up and captures on one side stream per device, made once.
+    With a new stream per capture (each flow turn captures again when the stages take turns), each warm-up left
+    ~16 MB live for good (0.48 GB after a 6-minute song in 26 turns, which left the next song's prefill without
+    room): blocks made inside the transformer's first products on that stream, where torch allocates the stream's
+    cuBLAS workspace and keeps it for the process's life."""
 
     def __init__(self, transformer, lengths: tuple[int, ...]) -> None:
         self.transformer = transformer
