@@ -61,7 +61,7 @@ class _Captured:
 
 class VelocityGraphs:
     """Captured guided-velocity graphs keyed by (chunk length, songs per call); owned by the pipeline (through its
-    executor), reused across songs. Every capture warms up and captures on one side stream per device, made once.
+    executor), reused across songs. Every capture warms up and captures on one side stream, made once.
     With a new stream per capture (each flow turn captures again when the stages take turns), each warm-up left
     ~16 MB live for good (0.48 GB after a 6-minute song in 26 turns, which left the next song's prefill without
     room): blocks made inside the transformer's first products on that stream, where torch allocates the stream's
@@ -71,7 +71,7 @@ class VelocityGraphs:
         self.transformer = transformer
         self.lengths = lengths
         self._graphs: dict[tuple[int, int], _Captured] = {}
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._side: torch.cuda.Stream | None = None  # (the transformer's device: made at the first capture)
         self._lock = threading.Lock()
         self.captures = 0
 
@@ -85,12 +85,11 @@ class VelocityGraphs:
         with self._lock:
             if key not in self._graphs:
                 with on_device(latents.device):
-                    if latents.device not in self._streams:
-                        self._streams[latents.device] = torch.cuda.Stream(latents.device)
-                    side = self._streams[latents.device]
+                    if self._side is None:
+                        self._side = torch.cuda.Stream(latents.device)
                     self._graphs[key] = _Captured(
                         self.transformer, rows, latents.shape[1], latents.shape[-1], condition.shape[-1],
-                        latents.dtype, latents.device, side,
+                        latents.dtype, latents.device, self._side,
                     )
                 self.captures += 1
             return self._graphs[key]

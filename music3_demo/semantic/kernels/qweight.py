@@ -36,18 +36,6 @@ ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
 INT4 = torch.uint8  # packed int4: two columns per byte
 INT4_ZERO = 8  # the nibble of q = 0
 INT4_RUN = 32  # the columns of one run of four words in MMA order
-
-
-def int4_mma_order(group: int) -> bool:
-    """Whether packed int4 with scales per `group` columns is stored in MMA order (see the module docstring)."""
-    return group % INT4_RUN == 0
-
-
-def int4_permute(nibbles: torch.Tensor) -> torch.Tensor:
-    """Column order <-> MMA order of a [N, K] tensor of nibbles (K a multiple of INT4_RUN): the same permutation
-    both ways (it swaps a and c in column 8a + 2c + b of each run)."""
-    n, k = nibbles.shape
-    return nibbles.view(n, k // INT4_RUN, 4, 4, 2).transpose(2, 3).reshape(n, k)
 DEQUANTIZE_STEP = 1 << 23  # elements dequantized at a time (QWeight.dequantize: int4's float32 pieces 32 MB each)
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # The kernels' QUANT constexpr; 0 is a plain (model-dtype) weight; PACKED_INT4: int4 words with per-group scales.
@@ -68,6 +56,18 @@ PER_CHANNEL, PER_GROUP, PACKED_INT4 = 1, 2, 3
 # (`unpack_int4`); the route only picks that dtype: BITS_F16 / NATIVE_F16 fp16, else the model's.
 CAST, BITS_BF16, BITS_F16, NATIVE_F16 = 0, 1, 2, 3
 CONVERSIONS = {"cast": CAST, "bits_bf16": BITS_BF16, "bits_f16": BITS_F16, "native_f16": NATIVE_F16}
+
+
+def int4_mma_order(group: int) -> bool:
+    """Whether packed int4 with scales per `group` columns is stored in MMA order (see the module docstring)."""
+    return group % INT4_RUN == 0
+
+
+def int4_permute(nibbles: torch.Tensor) -> torch.Tensor:
+    """Column order <-> MMA order of a [N, K] tensor of nibbles (K a multiple of INT4_RUN): the same permutation
+    both ways (it swaps a and c in column 8a + 2c + b of each run)."""
+    n, k = nibbles.shape
+    return nibbles.view(n, k // INT4_RUN, 4, 4, 2).transpose(2, 3).reshape(n, k)
 
 
 @dataclass(frozen=True)

@@ -344,7 +344,7 @@ def main() -> None:
                     routed = with_route(cfg, route)
                     if fits_shape(routed, shape, group) and (t := measure(fmt, shape, routed)) is not None:
                         if found is None or t < found[1]:
-                            found = (with_route(cfg, route), t)
+                            found = (routed, t)
             if found is None:
                 print(f"NO CONFIG {fmt} {shape}", flush=True)
                 continue
