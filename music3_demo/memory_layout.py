@@ -52,13 +52,17 @@ WARM_UP = (512, 256)  # prompt tokens, frames: what the warm-up reserves; a plan
 HEADROOM_FIXED = GiB // 2
 HEADROOM_FRACTION = 0.04
 HEADROOM_MAX = 2 * GiB
+# The least share, only where the stages take turns and the fixed one leaves no FULL_SLOT_SONG_S song (an 8 GB card:
+# 7 GiB free, the desktop already holding the rest)
+HEADROOM_FLOOR = GiB // 5
 RUNTIME_BYTES = int(1.0 * GB)
 OUTSIDE_TORCH_BYTES = 500_000_000  # of RUNTIME_BYTES, what lands outside torch's allocator after the plan (kernels)
 SLOT_BYTES = 16_000_000  # the engine's per-song buffers: frame ring, codes, forced prefix
 PREFILL_BYTES = 350_000_000  # a 512-token prefill chunk of both CFG rows (activations, k/v repeated for SDPA)
 # + in a quantized mode: the prefill's products (kernels/matmul.py) hold no dense copy of a weight any more (a block
 # of it in bf16 and the dequantize's temporaries took 0.05-0.13 GB); the figure stays as slack for the allocator's
-# fragments until a card's test shows the plans hold without it
+# fragments where both stages are on the card (several songs, merged flow calls). Where they take turns (one song)
+# the 10 GB card's process peaked 0.7 GB under its plan without it counted.
 QUANTIZED_PREFILL_BYTES = 150_000_000
 EQUALIZE_ROWS_BYTES = 1024 * 12_288 * 4  # semantic/equalize.ROWS rows of the widest block weight, float32
 CHECK_BYTES = 100_000_000  # the self-check's scratch (its own small KV pool, the reference's activations)
@@ -81,7 +85,8 @@ BUCKETS = (1, 2, 4)  # songs per merged DiT / vocoder call (flow/executor.py)
 BYTES_PER_WEIGHT = {"fp8": 1 + 4 / 1024, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 64}
 DEPTH_MODE = {"int4": "int8"}
 STAGES = ("semantic", "flow")
-SEMANTIC_WEIGHTS = ("language_model", "depth_decoder", "engine_tables", "embeddings_and_head")  # the rest: flow's
+SEMANTIC_WEIGHTS = ("language_model", "depth_decoder", "audio_head", "engine_tables", "embeddings_and_head")
+# (the rest: flow's)
 
 
 def song_positions(prompt_tokens: int, frames: int) -> int:
@@ -126,12 +131,13 @@ class MemoryPlan:
     why: str = ""  # one sentence: why these modes (auto's test, or as asked)
     figures: ModelFigures | None = field(default=None, repr=False, compare=False)  # what it was computed from
 
-    def engine_sizing(self) -> tuple[int | None, int | None, str]:
-        """(batch slots, KV pool positions, KV format) for its engine (Nones off the GPU: the engine's own
-        defaults)."""
+    def engine_sizing(self) -> tuple[int | None, int | None, str, bool]:
+        """(batch slots, KV pool positions, KV format, the graph engine's per-code tables in host memory) for its
+        engine (Nones off the GPU: the engine's own defaults)."""
         if not self.on_gpu:
-            return None, None, self.kv
-        return self.slots, self.kv_pool_positions if self.engine == "graph" else None, self.kv
+            return None, None, self.kv, False
+        graph = self.engine == "graph"
+        return self.slots, self.kv_pool_positions if graph else None, self.kv, graph and self.swap
 
     @property
     def merge_buckets(self) -> tuple[int, int] | None:
@@ -292,7 +298,9 @@ def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engi
         weights["language_model"] = _stored(f.lm_blocks, lm, 2) + 2 * f.lm_other
         weights["depth_decoder"] = _stored(f.depth_blocks, DEPTH_MODE.get(lm, lm), 2) + 2 * f.depth_other
         if engine == "graph":
-            weights["engine_tables"] = f.engine_tables_bytes()
+            weights["audio_head"] = _stored(f.audio_head, lm, 2)
+            if not swap:  # (in turn: in pinned host memory, read a row at a time: semantic/weights.TABLES)
+                weights["engine_tables"] = f.engine_tables_bytes()
         else:  # the reference reads the full head and the token embeddings at every step
             weights["embeddings_and_head"] = 2 * f.trimmed
     if flow:
@@ -320,7 +328,7 @@ def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engi
     load_peak = max(checked, flow_weights if swap else total) + RUNTIME_BYTES
     runtime = RUNTIME_BYTES
     if semantic:
-        runtime += PREFILL_BYTES + (QUANTIZED_PREFILL_BYTES if lm in QUANTIZED else 0)
+        runtime += PREFILL_BYTES + (QUANTIZED_PREFILL_BYTES if lm in QUANTIZED and not swap else 0)
         runtime += REFERENCE_WORKING_BYTES if engine == "reference" else 0
     per_position = f.kv_bytes_per_position(kv) * (2 if engine == "reference" else 1)  # (a growing cache copies)
     per_slot = SLOT_BYTES + (FLOW_SONG_BYTES if flow else 0)
@@ -341,7 +349,8 @@ def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engi
         lm=PrecisionChoice(lm, lm, ""), dit=PrecisionChoice(dit, dit, ""), engine=engine, stages=stages, kv=kv,
         free_bytes=free, capability=capability, weights=weights, load_peak=load_peak,
         flow_working=base_flow, runtime=runtime, headroom=headroom, kv_bytes_per_position=per_position,
-        vocoder_tile=tile, swap=swap, host_bytes=total if swap else 0, figures=figures,
+        vocoder_tile=tile, swap=swap, figures=figures,
+        host_bytes=total + (f.engine_tables_bytes() if engine == "graph" else 0) if swap else 0,
     )
     longest = song_positions(c.MAX_PROMPT_TOKENS, c.MAX_AUDIO_FRAMES)
     one_slot = song_positions(REFERENCE_PROMPT_TOKENS, c.max_frames_for(FULL_SLOT_SONG_S))

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import contract as c
-from .memory_layout import FULL_SLOT_SONG_S, GB, HEADROOM_FIXED, STAGES, MemoryPlan, duration_text, headroom_for
+from .memory_layout import FULL_SLOT_SONG_S, GB, HEADROOM_FIXED, HEADROOM_FLOOR, STAGES, MemoryPlan, duration_text
+from .memory_layout import headroom_for
 from .memory_layout import layout
 from .model_figures import ModelFigures
 from .precision import PrecisionChoice, check_dit_precision, check_kv_precision, check_precision
@@ -53,6 +54,23 @@ def _giving_way(plan: MemoryPlan) -> MemoryPlan | None:
     return None
 
 
+def _to_the_floor(plans: list[MemoryPlan], lm_auto: bool) -> MemoryPlan | None:
+    """Where no plan in turn holds a FULL_SLOT_SONG_S song alone at the fixed share: the first of `plans` (auto's
+    order, `_candidates`) that does with the share cut below it, HEADROOM_STEP at a time down to HEADROOM_FLOOR (the
+    largest such share), else the one holding the longest song at the floor; None where none fits even there."""
+    candidates = _candidates(plans, lm_auto)
+    for plan in candidates:
+        headroom = HEADROOM_FIXED - HEADROOM_STEP
+        while headroom > HEADROOM_FLOOR - HEADROOM_STEP:
+            smaller = _with_share(plan, max(HEADROOM_FLOOR, headroom))
+            if _streams_enough(smaller):
+                return smaller
+            headroom -= HEADROOM_STEP
+    floor = max((_with_share(plan, HEADROOM_FLOOR) for plan in candidates),
+                key=lambda plan: (plan.fits, plan.max_frames() or 0, -plan.weight_bytes))
+    return floor if floor.fits else None
+
+
 def _useful(plan: MemoryPlan) -> bool:
     if not plan.fits:
         return False
@@ -62,12 +80,17 @@ def _useful(plan: MemoryPlan) -> bool:
     return plan.longest_s() >= USEFUL_ALONE_S and plan.longest_s(songs=together) >= seconds
 
 
+def _candidates(plans: list[MemoryPlan], lm_auto: bool) -> list[MemoryPlan]:
+    """`plans` without the int4 LM's where auto has an 8-bit one that fits."""
+    eight_bit = [plan for plan in plans if plan.lm.mode != "int4"]
+    return eight_bit if lm_auto and any(plan.fits for plan in eight_bit) else plans
+
+
 def _choose(plans: list[MemoryPlan], lm_auto: bool) -> tuple[MemoryPlan, bool]:
     """The first of `plans` (auto's order) that is `_useful`, else the first that is with less of the desktop's
     share, else the one holding the longest song at the fixed share; and whether it is useful. An int4 LM only where
     no 8-bit one fits at all: it costs accuracy (and on a fast card speed) for song length."""
-    eight_bit = [plan for plan in plans if plan.lm.mode != "int4"]
-    candidates = eight_bit if lm_auto and any(plan.fits for plan in eight_bit) else plans
+    candidates = _candidates(plans, lm_auto)
     chosen = next((plan for plan in candidates if _useful(plan)), None)
     if chosen is None:  # the desktop's share gives way before auto settles for shorter songs
         chosen = next((smaller for plan in candidates for smaller in [_giving_way(plan)] if smaller is not None),
@@ -140,6 +163,8 @@ def plan_memory(
            "none holds a 6-minute song alone and two 2-minute songs at once: this one holds the longest")
     if both and swap != "off" and (chosen is None or not _streams_enough(chosen)):
         in_turn, useful = _choose(plans(True), lm_auto)
+        if not _streams_enough(in_turn):
+            in_turn = _to_the_floor(plans(True), lm_auto) or in_turn
         # (streaming kept unless the turns hold a 2-minute song, or the stages cannot both be there at all)
         if chosen is None or _streams_enough(in_turn) or (in_turn.fits and not chosen.fits):
             asked = "as asked (--swap on)" if swap == "on" else (

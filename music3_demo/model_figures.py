@@ -35,7 +35,12 @@ class ModelFigures:
         return kv_bytes_per_position(self.lm_layers, self.kv_heads, self.head_dim, fmt)
 
     def engine_tables_bytes(self) -> int:
-        """The graph engine's own copies: semantic embedding rows, the audio slice of lm_head, the depth decoder's
-        per-code input tables and block-0 q|k|v tables."""
-        rows = 3 * (c.SEMANTIC_VOCAB_SIZE + 1) + (self.num_codebooks - 2) * self.audio_vocab * 4
+        """The graph engine's per-code tables (semantic/weights.TABLES, bf16): the semantic codes' embedding rows
+        and depth inputs, the residual codes' depth inputs and block-0 q|k|v (three rows' width)."""
+        rows = 2 * (c.SEMANTIC_VOCAB_SIZE + 1) + (self.num_codebooks - 2) * self.audio_vocab * 4
         return rows * self.hidden * 2
+
+    @property
+    def audio_head(self) -> int:
+        """Parameters of lm_head's audio rows (the 16,384 codes and the end token): a weight the LM's mode stores."""
+        return (c.SEMANTIC_VOCAB_SIZE + 1) * self.hidden

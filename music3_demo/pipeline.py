@@ -166,12 +166,12 @@ class Music3Pipeline:
         semantic.leave()
         return semantic
 
-    def _engine_sizing(self, name: str) -> tuple[int | None, int | None, str]:
-        """(batch slots, KV pool positions, KV format) for the engine `name` from the card's plan (Nones: the
-        engine's own); another engine than the one planned for (the reference, after a failed self-check) is planned
-        again."""
+    def _engine_sizing(self, name: str) -> tuple[int | None, int | None, str, bool]:
+        """(batch slots, KV pool positions, KV format, tables in host memory) for the engine `name` from the card's
+        plan (Nones: the engine's own); another engine than the one planned for (the reference, after a failed
+        self-check) is planned again."""
         if self.memory_plan is None:
-            return None, None, "bf16"
+            return None, None, "bf16", False
         self.memory_plan = self.memory_plan.for_engine(name)
         return self.memory_plan.engine_sizing()
 

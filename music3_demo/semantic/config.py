@@ -33,6 +33,9 @@ class GraphConfig:
     # The KV pool's format (`kv_format.py`): the model's dtype, or int8 with a scale per head vector, half the bytes
     # per position (the card's memory plan picks it where the longer songs need it).
     kv_format: str = "bf16"
+    # The per-code tables a frame reads a row of (semantic/weights.TABLES, 0.47 GB at full size) in pinned host memory
+    # instead of the device's (the card's memory plan picks it where the stages take turns): a few us a frame.
+    tables_on_host: bool = False
 
     def __post_init__(self) -> None:
         check_kv_format(self.kv_format)

@@ -71,11 +71,12 @@ class GraphEngine:
     def __init__(self, language_model, depth_decoder, device: torch.device | str, *, use_graphs: bool | None = None,
                  pdl: bool | None = None, attention_splits: int | None = None, chain: bool | None = None,
                  slots: int | None = None, kv_pool_positions: int | None = None, config: GraphConfig | None = None,
-                 tuning: Tuning | None = None, kv_format: str | None = None) -> None:
-        """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits`, `chain`, `slots` and
-        `kv_format`, when given, override its fields. `kv_pool_positions` fixes the KV pool's size (positions per
-        CFG row) instead of sizing it from free memory (what an engine outside a pipeline does; a pipeline's comes
-        from its card's memory plan)."""
+                 tuning: Tuning | None = None, kv_format: str | None = None,
+                 tables_on_host: bool | None = None) -> None:
+        """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits`, `chain`, `slots`,
+        `kv_format` and `tables_on_host`, when given, override its fields. `kv_pool_positions` fixes the KV pool's
+        size (positions per CFG row) instead of sizing it from free memory (an engine outside a pipeline; a
+        pipeline's comes from its card's memory plan)."""
         device = normalize(device)
         if device.type != "cuda" and not interpreting():
             raise ValueError("The graph engine needs a CUDA GPU; use the reference engine (--engine reference or auto) "
@@ -83,11 +84,11 @@ class GraphEngine:
         self.device = device
         # Kernel tile configs for this device's GPU (kernels/tuning.py: its measured table, else the heuristic).
         self.tuning = tuning or tuning_for(device)
-        self.language_model = language_model
-        self.depth_decoder = depth_decoder
+        self.language_model, self.depth_decoder = language_model, depth_decoder
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.config = config = (config or GraphConfig()).with_overrides(
-            pdl=pdl, attention_splits=attention_splits, chain=chain, slots=slots, kv_format=kv_format)
+            pdl=pdl, attention_splits=attention_splits, chain=chain, slots=slots, kv_format=kv_format,
+            tables_on_host=tables_on_host)
         self.slots = config.slots  # songs at once: the batch's places
         self.buckets = tuple(sorted({min(bucket, self.slots) for bucket in BUCKETS}))
         self.pdl = config.pdl and pdl_supported(device)
@@ -95,10 +96,9 @@ class GraphEngine:
         self.chain = (device.type == "cuda" and not self.pdl) if config.chain is None else config.chain
         self.kv_pool_positions = kv_pool_positions
         with on_device(device):  # the stream, graph pool and pinned flags belong to this device's context
-            self.weights = prepare_weights(language_model, depth_decoder)
+            self.weights = prepare_weights(language_model, depth_decoder, config.tables_on_host)
             self.stream = EngineStream(device, config.in_flight + 1, self.slots)
-        self.precision = self.weights.precision
-        self.kv_format = config.kv_format
+        self.precision, self.kv_format = self.weights.precision, config.kv_format
         self.scheduler = BatchScheduler(self.slots, self.buckets, config.prefill_chunk, config.replay_block,
                                         config.in_flight, pool_limit=kv_pool_positions)
         self.occupancy = Occupancy(self.slots, self.name)

@@ -93,25 +93,25 @@ def make_engine(
     *,
     allow_interpreter: bool | None = None,
     check_steps: int | None = None,
-    sizing: Callable[[str], tuple[int | None, int | None, str]] | None = None,
+    sizing: Callable[[str], tuple[int | None, int | None, str, bool]] | None = None,
 ) -> tuple[SemanticEngine, EngineRecord]:
     """The engine for `device` and its record. A graph engine that passes its self-check also gets its memory
     trimmed: lm_head is dropped (the engine reads its own reference to the audio rows) and the token embeddings
     move to host memory where the load has not put them there already (loading.load_model's `lean_head`), so
     nothing else may read lm_head afterwards (the reference engine is never built after the trim).
-    `sizing(engine name)`: its batch slots, KV pool positions and KV format (the card's memory plan; None: the
-    engine's own default). The graph engine's self-check runs in a pool of its own size and the planned format
+    `sizing(engine name)`: its batch slots, KV pool positions, KV format and whether its per-code tables live in
+    host memory (the card's memory plan; None: the engine's own default). The graph engine's self-check runs in a pool of its own size and the planned format
     (against the reference with that format's rounding); the planned pool is allocated after the trim, when first
     needed (the warm-up), so the two never sit on the card together."""
     device = normalize(device)
     name = resolve_engine_name(engine, device, allow_interpreter)
-    sizing = sizing or (lambda _name: (None, None, "bf16"))
+    sizing = sizing or (lambda _name: (None, None, "bf16", False))
     if name == "reference":
         return _reference(language_model, depth_decoder, sizing), EngineRecord("reference", engine)
-    slots, pool_positions, kv_format = sizing("graph")
+    slots, pool_positions, kv_format, tables_on_host = sizing("graph")
     with on_device(device):
         graph, errors, check_s, failure = _try_graph(
-            language_model, depth_decoder, device, check_steps or SELF_CHECK_STEPS, slots, kv_format
+            language_model, depth_decoder, device, check_steps or SELF_CHECK_STEPS, slots, kv_format, tables_on_host
         )
     if failure is None:
         # The graph engine holds the audio rows it reads per frame: the head is never read again, and the token
@@ -132,7 +132,7 @@ def make_engine(
 
 
 def _try_graph(lm, depth, device: torch.device, check_steps: int, slots: int | None = None,
-               kv_format: str = "bf16"):
+               kv_format: str = "bf16", tables_on_host: bool = False):
     """(engine, errors, check seconds, failure sentence or None); the engine is None when it failed."""
     from .graph import GraphEngine
 
@@ -143,7 +143,7 @@ def _try_graph(lm, depth, device: torch.device, check_steps: int, slots: int | N
         # The check's own small KV pool (the check and one sampled frame fit it).
         check_pool = -(-(song_positions(SELF_CHECK_PROMPT_TOKENS, check_steps) + PARKING) // 256) * 256
         graph = GraphEngine(lm, depth, device, slots=slots, kv_pool_positions=check_pool, kv_format=kv_format,
-                            **options)
+                            tables_on_host=tables_on_host, **options)
         started = time.perf_counter()
         try:
             errors = self_check(graph, lm, depth, check_steps)

@@ -2,6 +2,11 @@
 fused views of the modules' own storage (q|k|v by rows, gate|up interleaved: no second copy), the tables a frame
 reads instead of running products (the LM head's audio rows, the depth decoder's per-code inputs) and the model's
 sizes. The frame graph and the device state read it; nothing changes it after it is made.
+
+The per-code tables (`TABLES`: 0.47 GB at full size in bf16) are read a row per code: 7 rows a frame (~60 KB). Where
+the card is short of memory (the stages in turn) they live in pinned host memory and the kernels read those rows
+over the bus through the same pointers (a few microseconds a frame); elsewhere on the device. Either way they are made
+the same way (in chunks of TABLE_CHUNK rows: the same bits wherever they are kept).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from .quant import AudioHead, QuantizedLinear, fuse_quantized, precision_of
 
 
 AUDIO_CODES = c.SEMANTIC_VOCAB_SIZE + 1  # rows kept of lm_head: the 16,384 audio codes, then the end token
+TABLES = ("semantic_embed", "semantic_table", "residual_tables", "residual_qkv_tables")  # a row read per code
+TABLE_CHUNK = 2048  # table rows made per product at load (a few MB of temporaries on the device, not the table)
 
 
 @dataclass(frozen=True)
@@ -98,8 +105,10 @@ class EngineWeights:
 
 
 @torch.no_grad()
-def prepare_weights(lm, depth) -> EngineWeights:
-    """The engine's weights over these modules (their q|k|v and gate|up weights become views of fused tensors)."""
+def prepare_weights(lm, depth, tables_on_host: bool = False) -> EngineWeights:
+    """The engine's weights over these modules (their q|k|v and gate|up weights become views of fused tensors);
+    `tables_on_host`: the per-code tables (`TABLES`) in pinned host memory (on a GPU; elsewhere it changes
+    nothing)."""
     cfg = lm.config
     dtype = lm.model.embed_tokens.weight.dtype
     hidden = cfg.hidden_size
@@ -120,12 +129,13 @@ def prepare_weights(lm, depth) -> EngineWeights:
             )
         )
     # Token embeddings: the prompt's rows are read once per song (the prefill reads the module's table wherever it
-    # is), the 16,384 semantic-code rows every frame. The latter get their own device copy so the full table can
-    # leave the GPU (`text_embeddings_to_host`).
+    # is), the 16,384 semantic-code rows every frame. The latter get their own copy so the full table can leave the
+    # GPU (`text_embeddings_to_host`).
     device = lm.model.norm.weight.device
+    place = torch.device("cpu") if tables_on_host and device.type == "cuda" else device
     text_embed = lm.model.embed_tokens.weight.data  # (in host memory already after a load for this engine)
-    semantic_embed = text_embed[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE].to(device,
-                                                                                                   copy=True)
+    semantic_rows = text_embed[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE]
+    semantic_embed = semantic_rows.to(device, copy=True) if place == device else _table(place, [semantic_rows])
     if isinstance(lm.lm_head, AudioHead):  # its own module holds just those rows (quantized in a quantized mode)
         audio_head = _weight(lm.lm_head.audio, dtype)
     else:
@@ -160,19 +170,17 @@ def prepare_weights(lm, depth) -> EngineWeights:
     audio_embed = depth.audio_embeddings.weight.data
     # Depth inputs at positions 1..7 depend only on a code: precompute projection(embedding) + position, with
     # the reference's bf16 rounding of each step, instead of a 4096x4096 GEMV per pass.
-    semantic_table = F.linear(semantic_embed, projection) + pos_embed[1]
-    residual_tables = torch.stack(
-        [
-            F.linear(audio_embed[i * audio_vocab : (i + 1) * audio_vocab], projection) + pos_embed[i + 2]
-            for i in range(dcfg.num_codebooks - 2)
-        ]
-    )
+    semantic_table = _table(place, (F.linear(part.to(device), projection) + pos_embed[1]
+                                    for part in semantic_rows.split(TABLE_CHUNK)))
+    codebooks = range(dcfg.num_codebooks - 2)
+    residual_tables = _table(place, (F.linear(audio_embed[i * audio_vocab : (i + 1) * audio_vocab], projection)
+                                     + pos_embed[i + 2] for i in codebooks)).view(len(codebooks), audio_vocab, -1)
     # So does block 0's q|k|v at positions 2..7 (depth attention has no rotary): the sampler copies it from a
     # table (6 x 1024 codes x 24 KB = 151 MB) instead of a 100 MB GEMV per pass (7 x 30 us before).
-    first = depth.layers[0].input_layernorm
-    residual_qkv_tables = torch.stack(
-        [F.linear(first(table), dense(depth_blocks[0].qkv)) for table in residual_tables]
-    )
+    first, qkv0 = depth.layers[0].input_layernorm, dense(depth_blocks[0].qkv)
+    residual_qkv_tables = _table(place, (F.linear(first(table.to(device)), qkv0) for table in residual_tables))
+    residual_qkv_tables = residual_qkv_tables.view(len(codebooks), audio_vocab, -1)
+    del qkv0
     return EngineWeights(
         dtype=dtype, precision=precision_of(lm, depth), hidden=hidden, heads=heads,
         kv_heads=cfg.num_key_value_heads, head_dim=getattr(cfg, "head_dim", None) or hidden // heads,
@@ -184,6 +192,18 @@ def prepare_weights(lm, depth) -> EngineWeights:
         projection=projection_weight, pos_embed=pos_embed, audio_embed=audio_embed, semantic_table=semantic_table,
         residual_tables=residual_tables, residual_qkv_tables=residual_qkv_tables,
     )
+
+
+def _table(place: torch.device, parts) -> torch.Tensor:
+    """The row blocks `parts` (made one at a time on the weights' device, each moved to `place` as it is made) as
+    one table on `place`: a GPU's, or pinned host memory beside one (`prepare_weights` names the CPU only then), so
+    the kernels can read its rows."""
+    blocks = [part.to(place) for part in parts]
+    if place.type != "cpu" or not torch.cuda.is_available():  # (a CPU-only run: the weights' own device)
+        return torch.cat(blocks)
+    table = torch.empty((sum(len(block) for block in blocks), *blocks[0].shape[1:]), dtype=blocks[0].dtype,
+                        pin_memory=True)
+    return torch.cat(blocks, out=table)
 
 
 class HostEmbedding(nn.Embedding):
