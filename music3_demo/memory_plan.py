@@ -16,8 +16,7 @@ from dataclasses import replace
 
 from . import contract as c
 from .memory_layout import FULL_SLOT_SONG_S, GB, HEADROOM_FIXED, HEADROOM_FLOOR, STAGES, MemoryPlan, duration_text
-from .memory_layout import headroom_for
-from .memory_layout import layout
+from .memory_layout import headroom_for, layout
 from .model_figures import ModelFigures
 from .precision import PrecisionChoice, check_dit_precision, check_kv_precision, check_precision
 from .precision import fp8_capable, refuse_unsupported, sm_name

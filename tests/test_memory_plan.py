@@ -297,7 +297,8 @@ def test_a_stage_splits_cards_each_hold_their_stage():
     assert set(semantic.weights) == {"language_model", "depth_decoder", "audio_head", "engine_tables"}
     assert set(flow.weights) == {"condition_encoder", "transformer", "vocoder"} and flow.slots is None
     # the flow stage's room went to the pool (the same modes)
-    assert plan(24, stages=("semantic",), precision="fp8").kv_pool_positions > plan(24, precision="fp8").kv_pool_positions
+    semantic_fp8, whole_fp8 = plan(24, stages=("semantic",), precision="fp8"), plan(24, precision="fp8")
+    assert semantic_fp8.kv_pool_positions > whole_fp8.kv_pool_positions
 
 
 def auto_table() -> str:

@@ -100,9 +100,9 @@ def make_engine(
     move to host memory where the load has not put them there already (loading.load_model's `lean_head`), so
     nothing else may read lm_head afterwards (the reference engine is never built after the trim).
     `sizing(engine name)`: its batch slots, KV pool positions, KV format and whether its per-code tables live in
-    host memory (the card's memory plan; None: the engine's own default). The graph engine's self-check runs in a pool of its own size and the planned format
-    (against the reference with that format's rounding); the planned pool is allocated after the trim, when first
-    needed (the warm-up), so the two never sit on the card together."""
+    host memory (the card's memory plan; None: the engine's own default). The graph engine's self-check runs in a
+    pool of its own size and the planned format (against the reference with that format's rounding); the planned
+    pool is allocated after the trim, when first needed (the warm-up), so the two never sit on the card together."""
     device = normalize(device)
     name = resolve_engine_name(engine, device, allow_interpreter)
     sizing = sizing or (lambda _name: (None, None, "bf16", False))
