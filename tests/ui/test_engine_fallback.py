@@ -56,6 +56,27 @@ def test_a_launch_from_another_device_is_refused_with_a_sentence(monkeypatch):
     assert "could not start on cpu (DeviceMismatch:" in record.fallback_reason
 
 
+def test_the_cards_plan_reaches_the_graph_engine(monkeypatch):
+    """make_engine builds the graph engine with what the card's plan gives it (`sizing`): its slots, KV format and,
+    where the stages take turns, its per-code tables in host memory. The engine made here records what it was given
+    and fails to start, so the reference serves."""
+    from music3_demo.semantic import graph
+
+    given = {}
+
+    class Recording(graph.GraphEngine):
+        def __init__(self, *args, **kwargs):
+            given.update(kwargs)
+            raise RuntimeError("recorded")
+
+    monkeypatch.setattr(graph, "GraphEngine", Recording)
+    lm, depth = _tiny_models()
+    engine, record = make_engine(lm, depth, "cpu", "auto", allow_interpreter=True,
+                                 sizing=lambda name: (2, None, "int8", True))
+    assert (given["slots"], given["kv_format"], given["tables_on_host"]) == (2, "int8", True)
+    assert record.name == "reference" and "(RuntimeError: recorded)" in record.fallback_reason
+
+
 def test_the_engine_enters_its_own_device_from_any_thread(monkeypatch):
     """CUDA semantics stood in for on CPU: a thread is on the engine's device only inside on_device(), as a new
     thread on a GPU is on device 0 until it enters its own. Called from fresh threads (the app's runners, the
