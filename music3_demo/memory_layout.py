@@ -350,7 +350,7 @@ def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engi
         free_bytes=free, capability=capability, weights=weights, load_peak=load_peak,
         flow_working=base_flow, runtime=runtime, headroom=headroom, kv_bytes_per_position=per_position,
         vocoder_tile=tile, swap=swap, figures=figures,
-        host_bytes=total + (f.engine_tables_bytes() if engine == "graph" else 0) if swap else 0,
+        host_bytes=(total + (f.engine_tables_bytes() if engine == "graph" else 0)) if swap else 0,
     )
     longest = song_positions(c.MAX_PROMPT_TOKENS, c.MAX_AUDIO_FRAMES)
     one_slot = song_positions(REFERENCE_PROMPT_TOKENS, c.max_frames_for(FULL_SLOT_SONG_S))

@@ -41,13 +41,14 @@ def _with_share(plan: MemoryPlan, share: int) -> MemoryPlan:
                   plan.stages, plan.kv, share, plan.swap)
 
 
-def _giving_way(plan: MemoryPlan) -> MemoryPlan | None:
-    """`plan`'s modes with the desktop's share cut, HEADROOM_STEP at a time down to HEADROOM_FIXED, to the largest
-    share at which the plan holds what auto asks of a card (`_useful`); None where even the fixed share does not."""
+def _giving_way(plan: MemoryPlan, enough=None, floor: int = HEADROOM_FIXED) -> MemoryPlan | None:
+    """`plan`'s modes with the desktop's share cut, HEADROOM_STEP at a time down to `floor`, to the largest share at
+    which `enough(plan)` (default: `_useful`, what auto asks of a card); None where even the floor's does not."""
+    enough = enough or _useful
     headroom = plan.headroom - HEADROOM_STEP
-    while headroom > HEADROOM_FIXED - HEADROOM_STEP:
-        smaller = _with_share(plan, max(HEADROOM_FIXED, headroom))
-        if _useful(smaller):
+    while headroom > floor - HEADROOM_STEP:
+        smaller = _with_share(plan, max(floor, headroom))
+        if enough(smaller):
             return smaller
         headroom -= HEADROOM_STEP
     return None
@@ -55,19 +56,20 @@ def _giving_way(plan: MemoryPlan) -> MemoryPlan | None:
 
 def _to_the_floor(plans: list[MemoryPlan], lm_auto: bool) -> MemoryPlan | None:
     """Where no plan in turn holds a FULL_SLOT_SONG_S song alone at the fixed share: the first of `plans` (auto's
-    order, `_candidates`) that does with the share cut below it, HEADROOM_STEP at a time down to HEADROOM_FLOOR (the
-    largest such share), else the one holding the longest song at the floor; None where none fits even there."""
+    order, `_candidates`) that does with the share cut below it, down to HEADROOM_FLOOR (the largest such share),
+    else the one holding the longest song at the floor; None where none fits even there."""
     candidates = _candidates(plans, lm_auto)
     for plan in candidates:
-        headroom = HEADROOM_FIXED - HEADROOM_STEP
-        while headroom > HEADROOM_FLOOR - HEADROOM_STEP:
-            smaller = _with_share(plan, max(HEADROOM_FLOOR, headroom))
-            if _streams_enough(smaller):
-                return smaller
-            headroom -= HEADROOM_STEP
-    floor = max((_with_share(plan, HEADROOM_FLOOR) for plan in candidates),
-                key=lambda plan: (plan.fits, plan.max_frames() or 0, -plan.weight_bytes))
+        smaller = _giving_way(_with_share(plan, HEADROOM_FIXED), _streams_enough, HEADROOM_FLOOR)
+        if smaller is not None:
+            return smaller
+    floor = _longest([_with_share(plan, HEADROOM_FLOOR) for plan in candidates])
     return floor if floor.fits else None
+
+
+def _longest(plans: list[MemoryPlan]) -> MemoryPlan:
+    """The plan holding the longest song (one that fits first; fewer weight bytes at a tie)."""
+    return max(plans, key=lambda plan: (plan.fits, plan.max_frames() or 0, -plan.weight_bytes))
 
 
 def _useful(plan: MemoryPlan) -> bool:
@@ -97,8 +99,7 @@ def _choose(plans: list[MemoryPlan], lm_auto: bool) -> tuple[MemoryPlan, bool]:
     if chosen is not None:
         return chosen, True
     # no share holds that: the desktop keeps its fixed part, the songs have the rest
-    fixed = [_with_share(plan, HEADROOM_FIXED) for plan in candidates]
-    return max(fixed, key=lambda plan: (plan.fits, plan.max_frames() or 0, -plan.weight_bytes)), False
+    return _longest([_with_share(plan, HEADROOM_FIXED) for plan in candidates]), False
 
 
 def _streams_enough(plan: MemoryPlan) -> bool:

@@ -132,10 +132,10 @@ def prepare_weights(lm, depth, tables_on_host: bool = False) -> EngineWeights:
     # is), the 16,384 semantic-code rows every frame. The latter get their own copy so the full table can leave the
     # GPU (`text_embeddings_to_host`).
     device = lm.model.norm.weight.device
-    place = torch.device("cpu") if tables_on_host and device.type == "cuda" else device
+    on_host = tables_on_host and device.type == "cuda"  # (pinned host memory: beside a GPU only)
     text_embed = lm.model.embed_tokens.weight.data  # (in host memory already after a load for this engine)
     semantic_rows = text_embed[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE]
-    semantic_embed = semantic_rows.to(device, copy=True) if place == device else _table(place, [semantic_rows])
+    semantic_embed = _table([semantic_rows], on_host) if on_host else semantic_rows.to(device, copy=True)
     if isinstance(lm.lm_head, AudioHead):  # its own module holds just those rows (quantized in a quantized mode)
         audio_head = _weight(lm.lm_head.audio, dtype)
     else:
@@ -170,17 +170,16 @@ def prepare_weights(lm, depth, tables_on_host: bool = False) -> EngineWeights:
     audio_embed = depth.audio_embeddings.weight.data
     # Depth inputs at positions 1..7 depend only on a code: precompute projection(embedding) + position, with
     # the reference's bf16 rounding of each step, instead of a 4096x4096 GEMV per pass.
-    semantic_table = _table(place, (F.linear(part.to(device), projection) + pos_embed[1]
-                                    for part in semantic_rows.split(TABLE_CHUNK)))
+    semantic_table = _table((F.linear(part.to(device), projection) + pos_embed[1]
+                             for part in semantic_rows.split(TABLE_CHUNK)), on_host)
     codebooks = range(dcfg.num_codebooks - 2)
-    residual_tables = _table(place, (F.linear(audio_embed[i * audio_vocab : (i + 1) * audio_vocab], projection)
-                                     + pos_embed[i + 2] for i in codebooks)).view(len(codebooks), audio_vocab, -1)
+    residual_tables = _table((F.linear(audio_embed[i * audio_vocab : (i + 1) * audio_vocab], projection)
+                              + pos_embed[i + 2] for i in codebooks), on_host).view(len(codebooks), audio_vocab, -1)
     # So does block 0's q|k|v at positions 2..7 (depth attention has no rotary): the sampler copies it from a
     # table (6 x 1024 codes x 24 KB = 151 MB) instead of a 100 MB GEMV per pass (7 x 30 us before).
     first, qkv0 = depth.layers[0].input_layernorm, dense(depth_blocks[0].qkv)
-    residual_qkv_tables = _table(place, (F.linear(first(table.to(device)), qkv0) for table in residual_tables))
+    residual_qkv_tables = _table((F.linear(first(table.to(device)), qkv0) for table in residual_tables), on_host)
     residual_qkv_tables = residual_qkv_tables.view(len(codebooks), audio_vocab, -1)
-    del qkv0
     return EngineWeights(
         dtype=dtype, precision=precision_of(lm, depth), hidden=hidden, heads=heads,
         kv_heads=cfg.num_key_value_heads, head_dim=getattr(cfg, "head_dim", None) or hidden // heads,
@@ -194,12 +193,11 @@ def prepare_weights(lm, depth, tables_on_host: bool = False) -> EngineWeights:
     )
 
 
-def _table(place: torch.device, parts) -> torch.Tensor:
-    """The row blocks `parts` (made one at a time on the weights' device, each moved to `place` as it is made) as
-    one table on `place`: a GPU's, or pinned host memory beside one (`prepare_weights` names the CPU only then), so
-    the kernels can read its rows."""
-    blocks = [part.to(place) for part in parts]
-    if place.type != "cpu" or not torch.cuda.is_available():  # (a CPU-only run: the weights' own device)
+def _table(parts, on_host: bool) -> torch.Tensor:
+    """The row blocks `parts` (made one at a time on the weights' device) as one table: there, or in pinned host
+    memory (each block moved as it is made), where the kernels on the GPU beside it read its rows."""
+    blocks = [part.to("cpu") if on_host else part for part in parts]
+    if not on_host:
         return torch.cat(blocks)
     table = torch.empty((sum(len(block) for block in blocks), *blocks[0].shape[1:]), dtype=blocks[0].dtype,
                         pin_memory=True)
