@@ -1,12 +1,13 @@
 """Where the GPU time goes, kernel by kernel, traced by CUPTI through torch.profiler (kernels inside replayed CUDA
 graphs included), grouped by kernel name, grid and block size.
 
-- `semantic` (default): one graph-engine frame (random-full weights, 400 prompt tokens, 200 frames). Wall time per
-  frame minus summed kernel time is what launch gaps cost (kernels of one stream never overlap).
+- `semantic` (default): one graph-engine frame (random-full weights, 400 prompt tokens, 200 frames; `--precision`
+  int8, int8-mma, ...: on weights quantized as `bench semantic` names them). Wall time per frame minus summed kernel
+  time is what launch gaps cost (kernels of one stream never overlap).
 - `flow`: one full flow chunk alone, as a song runs it (graphed batch-2 DiT steps through the pipeline's executor,
   then the vocoder), reported per chunk.
 
-Run on the GPU: python -m music3_demo.bench profile [semantic|flow] [out.json]
+Run on the GPU: python -m music3_demo.bench profile [semantic|flow] [out.json] [--precision int8]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from .. import contract as c
 from .report import needs_cuda
-from .semantic import load_for_bench, random_prompt, run_song
+from .semantic import PRECISIONS, load_for_bench, quantized_copy, random_prompt, run_song
 
 PROMPT_TOKENS, FRAMES = 400, 200
 
@@ -62,11 +63,15 @@ def report(groups: dict[str, list[float]], units: int, unit: str, wall_ms: float
     return {**summary, "groups": rows}
 
 
-def profile_semantic() -> dict:
+def profile_semantic(precision: str = "bf16") -> dict:
     from ..semantic.graph import GraphEngine
 
     components = load_for_bench("random-full")
-    engine = GraphEngine(components["language_model"], components["rvq_depth_decoder"], torch.device("cuda"))
+    models = (components["language_model"], components["rvq_depth_decoder"])
+    if precision != "bf16":
+        models = quantized_copy(*models, precision, torch.device("cuda"))[:2]
+        del components
+    engine = GraphEngine(*models, torch.device("cuda"))
     text_ids = random_prompt(PROMPT_TOKENS, 0, torch.device("cuda"))
     engine.reserve(PROMPT_TOKENS, FRAMES)
     run_song(engine, text_ids, 32, 1)  # compile + capture
@@ -74,7 +79,7 @@ def profile_semantic() -> dict:
     profiled: dict = {}
     groups = kernel_times(lambda: profiled.update(run_song(engine, text_ids, FRAMES, 2)))
     result = report(groups, profiled["frames"], "frame", 1e3 / unprofiled["frames_per_s"])
-    return {"prompt_tokens": PROMPT_TOKENS, "frames": profiled["frames"],
+    return {"precision": precision, "prompt_tokens": PROMPT_TOKENS, "frames": profiled["frames"],
             "frames_per_s": unprofiled["frames_per_s"], **result}
 
 
@@ -106,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", nargs="?", choices=("semantic", "flow"), default="semantic")
     parser.add_argument("output", nargs="?", help="also write the JSON here")
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS, help="semantic: the weights' format")
     args = parser.parse_args(argv)
     if not needs_cuda():
         return 2
-    result = {"semantic": profile_semantic, "flow": profile_flow}[args.mode]()
+    result = profile_semantic(args.precision) if args.mode == "semantic" else profile_flow()
     if args.output:
         Path(args.output).write_text(json.dumps({"mode": args.mode, **result}, indent=1))
     return 0
