@@ -2,8 +2,8 @@
 graphs included), grouped by kernel name, grid and block size.
 
 - `semantic` (default): one graph-engine frame (random-full weights, 400 prompt tokens, 200 frames; `--precision`
-  int8, int8-mma, ...: on weights quantized as `bench semantic` names them). Wall time per frame minus summed kernel
-  time is what launch gaps cost (kernels of one stream never overlap).
+  fp8, int8 or int4: on weights quantized as `bench semantic --precision` quantizes them). Wall time per frame
+  minus summed kernel time is what launch gaps cost (kernels of one stream never overlap).
 - `flow`: one full flow chunk alone, as a song runs it (graphed batch-2 DiT steps through the pipeline's executor,
   then the vocoder), reported per chunk.
 
@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from .. import contract as c
 from .report import needs_cuda
-from .semantic import PRECISIONS, load_for_bench, quantized_copy, random_prompt, run_song
+from .semantic import load_for_bench, quantized_copy, random_prompt, run_song
 
 PROMPT_TOKENS, FRAMES = 400, 200
 
@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", nargs="?", choices=("semantic", "flow"), default="semantic")
     parser.add_argument("output", nargs="?", help="also write the JSON here")
-    parser.add_argument("--precision", default="bf16", choices=PRECISIONS, help="semantic: the weights' format")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "int8", "int4"),
+                        help="semantic: the weights' format")
     args = parser.parse_args(argv)
     if not needs_cuda():
         return 2

@@ -5,8 +5,7 @@ It reports frames/s of each engine, their ratio, the bytes one frame must read (
 weight tensors, plus the KV cache at the song's mean context length), the copy bandwidth measured in the same run,
 and the fraction of the resulting limit reached. `--precision bf16,fp8,int8,int4` times every graph engine also on
 fp8, int8 and int4 copies of the weights (`semantic/quant.py`; named `graph:fp8`, ...), side by side in the same call,
-each with its teacher-forced check against the reference on its own (dequantized) weights; `int8-mma` (and `fp8-mma`,
-`int4-mma`: its int8 depth decoder) the same scheme with its 1-byte values stored in MMA order (`kernels/qweight.py`). `--batch 1,2,4,8` adds
+each with its teacher-forced check against the reference on its own (dequantized) weights. `--batch 1,2,4,8` adds
 the graph engine's aggregate frames/s with that many songs at once (one thread per song, as the app runs them);
 `--engine ""` skips the per-engine part. A whole song's timing is `bench song`. Importable without gradio/soundfile.
 """
@@ -29,7 +28,6 @@ from ..semantic.kernels.qweight import QWeight
 from .report import environment, finish, needs_cuda
 
 WARMUP_FRAMES = 16
-PRECISIONS = ("bf16", "fp8", "int8", "int4", "fp8-mma", "int8-mma", "int4-mma")  # `quantized_copy`
 
 
 def measure_copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 10) -> float:
@@ -191,20 +189,14 @@ def bench_semantic(
 
 
 def quantized_copy(lm, depth, mode: str, device: torch.device):
-    """(lm, depth, QuantReport): a copy of the bf16 models with their Linear weights in `mode` (`fmt` or
-    `fmt-mma`: `PRECISIONS`). The copy is made module by module on the device (deepcopy), then quantized in place,
-    which drops its bf16 weights as it goes."""
+    """(lm, depth, QuantReport): a copy of the bf16 models with their Linear weights in `mode`. The copy is made
+    module by module on the device (deepcopy), then quantized in place, which drops its bf16 weights as it goes."""
     import copy
-    from dataclasses import replace
 
-    from ..semantic.quant import DEFAULT_SCHEMES, DEPTH_SCHEMES, quantize_model_
+    from ..semantic.quant import quantize_model_
 
-    fmt, _, order = mode.partition("-")
-    schemes = (DEFAULT_SCHEMES[fmt], DEPTH_SCHEMES.get(fmt, DEFAULT_SCHEMES[fmt]))
-    if order == "mma":
-        schemes = tuple(replace(scheme, mma_order=True) for scheme in schemes)
     lm_copy, depth_copy = copy.deepcopy(lm), copy.deepcopy(depth)
-    report = quantize_model_(lm_copy, depth_copy, fmt, device, *schemes)
+    report = quantize_model_(lm_copy, depth_copy, mode, device)
     torch.cuda.empty_cache()
     return lm_copy, depth_copy, report
 
@@ -316,17 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="", help="comma list of song counts (e.g. 1,2,4,8): the graph engine's "
                         "aggregate frames/s with that many songs at once, at the first prompt length")
     parser.add_argument("--precision", default="bf16",
-                        help="comma list of bf16, fp8, int8, int4 (its depth decoder int8) and fp8-mma, int8-mma, "
-                        "int4-mma (1-byte values in MMA order): each graph engine also runs on weights quantized to "
-                        "these (named graph:fp8, ...), in the same call")
+                        help="comma list of bf16, fp8, int8, int4 (its depth decoder int8): each graph engine also "
+                        "runs on weights quantized to these (named graph:fp8, ...), in the same call")
     parser.add_argument("--output", help="also write the JSON here")
     parser.add_argument("--tuning", help="kernel tuning table to use (a tuning script's output) instead of the "
                         "packaged one for this GPU")
     args = parser.parse_args(argv)
     engines = [name.strip() for name in args.engine.split(",") if name.strip()]
     precisions = tuple(p.strip() for p in args.precision.split(",") if p.strip())
-    if any(p not in PRECISIONS for p in precisions):
-        parser.error(f"--precision takes {', '.join(PRECISIONS)}, got {args.precision!r}")
+    if any(p not in ("bf16", "fp8", "int8", "int4") for p in precisions):
+        parser.error(f"--precision takes bf16, fp8, int8 and int4, got {args.precision!r}")
     for name in engines:
         if name != "reference":
             try:

@@ -175,7 +175,7 @@ def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",), mod
 def _route_launches(tuning: Tuning, kind: str) -> None:
     """The down product's GEMV once per conversion route of 1-byte tiles (`qweight.CONVERSIONS`; the native fp16
     conversion only for fp8) in `kind`'s default scheme, on meta tensors: every route compiles everywhere the format
-    runs, whichever the tuning picks today; int8 also in MMA order (its words take the two bit routes)."""
+    runs, whichever the tuning picks today."""
     from .kernels.qweight import CONVERSIONS, NATIVE_F16
     from .quant import DEFAULT_SCHEMES
 
@@ -184,15 +184,14 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
     meta, bf16 = torch.device("meta"), torch.bfloat16
     group, n, k = DEFAULT_SCHEMES[kind].group, 4096, 12288
     dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    weight = QWeight(torch.empty(n, k, dtype=dtype, device=meta),
+                     torch.empty((n, k // group) if group else (n,), device=meta), group, bf16)
     out = torch.empty(2, n, device=meta)
     cfg = tuning.gemv(2, n, k, False, 2, 1, group, kind)
-    for mma_order in (False, True) if kind == "int8" else (False,):
-        weight = QWeight(torch.empty(n, k, dtype=dtype, device=meta),
-                         torch.empty((n, k // group) if group else (n,), device=meta), group, bf16, mma_order)
-        for route in CONVERSIONS.values():
-            if route != NATIVE_F16 or kind == "fp8":
-                linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
-                            config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
+    for route in CONVERSIONS.values():
+        if route != NATIVE_F16 or kind == "fp8":
+            linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
+                        config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
 
 
 def _int4_launches(tuning: Tuning, weights) -> None:

@@ -33,7 +33,7 @@ from .. import contract as c
 from ..precision import EQUALIZED
 from ..weights_stream import buffers_to
 from .equalize import LINEARS, LayerGatherer, equalize_
-from .kernels.qweight import INT4_ZERO, QWeight, byte_permute, int4_mma_order, int4_permute
+from .kernels.qweight import INT4_ZERO, QWeight, int4_mma_order, int4_permute
 
 SUPPORTED = ("bf16", "fp8", "int8", "int4")
 FP8_MAX, INT8_MAX, INT4_MAX = 448.0, 127.0, 7.0
@@ -44,16 +44,14 @@ QMAX = {"fp8": FP8_MAX, "int8": INT8_MAX, "int4": INT4_MAX}
 class Scheme:
     """A weight format: `fmt` "fp8", "int8" or "int4", `group` 0 for one scale per output channel (not int4), else
     one per output channel and `group` input columns (the model-wide group is the largest divisor of every K up to
-    this); `mma_order`: 1-byte values stored in the MMA's operand order (`kernels/qweight.py`), which the kernels read
-    as 32-bit words."""
+    this)."""
 
     fmt: str
     group: int = 0
-    mma_order: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.fmt}/{'channel' if not self.group else f'g{self.group}'}" + ("/mma" if self.mma_order else "")
+        return f"{self.fmt}/{'channel' if not self.group else f'g{self.group}'}"
 
 
 # The scheme of each mode: the one with the smallest effect on the model for its bytes (`bench formats`,
@@ -76,10 +74,10 @@ def fp8_supported(device: torch.device | str) -> bool:
 
 
 @torch.no_grad()
-def quantize_weight(weight: torch.Tensor, fmt: str, group: int = 0, mma_order: bool = False) -> QWeight:
+def quantize_weight(weight: torch.Tensor, fmt: str, group: int = 0) -> QWeight:
     """A [N, K] weight as a QWeight standing in for weight.dtype: scale = max|w| / (448, 127 or 7) per row or group;
     fp8 rounds to nearest (saturating), int8 and int4 to the nearest integer in [-127, 127] / [-7, 7] (int4: packed
-    two per byte as q + 8, `qweight.py`; per-group scales only). `mma_order`: 1-byte values in MMA order."""
+    two per byte as q + 8, `qweight.py`; per-group scales only)."""
     if fmt not in QMAX:
         raise ValueError(f"unknown weight format {fmt!r}")
     if fmt == "int4" and not group:
@@ -99,10 +97,7 @@ def quantize_weight(weight: torch.Tensor, fmt: str, group: int = 0, mma_order: b
         if int4_mma_order(group):  # (kernels/qweight.py: which nibble holds which column)
             nibbles = int4_permute(nibbles)
         data = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # low nibble first
-    mma_order = mma_order and fmt != "int4"  # (packed int4's order follows its group)
-    if mma_order:
-        data = byte_permute(data)
-    return QWeight(data.contiguous(), (scale if group else scale[:, 0]).contiguous(), group, weight.dtype, mma_order)
+    return QWeight(data.contiguous(), (scale if group else scale[:, 0]).contiguous(), group, weight.dtype)
 
 
 class QuantizedLinear(nn.Module):
@@ -116,21 +111,19 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.fmt = weight.kind
         self.group = weight.group
-        self.mma_order = weight.mma_order
         self.register_buffer("qdata", weight.data.view(torch.uint8) if self.fmt == "fp8" else weight.data)
         self.register_buffer("scale", weight.scale)
 
     def qweight(self, dtype: torch.dtype) -> QWeight:
         """The kernels' view of this weight (same storage), standing in for a `dtype` weight."""
-        return _as_qweight(self.fmt, self.qdata, self.scale, self.group, dtype, self.mma_order)
+        return _as_qweight(self.fmt, self.qdata, self.scale, self.group, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.qweight(x.dtype).dequantize())
 
     def extra_repr(self) -> str:
         scales = "per channel" if not self.group else f"per {self.group} columns"
-        order = ", MMA order" if self.mma_order else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}, scales {scales}{order}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}, scales {scales}"
 
 
 def audio_head_rows(device: torch.device | str | None = None) -> torch.Tensor:
@@ -269,13 +262,13 @@ class LayerQuantizer:
             owner = names[(component, id(parent))]
             self.targets[(component, f"{owner}.{child}.weight" if owner else f"{child}.weight")] = (parent, child,
                                                                                                      linear)
-        self.formats = {}  # (fmt, group, mma_order) per component; lm_head's audio rows take the LM's
+        self.formats = {}  # (fmt, group) per component; lm_head's audio rows take the LM's
         for component, chosen in (("language_model", scheme), ("rvq_depth_decoder", depth_scheme)):
             group = model_group(targets, chosen.group) if chosen.group else 0
             note = f"scale groups of {group} columns (every K here divides by {group}, not by {chosen.group})"
             if group != chosen.group and note not in self.report.notes:
                 self.report.notes.append(note)
-            self.formats[component] = (chosen.fmt, group, chosen.mma_order)
+            self.formats[component] = (chosen.fmt, group)
         self.group = self.formats["language_model"][1]
         names_used = [Scheme(*self.formats[c]).name for c in self.formats]
         self.report.scheme = names_used[0] + (f", depth {names_used[1]}" if names_used[1] != names_used[0] else "")
@@ -353,13 +346,12 @@ def quantize_model_(
     return quantizer.finish(whole=True)
 
 
-def _swap(linear: nn.Linear, fmt: str, group: int, mma_order: bool, device: torch.device,
-          report: QuantReport) -> QuantizedLinear:
+def _swap(linear: nn.Linear, fmt: str, group: int, device: torch.device, report: QuantReport) -> QuantizedLinear:
     weight = linear.weight.detach()
     report.modules += 1
     report.weights += weight.numel()
     report.bytes_before += weight.numel() * weight.element_size()
-    quantized = QuantizedLinear(quantize_weight(weight.to(device), fmt, group, mma_order))
+    quantized = QuantizedLinear(quantize_weight(weight.to(device), fmt, group))
     linear.weight = None  # the bf16 weight goes as soon as its quantized form exists
     del weight
     report.bytes_after += quantized.qdata.numel() + quantized.scale.numel() * 4
@@ -384,9 +376,8 @@ def fuse_quantized(modules: list[QuantizedLinear], dtype: torch.dtype, interleav
             rows = module.out_features
             module.qdata, module.scale = data[start : start + rows], scale[start : start + rows]
             start += rows
-    return _as_qweight(modules[0].fmt, data, scale, modules[0].group, dtype, modules[0].mma_order)
+    return _as_qweight(modules[0].fmt, data, scale, modules[0].group, dtype)
 
 
-def _as_qweight(fmt: str, data: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype,
-                mma_order: bool) -> QWeight:
-    return QWeight(data.view(torch.float8_e4m3fn) if fmt == "fp8" else data, scale.float(), group, dtype, mma_order)
+def _as_qweight(fmt: str, data: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> QWeight:
+    return QWeight(data.view(torch.float8_e4m3fn) if fmt == "fp8" else data, scale.float(), group, dtype)

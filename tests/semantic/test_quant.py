@@ -17,16 +17,15 @@ from dataclasses import replace
 
 from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, TailScratch, block_tail, gemv
 from music3_demo.semantic.kernels.tail import TailConfig
-from music3_demo.semantic.kernels.qweight import (
-    BITS_BF16, BITS_F16, CAST, NATIVE_F16, QWeight, byte_permute, convert_tile, int4_mma_order, int4_permute,
-)
+from music3_demo.semantic.kernels.linear import convert_tile
+from music3_demo.semantic.kernels.qweight import BITS_BF16, BITS_F16, NATIVE_F16, QWeight, int4_mma_order, int4_permute
 from music3_demo.semantic.quant import (
     AudioHead, QuantizedLinear, Scheme, audio_head_rows, fp8_supported, quantize_model_, quantize_weight,
 )
 from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 
 SCHEMES = [Scheme("fp8", 0), Scheme("fp8", 32), Scheme("int8", 0), Scheme("int8", 32), Scheme("int4", 32),
-           Scheme("int4", 64), Scheme("int8", 32, mma_order=True), Scheme("fp8", 0, mma_order=True)]
+           Scheme("int4", 64)]
 IDS = [s.name for s in SCHEMES]
 
 
@@ -63,7 +62,7 @@ def test_gemv_on_quantized_weights_is_as_close_to_float32_as_on_fp16_weights(sch
     g = rand(k, dtype=torch.float16, seed=3, scale=0.1) + 1
     res = rand(rows, n, dtype=torch.float16, seed=4)
     w = _outlier_weight(n, k, 2).half()
-    q = quantize_weight(w, scheme.fmt, scheme.group, scheme.mma_order)
+    q = quantize_weight(w, scheme.fmt, scheme.group)
     workspace = GemvWorkspace("cpu")
 
     def exact(dense: torch.Tensor, **kw) -> torch.Tensor:
@@ -154,15 +153,14 @@ def test_tiles_spanning_several_scale_groups_are_as_close_to_float32_as_tiles_wi
         assert _err(ours, expected) <= 2 * _err(bar, expected) + 1e-6, (_err(ours, expected), _err(bar, expected))
 
 
-@pytest.mark.parametrize("scheme", [Scheme("fp8", 0), Scheme("int8", 16), Scheme("int8", 16, mma_order=True)],
-                         ids=["fp8/channel", "int8/g16", "int8/g16/mma"])
+@pytest.mark.parametrize("scheme", [Scheme("fp8", 0), Scheme("int8", 16)], ids=["fp8/channel", "int8/g16"])
 def test_block_tail_on_one_byte_weights_runs_the_products_as_the_gemvs_do(scheme):
     """The chained tail's products (one launch each under the interpreter) with 1-byte weights against the same
     products through `gemv`; a tail mixing formats is refused."""
     d, a, i, q = 64, 48, 96, 80
     shapes = [(d, a), (2 * i, d), (d, i), (q, d)]
     dense = [_outlier_weight(*shape, seed=seed).half() for seed, shape in enumerate(shapes)]
-    weights = [quantize_weight(w, scheme.fmt, scheme.group, scheme.mma_order) for w in dense]
+    weights = [quantize_weight(w, scheme.fmt, scheme.group) for w in dense]
     ln1, ln2 = (rand(d, dtype=torch.float16, seed=seed, scale=0.1) + 1 for seed in (5, 6))
     attn, start = rand(2, a, dtype=torch.float16, seed=7), rand(2, d, seed=8)
     outputs = []
@@ -232,8 +230,8 @@ def test_fp8_needs_capability_8_9_and_bad_modes_get_one_sentence(monkeypatch):
 
 
 @pytest.mark.parametrize("scheme,chain", [(Scheme("int8", 16), False), (Scheme("fp8", 0), True),
-                                          (Scheme("int4", 16), True), (Scheme("int8", 16, mma_order=True), True)],
-                         ids=["int8-g16-gemv", "fp8-channel-tail", "int4-g16-tail", "int8-g16-mma-tail"])
+                                          (Scheme("int4", 16), True)],
+                         ids=["int8-g16-gemv", "fp8-channel-tail", "int4-g16-tail"])
 def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weights(scheme, chain):
     """Teacher forcing on the tiny model (float32 activations, interpreter): the engine built from the swapped
     modules (fused q|k|v and gate|up rows with their scales, the audio head, depth heads and tables) computes what
@@ -276,7 +274,7 @@ def test_tuning_gives_one_byte_weights_the_same_bytes_in_flight_within_shared_me
 @triton.jit
 def _convert_bits(src, dst, CONV: tl.constexpr, DOT: tl.constexpr):
     offs = tl.arange(0, 256)
-    tl.store(dst + offs, convert_tile(tl.load(src + offs), CONV, DOT, 1, 1).to(tl.int16, bitcast=True))
+    tl.store(dst + offs, convert_tile(tl.load(src + offs), CONV, DOT).to(tl.int16, bitcast=True))
 
 
 def _every_byte(fmt: str) -> torch.Tensor:
@@ -444,7 +442,7 @@ def test_dequantize_is_values_times_scales_in_float32_rounded_once(scheme):
     element exactly its value times its scale in float32, rounded once to the asked dtype."""
     from music3_demo.semantic.kernels import qweight
 
-    q = quantize_weight(_outlier_weight(96, 256, seed=5), scheme.fmt, scheme.group, scheme.mma_order)
+    q = quantize_weight(_outlier_weight(96, 256, seed=5), scheme.fmt, scheme.group)
     exact = q.values() * q.expanded_scale()
     step = qweight.DEQUANTIZE_STEP
     try:
@@ -453,96 +451,3 @@ def test_dequantize_is_values_times_scales_in_float32_rounded_once(scheme):
             assert torch.equal(q.dequantize(dtype), exact.to(dtype)), dtype
     finally:
         qweight.DEQUANTIZE_STEP = step
-
-
-def test_one_byte_mma_order_puts_columns_2c_2c8_2c1_2c9_in_word_c_and_changes_no_value():
-    """In each 16 columns, word c (bytes 4c..4c + 3) holds columns 2c, 2c + 8, 2c + 1, 2c + 9; the permutation is
-    undone exactly (values, dequantized weights), and the weight's kernel view is its int32 words. A K that is not
-    a multiple of 16 and packed int4 are refused."""
-    from music3_demo.semantic.kernels.qweight import kernel_args
-
-    columns = torch.arange(32, dtype=torch.int8).repeat(3, 1)
-    stored = byte_permute(columns)
-    for c in range(4):
-        for run in (0, 16):
-            assert stored[0, run + 4 * c : run + 4 * c + 4].tolist() == [run + 2 * c, run + 2 * c + 8,
-                                                                          run + 2 * c + 1, run + 2 * c + 9]
-    assert torch.equal(byte_permute(stored, inverse=True), columns)
-    w = _outlier_weight(8, 64, 4)
-    for fmt, group in (("int8", 32), ("int8", 0), ("fp8", 0), ("fp8", 16)):
-        column, mma = quantize_weight(w, fmt, group), quantize_weight(w, fmt, group, mma_order=True)
-        assert mma.mma_order and not column.mma_order
-        assert torch.equal(mma.data.view(torch.uint8), byte_permute(column.data).view(torch.uint8))
-        assert torch.equal(mma.values(), column.values()) and torch.equal(mma.dequantize(), column.dequantize())
-        assert mma.rows(2, 5).mma_order and torch.equal(mma.rows(2, 5).values(), column.rows(2, 5).values())
-        data, _, quant, *_ = kernel_args(mma, BITS_F16)
-        assert data.dtype == torch.int32 and data.shape == (8, 16) and quant % 4 == (2 if group else 1)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        QWeight(torch.zeros(4, 24, dtype=torch.int8), torch.ones(4), 0, torch.float16, mma_order=True)
-    assert not quantize_weight(w, "int4", 32, mma_order=True).mma_order  # (int4's order follows its group)
-
-
-@triton.jit
-def _unpack_words(src, dst, CONV: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr):
-    rows = tl.arange(0, 16)
-    words = tl.load(src + rows[:, None] * 16 + tl.arange(0, 16)[None, :])
-    values = convert_tile(words, CONV, DOT, QUANT, 1)  # [16, 64] in column order
-    tl.store(dst + rows[:, None] * 64 + tl.arange(0, 64)[None, :], values.to(tl.int16, bitcast=True))
-
-
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-@pytest.mark.parametrize("route", [BITS_BF16, BITS_F16], ids=["bits_bf16", "bits_f16"])
-def test_words_in_mma_order_give_every_byte_in_every_place_the_column_routes_value(fmt, route):
-    """Every byte value at every byte of a word, 16 rows of 64 columns in MMA order, through `qweight.unpack_bytes`:
-    each column's bit pattern is the column-order route's (the value, times the route's power of two for fp8),
-    in column order. The interpreter cannot do bf16 arithmetic: the int8 bf16 route's two bit patterns per byte and
-    their one subtraction are checked in torch, on the same masks and shifts."""
-    data = _every_byte(fmt).view(torch.int8).repeat(4).view(16, 64)
-    data = data.view(torch.float8_e4m3fn) if fmt == "fp8" else data
-    dtype = torch.bfloat16 if route == BITS_BF16 else torch.float16
-    factor = {BITS_BF16: 2.0**-120, BITS_F16: 2.0**-8}[route] if fmt == "fp8" else 1.0
-    want = (data.float() * factor).to(dtype)
-    words = byte_permute(data).view(torch.int32)
-    if fmt == "int8" and route == BITS_BF16:  # the kernel's integer ops and its subtraction, in torch
-        def halves(v: torch.Tensor) -> torch.Tensor:
-            return torch.stack(((v & 0xFFFF).to(torch.int16), (v >> 16).to(torch.int16)), -1).view(torch.bfloat16)
-
-        planes = [halves((w & 0x007F007F) | 0x43004300) - halves((w & 0x00800080) | 0x43004300)
-                  for w in (words, words >> 8)]  # bytes 0 | 2, then 1 | 3: [16, 16 words, 2 (b)]
-        t = torch.stack(planes, -1).view(16, 4, 4, 2, 2).permute(0, 1, 4, 2, 3)  # [row, run, h, c, b]
-        got = t.reshape(16, 64)
-    else:
-        out = torch.empty(16, 64, dtype=torch.int16)
-        _unpack_words[(1,)](words, out, CONV=route, DOT=tl.bfloat16 if route == BITS_BF16 else tl.float16,
-                            QUANT=13 if fmt == "fp8" else 5)
-        got = out.view(dtype)
-    keep = ~want.isnan()
-    assert keep.sum() == (16 * 64 - 8 if fmt == "fp8" else 16 * 64)
-    assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16))
-
-
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-@pytest.mark.parametrize("group", [0, 32])
-def test_mma_order_gives_the_column_orders_products_bit_for_bit(fmt, group):
-    """An fp16 model, every byte value in the weight: the GEMV on MMA-order words (the cast route there: fp16 bits
-    converted, the fp8 power of two folded into the scales; the native route: the fp16 bits) equals the column
-    order's on every route it takes, per-channel and per-group, plain and split-K; the prefill's product too."""
-    from music3_demo.semantic.kernels.matmul import product
-
-    n, k = 32, 128
-    data = _every_byte(fmt).repeat(n * k // 256).reshape(n, k)[torch.randperm(n, generator=torch.Generator()
-                                                                              .manual_seed(1))]
-    if fmt == "fp8":
-        data = data.view(torch.int8).masked_fill((data.view(torch.int8) & 0x7F) == 0x7F, 0x10).view(data.dtype)
-    scale = (rand(*((n,) if not group else (n, k // group)), seed=11).abs() + 0.1).float()
-    column = QWeight(data, scale, group, torch.float16)
-    mma = QWeight(byte_permute(data), scale, group, torch.float16, mma_order=True)
-    x = rand(2, k, dtype=torch.float16, seed=12)
-    workspace = GemvWorkspace("cpu")
-    routes = (CAST, BITS_F16, NATIVE_F16) if fmt == "fp8" else (CAST, BITS_F16)
-    for route in routes:
-        for cfg in (GemvConfig(16, 32, convert=route), GemvConfig(16, 32, split_k=2, convert=route)):
-            want = gemv(x, column, torch.empty(2, n), config=cfg, workspace=workspace)
-            assert torch.equal(gemv(x, mma, torch.empty(2, n), config=cfg, workspace=workspace), want), cfg
-    prompt = rand(20, k, dtype=torch.float16, seed=13)
-    assert torch.equal(product(prompt, mma), product(prompt, column))

@@ -63,7 +63,7 @@ def _matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr, WSCALE: tl.constexpr,
 ):
-    PACK: tl.constexpr = 8 if QUANT == 3 else 4 if QUANT >= 4 else 1  # weights per element of w (words)
+    PACK: tl.constexpr = 8 if QUANT == 3 else 1  # weights per element of w (packed int4: 8 per int32 word)
     pid = tl.program_id(0)
     row_blocks = tl.cdiv(M, BLOCK_M)
     pid_n = pid // row_blocks  # the programs of one weight tile run side by side

@@ -7,11 +7,7 @@ from .linear import GemvConfig, tile_fits_groups
 from .tuning import shared_bytes
 
 FORMATS = {"fp8/channel": ("fp8", 0), "int8/g128": ("int8", 128), "fp8/g128": ("fp8", 128),
-           "int8/channel": ("int8", 0), "int4/g64": ("int4", 64), "int4/g128": ("int4", 128),
-           "int8/g128/mma": ("int8", 128)}
-# The formats swept with their bytes in MMA order (`qweight.QWeight.mma_order`): their entries take the same table
-# keys as the column order's, which a table swept on them serves.
-MMA_ORDER = frozenset({"int8/g128/mma"})
+           "int8/channel": ("int8", 0), "int4/g64": ("int4", 64), "int4/g128": ("int4", 128)}
 # Packed int4 takes one route per MMA dtype (the model's, or fp16: `qweight.unpack_int4`).
 ROUTES = {"fp8": ["cast", "bits_bf16", "bits_f16", "native_f16"], "int8": ["cast", "bits_bf16", "bits_f16"],
           "int4": ["cast", "bits_f16"]}

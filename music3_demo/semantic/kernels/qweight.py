@@ -16,13 +16,6 @@ column a nibble holds ("the order"):
   whole runs (`linear.fit_group`).
 - Column order otherwise (a small model's 16-column groups): nibble i of word j is column 8j + i.
 
-1-byte values (int8, fp8) are stored in column order, or in MMA order (`QWeight.mma_order`, the scheme's choice):
-in each run of 16 columns, word c (0..3) holds columns 2c, 2c + 8, 2c + 1, 2c + 9 at bytes 0..3 (`byte_permute`).
-The kernels then read int32 words ([N, K / 4]): one 16-byte load per 16 weights, and bytes 0 | 2 and 1 | 3 of a
-word are the two register pairs of the MMA operand a thread holds, made by masks and shifts two at a time
-(`unpack_bytes`). In column order a thread loads its bytes two at a time and packs them one by one (~4.8
-instructions a weight on the H200's int8 GEMV, against ~2 in MMA order).
-
 The kernels load the 1-byte tile, convert it to `dtype` (the model's dtype, which the weight stands in for) in
 registers, take the product with fp32 accumulation and apply the scales: per-channel once per output row in the
 epilogue, per-group once per K tile inside the loop (a K tile within one group), or to the converted weights of a
@@ -46,11 +39,7 @@ INT4_RUN = 32  # the columns of one run of four words in MMA order
 DEQUANTIZE_STEP = 1 << 23  # elements dequantized at a time (QWeight.dequantize: int4's float32 pieces 32 MB each)
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # The kernels' QUANT constexpr; 0 is a plain (model-dtype) weight; PACKED_INT4: int4 words with per-group scales.
-# 1-byte weights in MMA order add BYTE_WORDS (read as int32 words) and, for fp8, FP8_WORDS: QUANT % 4 is the scales'
-# kind for every format (1 per channel, 2 per group, 3 packed int4).
 PER_CHANNEL, PER_GROUP, PACKED_INT4 = 1, 2, 3
-BYTE_WORDS, FP8_WORDS = 4, 8
-BYTE_RUN = 16  # the columns of one run of four words of 1-byte values in MMA order
 # How a 1-byte tile becomes MMA operands in registers (the kernels' CONV constexpr, `GemvConfig.convert`):
 # CAST: Triton's conversion to the model dtype (fp8 -> bf16 on sm_90 goes through f16 and f32; int8 -> bf16 is an
 #   I2F, quarter rate, plus an F2F);
@@ -81,30 +70,15 @@ def int4_permute(nibbles: torch.Tensor) -> torch.Tensor:
     return nibbles.view(n, k // INT4_RUN, 4, 4, 2).transpose(2, 3).reshape(n, k)
 
 
-def byte_permute(data: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """A [N, K] tensor of 1-byte values from column order to MMA order (`inverse`: back); K a multiple of
-    BYTE_RUN. Column 8h + 2c + b of a run goes to byte 2b + h of word c."""
-    n, k = data.shape
-    raw = data.view(torch.uint8)
-    if inverse:
-        raw = raw.view(n, k // BYTE_RUN, 4, 2, 2).permute(0, 1, 4, 2, 3)  # stored (c, b, h) -> columns (h, c, b)
-    else:
-        raw = raw.view(n, k // BYTE_RUN, 2, 4, 2).permute(0, 1, 3, 4, 2)  # columns (h, c, b) -> stored (c, b, h)
-    return raw.reshape(n, k).view(data.dtype)
-
-
 @dataclass(frozen=True)
 class QWeight:
     data: torch.Tensor  # [N, K] int8 or float8_e4m3fn, or [N, K / 2] uint8 (packed int4), contiguous
     scale: torch.Tensor  # float32 [N] (per-channel) or [N, K // group] (per-group)
     group: int = 0  # 0: per-channel
     dtype: torch.dtype = torch.bfloat16  # the model dtype: the products run in it, dequantize() returns it
-    mma_order: bool = False  # 1-byte values in MMA order (the module docstring); packed int4's order is its group's
 
     def __post_init__(self) -> None:
         n, k = self.shape
-        if self.mma_order and (self.int4 or k % BYTE_RUN):
-            raise ValueError(f"MMA order is for 1-byte values with K a multiple of {BYTE_RUN} (K={k})")
         expected = (n,) if not self.group else (n, k // self.group)
         if (self.data.dtype not in ONE_BYTE + (INT4,) or self.scale.dtype != torch.float32
                 or tuple(self.scale.shape) != expected or (self.int4 and not self.group)):
@@ -134,8 +108,7 @@ class QWeight:
 
     @property
     def quant(self) -> int:
-        scales = PACKED_INT4 if self.int4 else PER_GROUP if self.group else PER_CHANNEL
-        return scales | (BYTE_WORDS | (FP8_WORDS if self.kind == "fp8" else 0) if self.mma_order else 0)
+        return PACKED_INT4 if self.int4 else PER_GROUP if self.group else PER_CHANNEL
 
     def element_size(self) -> int:
         return 1  # (int4: half a byte; `nbytes` counts it)
@@ -155,7 +128,7 @@ class QWeight:
     def values(self) -> torch.Tensor:
         """The quantized values as float32 [N, K] (int4: the nibbles unpacked, q = nibble - 8)."""
         if not self.int4:
-            return (byte_permute(self.data, inverse=True) if self.mma_order else self.data).float()
+            return self.data.float()
         nibbles = torch.stack((self.data & 0xF, self.data >> 4), dim=-1).flatten(-2)  # low nibble first
         if int4_mma_order(self.group):
             nibbles = int4_permute(nibbles)
@@ -176,8 +149,7 @@ class QWeight:
             if self.int4:
                 target.copy_(part.values() * part.expanded_scale())  # (the copy rounds as .to() does)
                 continue
-            values = byte_permute(part.data, inverse=True) if self.mma_order else part.data
-            values = values.to(torch.bfloat16) if self.kind == "fp8" else values  # (exact either way)
+            values = part.data.to(torch.bfloat16) if self.kind == "fp8" else part.data  # (exact either way)
             rows, group = values.shape[0], self.group or k
             torch.mul(values.view(rows, k // group, group), part.scale.view(rows, -1, 1),
                       out=target.view(rows, k // group, group))
@@ -185,7 +157,7 @@ class QWeight:
 
     def rows(self, start: int, stop: int) -> "QWeight":
         """Rows [start, stop) as views of the same storage."""
-        return QWeight(self.data[start:stop], self.scale[start:stop], self.group, self.dtype, self.mma_order)
+        return QWeight(self.data[start:stop], self.scale[start:stop], self.group, self.dtype)
 
     def nbytes(self) -> int:
         return self.data.numel() + self.scale.numel() * 4
@@ -216,33 +188,22 @@ def rows(weight: Weight, start: int, stop: int) -> Weight:
 def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torch.Tensor, int, int, object, int, float]:
     """(data, scales, QUANT, GROUP, DOT, CONV, WSCALE) for a kernel launch: a plain weight passes itself as its
     (unread) scales. DOT is the MMA's operand dtype, WSCALE the power of two the conversion `convert` leaves in the
-    weights (folded into the scales). Packed int4 passes its bytes as int32 words ([N, K / 8]), 1-byte values in
-    MMA order too ([N, K / 4]; always by bits: NATIVE_F16 becomes BITS_F16, an int8 bf16 model's CAST BITS_BF16
-    (the same values), other CASTs fp16 bits converted to the model's dtype, `unpack_bytes`)."""
-    if isinstance(weight, QWeight) and weight.mma_order:
-        if convert == NATIVE_F16 or (convert == CAST and weight.dtype == torch.bfloat16 and weight.kind == "int8"):
-            convert = BITS_F16 if convert == NATIVE_F16 else BITS_BF16
+    weights (folded into the scales). Packed int4 passes its bytes as int32 words ([N, K / 8])."""
     if isinstance(weight, QWeight):
         dot = tl.float16 if convert in (BITS_F16, NATIVE_F16) else TL_DTYPES[weight.dtype]
         fp8 = weight.data.dtype == torch.float8_e4m3fn
-        routes = {BITS_BF16: 2.0**120, BITS_F16: 2.0**8} | ({CAST: 2.0**8} if weight.mma_order else {})
-        wscale = routes.get(convert, 1.0) if fp8 else 1.0
-        data = weight.data.view(torch.int32) if weight.int4 or weight.mma_order else weight.data
+        wscale = {BITS_BF16: 2.0**120, BITS_F16: 2.0**8}.get(convert, 1.0) if fp8 else 1.0
+        data = weight.data.view(torch.int32) if weight.int4 else weight.data
         return data, weight.scale, weight.quant, weight.group or 1, dot, convert, wscale
     return weight, weight, 0, 1, TL_DTYPES.get(weight.dtype, tl.float32), CAST, 1.0
-
-
-@triton.jit
-def _halves(v, HALF: tl.constexpr):
-    """The two 16-bit halves of each int32 word as HALF values (their bits), joined: [BN, BW, 2]."""
-    return tl.join(v.to(tl.int16).to(HALF, bitcast=True), (v >> 16).to(tl.int16).to(HALF, bitcast=True))
 
 
 @triton.jit
 def _nibble_pair(w, s: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
     """Nibbles s and s + 4 of each word as HALF values 2^k + u, joined: [BN, BW, 2] (the new axis: bit 2 of the
     column within the word)."""
-    return _halves(((w >> (4 * s)) & 0x000F000F) | MAGIC, HALF)
+    pair = ((w >> (4 * s)) & 0x000F000F) | MAGIC
+    return tl.join(pair.to(tl.int16).to(HALF, bitcast=True), (pair >> 16).to(tl.int16).to(HALF, bitcast=True))
 
 
 @triton.jit
@@ -266,64 +227,3 @@ def unpack_int4(w, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False):
         t = tl.join(tl.join(_nibble_pair(w, 0, MAGIC, HALF), _nibble_pair(w, 2, MAGIC, HALF)),
                     tl.join(_nibble_pair(w, 1, MAGIC, HALF), _nibble_pair(w, 3, MAGIC, HALF)))  # [n, j, h, s//2, s%2]
     return tl.reshape(t, [BN, BW * 8]) - OFFSET
-
-
-@triton.jit
-def unpack_bytes(w, CONV: tl.constexpr, FP8: tl.constexpr):
-    """A tile of 1-byte values in MMA order (int32 words [BN, BK / 4], the module docstring) as [BN, BK] values in
-    column order, two per 32-bit operation, by the bit routes of `convert_tile` (CONV BITS_BF16: bf16, else fp16,
-    which CAST then converts to its model's dtype):
-    bytes 0 | 2 of each word are one register pair, bytes 1 | 3 the other. int8: magic numbers (fp16: the byte's
-    sign bit flipped, 0x6400 | u is 1024 + u, minus 1152; bf16: 0x4300 | low 7 bits minus 0x4300 | the sign bit);
-    fp8: the sign to bit 15 and exponent | mantissa to bits 7..13 (fp16: the value x 2^-8) or 4..10 (bf16: x 2^-120),
-    which the scales take back (WSCALE). The joins put each word's four values beside each other in the thread."""
-    BN: tl.constexpr = w.shape[0]
-    BW: tl.constexpr = w.shape[1]
-    HALF: tl.constexpr = tl.bfloat16 if CONV == 1 else tl.float16
-    SIGNS: tl.constexpr = -0x7FFF8000  # 0x80008000: bit 15 of each half
-    if FP8:
-        EM: tl.constexpr = 0x07F007F0 if CONV == 1 else 0x3F803F80  # exponent | mantissa's place in each half
-        SHIFT: tl.constexpr = 4 if CONV == 1 else 7
-        lo = _halves(((w << 8) & SIGNS) | ((w << SHIFT) & EM), HALF)
-        hi = _halves((w & SIGNS) | ((w >> (8 - SHIFT)) & EM), HALF)
-    elif CONV == 1:
-        lo = _halves((w & 0x007F007F) | 0x43004300, HALF) - _halves((w & 0x00800080) | 0x43004300, HALF)
-        hi = (_halves(((w >> 8) & 0x007F007F) | 0x43004300, HALF)
-              - _halves(((w >> 8) & 0x00800080) | 0x43004300, HALF))
-    else:
-        u = w ^ -0x7F7F7F80  # 0x80808080: each byte's sign bit flipped, u = b + 128
-        lo = _halves((u & 0x00FF00FF) | 0x64006400, HALF) - 1152.0
-        hi = _halves(((u >> 8) & 0x00FF00FF) | 0x64006400, HALF) - 1152.0
-    t = tl.reshape(tl.join(lo, hi), [BN, BW // 4, 4, 2, 2])  # [n, run, c, b, h]: column 16 run + 8h + 2c + b
-    return tl.reshape(tl.permute(t, (0, 1, 4, 2, 3)), [BN, BW * 4])
-
-
-@triton.jit
-def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr):
-    """A weight tile as stored (QUANT: `QWeight.quant`) as DOT values, by route CONV (`CAST` ...: what each does and
-    why). The bit routes are integer ops on the sign-extended bytes; the fp8 ones leave a power of two in the values
-    (`kernel_args`' WSCALE), which the scales take back. Packed int4 words: `unpack_int4`; 1-byte words in MMA
-    order: `unpack_bytes`."""
-    if QUANT == 3:  # PACKED_INT4 (in MMA order where its groups are whole runs: `int4_mma_order`)
-        return unpack_int4(w, DOT if DOT != tl.float32 else tl.float16, GROUP % 32 == 0).to(DOT)
-    elif QUANT >= 4:  # BYTE_WORDS, FP8_WORDS
-        return unpack_bytes(w, CONV, QUANT >= 8).to(DOT)
-    elif CONV == 0:
-        return w.to(DOT)
-    elif CONV == 3:
-        return w.to(tl.float16)
-    else:
-        b = w.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: bits 7..15 are the sign
-        if w.dtype == tl.int8:
-            if CONV == 1:  # bf16(0x4300 | low 7 bits) = 128 + low; minus 128 (b >= 0) or 256 (b < 0)
-                v = ((b & 0x7F) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                c = ((b & 0x80) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                return (v - c).to(DOT)
-            else:  # fp16(0x6400 | u) = 1024 + u for u = b + 128 in [0, 255]
-                v = (((b ^ 0x80) & 0xFF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                return (v - 1152.0).to(DOT)
-        else:
-            if CONV == 1:  # sign to bit 15, exponent|mantissa to bits 4..10: e4m3 value x 2^-120 as bf16
-                return ((b & -32768) | ((b & 0x7F) << 4)).to(tl.int16).to(tl.bfloat16, bitcast=True).to(DOT)
-            else:  # bit 8 (a sign copy) lands on 15, exponent|mantissa on 7..13; bit 7 -> 14 is masked: x 2^-8
-                return ((b << 7) & -16512).to(tl.int16).to(tl.float16, bitcast=True).to(DOT)  # 0xBF80

@@ -139,7 +139,7 @@ def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH
     """Between two products: start this program's next weight rows towards L2, then wait for the whole grid."""
     if PREFETCH > 0:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        PACK: tl.constexpr = 8 if QUANT == 3 else 4 if QUANT >= 4 else 1  # weights per element of w (words)
+        PACK: tl.constexpr = 8 if QUANT == 3 else 1  # packed int4: K / 8 words per row
         prefetch_rows_l2(w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * (K // PACK), PREFETCH)
     _grid_barrier(bar_ptr)
 
@@ -161,8 +161,8 @@ def _product(
     RESIDUAL: out (float32) += y; with NEXT, also next = bf16(bf16(out) ⊙ gain) for the next NORM product and this
     program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s, and so is the
     handling of quantized weights (QUANT, GROUP, DOT, CONV, WSCALE): its tile loads (`linear.weight_ptrs`,
-    `weight_tile`: packed int4 and 1-byte values in MMA order as words) and conversions (`linear.dot_tile`;
-    per-channel scales at each row block's end).
+    `weight_tile`: packed int4 as K / 8 words per row) and conversions (`linear.dot_tile`; per-channel scales at each
+    row block's end).
     """
     BLOCK_M: tl.constexpr = 16
     K_TILES: tl.constexpr = K // BLOCK_K
@@ -265,8 +265,7 @@ def _block_tail_kernel(
 
 
 def _descriptor(data: torch.Tensor, cfg: GemvConfig, k: int):
-    """The TMA descriptor of a product's stored weight (`kernel_args`' data: K / 8 or K / 4 words a row
-    for packed int4 or 1-byte values in MMA order)."""
+    """The TMA descriptor of a product's stored weight (`kernel_args`' data: packed int4 has K / 8 words per row)."""
     pack = k // data.shape[1]
     return TensorDescriptor.from_tensor(data, [cfg.block_n, cfg.block_k // pack]) if cfg.tma else data
 

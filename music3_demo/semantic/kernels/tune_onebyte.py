@@ -1,7 +1,7 @@
 """Sweep the 1-byte weight kernels on the GPU: conversion route x tile config for every product the graph engine
 launches (GEMV shapes of tune_gemv.py; the chained tails of tune_tail.py), per weight format (fp8/channel and
 int8/g128, the defaults, then fp8/g128 and int8/channel; packed int4/g64 and int4/g128 when `--formats` names them,
-their LM tails only; int8/g128/mma: int8 with its bytes in MMA order), and write the winners as a tuning table.
+their LM tails only), and write the winners as a tuning table.
 
 Pass 1, per format: (1) routes: every conversion route (`qweight.CAST` ...) with three tiles on the four products
 a chained LM block runs (q|k|v, o, gate|up, down; 2 rows), ranked by total time; (2) the LM's and the depth
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .linear import GemvConfig, GemvWorkspace, gemv, tile_fits_groups
-from .onebyte_space import FORMATS, MMA_ORDER, ROUTES, fits_shape, route_tiles, tiles
+from .onebyte_space import FORMATS, ROUTES, fits_shape, route_tiles, tiles
 from .qweight import BITS_F16, CONVERSIONS, NATIVE_F16
 from .tail import TailConfig, TailScratch, block_tail
 from .tune_gemv import SHAPES, time_graph
@@ -66,7 +66,7 @@ def gemv_case(fmt: str, shape: tuple, copies: int = 1) -> dict:
     rows, n, k, epilogue = shape
     device = DEVICE
     dense = [torch.randn(n, k, device=device, dtype=DTYPE) * k**-0.5 for _ in range(copies)]
-    weights = [quantize_weight(w, kind, group, fmt in MMA_ORDER) for w in dense]
+    weights = [quantize_weight(w, kind, group) for w in dense]
     swiglu, normed = epilogue == "swiglu", epilogue in ("norm", "swiglu")
     x = torch.randn(rows, k, device=device, dtype=DTYPE)
     gain = torch.rand(k, device=device, dtype=DTYPE) + 0.5
@@ -136,7 +136,7 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
         w = torch.randn(n, k, device=device, dtype=DTYPE) * k**-0.5
         if interleave:
             w = interleave_rows(w[: n // 2], w[n // 2:])
-        return quantize_weight(w, kind, group, fmt in MMA_ORDER)
+        return quantize_weight(w, kind, group)
 
     ws = [dict(o=weight(d, a), gate_up=weight(g, d, True), down=weight(d, g // 2), qkv=weight(q, d),
                ln1=torch.rand(d, device=device, dtype=DTYPE) + 0.5,
