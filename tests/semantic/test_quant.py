@@ -304,6 +304,22 @@ def test_every_conversion_route_gives_every_byte_its_value_times_the_folded_powe
     assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fp8_weights_of_a_model_not_in_bf16_refuse_the_bf16_bit_route_in_one_sentence(dtype):
+    """That route leaves bf16 values times 2^-120: beside an fp16 or float32 model's activations they are a dtype
+    clash in the compiler, and converted to fp16 they would be zeros. A tuning entry naming it for such a model is
+    refused before any launch; int8 on that route and fp8 on the others convert to the model's MMA dtype."""
+    from music3_demo.semantic.kernels.qweight import CAST, kernel_args
+    from music3_demo.semantic.quant import quantize_weight
+
+    w = rand(32, 64, dtype=dtype, seed=1)
+    with pytest.raises(ValueError, match="bf16 bit route only in a bf16 model"):
+        kernel_args(quantize_weight(w, "fp8"), BITS_BF16)
+    for fmt, route in (("int8", BITS_BF16), ("fp8", BITS_F16), ("fp8", CAST)):
+        assert kernel_args(quantize_weight(w, fmt), route)[2] == 1  # per channel
+    assert kernel_args(quantize_weight(w.bfloat16(), "fp8"), BITS_BF16)[6] == 2.0**120
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("group", [0, 32])
 def test_fp16_routes_give_the_cast_route_results_bit_for_bit(fmt, group):

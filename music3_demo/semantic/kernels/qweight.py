@@ -192,6 +192,9 @@ def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torc
     if isinstance(weight, QWeight):
         dot = tl.float16 if convert in (BITS_F16, NATIVE_F16) else TL_DTYPES[weight.dtype]
         fp8 = weight.data.dtype == torch.float8_e4m3fn
+        if fp8 and convert == BITS_BF16 and weight.dtype != torch.bfloat16:
+            # its bf16 values carry 2^-120, which fp16 cannot hold (a silent zero): a bf16 model's route only
+            raise ValueError(f"fp8 weights take the bf16 bit route only in a bf16 model, not {weight.dtype}")
         wscale = {BITS_BF16: 2.0**120, BITS_F16: 2.0**8}.get(convert, 1.0) if fp8 else 1.0
         data = weight.data.view(torch.int32) if weight.int4 else weight.data
         return data, weight.scale, weight.quant, weight.group or 1, dot, convert, wscale
