@@ -3,7 +3,11 @@
 # GEMVs and chained tails), bench bf16/fp8/int8 with the table it wrote, then the 1-byte GPU tests with that table
 # as this GPU's packaged one (the device's copy of the checkout only). Files in $OUT:
 # gpu.txt onebyte.json onebyte.rows.json tune.log bench.json bench.log pytest.log summary.txt
-# Usage (repo root): [BUDGET=190] [FORMATS=fp8/channel,int8/g128,fp8/g128,int8/channel] bash scripts/onebyte_check.sh
+# SWEEP=grid sweeps the chained tails' grid instead (semantic/kernels/tune_tail_grid.py: programs per SM, warps, the
+# barriers' cost), benches bf16/fp8/int8/int4 on the packaged table too (bench-packaged.json: both sides in one
+# call) and runs the fused tail's GPU test before the 1-byte ones, each stage within what is left of 9.5 minutes.
+# Usage (repo root): [SWEEP=grid] [BUDGET=190] [FORMATS=fp8/channel,int8/g128,fp8/g128,int8/channel]
+#   bash scripts/onebyte_check.sh
 set -o pipefail
 OUT=${OUT:-/tmp/music3_out}
 mkdir -p "$OUT"
@@ -15,20 +19,36 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
-timeout "${TUNE_TIMEOUT:-225}" python3 -m music3_demo.semantic.kernels.tune_onebyte "$OUT/onebyte.json" --budget "${BUDGET:-190}" \
-  --formats "${FORMATS:-fp8/channel,int8/g128,fp8/g128,int8/channel}" 2>&1 | tee "$OUT/tune.log" \
-  | grep -v '^SKIP\|^  tail' | tail -n 60
+left() { echo $((570 - SECONDS)); }
+if [ "${SWEEP:-onebyte}" = grid ]; then
+  PRECISIONS=bf16,fp8,int8,int4 FRAMES=300 TESTS="tests/semantic/test_kernels_gpu.py -k fused_block_tail tests/semantic/test_quant_gpu.py"
+  timeout "${TUNE_TIMEOUT:-240}" python3 -m music3_demo.semantic.kernels.tune_tail_grid "$OUT/onebyte.json" \
+    --formats "${FORMATS:-bf16,int8/g128,int4/g64,fp8/channel}" 2>&1 | tee "$OUT/tune.log" | cut -c1-220 | tail -n 60
+else
+  PRECISIONS=bf16,fp8,int8 FRAMES=500 TESTS=tests/semantic/test_quant_gpu.py
+  timeout "${TUNE_TIMEOUT:-225}" python3 -m music3_demo.semantic.kernels.tune_onebyte "$OUT/onebyte.json" --budget "${BUDGET:-190}" \
+    --formats "${FORMATS:-fp8/channel,int8/g128,fp8/g128,int8/channel}" 2>&1 | tee "$OUT/tune.log" \
+    | grep -v '^SKIP\|^  tail' | tail -n 60
+fi
 TUNING=()
 [ -s "$OUT/onebyte.json" ] && TUNING=(--tuning "$OUT/onebyte.json")
 
-timeout "${BENCH_TIMEOUT:-160}" python3 -m music3_demo.bench semantic --model random-full --engine graph \
-  --precision bf16,fp8,int8 --prompt-tokens 400 --frames 500 "${TUNING[@]}" --output "$OUT/bench.json" 2>&1 \
-  | grep -v 'should be kept in float32\|weight_norm' > "$OUT/bench.log"
+for side in $([ "${SWEEP:-onebyte}" = grid ] && echo packaged) tuned; do
+  [ "$(left)" -gt 60 ] || { echo "no time for the $side bench"; break; }
+  name=$([ $side = tuned ] && echo bench || echo bench-packaged)
+  timeout "$(left)" python3 -m music3_demo.bench semantic --model random-full --engine graph \
+    --precision $PRECISIONS --prompt-tokens 400 --frames $FRAMES $([ $side = tuned ] && echo "${TUNING[@]}") \
+    --output "$OUT/$name.json" 2>&1 | grep -v 'should be kept in float32\|weight_norm' > "$OUT/$name.log"
+done
 
 # the GPU tests read this GPU's packaged table: the tuned one stands in for it here
 [ -s "$OUT/onebyte.json" ] && cp "$OUT/onebyte.json" music3_demo/semantic/kernels/tuning/nvidia-h200.sm90.json
-timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -m gpu tests/semantic/test_quant_gpu.py -q -p no:cacheprovider \
-  2>&1 | grep -v 'should be kept in float32' > "$OUT/pytest.log"
+if [ "$(left)" -gt 30 ]; then
+  timeout "$(left)" python3 -m pytest -m gpu $TESTS -q -p no:cacheprovider \
+    2>&1 | grep -v 'should be kept in float32' > "$OUT/pytest.log"
+else
+  echo "no time for the GPU tests" > "$OUT/pytest.log"
+fi
 git checkout -- music3_demo/semantic/kernels/tuning/ 2>/dev/null
 
 python3 - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
@@ -36,7 +56,13 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 rows = out / "onebyte.rows.json"
-if rows.exists():
+if rows.exists() and isinstance(json.loads(rows.read_text()), list):  # tune_tail_grid's rows
+    for r in json.loads(rows.read_text()):
+        what = r.get("us_per_block") or r.get("wrong") or r.get("skipped", "")[:80]
+        print(f"grid {r['format']:12} {r['family']:6} per_sm {r['per_sm']} warps {r['num_warps']}"
+              f"{' (tuned)' if r['tuned'] else ''}: {what}"
+              + (f" us/block; without barriers {r['without_barriers_us']}" if 'without_barriers_us' in r else ""))
+elif rows.exists():
     doc = json.loads(rows.read_text())
     for r in doc["routes"]:
         print(f"route {r['format']:13} {r['route']:11} LM block (4 GEMVs) {r['lm_block_us']:8.1f} us")
@@ -51,12 +77,15 @@ if rows.exists():
               f" conv {[r['best'][p]['convert'] for p in ('o', 'gate_up', 'down', 'qkv')]}")
 else:
     print("no tuning rows (see tune.log)")
-try:
-    bench = json.loads((out / "bench.json").read_text())
-    print("frames/s at 400:", {k: round(v, 1) for k, v in bench["frames_per_s_by_engine"]["400"].items()},
-          "tuning:", bench.get("tuning"))
-except Exception as error:  # noqa: BLE001
-    print("bench failed:", error)
+for name in ("bench-packaged", "bench"):
+    if name == "bench-packaged" and not (out / f"{name}.log").exists():
+        continue
+    try:
+        bench = json.loads((out / f"{name}.json").read_text())
+        print(f"{name}: frames/s at 400:", {k: round(v, 1) for k, v in bench["frames_per_s_by_engine"]["400"].items()},
+              "tuning:", bench.get("tuning"))
+    except Exception as error:  # noqa: BLE001
+        print(f"{name} failed:", error)
 log = (out / "pytest.log").read_text().strip().splitlines()
 print("pytest:", log[-1] if log else "no output")
 EOF

@@ -355,6 +355,16 @@ def programs_per_sm(compiled: Compiled, target: Target) -> int:
     return min(by_shared, REGISTERS_PER_SM // max(regs, 1), target.threads_per_sm // threads, 32)
 
 
+def tail_residency(compiled: Compiled, target: Target) -> list[str]:
+    """A fused tail's grid (its `GRID`: the tuned programs per SM times one per SM) must be resident all at once on
+    the target's SMs for its spin barriers: the problem, if it is not."""
+    resident = programs_per_sm(compiled, target) * target.sms
+    grid = compiled.constants["GRID"]
+    if grid <= resident:
+        return []
+    return [f"the chained tail's {grid} programs exceed the {resident} resident on {target.sms} SMs"]
+
+
 def check(capability: int, name: str, sms: int, everything: bool = False, precisions: tuple[str, ...] = ("bf16",),
           model: str = "full") -> dict:
     """Compile for one architecture (every launch, or the CI set) with weights in each of `precisions` (those the
@@ -369,11 +379,8 @@ def check(capability: int, name: str, sms: int, everything: bool = False, precis
             problems.append(f"{k.kernel} needs {k.shared} B of shared memory, sm_{capability} allows "
                             f"{target.shared_per_block}")
         if k.kernel == "_block_tail_kernel" and k.constants.get("SYNC"):
-            resident = programs_per_sm(k, target) * sms
-            residency.append(resident)
-            if tuning.programs > resident:
-                problems.append(f"the chained tail's {tuning.programs} programs exceed the {resident} resident "
-                                f"on {sms} SMs")
+            residency.append(programs_per_sm(k, target) * sms)
+            problems += tail_residency(k, target)
     return {
         "model": model, "capability": capability, "gpu": name, "sms": sms, "shared_per_block": target.shared_per_block,
         "tma": target.tma, "table": tuning.source, "tail_programs": tuning.programs,

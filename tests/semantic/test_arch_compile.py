@@ -138,3 +138,19 @@ def _check(reports: list[dict]) -> None:
     by_cap = {r["capability"]: r for r in reports}
     assert "nvidia-h200.sm90.json" in by_cap[90]["table"]
     assert all(by_cap[cap]["table"] == "heuristic" for cap in (80, 86, 89, 100, 120))
+
+
+def test_a_tails_grid_must_be_resident_whole_with_its_programs_per_sm():
+    """A tuned tail of 2 or 3 programs per SM (`TailConfig.per_sm`) is a grid of that many times the SMs' programs:
+    the check counts what one SM holds of the compiled kernel (shared memory, registers, threads) against it. The
+    int4 LM tail as compiled for sm_90 (168 registers, 60 KB) holds 3 a SM: 396 on 132 SMs, not 512."""
+    from music3_demo.semantic.arch_compile import Compiled, tail_residency
+    from music3_demo.semantic.kernels.tuning import Target
+
+    h200 = Target("NVIDIA H200", 90, 132)
+
+    def tail(grid: int) -> Compiled:
+        return Compiled("_block_tail_kernel", {"GRID": grid, "SYNC": True}, 4, 4, 60440, 168, 1.0, 2, 1)
+
+    assert tail_residency(tail(128), h200) == tail_residency(tail(384), h200) == []
+    assert tail_residency(tail(512), h200) == ["the chained tail's 512 programs exceed the 396 resident on 132 SMs"]

@@ -89,3 +89,33 @@ def test_the_int4_sweep_offers_only_tiles_its_format_can_run():
                 assert runs == (cfg.block_k <= group or route == "bits_f16"), (fmt, cfg, route)
                 assert tuning.valid(routed, 2, 1, group, kind) == (group % cfg.block_k == 0
                                                                    or CONVERSIONS[route] != 0), (fmt, cfg, route)
+
+
+def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_them_back(tmp_path):
+    """tune_tail_grid times each format's tuned tail with 2 and 3 programs per SM (also with row blocks halved,
+    which must still divide each product's rows and keep 16 at least) and 8 warps; what it writes (programs per SM
+    included) is what the engine's tuning reads back for that format."""
+    from dataclasses import replace
+
+    from music3_demo.semantic.kernels import tune_tail_grid
+    from music3_demo.semantic.kernels.tail import fit_tail_shape
+    from music3_demo.semantic.kernels.tuning import write_section
+
+    tuning = tuning_for_target(H200)
+    jobs = tune_tail_grid.plan(tuning, tune_tail_grid.DEFAULT_FORMATS.split(","))
+    assert [(fmt, family) for fmt, family, *_ in jobs] == [
+        ("bf16", "lm"), ("bf16", "depth"), ("int8/g128", "lm"), ("int8/g128", "depth"), ("int4/g64", "lm"),
+        ("fp8/channel", "lm"), ("fp8/channel", "depth")]
+    for fmt, family, tuned, variants in jobs:
+        d, a, g, q, _ = tune_tail_grid.FAMILIES[family]
+        assert tuned.per_sm == 1 and tuned not in variants and len(set(variants)) == len(variants) >= 5
+        assert {(v.per_sm, v.num_warps) for v in variants} == {(2, 4), (3, 4), (1, 8), (2, 8)}
+        for v in variants:
+            assert fit_tail_shape(v, d, a, g, q) == v  # runs as it is
+            for c, rows in zip((v.o, v.gate_up, v.down, v.qkv), (d, g, d, q)):
+                assert c.block_n >= 16 and rows % c.block_n == 0
+    fmt, family, tuned, variants = jobs[2]
+    wide = replace(tuned, per_sm=2)
+    path = tmp_path / "grid.json"
+    write_section(path, "tail", {tune_tail_grid.table_key(fmt, family): wide}, target=H200)
+    assert tuning_for_target(H200, path).tail(*tune_tail_grid.FAMILIES[family][:4], 1, 128, "int8") == wide

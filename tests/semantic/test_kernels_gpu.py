@@ -101,11 +101,15 @@ def test_decode_attention_in_one_launch_is_exact_and_deterministic(pos):
 
 @pytest.mark.parametrize("shape", [(4096, 24576, 6144), (4096, 12288, 12288)], ids=["lm", "depth"])
 @pytest.mark.parametrize("rows", [2, 4])
-def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays(shape, rows):
+@pytest.mark.parametrize("grids", [(1,), (2,), (1, 2, 3)], ids=["one_per_sm", "two_per_sm", "mixed"])
+def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays(shape, rows, grids):
     """The grid barriers are the only difference between one persistent launch and one launch per product: any
     missing ordering (a program reading a row another has not written, a stale L1 line) changes bits. Three blocks
-    in a row share the barrier, replayed 20 times."""
-    from music3_demo.semantic.kernels.tail import TailScratch, block_tail
+    in a row share the scratch, replayed 20 times, with 1, 2 or 3 programs per SM (`TailConfig.per_sm`; "mixed":
+    one block each, every grid size on its own barrier count)."""
+    from dataclasses import replace
+
+    from music3_demo.semantic.kernels.tail import TailScratch, block_tail, default_tail_config, with_products
 
     hidden, gate_up_rows, qkv_rows = shape
     generator = torch.Generator(DEVICE).manual_seed(rows + qkv_rows)
@@ -122,12 +126,16 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     act = torch.empty(rows, gate_up_rows // 2, device=DEVICE, dtype=torch.bfloat16)
     qkv = torch.empty(rows, qkv_rows, device=DEVICE, dtype=torch.bfloat16)
     scratch = TailScratch(DEVICE)
+    base = default_tail_config(hidden, hidden, gate_up_rows, qkv_rows, torch.device(DEVICE))
+    small = with_products(base, lambda _, c: replace(c, block_k=128, num_stages=2))  # 3 fit on an SM
+    per_block = [grids[i % len(grids)] for i in range(len(blocks))]
 
     def run(fused: bool) -> None:
         h.copy_(start)
-        for o, gate_up, down, next_qkv, ln1, ln2 in blocks:
+        for (o, gate_up, down, next_qkv, ln1, ln2), per_sm in zip(blocks, per_block):
+            config = base if per_sm == 1 else replace(small, per_sm=per_sm)
             block_tail(attn, h, xn, act, o, gate_up, down, ln2, 1e-6, scratch, next_qkv=(next_qkv, ln1, qkv),
-                       fused=fused)
+                       config=config, fused=fused)
 
     run(fused=False)
     expected = [t.clone() for t in (h, xn, act, qkv)]
@@ -146,5 +154,6 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(t, e) for t, e in zip((h, xn, act, qkv), expected))
-    launches = 21 * len(blocks)
-    assert scratch.count.item() == launches * 3 * scratch.programs  # three barriers per launch, nobody lost
+    for per_sm in (1, 2, 3):  # three barriers per launch, nobody lost
+        launches = 21 * per_block.count(per_sm)
+        assert scratch.count(per_sm).item() == launches * 3 * per_sm * scratch.programs

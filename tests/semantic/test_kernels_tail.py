@@ -65,3 +65,36 @@ def test_block_tail_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="block_tail shape mismatch"):
         block_tail(torch.zeros(2, 48), h, h.half(), torch.zeros(2, 96), torch.zeros(64, 48), torch.zeros(192, 64),
                    torch.zeros(64, 80), torch.ones(64), 1e-6, TailScratch("cpu", 3))
+
+
+def test_more_programs_per_sm_split_the_same_rows_over_a_wider_grid():
+    """`per_sm` 2 runs 6 programs where 1 runs 3 (the scratch's grid of one program per SM): every row block is
+    the same tile code's, in another program, so act and q|k|v agree to the RMSNorm's sum of squares (its partial
+    sums are split over more programs), and each grid size keeps its own barrier count; sizes outside 1..4 are
+    refused in one sentence."""
+    from dataclasses import replace
+
+    from music3_demo.semantic.kernels.tail import MAX_PER_SM, TailConfig, TailScratch, block_tail
+
+    d, a, i, q = 64, 48, 96, 80
+    weights = [rand(*shape, dtype=torch.float32, seed=seed, scale=shape[1] ** -0.5)
+               for seed, shape in enumerate([(d, a), (2 * i, d), (d, i), (q, d)])]
+    ln1, ln2 = (rand(d, seed=seed, scale=0.1) + 1 for seed in (5, 6))
+    attn, start = rand(2, a, seed=7), rand(2, d, seed=8)
+    scratch = TailScratch("cpu", 3)
+    assert [scratch.grid(p) for p in (1, 2)] == [3, 6] and scratch.partials.shape[0] >= 3 * MAX_PER_SM
+    assert scratch.count(2).data_ptr() == scratch.counts[1:].data_ptr() and scratch.count(2).numel() == 1
+    base = TailConfig(*[GemvConfig(16, 16)] * 4)
+    outputs = []
+    for per_sm in (1, 2):
+        h, h16 = start.clone(), start.clone()
+        act, qkv = torch.zeros(2, i), torch.zeros(2, q)
+        block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, scratch, next_qkv=(weights[3], ln1, qkv),
+                   config=replace(base, per_sm=per_sm))
+        outputs.append((h, act, qkv))
+    for wide, narrow in zip(outputs[1], outputs[0]):
+        assert_close(wide, narrow, torch.float32)
+    assert outputs[1][2].abs().sum() > 0
+    for per_sm in (0, MAX_PER_SM + 1):
+        with pytest.raises(ValueError, match="programs per SM"):
+            block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, scratch, config=replace(base, per_sm=per_sm))

@@ -24,6 +24,12 @@ alone). So the fused launch is cooperative (`launch_cooperative_grid`): the driv
 program can be resident. `MUSIC3_TAIL_COOPERATIVE=0` launches it the old way, for measuring that choice only.
 Triton's CPU interpreter runs programs one at a time and so never has them all resident: there `block_tail`
 launches the same kernel once per product (`fused=False`), which is also the GPU test's oracle for the fused launch.
+
+Programs per SM (`TailConfig.per_sm`): one program of 4 warps per SM streams bf16 weights near the copy bandwidth,
+but a 1-byte weight tile is converted in registers, long chains of dependent instructions with one warp per
+scheduler to issue them; more programs per SM (a grid of `per_sm` x the SM-bound program count) give the schedulers
+other warps to switch to. The cooperative launch still guarantees that they are all resident; each grid size keeps
+its own arrival count (`TailScratch.counts`), so launches of different sizes can share one scratch.
 """
 
 from __future__ import annotations
@@ -47,16 +53,33 @@ from .qweight import Weight, kernel_args
 COOPERATIVE = os.environ.get("MUSIC3_TAIL_COOPERATIVE", "1") != "0"
 
 
+MAX_PER_SM = 4  # programs per SM a tail config may ask for (`TailConfig.per_sm`)
+
+
 class TailScratch:
-    """The grid barrier's arrival count and each program's partial sums of squares (one row per program, 16 columns
-    for the rows of x); one per engine state, shared in stream order by launches that all use its number of
-    programs (the count stays a multiple of it between barriers)."""
+    """The grid barriers' arrival counts and each program's partial sums of squares (one row per program, 16 columns
+    for the rows of x); one per engine state, shared in stream order by the tails' launches. `programs` is the grid
+    of one program per SM; a config's grid is `per_sm` times it, and each of those sizes has its own count (which
+    stays a multiple of its grid between barriers)."""
 
     def __init__(self, device: torch.device | str, programs: int | None = None) -> None:
         device = torch.device(device)
         self.programs = programs or default_programs(device)
-        self.count = torch.zeros(1, device=device, dtype=torch.int64)
-        self.partials = torch.zeros(triton.next_power_of_2(self.programs), 16, device=device, dtype=torch.float32)
+        self.counts = torch.zeros(MAX_PER_SM, device=device, dtype=torch.int64)
+        self.partials = torch.zeros(triton.next_power_of_2(self.programs * MAX_PER_SM), 16, device=device,
+                                    dtype=torch.float32)
+
+    def grid(self, per_sm: int) -> int:
+        if not 1 <= per_sm <= MAX_PER_SM:
+            raise ValueError(f"a chained tail runs 1 to {MAX_PER_SM} programs per SM, not {per_sm}")
+        return self.programs * per_sm
+
+    def count(self, per_sm: int = 1) -> torch.Tensor:
+        """The arrival count of the grid of `per_sm` programs per SM (a one-element view)."""
+        return self.counts[per_sm - 1:per_sm]
+
+
+PRODUCTS = ("o", "gate_up", "down", "qkv")  # a TailConfig's products, in the order the launch runs them
 
 
 @dataclass(frozen=True)
@@ -67,6 +90,12 @@ class TailConfig:
     qkv: GemvConfig
     num_warps: int = 4
     prefetch: int = 0  # bytes per weight row pulled into L2 before each barrier (measured: 1-8 KB only cost time)
+    per_sm: int = 1  # programs per SM (the module docstring): the grid is per_sm x `TailScratch.programs`
+
+
+def with_products(cfg: TailConfig, change) -> TailConfig:
+    """`cfg` with each product's config replaced by `change(name, config)`; its launch settings kept."""
+    return replace(cfg, **{name: change(name, getattr(cfg, name)) for name in PRODUCTS})
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,7 +178,7 @@ def _product(
     x_ptr, stride_x, w_ptr, w_desc, s_ptr, out_ptr, stride_o, next_ptr, gain_ptr, part_ptr, eps,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-    NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr,
+    NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr, GRID: tl.constexpr,
     QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr, WSCALE: tl.constexpr,
 ):
     """This program's row blocks of out = epilogue(W · x). FRESH: x and out were written earlier in this launch
@@ -167,7 +196,7 @@ def _product(
     BLOCK_M: tl.constexpr = 16
     K_TILES: tl.constexpr = K // BLOCK_K
     pid = tl.program_id(0)
-    programs = tl.num_programs(0)
+    programs: tl.constexpr = GRID
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
@@ -225,7 +254,7 @@ def _block_tail_kernel(
     s_attn, s_h, s_act, s_qkv, eps,
     M: tl.constexpr, D: tl.constexpr, A: tl.constexpr, G: tl.constexpr, Q: tl.constexpr,
     RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr, HAS_NEXT: tl.constexpr,
-    SYNC: tl.constexpr, PARTS: tl.constexpr,
+    SYNC: tl.constexpr, BARRIERS: tl.constexpr, PARTS: tl.constexpr, GRID: tl.constexpr,
     PF_GU: tl.constexpr, PF_D: tl.constexpr, PF_Q: tl.constexpr,
     BN_O: tl.constexpr, BK_O: tl.constexpr, ST_O: tl.constexpr, TMA_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, ST_GU: tl.constexpr, TMA_GU: tl.constexpr,
@@ -239,29 +268,30 @@ def _block_tail_kernel(
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
     input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/GROUP: the weights' format (one for all four
     products: `qweight.kernel_args`), the s*_ptr their scales; DT_/CV_/WS_: each product's MMA dtype, conversion
-    route and the power of two it leaves (its `GemvConfig.convert`)."""
+    route and the power of two it leaves (its `GemvConfig.convert`). GRID: the number of programs. SYNC: one launch
+    for all products (FRESH reads), with grid barriers between them unless BARRIERS is off (timing only)."""
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
         _product(attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps,
-                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, QUANT, GROUP, DT_O, CV_O,
-                 WS_O)
-    if SYNC:
+                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, GRID, QUANT, GROUP,
+                 DT_O, CV_O, WS_O)
+    if SYNC and BARRIERS:
         _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU, QUANT)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
         _product(xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps,
-                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC, QUANT, GROUP, DT_GU,
-                 CV_GU, WS_GU)
-    if SYNC:
+                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC, GRID, QUANT, GROUP,
+                 DT_GU, CV_GU, WS_GU)
+    if SYNC and BARRIERS:
         _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D, QUANT)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
         _product(act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps,
-                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC, QUANT, GROUP,
+                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC, GRID, QUANT, GROUP,
                  DT_D, CV_D, WS_D)
-    if SYNC and HAS_NEXT:
+    if SYNC and BARRIERS and HAS_NEXT:
         _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q, QUANT)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
         _product(xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps,
-                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, QUANT, GROUP, DT_Q, CV_Q,
-                 WS_Q)
+                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, GRID, QUANT, GROUP,
+                 DT_Q, CV_Q, WS_Q)
 
 
 def _descriptor(data: torch.Tensor, cfg: GemvConfig, k: int):
@@ -285,6 +315,7 @@ def block_tail(
     next_qkv: tuple[Weight, torch.Tensor, torch.Tensor] | None = None,
     config: TailConfig | None = None,
     fused: bool | None = None,
+    barriers: bool = True,
 ) -> None:
     """h += o·attn; act = SwiGLU(gate_up · RMSNorm(h; ln2)); h += down·act; and with `next_qkv` = (weight, ln1, out)
     the next block's out = weight · RMSNorm(h; ln1). Each RMSNorm reads h rounded to bf16, as `gemv` reads the
@@ -293,8 +324,9 @@ def block_tail(
     h is the float32 residual stream [M, D]; `xn` (bf16, h's shape and strides) is scratch that carries each NORM
     product's input from the product before it (bf16(h) ⊙ gain; no bf16 copy of h itself is left behind).
     `gate_up` is row-interleaved (`linear.interleave_rows`). `fused` (default: on a GPU) runs everything in one
-    launch with grid barriers; otherwise one launch per product. The weights are all model-dtype tensors or all
-    `QWeight`s of one format (1-byte or packed int4)."""
+    launch with grid barriers; otherwise one launch per product. `barriers=False` leaves the fused launch's barriers
+    out: wrong results, only to time what they cost. The weights are all model-dtype tensors or all `QWeight`s of one
+    format (1-byte or packed int4)."""
     m, d = h.shape
     g, a = gate_up.shape[0], attn.shape[1]
     q = next_qkv[0].shape[0] if next_qkv is not None else 16
@@ -311,11 +343,10 @@ def block_tail(
     device = h.device
     cfg = config or default_tail_config(d, a, g, q, device)  # (a config given is checked below, not changed)
     if not tma_supported(device):
-        cfg = TailConfig(*(replace(c, tma=False) for c in
-                           (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)), num_warps=cfg.num_warps, prefetch=cfg.prefetch)
+        cfg = with_products(cfg, lambda _, c: replace(c, tma=False))
     wq, ln1, qkv_out = next_qkv if next_qkv is not None else (o, ln2, act)
-    cfg = TailConfig(*(fit_group(c, w) for c, w in ((cfg.o, o), (cfg.gate_up, gate_up), (cfg.down, down),
-                                                    (cfg.qkv, wq))), num_warps=cfg.num_warps, prefetch=cfg.prefetch)
+    weights = dict(zip(PRODUCTS, (o, gate_up, down, wq)))
+    cfg = with_products(cfg, lambda name, c: fit_group(c, weights[name]))
     products = (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)
     packed = [kernel_args(w, c.convert) for w, c in zip((o, gate_up, down, wq), products)]
     if len({p[2:4] for p in packed}) > 1:
@@ -326,9 +357,10 @@ def block_tail(
     if g % cfg.gate_up.block_n:
         raise ValueError(f"gate|up rows ({g}) must be a multiple of its row block ({cfg.gate_up.block_n})")
     fused = (device.type == "cuda" and not interpreting()) if fused is None else fused
+    grid = scratch.grid(cfg.per_sm)
     common = dict(
-        eps=eps, M=m, D=d, A=a, G=g, Q=q, HAS_NEXT=next_qkv is not None, SYNC=fused,
-        PARTS=scratch.partials.shape[0],
+        eps=eps, M=m, D=d, A=a, G=g, Q=q, HAS_NEXT=next_qkv is not None, SYNC=fused, BARRIERS=barriers,
+        PARTS=triton.next_power_of_2(grid), GRID=grid,
         # bytes of each next weight row to prefetch (whole rows at most), only where a barrier waits
         **{f"PF_{name}": min(cfg.prefetch, p[0].shape[1] * p[0].element_size()) if fused else 0
            for name, p in zip(("GU", "D", "Q"), packed[1:])},
@@ -342,12 +374,12 @@ def block_tail(
     args = (attn, h, xn, act, qkv_out, wo, _descriptor(wo, cfg.o, a), wgu, _descriptor(wgu, cfg.gate_up, d),
             wd, _descriptor(wd, cfg.down, g // 2), wqd, _descriptor(wqd, cfg.qkv, d), so, sgu, sd, sq, ln2, ln1,
             scratch.partials,
-            scratch.count, attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
+            scratch.count(cfg.per_sm), attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
     runs = [(True, True, True, next_qkv is not None)] if fused else [
         tuple(i == j for j in range(4)) for i in range(4 if next_qkv is not None else 3)
     ]
     for run_o, run_gu, run_d, run_q in runs:
-        _block_tail_kernel[(scratch.programs,)](
+        _block_tail_kernel[(grid,)](
             *args, RUN_O=run_o, RUN_GU=run_gu, RUN_D=run_d, RUN_Q=run_q, num_warps=cfg.num_warps, **common,
             **({"launch_cooperative_grid": True} if fused and COOPERATIVE else {}),
         )

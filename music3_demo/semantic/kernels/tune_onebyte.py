@@ -36,7 +36,7 @@ import torch
 from .linear import GemvConfig, GemvWorkspace, gemv, tile_fits_groups
 from .onebyte_space import FORMATS, ROUTES, fits_shape, route_tiles, tiles
 from .qweight import BITS_F16, CONVERSIONS, NATIVE_F16
-from .tail import TailConfig, TailScratch, block_tail
+from .tail import TailConfig, TailScratch, block_tail, with_products
 from .tune_gemv import SHAPES, time_graph
 from .tuning import Target, Tuning, load_table, tuning_for
 
@@ -127,7 +127,7 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
         return _CACHE[key]
     _CACHE.clear()
     torch.cuda.empty_cache()
-    kind, group = FORMATS[fmt]
+    kind, group = FORMATS.get(fmt, ("bf16", 0))  # "bf16": the model-dtype weights (tune_tail_grid's baseline)
     d, a, g, q, blocks = FAMILIES[family]
     layers = layers or blocks
     device = DEVICE
@@ -136,7 +136,10 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
         w = torch.randn(n, k, device=device, dtype=DTYPE) * k**-0.5
         if interleave:
             w = interleave_rows(w[: n // 2], w[n // 2:])
-        return quantize_weight(w, kind, group)
+        return w if fmt == "bf16" else quantize_weight(w, kind, group)
+
+    def dense(w) -> torch.Tensor:
+        return w.float() if fmt == "bf16" else w.dequantize(torch.float32)
 
     ws = [dict(o=weight(d, a), gate_up=weight(g, d, True), down=weight(d, g // 2), qkv=weight(q, d),
                ln1=torch.rand(d, device=device, dtype=DTYPE) + 0.5,
@@ -148,14 +151,14 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
     qkv = torch.zeros(2, q, device=device, dtype=DTYPE)
     scratch = TailScratch(device)
 
-    def launch(cfg: TailConfig, index: int) -> None:
+    def launch(cfg: TailConfig, index: int, barriers: bool = True) -> None:
         w = ws[index % layers]
         block_tail(attn, h, h16, act, w["o"], w["gate_up"], w["down"], w["ln2"], 1e-6, scratch,
-                   next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg)
+                   next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg, barriers=barriers)
 
     def expected() -> tuple[torch.Tensor, torch.Tensor]:
         """Block 0 in torch on the dequantized weights (float32, the kernels' roundings of h to bf16)."""
-        w = {name: ws[0][name].dequantize(torch.float32) for name in ("o", "gate_up", "down", "qkv")}
+        w = {name: dense(ws[0][name]) for name in ("o", "gate_up", "down", "qkv")}
 
         def normed(hh: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
             hb = hh.to(torch.bfloat16).float()
@@ -176,7 +179,7 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
                    ((qkv.float() - want_q).norm() / want_q.norm()).item())
 
     ref = expected()
-    nbytes = sum(ws[0][name].nbytes() for name in ("o", "gate_up", "down", "qkv"))
+    nbytes = sum(w.nbytes if fmt == "bf16" else w.nbytes() for w in (ws[0][n] for n in ("o", "gate_up", "down", "qkv")))
     case = dict(launch=launch, error=error, layers=layers, nbytes=nbytes, shape=(d, a, g, q))
     _CACHE[key] = case
     return case
@@ -203,8 +206,7 @@ def tail_candidates(fmt: str, family: str, tuning: Tuning, best: dict, which: st
     out = []
     for base in bases:
         for route in ROUTES[kind]:
-            cfg = TailConfig(*(with_route(c, route) for c in (base.o, base.gate_up, base.down, base.qkv)),
-                             num_warps=base.num_warps, prefetch=base.prefetch)
+            cfg = with_products(base, lambda _, c: with_route(c, route))
             if cfg not in out and all(tile_fits_groups(c.block_k, group, c.convert) for c in
                                       (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)):
                 out.append(cfg)

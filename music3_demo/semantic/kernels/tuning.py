@@ -11,7 +11,9 @@ import time and nothing comes from the environment. The choice, most specific fi
    `tail.default_tail_config`, shrunk to this GPU's shared memory and cut to the product's shape (`linear.fit_shape`:
    a small model's K of 32 takes 32-column tiles; the full-size model's configs fit as they are).
 The chained tail's grid barrier needs all its programs resident at once: `Tuning.programs` is at most the device's
-SM count (read at run time, so a MIG slice or a cut-down card gets its own number).
+SM count (read at run time, so a MIG slice or a cut-down card gets its own number), and a tuned tail's grid is its
+`per_sm` times that (the cooperative launch refuses a grid that cannot be resident; the compile test checks each
+architecture's tables against the compiled kernels' registers and shared memory).
 
 Limits per architecture are the CUDA programming guide's (shared memory per block with opt-in, per SM); on a GPU the
 per-block limit is read from the driver as Triton's launcher checks it. tests/semantic/test_arch_compile.py compiles
@@ -206,16 +208,15 @@ class Tuning:
         if w_bytes == 1:
             base = self.tail(hidden, attn, gate_up, qkv)
             ks = (attn, hidden, gate_up // 2, hidden)
-            cfg = TailConfig(*(one_byte_config(c, k, group) for c, k in zip(_tail_products(base), ks)),
-                             num_warps=base.num_warps, prefetch=base.prefetch)
+            ks = dict(zip(tail.PRODUCTS, ks))
+            cfg = tail.with_products(base, lambda name, c: one_byte_config(c, ks[name], group))
         elif self.target is None:
             return tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cpu"))
         else:
             cfg = tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cuda"))
         if self.target is not None:
             limit = self.target.shared_per_block
-            cfg = TailConfig(*(fit_shared(c, limit, 2, w_bytes) for c in _tail_products(cfg)),
-                             num_warps=cfg.num_warps, prefetch=cfg.prefetch)
+            cfg = tail.with_products(cfg, lambda _, c: fit_shared(c, limit, 2, w_bytes))
         return tail.fit_tail_shape(cfg, hidden, attn, gate_up, qkv)
 
     @property

@@ -1,0 +1,163 @@
+"""Sweep the chained tails' grid on the GPU: more programs per SM and more warps, from the tuned tables.
+
+A 1-byte or packed int4 weight tile is converted in registers by chains of dependent instructions, and with one
+program of 4 warps per SM (every tail the tables name) each warp scheduler has one warp to issue them from: the
+1-byte tails stream at 1.5 TB/s where bf16's reach 4. This sweep takes each format's tuned tail (this GPU's
+packaged table, or `--tuning`) for the LM and the depth decoder and times, per block in one CUDA graph over as many
+weight copies as the model has blocks (tune_onebyte's tail cases, each config checked against torch first):
+- the tuned config, and the same launch without its grid barriers (wrong results, timing only: what the barriers
+  and the pipelines' refills after them cost a block);
+- 2 and 3 programs per SM (`TailConfig.per_sm`), also with each product's row block halved so that the wider grid
+  still gives every program rows, and 8 warps per program, alone and with 2 programs per SM.
+A grid that cannot be resident whole is refused by the cooperative launch and skipped. The fastest correct config
+per format and family goes into a tuning table (this GPU's packaged table plus those tail entries, which the bench's
+`--tuning` takes), every timed row into a JSON beside it (`<out>.rows.json`).
+Run: python -m music3_demo.semantic.kernels.tune_tail_grid [out.json] [--formats bf16,int8/g128,int4/g64,fp8/channel]
+[--tuning table.json] [--dry]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .onebyte_space import FORMATS
+from .tail import PRODUCTS, TailConfig, with_products
+from .tune_gemv import time_graph
+from .tune_onebyte import FAMILIES, tail_family, write_table
+from .tuning import Target, Tuning, tuning_for, tuning_for_target
+
+DEFAULT_FORMATS = "bf16,int8/g128,int4/g64,fp8/channel"
+
+
+def format_of(fmt: str) -> tuple[int, int, str]:
+    """(weight bytes, group, kind) of a format name as `Tuning.tail` takes them ("bf16": the model's dtype)."""
+    if fmt == "bf16":
+        return 2, 0, ""
+    kind, group = FORMATS[fmt]
+    return 1, group, kind
+
+
+def families_of(fmt: str) -> list[str]:
+    """An int4 LM keeps its depth decoder at int8 (`quant.DEPTH_SCHEMES`): no int4 depth tail runs."""
+    return ["lm"] if fmt.startswith("int4") else list(FAMILIES)
+
+
+def table_key(fmt: str, family: str) -> tuple:
+    w_bytes, group, kind = format_of(fmt)
+    return (*FAMILIES[family][:4], *(("w1", kind, group) if w_bytes == 1 else ()))
+
+
+def candidates(cfg: TailConfig, family: str) -> list[TailConfig]:
+    """The grid variants of a tuned tail `cfg` (itself not among them), each once."""
+    d, _, g, q, _ = FAMILIES[family]
+    rows = dict(zip(PRODUCTS, (d, g, d, q)))
+
+    def halved(name: str, c):
+        half = c.block_n // 2
+        return replace(c, block_n=half) if half >= 16 and rows[name] % half == 0 else c
+
+    narrow = with_products(cfg, halved)
+    out = [replace(cfg, per_sm=p) for p in (2, 3)] + [replace(narrow, per_sm=p) for p in (2, 3)]
+    out += [replace(cfg, num_warps=8), replace(cfg, num_warps=8, per_sm=2)]
+    unique = []
+    for c in out:
+        if c != cfg and c not in unique:
+            unique.append(c)
+    return unique
+
+
+def plan(tuning: Tuning, formats: list[str]) -> list[tuple[str, str, TailConfig, list[TailConfig]]]:
+    """(format, family, tuned config, its variants) for every tail the sweep times."""
+    jobs = []
+    for fmt in formats:
+        w_bytes, group, kind = format_of(fmt)
+        for family in families_of(fmt):
+            tuned = tuning.tail(*FAMILIES[family][:4], w_bytes, group, kind)
+            jobs.append((fmt, family, tuned, candidates(tuned, family)))
+    return jobs
+
+
+def warm(job: tuple) -> str:
+    """Compile one launch in a pool process (Triton's disk cache), so that the timing loop only loads kernels."""
+    fmt, family, cfg, barriers = job
+    try:
+        tail_family(fmt, family, layers=1)["launch"](cfg, 0, barriers)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as error:  # noqa: BLE001 - reported again (and skipped) by the timing loop
+        return f"COMPILE {fmt} {family} {cfg}: {type(error).__name__}: {str(error)[:160]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("output", nargs="?", default="tuning-tail-grid.json")
+    parser.add_argument("--formats", default=DEFAULT_FORMATS)
+    parser.add_argument("--tuning", help="a table file to start from (default: this GPU's packaged one)")
+    parser.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
+    parser.add_argument("--dry", action="store_true", help="list the candidates only (no GPU)")
+    args = parser.parse_args()
+    formats = [f for f in args.formats.split(",") if f]
+    for fmt in formats:
+        format_of(fmt)  # an unknown name fails before any GPU work
+
+    if args.dry:
+        tuning = tuning_for_target(Target("NVIDIA H200", 90, 132), args.tuning)
+        for fmt, family, tuned, variants in plan(tuning, formats):
+            print(f"{fmt} {family}: {len(variants)} variants of {tuned}")
+        return
+    device = torch.device("cuda")
+    target = Target.of(device)
+    tuning = tuning_for(device, args.tuning)
+    print(f"{target.name} sm{target.capability}: starting from {tuning.source}", flush=True)
+    jobs = [(fmt, family, cfg, True) for fmt, family, tuned, variants in plan(tuning, formats)
+            for cfg in (tuned, *variants)] + [(fmt, family, tuned, False) for fmt, family, tuned, _ in
+                                              plan(tuning, formats)]
+    started = time.perf_counter()
+    with ProcessPoolExecutor(args.jobs, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
+        for line in pool.map(warm, jobs):
+            if line:
+                print(line, flush=True)
+    print(f"compiled {len(jobs)} launches in {time.perf_counter() - started:.0f} s", flush=True)
+    rows, best = [], {}
+    for fmt, family, tuned, variants in plan(tuning, formats):
+        case = tail_family(fmt, family)
+        layers = case["layers"]
+
+        def per_block(cfg: TailConfig, barriers: bool = True) -> float:
+            return time_graph(lambda _: [case["launch"](cfg, i, barriers) for i in range(layers)], 1) / layers
+
+        for cfg in [tuned, *variants]:
+            row = {"format": fmt, "family": family, "tuned": cfg == tuned, "per_sm": cfg.per_sm,
+                   "num_warps": cfg.num_warps, "config": dataclasses.asdict(cfg)}
+            try:
+                err = case["error"](cfg)
+                if not err < 2e-2:
+                    row["wrong"] = round(err, 5)
+                else:
+                    t = per_block(cfg)
+                    row.update(us_per_block=round(t * 1e6, 2), TBps=round(case["nbytes"] / t / 1e12, 3))
+                    if cfg == tuned:
+                        row["without_barriers_us"] = round(per_block(cfg, barriers=False) * 1e6, 2)
+                    if (fmt, family) not in best or t < best[(fmt, family)][1]:
+                        best[(fmt, family)] = (cfg, t)
+            except Exception as error:  # noqa: BLE001 - a grid that cannot be resident, a config Triton refuses
+                row["skipped"] = f"{type(error).__name__}: {str(error)[:160]}"
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+    table = {table_key(fmt, family): cfg for (fmt, family), (cfg, _) in best.items()}
+    path = write_table(Path(args.output), tuning, {}, table, target)
+    Path(path).with_suffix(".rows.json").write_text(json.dumps(rows, indent=1))
+    print(f"wrote {path} ({len(table)} tail entries)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
