@@ -119,3 +119,38 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
     path = tmp_path / "grid.json"
     write_section(path, "tail", {tune_tail_grid.table_key(fmt, family): wide}, target=H200)
     assert tuning_for_target(H200, path).tail(*tune_tail_grid.FAMILIES[family][:4], 1, 128, "int8") == wide
+
+
+def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_a_small_model(monkeypatch):
+    """The sweep's loop on the CPU (Triton's interpreter, fp16, a 2-block model of hidden 128): every variant of
+    each format's tail is checked against torch before it is timed, the tuned one also without its barriers, and
+    the fastest correct one is kept; the wider grids compute the same block."""
+    import time
+
+    import torch
+
+    from music3_demo.semantic.kernels import tune_tail_grid
+    from music3_demo.semantic.kernels.tuning import Tuning
+
+    small = {"lm": (128, 128, 256, 128, 2)}
+    monkeypatch.setattr(tune_onebyte, "DEVICE", torch.device("cpu"))
+    monkeypatch.setattr(tune_onebyte, "DTYPE", torch.float16)
+    monkeypatch.setattr(tune_onebyte, "FAMILIES", small)
+    monkeypatch.setattr(tune_tail_grid, "FAMILIES", small)
+    timed = []
+
+    def per_block(case, cfg, barriers):
+        start = time.perf_counter()
+        case["launch"](cfg, 0, barriers)
+        timed.append((cfg.per_sm, cfg.num_warps, barriers))
+        return time.perf_counter() - start + 1e-3 * cfg.per_sm  # (more programs "slower" here: a stable winner)
+
+    rows, best = tune_tail_grid.sweep(Tuning(), ["bf16", "int8/g128"], per_block)
+    for fmt in ("bf16", "int8/g128"):
+        mine = [r for r in rows if r["format"] == fmt]
+        assert [(r["per_sm"], r["num_warps"]) for r in mine] == [(1, 4), (2, 4), (3, 4), (1, 8), (2, 8)]
+        assert all("us_per_block" in r for r in mine), mine  # every grid computes the block within 2e-2
+        assert [r for r in mine if "without_barriers_us" in r] == [mine[0]]
+        cfg, _ = best[(fmt, "lm")]
+        assert cfg.per_sm == 1
+    assert (1, 4, False) in timed and sum(1 for t in timed if not t[2]) == 2

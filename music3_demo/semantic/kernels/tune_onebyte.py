@@ -173,7 +173,8 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
         h.copy_(start)
         h16.copy_(start.to(torch.bfloat16))
         launch(cfg, 0)
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         want_h, want_q = ref
         return max(((h - want_h).norm() / (want_h - start).norm()).item(),
                    ((qkv.float() - want_q).norm() / want_q.norm()).item())

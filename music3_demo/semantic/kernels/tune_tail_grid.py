@@ -86,6 +86,34 @@ def plan(tuning: Tuning, formats: list[str]) -> list[tuple[str, str, TailConfig,
     return jobs
 
 
+def sweep(tuning: Tuning, formats: list[str], per_block) -> tuple[list[dict], dict]:
+    """Every planned tail (`plan`) checked against torch and timed: `per_block(case, cfg, barriers)` gives seconds
+    per block of a tune_onebyte tail case. Returns the rows and, per (format, family), the fastest correct
+    (config, seconds)."""
+    rows, best = [], {}
+    for fmt, family, tuned, variants in plan(tuning, formats):
+        case = tail_family(fmt, family)
+        for cfg in [tuned, *variants]:
+            row = {"format": fmt, "family": family, "tuned": cfg == tuned, "per_sm": cfg.per_sm,
+                   "num_warps": cfg.num_warps, "config": dataclasses.asdict(cfg)}
+            try:
+                err = case["error"](cfg)
+                if not err < 2e-2:
+                    row["wrong"] = round(err, 5)
+                else:
+                    t = per_block(case, cfg, True)
+                    row.update(us_per_block=round(t * 1e6, 2), TBps=round(case["nbytes"] / t / 1e12, 3))
+                    if cfg == tuned:
+                        row["without_barriers_us"] = round(per_block(case, cfg, False) * 1e6, 2)
+                    if (fmt, family) not in best or t < best[(fmt, family)][1]:
+                        best[(fmt, family)] = (cfg, t)
+            except Exception as error:  # noqa: BLE001 - a grid that cannot be resident, a config Triton refuses
+                row["skipped"] = f"{type(error).__name__}: {str(error)[:160]}"
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+    return rows, best
+
+
 def warm(job: tuple) -> str:
     """Compile one launch in a pool process (Triton's disk cache), so that the timing loop only loads kernels."""
     fmt, family, cfg, barriers = job
@@ -127,32 +155,8 @@ def main() -> None:
             if line:
                 print(line, flush=True)
     print(f"compiled {len(jobs)} launches in {time.perf_counter() - started:.0f} s", flush=True)
-    rows, best = [], {}
-    for fmt, family, tuned, variants in plan(tuning, formats):
-        case = tail_family(fmt, family)
-        layers = case["layers"]
-
-        def per_block(cfg: TailConfig, barriers: bool = True) -> float:
-            return time_graph(lambda _: [case["launch"](cfg, i, barriers) for i in range(layers)], 1) / layers
-
-        for cfg in [tuned, *variants]:
-            row = {"format": fmt, "family": family, "tuned": cfg == tuned, "per_sm": cfg.per_sm,
-                   "num_warps": cfg.num_warps, "config": dataclasses.asdict(cfg)}
-            try:
-                err = case["error"](cfg)
-                if not err < 2e-2:
-                    row["wrong"] = round(err, 5)
-                else:
-                    t = per_block(cfg)
-                    row.update(us_per_block=round(t * 1e6, 2), TBps=round(case["nbytes"] / t / 1e12, 3))
-                    if cfg == tuned:
-                        row["without_barriers_us"] = round(per_block(cfg, barriers=False) * 1e6, 2)
-                    if (fmt, family) not in best or t < best[(fmt, family)][1]:
-                        best[(fmt, family)] = (cfg, t)
-            except Exception as error:  # noqa: BLE001 - a grid that cannot be resident, a config Triton refuses
-                row["skipped"] = f"{type(error).__name__}: {str(error)[:160]}"
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+    rows, best = sweep(tuning, formats, lambda case, cfg, barriers: time_graph(
+        lambda _: [case["launch"](cfg, i, barriers) for i in range(case["layers"])], 1) / case["layers"])
     table = {table_key(fmt, family): cfg for (fmt, family), (cfg, _) in best.items()}
     path = write_table(Path(args.output), tuning, {}, table, target)
     Path(path).with_suffix(".rows.json").write_text(json.dumps(rows, indent=1))
