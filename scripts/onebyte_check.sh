@@ -2,10 +2,12 @@
 # One device call (<= 9.5 min on an H200: tuning <= 225 s, bench <= 160 s, tests <= 170 s): sweep the 1-byte kernels (semantic/kernels/tune_onebyte.py: conversion routes x tiles,
 # GEMVs and chained tails), bench bf16/fp8/int8 with the table it wrote, then the 1-byte GPU tests with that table
 # as this GPU's packaged one (the device's copy of the checkout only). Files in $OUT:
-# gpu.txt onebyte.json onebyte.rows.json tune.log bench.json bench.log pytest.log summary.txt
-# SWEEP=grid sweeps the chained tails' grid instead (semantic/kernels/tune_tail_grid.py: programs per SM, warps, the
-# barriers' cost), benches bf16/fp8/int8/int4 on the packaged table too (bench-packaged.json: both sides in one
-# call) and runs the fused tail's GPU test before the 1-byte ones, each stage within what is left of 9.5 minutes.
+# gpu.txt onebyte.json onebyte.rows.json tune.log bench.json bench.log pytest.log summary.txt (grid: also
+# pytest-tail.log bench-packaged.json bench-packaged.log); the .log files end in logs.tar.gz.
+# SWEEP=grid first runs the fused tail's GPU test (pytest-tail.log), then sweeps the chained tails' grid instead
+# (semantic/kernels/tune_tail_grid.py: programs per SM, warps, the barriers' cost; bf16 and fp8 tails included),
+# benches int8 and int4 on the packaged table too (bench-packaged.json: both sides in one call), then the 1-byte GPU
+# tests, each stage within what is left of 9.5 minutes.
 # Usage (repo root): [SWEEP=grid] [BUDGET=190] [FORMATS=fp8/channel,int8/g128,fp8/g128,int8/channel]
 #   bash scripts/onebyte_check.sh
 set -o pipefail
@@ -21,7 +23,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 left() { echo $((570 - SECONDS)); }
 if [ "${SWEEP:-onebyte}" = grid ]; then
-  PRECISIONS=bf16,fp8,int8,int4 FRAMES=300 TESTS="tests/semantic/test_kernels_gpu.py -k fused_block_tail tests/semantic/test_quant_gpu.py"
+  PRECISIONS=int8,int4 FRAMES=300 TESTS=tests/semantic/test_quant_gpu.py
+  # first the fused tail's own test, with 1, 2 and 3 programs per SM (the correctness of the wider grids)
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    "tests/semantic/test_kernels_gpu.py::test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays" \
+    2>&1 | tail -n 15 > "$OUT/pytest-tail.log"; tail -n 1 "$OUT/pytest-tail.log"
   timeout "${TUNE_TIMEOUT:-240}" python3 -m music3_demo.semantic.kernels.tune_tail_grid "$OUT/onebyte.json" \
     --formats "${FORMATS:-bf16,int8/g128,int4/g64,fp8/channel}" 2>&1 | tee "$OUT/tune.log" | cut -c1-220 | tail -n 60
 else
@@ -86,6 +92,10 @@ for name in ("bench-packaged", "bench"):
               "tuning:", bench.get("tuning"))
     except Exception as error:  # noqa: BLE001
         print(f"{name} failed:", error)
-log = (out / "pytest.log").read_text().strip().splitlines()
-print("pytest:", log[-1] if log else "no output")
+for name in ("pytest-tail.log", "pytest.log"):
+    if (out / name).exists():
+        log = (out / name).read_text().strip().splitlines()
+        print(f"{name}:", log[-1] if log else "no output")
 EOF
+# at most 8 files come back from a device call: the logs travel as one archive
+(cd "$OUT" && tar czf logs.tar.gz ./*.log && rm -f ./*.log)
