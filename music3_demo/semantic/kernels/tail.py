@@ -71,7 +71,7 @@ class TailScratch:
 
     def grid(self, per_sm: int) -> int:
         if not 1 <= per_sm <= MAX_PER_SM:
-            raise ValueError(f"a chained tail runs 1 to {MAX_PER_SM} programs per SM, not {per_sm}")
+            raise ValueError(f"a chained tail takes from 1 to {MAX_PER_SM} programs per SM, not {per_sm}")
         return self.programs * per_sm
 
     def count(self, per_sm: int = 1) -> torch.Tensor:
