@@ -24,8 +24,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 left() { echo $((570 - SECONDS)); }
 if [ "${SWEEP:-onebyte}" = grid ]; then
   PRECISIONS=int8,int4 FRAMES=300 TESTS=tests/semantic/test_quant_gpu.py
-  # first the fused tail's own test, with 1, 2 and 3 programs per SM (the correctness of the wider grids)
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+  # first the fused tail's own test with 1, 2 and 3 programs per SM in one graph (the wider grids' correctness)
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k mixed \
     "tests/semantic/test_kernels_gpu.py::test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays" \
     2>&1 | tail -n 15 > "$OUT/pytest-tail.log"; tail -n 1 "$OUT/pytest-tail.log"
   timeout "${TUNE_TIMEOUT:-240}" python3 -m music3_demo.semantic.kernels.tune_tail_grid "$OUT/onebyte.json" \

@@ -92,7 +92,7 @@ def test_the_int4_sweep_offers_only_tiles_its_format_can_run():
 
 
 def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_them_back(tmp_path):
-    """tune_tail_grid times each format's tuned tail with 2 and 3 programs per SM (also with row blocks halved,
+    """tune_tail_grid times each format's tuned tail with 2 and 3 programs per SM (2 also with row blocks halved,
     which must still divide each product's rows and keep 16 at least) and 8 warps; what it writes (programs per SM
     included) is what the engine's tuning reads back for that format."""
     from dataclasses import replace
@@ -108,8 +108,8 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
         ("fp8/channel", "lm"), ("fp8/channel", "depth")]
     for fmt, family, tuned, variants in jobs:
         d, a, g, q, _ = tune_tail_grid.FAMILIES[family]
-        assert tuned.per_sm == 1 and tuned not in variants and len(set(variants)) == len(variants) >= 5
-        assert {(v.per_sm, v.num_warps) for v in variants} == {(2, 4), (3, 4), (1, 8), (2, 8)}
+        assert tuned.per_sm == 1 and tuned not in variants and len(set(variants)) == len(variants) == 4
+        assert [(v.per_sm, v.num_warps) for v in variants] == [(2, 4), (3, 4), (2, 4), (1, 8)]
         for v in variants:
             assert fit_tail_shape(v, d, a, g, q) == v  # runs as it is
             for c, rows in zip((v.o, v.gate_up, v.down, v.qkv), (d, g, d, q)):
@@ -148,7 +148,7 @@ def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_
     rows, best = tune_tail_grid.sweep(Tuning(), ["bf16", "int8/g128"], per_block)
     for fmt in ("bf16", "int8/g128"):
         mine = [r for r in rows if r["format"] == fmt]
-        assert [(r["per_sm"], r["num_warps"]) for r in mine] == [(1, 4), (2, 4), (3, 4), (1, 8), (2, 8)]
+        assert [(r["per_sm"], r["num_warps"]) for r in mine] == [(1, 4), (2, 4), (3, 4), (1, 8)]
         assert all("us_per_block" in r for r in mine), mine  # every grid computes the block within 2e-2
         assert [r for r in mine if "without_barriers_us" in r] == [mine[0]]
         cfg, _ = best[(fmt, "lm")]

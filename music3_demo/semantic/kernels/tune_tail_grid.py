@@ -7,8 +7,8 @@ packaged table, or `--tuning`) for the LM and the depth decoder and times, per b
 weight copies as the model has blocks (tune_onebyte's tail cases, each config checked against torch first):
 - the tuned config, and the same launch without its grid barriers (wrong results, timing only: what the barriers
   and the pipelines' refills after them cost a block);
-- 2 and 3 programs per SM (`TailConfig.per_sm`), also with each product's row block halved so that the wider grid
-  still gives every program rows, and 8 warps per program, alone and with 2 programs per SM.
+- 2 and 3 programs per SM (`TailConfig.per_sm`), 2 also with each product's row block halved so that the wider
+  grid still gives every program rows, and 8 warps per program.
 A grid that cannot be resident whole is refused by the cooperative launch and skipped. The fastest correct config
 per format and family goes into a tuning table (this GPU's packaged table plus those tail entries, which the bench's
 `--tuning` takes), every timed row into a JSON beside it (`<out>.rows.json`).
@@ -65,9 +65,8 @@ def candidates(cfg: TailConfig, family: str) -> list[TailConfig]:
         half = c.block_n // 2
         return replace(c, block_n=half) if half >= 16 and rows[name] % half == 0 else c
 
-    narrow = with_products(cfg, halved)
-    out = [replace(cfg, per_sm=p) for p in (2, 3)] + [replace(narrow, per_sm=p) for p in (2, 3)]
-    out += [replace(cfg, num_warps=8), replace(cfg, num_warps=8, per_sm=2)]
+    out = [replace(cfg, per_sm=2), replace(cfg, per_sm=3), replace(with_products(cfg, halved), per_sm=2),
+           replace(cfg, num_warps=8)]
     unique = []
     for c in out:
         if c != cfg and c not in unique:
