@@ -12,8 +12,8 @@ before a barrier; measured, it only cost time, so it is off.
 The products are the GEMV's with the same roundings, except that an RMSNorm product's input arrives normalised: the
 product before it writes bf16(h) ⊙ gain and its programs' partial sums of squares, so the NORM product's k-loop is
 a plain one and 1/rms scales its output rows. Activations written by other programs in the same launch are read
-with `.cg` (L2, not the SMs' incoherent L1). The barrier (`TailScratch.count`) is an arrival count that only grows:
-each program spins until it reaches the next multiple of the grid size.
+with `.cg` (L2, not the SMs' incoherent L1). The barrier (`TailScratch.count(per_sm)`) is an arrival count that
+only grows: each program spins until it reaches the next multiple of the grid size.
 
 Residency: a spin barrier needs every program resident at once, and a grid no larger than the SM count does not
 ensure it beside kernels on other streams. When the flow stage's DiT (a higher-priority stream, cuBLAS kernels

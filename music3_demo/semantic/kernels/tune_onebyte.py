@@ -127,7 +127,7 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
         return _CACHE[key]
     _CACHE.clear()
     torch.cuda.empty_cache()
-    kind, group = FORMATS.get(fmt, ("bf16", 0))  # "bf16": the model-dtype weights (tune_tail_grid's baseline)
+    kind, group = ("bf16", 0) if fmt == "bf16" else FORMATS[fmt]  # "bf16": model-dtype weights (tune_tail_grid)
     d, a, g, q, blocks = FAMILIES[family]
     layers = layers or blocks
     device = DEVICE

@@ -207,8 +207,7 @@ class Tuning:
                 return tuned
         if w_bytes == 1:
             base = self.tail(hidden, attn, gate_up, qkv)
-            ks = (attn, hidden, gate_up // 2, hidden)
-            ks = dict(zip(tail.PRODUCTS, ks))
+            ks = dict(zip(tail.PRODUCTS, (attn, hidden, gate_up // 2, hidden)))
             cfg = tail.with_products(base, lambda name, c: one_byte_config(c, ks[name], group))
         elif self.target is None:
             return tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cpu"))
