@@ -5,9 +5,9 @@
 # gpu.txt onebyte.json onebyte.rows.json tune.log bench.json bench.log pytest.log summary.txt (grid: also
 # pytest-tail.log bench-packaged.json bench-packaged.log); the .log files end in logs.tar.gz.
 # SWEEP=grid first runs the fused tail's GPU test (pytest-tail.log), then sweeps the chained tails' grid instead
-# (semantic/kernels/tune_tail_grid.py: programs per SM, warps, the barriers' cost; bf16 and fp8 tails included),
-# benches int8 and int4 on the packaged table too (bench-packaged.json: both sides in one call), then the 1-byte GPU
-# tests, each stage within what is left of 9.5 minutes.
+# (semantic/kernels/tune_tail_grid.py: programs per SM, warps, deeper pipelines, the barriers' cost; bf16 and fp8
+# tails included), benches int8 and int4 on the packaged table too (bench-packaged.json: both sides in one call),
+# then the 1-byte GPU tests, each stage within what is left of 9.5 minutes.
 # Usage (repo root): [SWEEP=grid] [BUDGET=190] [FORMATS=fp8/channel,int8/g128,fp8/g128,int8/channel]
 #   bash scripts/onebyte_check.sh
 set -o pipefail
@@ -66,6 +66,7 @@ if rows.exists() and isinstance(json.loads(rows.read_text()), list):  # tune_tai
     for r in json.loads(rows.read_text()):
         what = r.get("us_per_block") or r.get("wrong") or r.get("skipped", "")[:80]
         print(f"grid {r['format']:12} {r['family']:6} per_sm {r['per_sm']} warps {r['num_warps']}"
+              f" stages {'/'.join(map(str, r.get('stages', [])))}"
               f"{' (tuned)' if r['tuned'] else ''}: {what}"
               + (f" us/block; without barriers {r['without_barriers_us']}" if 'without_barriers_us' in r else ""))
 elif rows.exists():

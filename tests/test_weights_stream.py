@@ -264,3 +264,28 @@ def test_a_random_table_drawn_into_host_memory_is_the_one_drawn_on_the_device(mo
                                                 torch.bfloat16, on_host=frozenset({"0.weight", "1.bias"})))
     for name, value in on_device.items():
         assert on_host[name].dtype == torch.bfloat16 and torch.equal(on_host[name], value), name
+
+
+def test_a_per_code_table_is_built_block_by_block_into_its_own_rows():
+    """The engine's per-code tables (made a block of codes at a time on the weights' device) are written into one
+    table as each block is made: never the table twice, nor every block beside it (on a small card the tables go to
+    pinned host memory, 0.15 GB of it as a second copy at load before). A wrong row count is refused."""
+    import gc
+    import weakref
+
+    from music3_demo.semantic.weights import _table
+
+    made = []
+
+    def blocks():
+        for i in range(6):
+            gc.collect()
+            assert sum(ref() is not None for ref in made) <= 1, f"{len(made)} blocks made, earlier ones still held"
+            block = torch.full((5, 3), float(i))
+            made.append(weakref.ref(block))
+            yield block
+
+    table = _table(blocks(), 30, on_host=False)
+    assert table.shape == (30, 3) and torch.equal(table[:, 0], torch.arange(6.0).repeat_interleave(5))
+    with pytest.raises(ValueError, match="29 rows"):
+        _table(iter([torch.zeros(29, 3)]), 30, on_host=False)

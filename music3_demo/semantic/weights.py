@@ -135,7 +135,8 @@ def prepare_weights(lm, depth, tables_on_host: bool = False) -> EngineWeights:
     on_host = tables_on_host and device.type == "cuda"  # (pinned host memory: beside a GPU only)
     text_embed = lm.model.embed_tokens.weight.data  # (in host memory already after a load for this engine)
     semantic_rows = text_embed[c.AUDIO_CODE_OFFSET : c.AUDIO_CODE_OFFSET + c.SEMANTIC_VOCAB_SIZE]
-    semantic_embed = _table([semantic_rows], on_host) if on_host else semantic_rows.to(device, copy=True)
+    semantic_embed = (_table([semantic_rows], len(semantic_rows), on_host) if on_host
+                      else semantic_rows.to(device, copy=True))
     if isinstance(lm.lm_head, AudioHead):  # its own module holds just those rows (quantized in a quantized mode)
         audio_head = _weight(lm.lm_head.audio, dtype)
     else:
@@ -171,14 +172,17 @@ def prepare_weights(lm, depth, tables_on_host: bool = False) -> EngineWeights:
     # Depth inputs at positions 1..7 depend only on a code: precompute projection(embedding) + position, with
     # the reference's bf16 rounding of each step, instead of a 4096x4096 GEMV per pass.
     semantic_table = _table((F.linear(part.to(device), projection) + pos_embed[1]
-                             for part in semantic_rows.split(TABLE_CHUNK)), on_host)
+                             for part in semantic_rows.split(TABLE_CHUNK)), len(semantic_rows), on_host)
     codebooks = range(dcfg.num_codebooks - 2)
+    code_rows = len(codebooks) * audio_vocab
     residual_tables = _table((F.linear(audio_embed[i * audio_vocab : (i + 1) * audio_vocab], projection)
-                              + pos_embed[i + 2] for i in codebooks), on_host).view(len(codebooks), audio_vocab, -1)
+                              + pos_embed[i + 2] for i in codebooks), code_rows, on_host).view(len(codebooks),
+                                                                                               audio_vocab, -1)
     # So does block 0's q|k|v at positions 2..7 (depth attention has no rotary): the sampler copies it from a
     # table (6 x 1024 codes x 24 KB = 151 MB) instead of a 100 MB GEMV per pass (7 x 30 us before).
     first, qkv0 = depth.layers[0].input_layernorm, dense(depth_blocks[0].qkv)
-    residual_qkv_tables = _table((F.linear(first(table.to(device)), qkv0) for table in residual_tables), on_host)
+    residual_qkv_tables = _table((F.linear(first(table.to(device)), qkv0) for table in residual_tables), code_rows,
+                                 on_host)
     residual_qkv_tables = residual_qkv_tables.view(len(codebooks), audio_vocab, -1)
     return EngineWeights(
         dtype=dtype, precision=precision_of(lm, depth), hidden=hidden, heads=heads,
@@ -193,15 +197,20 @@ def prepare_weights(lm, depth, tables_on_host: bool = False) -> EngineWeights:
     )
 
 
-def _table(parts, on_host: bool) -> torch.Tensor:
-    """The row blocks `parts` (made one at a time on the weights' device) as one table: there, or in pinned host
-    memory (each block moved as it is made), where the kernels on the GPU beside it read its rows."""
-    blocks = [part.to("cpu") if on_host else part for part in parts]
-    if not on_host:
-        return torch.cat(blocks)
-    table = torch.empty((sum(len(block) for block in blocks), *blocks[0].shape[1:]), dtype=blocks[0].dtype,
-                        pin_memory=True)
-    return torch.cat(blocks, out=table)
+def _table(parts, rows: int, on_host: bool) -> torch.Tensor:
+    """The row blocks `parts` (made one at a time on the weights' device; `rows` in all) as one table: there, or in
+    pinned host memory, where the kernels on the GPU beside it read its rows. Each block is copied into its rows as
+    it is made, so the table never exists twice (nor do all its blocks beside it)."""
+    table, start = None, 0
+    for part in parts:
+        if table is None:
+            table = torch.empty((rows, *part.shape[1:]), dtype=part.dtype, pin_memory=on_host,
+                                device="cpu" if on_host else part.device)
+        table[start : start + len(part)].copy_(part)
+        start += len(part)
+    if start != rows:
+        raise ValueError(f"a per-code table has {start} rows, {rows} expected")
+    return table
 
 
 class HostEmbedding(nn.Embedding):

@@ -10,7 +10,7 @@ import sys
 from music3_demo.semantic.kernels import onebyte_space, tune_gemv, tune_onebyte, tune_tail
 from music3_demo.semantic.kernels.linear import GemvConfig as G
 from music3_demo.semantic.kernels.tail import TailConfig
-from music3_demo.semantic.kernels.tuning import TABLES, Target, load_table, tuning_for_target
+from music3_demo.semantic.kernels.tuning import TABLES, Target, load_table, shared_bytes, tuning_for_target
 
 H200 = Target("NVIDIA H200", 90, 132)
 
@@ -93,8 +93,9 @@ def test_the_int4_sweep_offers_only_tiles_its_format_can_run():
 
 def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_them_back(tmp_path):
     """tune_tail_grid times each format's tuned tail with 2 and 3 programs per SM (2 also with row blocks halved,
-    which must still divide each product's rows and keep 16 at least) and 8 warps; what it writes (programs per SM
-    included) is what the engine's tuning reads back for that format."""
+    which must still divide each product's rows and keep 16 at least), 8 warps, and pipelines twice (or 1.5 times)
+    as deep where one SM's shared memory holds them (not bf16's LM tail: its 64 x 256 gate|up tiles in 4 stages
+    already take 168 KB); what it writes (programs per SM included) is what the engine's tuning reads back."""
     from dataclasses import replace
 
     from music3_demo.semantic.kernels import tune_tail_grid
@@ -108,8 +109,17 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
         ("fp8/channel", "lm"), ("fp8/channel", "depth")]
     for fmt, family, tuned, variants in jobs:
         d, a, g, q, _ = tune_tail_grid.FAMILIES[family]
-        assert tuned.per_sm == 1 and tuned not in variants and len(set(variants)) == len(variants) == 4
-        assert [(v.per_sm, v.num_warps) for v in variants] == [(2, 4), (3, 4), (2, 4), (1, 8)]
+        w_bytes = tune_tail_grid.format_of(fmt)[0]
+        deep = (fmt, family) != ("bf16", "lm")
+        assert tuned.per_sm == 1 and tuned not in variants and len(set(variants)) == len(variants) == 4 + deep
+        assert [(v.per_sm, v.num_warps) for v in variants] == [(2, 4), (3, 4), (2, 4), (1, 8)] + [(1, 4)] * deep
+        if deep:  # every product deeper, nothing else changed, within one SM's shared memory
+            deeper = variants[-1]
+            for was, now in zip((tuned.o, tuned.gate_up, tuned.down, tuned.qkv),
+                                (deeper.o, deeper.gate_up, deeper.down, deeper.qkv)):
+                assert was.num_stages < now.num_stages <= 2 * was.num_stages
+                assert replace(now, num_stages=was.num_stages) == was
+                assert shared_bytes(now, 2, w_bytes) <= onebyte_space.SHARED_LIMIT
         for v in variants:
             assert fit_tail_shape(v, d, a, g, q) == v  # runs as it is
             for c, rows in zip((v.o, v.gate_up, v.down, v.qkv), (d, g, d, q)):
@@ -148,7 +158,7 @@ def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_
     rows, best = tune_tail_grid.sweep(Tuning(), ["bf16", "int8/g128"], per_block)
     for fmt in ("bf16", "int8/g128"):
         mine = [r for r in rows if r["format"] == fmt]
-        assert [(r["per_sm"], r["num_warps"]) for r in mine] == [(1, 4), (2, 4), (3, 4), (1, 8)]
+        assert [(r["per_sm"], r["num_warps"]) for r in mine] == [(1, 4), (2, 4), (3, 4), (1, 8), (1, 4)]
         assert all("us_per_block" in r for r in mine), mine  # every grid computes the block within 2e-2
         assert [r for r in mine if "without_barriers_us" in r] == [mine[0]]
         cfg, _ = best[(fmt, "lm")]

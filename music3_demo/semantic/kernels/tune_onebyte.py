@@ -146,7 +146,7 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
                ln2=torch.rand(d, device=device, dtype=DTYPE) + 0.5) for _ in range(layers)]
     attn = torch.randn(2, a, device=device, dtype=DTYPE)
     start = torch.randn(2, d, device=device)
-    h, h16 = start.clone(), start.to(torch.bfloat16)
+    h, h16 = start.clone(), start.to(DTYPE)  # h16: the NORM products' input, in the model's dtype
     act = torch.zeros(2, g // 2, device=device, dtype=DTYPE)
     qkv = torch.zeros(2, q, device=device, dtype=DTYPE)
     scratch = TailScratch(device)
@@ -157,11 +157,11 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
                    next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg, barriers=barriers)
 
     def expected() -> tuple[torch.Tensor, torch.Tensor]:
-        """Block 0 in torch on the dequantized weights (float32, the kernels' roundings of h to bf16)."""
+        """Block 0 in torch on the dequantized weights (float32, the kernels' roundings of h to the model dtype)."""
         w = {name: dense(ws[0][name]) for name in ("o", "gate_up", "down", "qkv")}
 
         def normed(hh: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
-            hb = hh.to(torch.bfloat16).float()
+            hb = hh.to(DTYPE).float()
             return hb * torch.rsqrt(hb.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.float()
 
         hh = start + attn.float() @ w["o"].T
@@ -171,7 +171,7 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
 
     def error(cfg: TailConfig) -> float:
         h.copy_(start)
-        h16.copy_(start.to(torch.bfloat16))
+        h16.copy_(start.to(DTYPE))
         launch(cfg, 0)
         if device.type == "cuda":
             torch.cuda.synchronize()

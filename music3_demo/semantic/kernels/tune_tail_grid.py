@@ -8,7 +8,10 @@ weight copies as the model has blocks (tune_onebyte's tail cases, each config ch
 - the tuned config, and the same launch without its grid barriers (wrong results, timing only: what the barriers
   and the pipelines' refills after them cost a block);
 - 2 and 3 programs per SM (`TailConfig.per_sm`), 2 also with each product's row block halved so that the wider
-  grid still gives every program rows, and 8 warps per program.
+  grid still gives every program rows, and 8 warps per program;
+- one program per SM with each product's pipeline twice as deep (as far as shared memory allows): as many weight
+  bytes in flight per SM as 2 programs per SM, from one warp per scheduler. If it gains as much as 2 per SM, the
+  tails wait on the bytes in flight; if only the wider grid gains, on the warps' issue.
 A grid that cannot be resident whole is refused by the cooperative launch and skipped. The fastest correct config
 per format and family goes into a tuning table (this GPU's packaged table plus those tail entries, which the bench's
 `--tuning` takes), every timed row into a JSON beside it (`<out>.rows.json`).
@@ -29,13 +32,14 @@ from pathlib import Path
 
 import torch
 
-from .onebyte_space import FORMATS
+from .onebyte_space import FORMATS, SHARED_LIMIT
 from .tail import PRODUCTS, TailConfig, with_products
 from .tune_gemv import time_graph
 from .tune_onebyte import FAMILIES, tail_family, write_table
-from .tuning import Target, Tuning, tuning_for, tuning_for_target
+from .tuning import Target, Tuning, shared_bytes, tuning_for, tuning_for_target
 
 DEFAULT_FORMATS = "bf16,int8/g128,int4/g64,fp8/channel"
+MAX_STAGES = 16  # the deepest pipeline the sweep asks of a tail's product
 
 
 def format_of(fmt: str) -> tuple[int, int, str]:
@@ -56,8 +60,19 @@ def table_key(fmt: str, family: str) -> tuple:
     return (*FAMILIES[family][:4], *(("w1", kind, group) if w_bytes == 1 else ()))
 
 
-def candidates(cfg: TailConfig, family: str) -> list[TailConfig]:
-    """The grid variants of a tuned tail `cfg` (itself not among them), each once."""
+def deeper(cfg: TailConfig, w_bytes: int) -> TailConfig:
+    """`cfg` with every product's pipeline twice as deep (at most MAX_STAGES), or 1.5 times where twice does not
+    fit one SM's shared memory (`tuning.shared_bytes`: the products run in turn, so the largest one counts)."""
+    for factor in (2, 1.5):
+        out = with_products(cfg, lambda _, c: replace(c, num_stages=min(MAX_STAGES, int(c.num_stages * factor))))
+        if max(shared_bytes(c, 2, w_bytes) for c in (out.o, out.gate_up, out.down, out.qkv)) <= SHARED_LIMIT:
+            return out
+    return cfg
+
+
+def candidates(cfg: TailConfig, family: str, w_bytes: int = 2) -> list[TailConfig]:
+    """The grid and pipeline variants of a tuned tail `cfg` (itself not among them), each once; `w_bytes`: its
+    weights' bytes per element (1 for 1-byte and packed int4: an upper bound of the latter's shared memory)."""
     d, _, g, q, _ = FAMILIES[family]
     rows = dict(zip(PRODUCTS, (d, g, d, q)))
 
@@ -66,7 +81,7 @@ def candidates(cfg: TailConfig, family: str) -> list[TailConfig]:
         return replace(c, block_n=half) if half >= 16 and rows[name] % half == 0 else c
 
     out = [replace(cfg, per_sm=2), replace(cfg, per_sm=3), replace(with_products(cfg, halved), per_sm=2),
-           replace(cfg, num_warps=8)]
+           replace(cfg, num_warps=8), deeper(cfg, w_bytes)]
     unique = []
     for c in out:
         if c != cfg and c not in unique:
@@ -81,7 +96,7 @@ def plan(tuning: Tuning, formats: list[str]) -> list[tuple[str, str, TailConfig,
         w_bytes, group, kind = format_of(fmt)
         for family in families_of(fmt):
             tuned = tuning.tail(*FAMILIES[family][:4], w_bytes, group, kind)
-            jobs.append((fmt, family, tuned, candidates(tuned, family)))
+            jobs.append((fmt, family, tuned, candidates(tuned, family, w_bytes)))
     return jobs
 
 
@@ -94,7 +109,8 @@ def sweep(tuning: Tuning, formats: list[str], per_block) -> tuple[list[dict], di
         case = tail_family(fmt, family)
         for cfg in [tuned, *variants]:
             row = {"format": fmt, "family": family, "tuned": cfg == tuned, "per_sm": cfg.per_sm,
-                   "num_warps": cfg.num_warps, "config": dataclasses.asdict(cfg)}
+                   "num_warps": cfg.num_warps, "stages": [getattr(cfg, p).num_stages for p in PRODUCTS],
+                   "config": dataclasses.asdict(cfg)}
             try:
                 err = case["error"](cfg)
                 if not err < 2e-2:
