@@ -5,9 +5,9 @@
 # gpu.txt onebyte.json onebyte.rows.json tune.log bench.json bench.log pytest.log summary.txt (grid: also
 # pytest-tail.log bench-packaged.json bench-packaged.log); the .log files end in logs.tar.gz.
 # SWEEP=grid first runs the fused tail's GPU test (pytest-tail.log), then sweeps the chained tails' grid instead
-# (semantic/kernels/tune_tail_grid.py: programs per SM, warps, deeper pipelines, the barriers' cost; bf16 and fp8
-# tails included), benches int8 and int4 on the packaged table too (bench-packaged.json: both sides in one call),
-# then the 1-byte GPU tests, each stage within what is left of 9.5 minutes.
+# (semantic/kernels/tune_tail_grid.py: programs per SM, warps, deeper pipelines, fp16 copies, the barriers' cost;
+# bf16 and fp8 tails included), benches int8 and int4 on the packaged table too (bench-packaged.json: both sides in
+# one call), then the 1-byte GPU tests, each stage within what is left of 9.5 minutes.
 # Usage (repo root): [SWEEP=grid] [BUDGET=190] [FORMATS=fp8/channel,int8/g128,fp8/g128,int8/channel]
 #   bash scripts/onebyte_check.sh
 set -o pipefail
@@ -24,9 +24,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 left() { echo $((570 - SECONDS)); }
 if [ "${SWEEP:-onebyte}" = grid ]; then
   PRECISIONS=int8,int4 FRAMES=300 TESTS=tests/semantic/test_quant_gpu.py
-  # first the fused tail's own test with 1, 2 and 3 programs per SM in one graph (the wider grids' correctness)
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k mixed \
+  # first the fused tail's own tests: 1, 2 and 3 programs per SM in one graph (the wider grids' correctness), and
+  # the fp16 copies of a quantized tail's activations against converting every tile
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k "mixed or fp16_copies" \
     "tests/semantic/test_kernels_gpu.py::test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays" \
+    "tests/semantic/test_kernels_gpu.py::test_fp16_copies_of_a_quantized_tails_activations_change_no_bit" \
     2>&1 | tail -n 15 > "$OUT/pytest-tail.log"; tail -n 1 "$OUT/pytest-tail.log"
   timeout "${TUNE_TIMEOUT:-240}" python3 -m music3_demo.semantic.kernels.tune_tail_grid "$OUT/onebyte.json" \
     --formats "${FORMATS:-bf16,int8/g128,int4/g64,fp8/channel}" 2>&1 | tee "$OUT/tune.log" | cut -c1-220 | tail -n 60
@@ -66,7 +68,7 @@ if rows.exists() and isinstance(json.loads(rows.read_text()), list):  # tune_tai
     for r in json.loads(rows.read_text()):
         what = r.get("us_per_block") or r.get("wrong") or r.get("skipped", "")[:80]
         print(f"grid {r['format']:12} {r['family']:6} per_sm {r['per_sm']} warps {r['num_warps']}"
-              f" stages {'/'.join(map(str, r.get('stages', [])))}"
+              f" stages {'/'.join(map(str, r.get('stages', [])))}{' fp16 copies' if r.get('halves') else ''}"
               f"{' (tuned)' if r['tuned'] else ''}: {what}"
               + (f" us/block; without barriers {r['without_barriers_us']}" if 'without_barriers_us' in r else ""))
 elif rows.exists():

@@ -197,9 +197,11 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
 def _int4_launches(tuning: Tuning, weights) -> None:
     """On packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group), meta tensors: the down product's GEMV and its
     prefill product, and an LM block's chained tail with the next block's q|k|v (fused, as on a GPU), in the configs
-    the engine's int4 LM takes (`Tuning.gemv` / `Tuning.tail`). One launch each instead of recording an int4
-    engine's frame, which would add the tail without a next block and the first q|k|v and audio-head GEMVs (variants
-    of the same code) for about 2.5x the compile time."""
+    the engine's int4 LM takes (`Tuning.gemv` / `Tuning.tail`), and that tail once more on the fp16 bit route with
+    fp16 copies of its activations (`TailConfig.halves`), whichever route and copies the tuning picks today. One
+    launch each instead of recording an int4 engine's frame, which would add the tail without a next block and the
+    first q|k|v and audio-head GEMVs (variants of the same code) for about 2.5x the compile time."""
+    from .kernels.qweight import BITS_F16
     from .quant import DEFAULT_SCHEMES
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
@@ -219,10 +221,14 @@ def _int4_launches(tuning: Tuning, weights) -> None:
     block = weights.blocks[0]
     d, a, g, q = weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0]
     h, xn, ln = torch.empty(2, d, device=meta), torch.empty(2, d, dtype=bf16, device=meta), block.ln2
-    tail.block_tail(torch.empty(2, a, dtype=bf16, device=meta), h, xn, torch.empty(2, g // 2, dtype=bf16, device=meta),
-                    int4(d, a), int4(g, d), int4(d, g // 2), ln, weights.eps, tail.TailScratch(meta, tuning.programs),
-                    next_qkv=(int4(q, d), ln, torch.empty(2, q, dtype=bf16, device=meta)),
-                    config=tuning.tail(d, a, g, q, 1, group, "int4"), fused=True)
+    cfg = tuning.tail(d, a, g, q, 1, group, "int4")
+    halves = replace(tail.with_products(cfg, lambda _, c: replace(c, convert=BITS_F16)), halves=True)
+    for config in (cfg, halves):
+        tail.block_tail(torch.empty(2, a, dtype=bf16, device=meta), h, xn,
+                        torch.empty(2, g // 2, dtype=bf16, device=meta), int4(d, a), int4(g, d), int4(d, g // 2), ln,
+                        weights.eps, tail.TailScratch(meta, tuning.programs),
+                        next_qkv=(int4(q, d), ln, torch.empty(2, q, dtype=bf16, device=meta)), config=config,
+                        fused=True)
 
 
 def _prefill_launches(weights, capability: int, rows: int = 1024) -> None:

@@ -83,6 +83,9 @@ def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(repor
         assert {k["constants"]["QUANT"] for k in tails} == quant, (cap, tails)
         assert all((k["w_bytes"] == 1) == bool(k["constants"]["QUANT"]) for k in tails)
         assert any(k["constants"]["QUANT"] == 3 and k["constants"]["HAS_NEXT"] for k in tails)
+        # the fp16 copies of the activations (`TailConfig.halves`), for each product that reads them
+        assert any(k["constants"]["QUANT"] == 3 and all(k["constants"][f"HALF_{p}"] for p in ("GU", "D", "Q"))
+                   for k in tails), cap
         # every conversion route of 1-byte tiles (kernels/qweight.CONVERSIONS), the native fp16 one with fp8 only
         routes = {k["constants"]["CONV"] for k in report["kernels"] if k["constants"].get("QUANT")
                   and "CONV" in k["constants"]}

@@ -93,9 +93,10 @@ def test_the_int4_sweep_offers_only_tiles_its_format_can_run():
 
 def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_them_back(tmp_path):
     """tune_tail_grid times each format's tuned tail with 2 and 3 programs per SM (2 also with row blocks halved,
-    which must still divide each product's rows and keep 16 at least), 8 warps, and pipelines twice (or 1.5 times)
-    as deep where one SM's shared memory holds them (not bf16's LM tail: its 64 x 256 gate|up tiles in 4 stages
-    already take 168 KB); what it writes (programs per SM included) is what the engine's tuning reads back."""
+    which must still divide each product's rows and keep 16 at least), 8 warps, pipelines twice (or 1.5 times) as
+    deep where one SM's shared memory holds them (not bf16's LM tail: its 64 x 256 gate|up tiles in 4 stages already
+    take 168 KB), and where a product multiplies in fp16, fp16 copies of the activations at 1 and 2 programs per SM;
+    what it writes (programs per SM and copies included) is what the engine's tuning reads back."""
     from dataclasses import replace
 
     from music3_demo.semantic.kernels import tune_tail_grid
@@ -111,10 +112,14 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
         d, a, g, q, _ = tune_tail_grid.FAMILIES[family]
         w_bytes = tune_tail_grid.format_of(fmt)[0]
         deep = (fmt, family) != ("bf16", "lm")
-        assert tuned.per_sm == 1 and tuned not in variants and len(set(variants)) == len(variants) == 4 + deep
-        assert [(v.per_sm, v.num_warps) for v in variants] == [(2, 4), (3, 4), (2, 4), (1, 8)] + [(1, 4)] * deep
+        halves = fmt in ("int4/g64", "fp8/channel")  # products on an fp16 route (the int8 tails: the cast route)
+        assert tuned.per_sm == 1 and not tuned.halves and tuned not in variants
+        assert len(set(variants)) == len(variants) == 4 + deep + 2 * halves
+        assert [(v.per_sm, v.num_warps, v.halves) for v in variants] == (
+            [(2, 4, False), (3, 4, False), (2, 4, False), (1, 8, False)] + [(1, 4, False)] * deep
+            + [(1, 4, True), (2, 4, True)] * halves)
         if deep:  # every product deeper, nothing else changed, within one SM's shared memory
-            deeper = variants[-1]
+            deeper = variants[4]
             for was, now in zip((tuned.o, tuned.gate_up, tuned.down, tuned.qkv),
                                 (deeper.o, deeper.gate_up, deeper.down, deeper.qkv)):
                 assert was.num_stages < now.num_stages <= 2 * was.num_stages
@@ -124,11 +129,11 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
             assert fit_tail_shape(v, d, a, g, q) == v  # runs as it is
             for c, rows in zip((v.o, v.gate_up, v.down, v.qkv), (d, g, d, q)):
                 assert c.block_n >= 16 and rows % c.block_n == 0
-    fmt, family, tuned, variants = jobs[2]
-    wide = replace(tuned, per_sm=2)
+    fmt, family, tuned, variants = jobs[4]
+    wide = replace(tuned, per_sm=2, halves=True)
     path = tmp_path / "grid.json"
     write_section(path, "tail", {tune_tail_grid.table_key(fmt, family): wide}, target=H200)
-    assert tuning_for_target(H200, path).tail(*tune_tail_grid.FAMILIES[family][:4], 1, 128, "int8") == wide
+    assert tuning_for_target(H200, path).tail(*tune_tail_grid.FAMILIES[family][:4], 1, 64, "int4") == wide
 
 
 def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_a_small_model(monkeypatch):

@@ -157,3 +157,60 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     for per_sm in (1, 2, 3):  # three barriers per launch, nobody lost
         launches = 21 * per_block.count(per_sm)
         assert scratch.count(per_sm).item() == launches * 3 * per_sm * scratch.programs
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("per_sm", [1, 2], ids=["one_per_sm", "two_per_sm"])
+def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm):
+    """`TailConfig.halves` on an LM block (int4/g64 on the fp16 bit route, fp8 per channel on the native fp16 one):
+    the fused launch reading fp16 copies of its activations equals the fused launch converting every tile and one
+    launch per product, bit for bit, across graph replays. The copies are written by other programs between grid
+    barriers, as the bf16 activations are (`.cg` reads)."""
+    from dataclasses import replace
+
+    from music3_demo.semantic.kernels.qweight import BITS_F16, NATIVE_F16
+    from music3_demo.semantic.kernels.tail import TailScratch, block_tail, default_tail_config, with_products
+    from music3_demo.semantic.quant import fp8_supported, quantize_weight
+
+    if fmt == "fp8" and not fp8_supported(DEVICE):
+        pytest.skip("fp8 needs sm_89 or newer")
+    hidden, gate_up_rows, qkv_rows, rows = 4096, 24576, 6144, 2
+    generator = torch.Generator(DEVICE).manual_seed(per_sm)
+
+    def weight(n: int, k: int):
+        w = (torch.randn(n, k, device=DEVICE, generator=generator) * k**-0.5).bfloat16()
+        return quantize_weight(w, fmt, 64 if fmt == "int4" else 0)
+
+    o, gate_up, down, next_qkv = (weight(hidden, hidden), weight(gate_up_rows, hidden),
+                                  weight(hidden, gate_up_rows // 2), weight(qkv_rows, hidden))
+    ln1, ln2 = ((torch.rand(hidden, device=DEVICE, generator=generator) + 0.5).bfloat16() for _ in range(2))
+    start = torch.randn(rows, hidden, device=DEVICE, generator=generator)
+    attn = torch.randn(rows, hidden, device=DEVICE, generator=generator).bfloat16()
+    h, xn = torch.empty_like(start), torch.empty(rows, hidden, device=DEVICE, dtype=torch.bfloat16)
+    act = torch.empty(rows, gate_up_rows // 2, device=DEVICE, dtype=torch.bfloat16)
+    qkv = torch.empty(rows, qkv_rows, device=DEVICE, dtype=torch.bfloat16)
+    scratch = TailScratch(DEVICE)
+    route = BITS_F16 if fmt == "int4" else NATIVE_F16
+    base = with_products(default_tail_config(hidden, hidden, gate_up_rows, qkv_rows, DEVICE),
+                         lambda _, c: replace(c, convert=route, block_k=128, num_stages=4))
+    base = replace(base, per_sm=per_sm)
+
+    def run(fused: bool, halves: bool) -> list[torch.Tensor]:
+        h.copy_(start)
+        block_tail(attn, h, xn, act, o, gate_up, down, ln2, 1e-6, scratch, next_qkv=(next_qkv, ln1, qkv),
+                   config=replace(base, halves=halves), fused=fused)
+        return [t.clone() for t in (h, xn, act, qkv)]
+
+    expected = run(fused=True, halves=False)
+    assert all(torch.equal(t, e) for t, e in zip(run(fused=False, halves=True), expected))
+    run(fused=True, halves=True)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(fused=True, halves=True)
+    for _ in range(10):
+        h.zero_()
+        qkv.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(t, e) for t, e in zip((h, xn, act, qkv), expected))
+    assert scratch._halves  # the copies were made and read

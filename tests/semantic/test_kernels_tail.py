@@ -98,3 +98,44 @@ def test_more_programs_per_sm_split_the_same_rows_over_a_wider_grid():
     for per_sm in (0, MAX_PER_SM + 1):
         with pytest.raises(ValueError, match="programs per SM"):
             block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, scratch, config=replace(base, per_sm=per_sm))
+
+
+@pytest.mark.parametrize("following", [True, False], ids=["next_qkv", "last_block"])
+def test_fp16_copies_of_the_activations_give_the_fp16_products_the_same_tiles(following):
+    """`TailConfig.halves` in a bf16 model whose 1-byte products multiply in fp16 (int8 on the fp16 bit route; the
+    interpreter's tl.dot is wrong on bf16, not on fp16): the products before them write fp16 copies of what they
+    hand on, and the outputs are those of converting every tile again, bit for bit, including an activation beyond
+    fp16's range (saturated either way). The copies are in the tail's scratch, as the next product reads them."""
+    from dataclasses import replace
+
+    from music3_demo.semantic.kernels.qweight import BITS_F16
+    from music3_demo.semantic.kernels.tail import TailConfig, TailScratch, block_tail
+    from music3_demo.semantic.quant import quantize_weight
+
+    rows, d, a, i, q = 2, 64, 64, 96, 80
+    weights = [quantize_weight(rand(*shape, seed=seed, scale=shape[1] ** -0.5).to(torch.bfloat16), "int8", 32)
+               for seed, shape in enumerate([(d, a), (2 * i, d), (d, i), (q, d)])]
+    ln1, ln2 = (rand(d, seed=seed, scale=0.1).to(torch.bfloat16) + 1 for seed in (5, 6))
+    attn, start = rand(rows, a, seed=7).to(torch.bfloat16), rand(rows, d, seed=8)
+    start[1, 3] = 1e5  # its normalised input to gate|up is beyond 65504 too
+    tile = GemvConfig(16, 32, convert=BITS_F16)
+    outputs = []
+    for halves in (False, True):
+        h, h16 = start.clone(), start.to(torch.bfloat16)
+        act, qkv = torch.zeros(rows, i, dtype=torch.bfloat16), torch.zeros(rows, q, dtype=torch.bfloat16)
+        scratch = TailScratch("cpu", 3)
+        block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, scratch,
+                   next_qkv=(weights[3], ln1, qkv) if following else None,
+                   config=replace(TailConfig(*[tile] * 4), halves=halves))
+        outputs.append((h, act, qkv))
+        if halves:
+            saturated = h16.float().clamp(-65504, 65504).half()
+            assert torch.equal(scratch.half("act", act), act.float().clamp(-65504, 65504).half())
+            if following:  # the last copy of xn: q|k|v's input
+                assert torch.equal(scratch.half("xn", h16), saturated)
+        else:
+            assert not scratch._halves
+    assert (outputs[0][0][1] > 6e4).any() and h16.float().abs().max() > 65504  # the saturation was exercised
+    for with_copies, converted in zip(outputs[1], outputs[0]):
+        assert torch.equal(with_copies, converted)
+    assert outputs[1][2].any() == following

@@ -139,7 +139,10 @@ def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr, MMA_ORDER: tl.constex
 @triton.jit
 def activation_tile(x, DOT: tl.constexpr):
     """The activation tile as DOT values. For the fp16 routes, bf16 activations beyond fp16's range (65504) saturate
-    instead of becoming inf: one huge SwiGLU product must not turn a whole output row into NaN."""
+    instead of becoming inf: one huge SwiGLU product must not turn a whole output row into NaN. A tile already in
+    DOT is taken as it is (the chained tail's fp16 copies were saturated this way when written)."""
+    if x.dtype == DOT:
+        return x
     if DOT == tl.float16:
         xf = x.to(tl.float32)
         return tl.minimum(tl.maximum(xf, -65504.0), 65504.0).to(tl.float16)
@@ -206,6 +209,9 @@ def gemv_epilogue(
         act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
         cols = tl.split(tl.reshape(offs_n, [BLOCK_N // 2, 2]))[0] // 2
         tl.store(out_ptr + offs_m[None, :] * stride_om + cols[:, None], act.to(dtype), mask=m_mask[None, :])
+        if COPY:  # the copy in the next product's MMA dtype, as its k-loop would convert each tile
+            tl.store(copy_ptr + offs_m[None, :] * stride_om + cols[:, None],
+                     activation_tile(act.to(dtype), copy_ptr.dtype.element_ty), mask=m_mask[None, :])
     else:
         mask = n_mask[:, None] & m_mask[None, :]
         if RESIDUAL:

@@ -25,6 +25,12 @@ program can be resident. `MUSIC3_TAIL_COOPERATIVE=0` launches it the old way, fo
 Triton's CPU interpreter runs programs one at a time and so never has them all resident: there `block_tail`
 launches the same kernel once per product (`fused=False`), which is also the GPU test's oracle for the fused launch.
 
+fp16 copies (`TailConfig.halves`): a product on an fp16 route (packed int4, fp8) converts its bf16 activation tile
+to fp16 in every K step of every row block: the same 16-row tile again for each of a program's row blocks,
+saturated, then through shared memory once more for the MMA (on sm_90 ~150 of a tile's ~780 instructions in the
+int4 LM tail, and a barrier). With `halves`, the product before it writes its output once more as fp16 (saturated
+alike), and the fp16 product reads that copy as its tiles arrive: the same values, bit for bit.
+
 Programs per SM (`TailConfig.per_sm`): one program of 4 warps per SM streams bf16 weights near the copy bandwidth,
 but a 1-byte weight tile is converted in registers, long chains of dependent instructions with one warp per
 scheduler to issue them; more programs per SM (a grid of `per_sm` x the SM-bound program count) give the schedulers
@@ -44,8 +50,8 @@ import triton.language as tl
 
 from .launch import interpreting
 from .linear import (
-    GemvConfig, TensorDescriptor, channel_scale, dot_tile, fit_group, fit_shape, gemv_epilogue, prefetch_rows_l2,
-    tma_supported, weight_ptrs, weight_tile,
+    GemvConfig, TensorDescriptor, activation_tile, channel_scale, dot_tile, fit_group, fit_shape, gemv_epilogue,
+    prefetch_rows_l2, tma_supported, weight_ptrs, weight_tile,
 )
 from .qweight import Weight, kernel_args
 
@@ -68,6 +74,16 @@ class TailScratch:
         self.counts = torch.zeros(MAX_PER_SM, device=device, dtype=torch.int64)
         self.partials = torch.zeros(triton.next_power_of_2(self.programs * MAX_PER_SM), 16, device=device,
                                     dtype=torch.float32)
+        self._halves: dict[tuple, torch.Tensor] = {}
+
+    def half(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The fp16 copy of activation `name` (up to 16 rows shaped and strided as `like`), which the products that
+        multiply in fp16 read (`_product`'s HALF). Made at a tail's first launch (the engine's warm-up, before any
+        graph is captured), then the same tensor every time."""
+        key = (name, like.shape[1], like.stride(0))
+        if key not in self._halves:
+            self._halves[key] = torch.empty(16, like.stride(0), device=like.device, dtype=torch.float16)
+        return self._halves[key][: like.shape[0], : like.shape[1]]
 
     def grid(self, per_sm: int) -> int:
         if not 1 <= per_sm <= MAX_PER_SM:
@@ -91,6 +107,9 @@ class TailConfig:
     num_warps: int = 4
     prefetch: int = 0  # bytes per weight row pulled into L2 before each barrier (measured: 1-8 KB only cost time)
     per_sm: int = 1  # programs per SM (the module docstring): the grid is per_sm x `TailScratch.programs`
+    # products multiplying in fp16 read fp16 copies of their inputs, written once by the product before them
+    # (`_product`'s HALF), instead of converting the same activations for every weight tile
+    halves: bool = False
 
 
 def with_products(cfg: TailConfig, change) -> TailConfig:
@@ -175,11 +194,12 @@ def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH
 
 @triton.jit
 def _product(
-    x_ptr, stride_x, w_ptr, w_desc, s_ptr, out_ptr, stride_o, next_ptr, gain_ptr, part_ptr, eps,
+    x_ptr, stride_x, w_ptr, w_desc, s_ptr, out_ptr, stride_o, next_ptr, half_ptr, gain_ptr, part_ptr, eps,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
     NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr, GRID: tl.constexpr,
     QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr, WSCALE: tl.constexpr,
+    HALF: tl.constexpr,
 ):
     """This program's row blocks of out = epilogue(W · x). FRESH: x and out were written earlier in this launch
     (by other programs), so they are read through L2 only (`.cg`; L1 is not coherent).
@@ -192,6 +212,10 @@ def _product(
     handling of quantized weights (QUANT, GROUP, DOT, CONV, WSCALE): its tile loads (`linear.weight_ptrs`,
     `weight_tile`: packed int4 as K / 8 words per row) and conversions (`linear.dot_tile`; per-channel scales at each
     row block's end).
+    HALF: the next product multiplies in fp16, so what this one writes for it (next, or the SwiGLU output) is also
+    written to half_ptr as fp16 (`linear.activation_tile`'s saturation), with the same strides: the next product's
+    k-loop then feeds its tiles to the MMA as they arrive, instead of converting the same activations again for
+    every tile of every row block (and staging them through shared memory once more).
     """
     BLOCK_M: tl.constexpr = 16
     K_TILES: tl.constexpr = K // BLOCK_K
@@ -236,11 +260,14 @@ def _product(
                     rounded = y.to(next_ptr.dtype.element_ty).to(tl.float32)
                     part += tl.sum(rounded * rounded, axis=0)  # masked rows and columns are zero
                     gain = tl.load(gain_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                    tl.store(next_ptr + offs_m[None, :] * stride_o + offs_n[:, None],
-                             (rounded * gain[:, None]).to(next_ptr.dtype.element_ty), mask=mask)
+                    normed = (rounded * gain[:, None]).to(next_ptr.dtype.element_ty)
+                    tl.store(next_ptr + offs_m[None, :] * stride_o + offs_n[:, None], normed, mask=mask)
+                    if HALF:
+                        tl.store(half_ptr + offs_m[None, :] * stride_o + offs_n[:, None],
+                                 activation_tile(normed, half_ptr.dtype.element_ty), mask=mask)
             else:
-                gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, out_ptr, out_ptr, stride_o,
-                               stride_o, eps, K, NORM, False, SWIGLU, False)
+                gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, out_ptr, half_ptr, stride_o,
+                               stride_o, eps, K, NORM, False, SWIGLU, HALF)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if NEXT:
         tl.store(part_ptr + pid * BLOCK_M + offs_m, part)
@@ -248,7 +275,7 @@ def _product(
 
 @triton.jit
 def _block_tail_kernel(
-    attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr,
+    attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr, xn16_ptr, act16_ptr,
     wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, so_ptr, sgu_ptr, sd_ptr, sq_ptr,
     ln2_ptr, ln1_ptr, part_ptr, bar_ptr,
     s_attn, s_h, s_act, s_qkv, eps,
@@ -263,35 +290,37 @@ def _block_tail_kernel(
     QUANT: tl.constexpr, GROUP: tl.constexpr,
     DT_O: tl.constexpr, CV_O: tl.constexpr, WS_O: tl.constexpr, DT_GU: tl.constexpr, CV_GU: tl.constexpr,
     WS_GU: tl.constexpr, DT_D: tl.constexpr, CV_D: tl.constexpr, WS_D: tl.constexpr, DT_Q: tl.constexpr,
-    CV_Q: tl.constexpr, WS_Q: tl.constexpr,
+    CV_Q: tl.constexpr, WS_Q: tl.constexpr, HALF_GU: tl.constexpr, HALF_D: tl.constexpr, HALF_Q: tl.constexpr,
 ):
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
     input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/GROUP: the weights' format (one for all four
     products: `qweight.kernel_args`), the s*_ptr their scales; DT_/CV_/WS_: each product's MMA dtype, conversion
     route and the power of two it leaves (its `GemvConfig.convert`). GRID: the number of programs. SYNC: one launch
-    for all products (FRESH reads), with grid barriers between them unless BARRIERS is off (timing only)."""
+    for all products (FRESH reads), with grid barriers between them unless BARRIERS is off (timing only).
+    HALF_GU, HALF_D, HALF_Q: that product multiplies in fp16 and reads its input from the fp16 copy (xn16, act16,
+    same strides as xn and act) that the product before it writes (`_product`'s HALF)."""
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
-        _product(attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps,
+        _product(attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, xn16_ptr, ln2_ptr, part_ptr, eps,
                  M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, GRID, QUANT, GROUP,
-                 DT_O, CV_O, WS_O)
+                 DT_O, CV_O, WS_O, HALF_GU)
     if SYNC and BARRIERS:
         _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU, QUANT)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
-        _product(xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps,
-                 M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC, GRID, QUANT, GROUP,
-                 DT_GU, CV_GU, WS_GU)
+        _product(xn16_ptr if HALF_GU else xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr, s_act, act_ptr,
+                 act16_ptr, ln2_ptr, part_ptr, eps, M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False,
+                 PARTS, SYNC, GRID, QUANT, GROUP, DT_GU, CV_GU, WS_GU, HALF_D)
     if SYNC and BARRIERS:
         _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D, QUANT)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
-        _product(act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps,
-                 M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC, GRID, QUANT, GROUP,
-                 DT_D, CV_D, WS_D)
+        _product(act16_ptr if HALF_D else act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h, xn_ptr, xn16_ptr,
+                 ln1_ptr, part_ptr, eps, M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS,
+                 SYNC, GRID, QUANT, GROUP, DT_D, CV_D, WS_D, HALF_Q and HAS_NEXT)
     if SYNC and BARRIERS and HAS_NEXT:
         _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q, QUANT)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
-        _product(xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps,
-                 M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, GRID, QUANT, GROUP,
-                 DT_Q, CV_Q, WS_Q)
+        _product(xn16_ptr if HALF_Q else xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv, qkv_ptr, qkv_ptr,
+                 ln1_ptr, part_ptr, eps, M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC,
+                 GRID, QUANT, GROUP, DT_Q, CV_Q, WS_Q, False)
 
 
 def _descriptor(data: torch.Tensor, cfg: GemvConfig, k: int):
@@ -358,6 +387,11 @@ def block_tail(
         raise ValueError(f"gate|up rows ({g}) must be a multiple of its row block ({cfg.gate_up.block_n})")
     fused = (device.type == "cuda" and not interpreting()) if fused is None else fused
     grid = scratch.grid(cfg.per_sm)
+    # with `halves`, the products that multiply in fp16 (in a model of another dtype) read fp16 copies of the inputs
+    half_gu, half_d, half_q = (cfg.halves and p[4] == tl.float16 and xn.dtype != torch.float16 for p in packed[1:])
+    half_q = half_q and next_qkv is not None
+    xn16 = scratch.half("xn", xn) if half_gu or half_q else xn
+    act16 = scratch.half("act", act) if half_d else act
     common = dict(
         eps=eps, M=m, D=d, A=a, G=g, Q=q, HAS_NEXT=next_qkv is not None, SYNC=fused, BARRIERS=barriers,
         PARTS=triton.next_power_of_2(grid), GRID=grid,
@@ -366,12 +400,12 @@ def block_tail(
            for name, p in zip(("GU", "D", "Q"), packed[1:])},
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
-        QUANT=packed[0][2], GROUP=packed[0][3],
+        QUANT=packed[0][2], GROUP=packed[0][3], HALF_GU=half_gu, HALF_D=half_d, HALF_Q=half_q,
         **{f"{key}_{name}": value for name, p in zip(("O", "GU", "D", "Q"), packed)
            for key, value in zip(("DT", "CV", "WS"), p[4:])},
     )
     (wo, so, *_), (wgu, sgu, *_), (wd, sd, *_), (wqd, sq, *_) = packed
-    args = (attn, h, xn, act, qkv_out, wo, _descriptor(wo, cfg.o, a), wgu, _descriptor(wgu, cfg.gate_up, d),
+    args = (attn, h, xn, act, qkv_out, xn16, act16, wo, _descriptor(wo, cfg.o, a), wgu, _descriptor(wgu, cfg.gate_up, d),
             wd, _descriptor(wd, cfg.down, g // 2), wqd, _descriptor(wqd, cfg.qkv, d), so, sgu, sd, sq, ln2, ln1,
             scratch.partials,
             scratch.count(cfg.per_sm), attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))

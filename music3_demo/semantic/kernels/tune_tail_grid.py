@@ -11,7 +11,9 @@ weight copies as the model has blocks (tune_onebyte's tail cases, each config ch
   grid still gives every program rows, and 8 warps per program;
 - one program per SM with each product's pipeline twice as deep (as far as shared memory allows): as many weight
   bytes in flight per SM as 2 programs per SM, from one warp per scheduler. If it gains as much as 2 per SM, the
-  tails wait on the bytes in flight; if only the wider grid gains, on the warps' issue.
+  tails wait on the bytes in flight; if only the wider grid gains, on the warps' issue;
+- where a product multiplies in fp16 (packed int4, fp8), the tuned config and 2 per SM with fp16 copies of the
+  activations (`TailConfig.halves`: ~10% fewer instructions a tile in the int4 LM tail's sm_90 code).
 A grid that cannot be resident whole is refused by the cooperative launch and skipped. The fastest correct config
 per format and family goes into a tuning table (this GPU's packaged table plus those tail entries, which the bench's
 `--tuning` takes), every timed row into a JSON beside it (`<out>.rows.json`).
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .onebyte_space import FORMATS, SHARED_LIMIT
+from .qweight import BITS_F16, NATIVE_F16
 from .tail import PRODUCTS, TailConfig, with_products
 from .tune_gemv import time_graph
 from .tune_onebyte import FAMILIES, tail_family, write_table
@@ -82,6 +85,8 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2) -> list[TailConfi
 
     out = [replace(cfg, per_sm=2), replace(cfg, per_sm=3), replace(with_products(cfg, halved), per_sm=2),
            replace(cfg, num_warps=8), deeper(cfg, w_bytes)]
+    if w_bytes == 1 and any(getattr(cfg, name).convert in (BITS_F16, NATIVE_F16) for name in PRODUCTS):
+        out += [replace(cfg, halves=True), replace(cfg, per_sm=2, halves=True)]  # fp16 copies (`TailConfig.halves`)
     unique = []
     for c in out:
         if c != cfg and c not in unique:
@@ -110,6 +115,7 @@ def sweep(tuning: Tuning, formats: list[str], per_block) -> tuple[list[dict], di
         for cfg in [tuned, *variants]:
             row = {"format": fmt, "family": family, "tuned": cfg == tuned, "per_sm": cfg.per_sm,
                    "num_warps": cfg.num_warps, "stages": [getattr(cfg, p).num_stages for p in PRODUCTS],
+                   "halves": cfg.halves,
                    "config": dataclasses.asdict(cfg)}
             try:
                 err = case["error"](cfg)
