@@ -99,6 +99,20 @@ def test_decode_attention_in_one_launch_is_exact_and_deterministic(pos):
     assert not scratch.counters.any()
 
 
+def _replays_reproduce(run, outputs: tuple, expected: list, replays: int) -> None:
+    """`run` (a tail's launches from its start state, run once already: compiled) captured in a CUDA graph and
+    replayed with its outputs cleared: every replay writes `expected` again, bit for bit."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(replays):
+        for t in outputs:
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(t, e) for t, e in zip(outputs, expected))
+
+
 @pytest.mark.parametrize("shape", [(4096, 24576, 6144), (4096, 12288, 12288)], ids=["lm", "depth"])
 @pytest.mark.parametrize("rows", [2, 4])
 @pytest.mark.parametrize("grids", [(1,), (2,), (1, 2, 3)], ids=["one_per_sm", "two_per_sm", "mixed"])
@@ -145,15 +159,7 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     reference = normed.float() @ next_qkv.float().T
     assert ((qkv.float() - reference).norm() / reference.norm()).item() < 1e-2
     run(fused=True)  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(fused=True)
-    for _ in range(20):
-        h.zero_()
-        qkv.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(t, e) for t, e in zip((h, xn, act, qkv), expected))
+    _replays_reproduce(lambda: run(fused=True), (h, xn, act, qkv), expected, 20)
     for per_sm in (1, 2, 3):  # three barriers per launch, nobody lost
         launches = 21 * per_block.count(per_sm)
         assert scratch.count(per_sm).item() == launches * 3 * per_sm * scratch.programs
@@ -204,13 +210,5 @@ def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm)
     expected = run(fused=True, halves=False)
     assert all(torch.equal(t, e) for t, e in zip(run(fused=False, halves=True), expected))
     run(fused=True, halves=True)  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(fused=True, halves=True)
-    for _ in range(10):
-        h.zero_()
-        qkv.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(t, e) for t, e in zip((h, xn, act, qkv), expected))
+    _replays_reproduce(lambda: run(fused=True, halves=True), (h, xn, act, qkv), expected, 10)
     assert scratch._halves  # the copies were made and read
