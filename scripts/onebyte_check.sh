@@ -68,7 +68,8 @@ if rows.exists() and isinstance(json.loads(rows.read_text()), list):  # tune_tai
     for r in json.loads(rows.read_text()):
         what = r.get("us_per_block") or r.get("wrong") or r.get("skipped", "")[:80]
         print(f"grid {r['format']:12} {r['family']:6} per_sm {r['per_sm']} warps {r['num_warps']}"
-              f" stages {'/'.join(map(str, r.get('stages', [])))}{' fp16 copies' if r.get('halves') else ''}"
+              f" stages {'/'.join(map(str, r.get('stages', [])))} routes {'/'.join(map(str, r.get('routes', [])))}"
+              f"{' fp16 copies' if r.get('halves') else ''}"
               f"{' (tuned)' if r['tuned'] else ''}: {what}"
               + (f" us/block; without barriers {r['without_barriers_us']}" if 'without_barriers_us' in r else ""))
 elif rows.exists():

@@ -112,7 +112,9 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
         d, a, g, q, _ = tune_tail_grid.FAMILIES[family]
         w_bytes = tune_tail_grid.format_of(fmt)[0]
         deep = (fmt, family) != ("bf16", "lm")
-        halves = fmt in ("int4/g64", "fp8/channel")  # products on an fp16 route (the int8 tails: the cast route)
+        # products on an fp16 route, or 64-row ones on the cast route that can move to the fp16 bit route (int8's
+        # LM tail; its depth tail has 32-row tiles only)
+        halves = fmt in ("int4/g64", "fp8/channel") or (fmt, family) == ("int8/g128", "lm")
         assert tuned.per_sm == 1 and not tuned.halves and tuned not in variants
         assert len(set(variants)) == len(variants) == 4 + deep + 2 * halves
         assert [(v.per_sm, v.num_warps, v.halves) for v in variants] == (
@@ -125,6 +127,9 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
                 assert was.num_stages < now.num_stages <= 2 * was.num_stages
                 assert replace(now, num_stages=was.num_stages) == was
                 assert shared_bytes(now, 2, w_bytes) <= onebyte_space.SHARED_LIMIT
+        if (fmt, family) == ("int8/g128", "lm"):  # gate|up and q|k|v (64 rows) to the fp16 bit route, o and down kept
+            assert [c.convert for c in (variants[5].o, variants[5].gate_up, variants[5].down, variants[5].qkv)] == [
+                tuned.o.convert, 2, tuned.down.convert, 2]
         for v in variants:
             assert fit_tail_shape(v, d, a, g, q) == v  # runs as it is
             for c, rows in zip((v.o, v.gate_up, v.down, v.qkv), (d, g, d, q)):

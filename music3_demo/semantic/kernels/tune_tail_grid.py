@@ -13,7 +13,10 @@ weight copies as the model has blocks (tune_onebyte's tail cases, each config ch
   bytes in flight per SM as 2 programs per SM, from one warp per scheduler. If it gains as much as 2 per SM, the
   tails wait on the bytes in flight; if only the wider grid gains, on the warps' issue;
 - where a product multiplies in fp16 (packed int4, fp8), the tuned config and 2 per SM with fp16 copies of the
-  activations (`TailConfig.halves`: ~10% fewer instructions a tile in the int4 LM tail's sm_90 code).
+  activations (`TailConfig.halves`: in the sm_90 code, ~30% fewer instructions a tile in the fp8 LM tail's wgmma
+  products, ~10% in int4's); where 1-byte products of 64 rows and more take the cast route (int8's LM tail), the
+  same with those products on the fp16 bit route (its gate|up and q|k|v tiles: 512 -> 379 instructions; on 32-row
+  mma.sync tiles the fp16 route costs more than the cast, so those keep theirs).
 A grid that cannot be resident whole is refused by the cooperative launch and skipped. The fastest correct config
 per format and family goes into a tuning table (this GPU's packaged table plus those tail entries, which the bench's
 `--tuning` takes), every timed row into a JSON beside it (`<out>.rows.json`).
@@ -35,7 +38,7 @@ from pathlib import Path
 import torch
 
 from .onebyte_space import FORMATS, SHARED_LIMIT
-from .qweight import BITS_F16, NATIVE_F16
+from .qweight import BITS_F16, CAST, NATIVE_F16
 from .tail import PRODUCTS, TailConfig, with_products
 from .tune_gemv import time_graph
 from .tune_onebyte import FAMILIES, tail_family, write_table
@@ -85,8 +88,13 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2) -> list[TailConfi
 
     out = [replace(cfg, per_sm=2), replace(cfg, per_sm=3), replace(with_products(cfg, halved), per_sm=2),
            replace(cfg, num_warps=8), deeper(cfg, w_bytes)]
-    if w_bytes == 1 and any(getattr(cfg, name).convert in (BITS_F16, NATIVE_F16) for name in PRODUCTS):
-        out += [replace(cfg, halves=True), replace(cfg, per_sm=2, halves=True)]  # fp16 copies (`TailConfig.halves`)
+    if w_bytes == 1:  # fp16 copies (`TailConfig.halves`) where products multiply in fp16 ...
+        if any(getattr(cfg, name).convert in (BITS_F16, NATIVE_F16) for name in PRODUCTS):
+            out += [replace(cfg, halves=True), replace(cfg, per_sm=2, halves=True)]
+        elif any(getattr(cfg, name).convert == CAST and getattr(cfg, name).block_n >= 64 for name in PRODUCTS):
+            # ... or could: the wgmma-sized products (64 rows and more) moved from the cast to the fp16 bit route
+            sixteen = with_products(cfg, lambda _, c: replace(c, convert=BITS_F16) if c.block_n >= 64 else c)
+            out += [replace(sixteen, halves=True), replace(sixteen, per_sm=2, halves=True)]
     unique = []
     for c in out:
         if c != cfg and c not in unique:
@@ -115,7 +123,7 @@ def sweep(tuning: Tuning, formats: list[str], per_block) -> tuple[list[dict], di
         for cfg in [tuned, *variants]:
             row = {"format": fmt, "family": family, "tuned": cfg == tuned, "per_sm": cfg.per_sm,
                    "num_warps": cfg.num_warps, "stages": [getattr(cfg, p).num_stages for p in PRODUCTS],
-                   "halves": cfg.halves,
+                   "routes": [getattr(cfg, p).convert for p in PRODUCTS], "halves": cfg.halves,
                    "config": dataclasses.asdict(cfg)}
             try:
                 err = case["error"](cfg)
