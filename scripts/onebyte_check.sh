@@ -7,7 +7,7 @@
 # SWEEP=grid first runs the fused tail's GPU test (pytest-tail.log), then sweeps the chained tails' grid instead
 # (semantic/kernels/tune_tail_grid.py: programs per SM, warps, deeper pipelines, fp16 copies, the barriers' cost;
 # bf16 and fp8 tails included), benches int8 and int4 on the packaged table too (bench-packaged.json: both sides in
-# one call), then the 1-byte GPU tests, each stage within what is left of 9.5 minutes.
+# one call), then the fp16 copies' GPU test and the 1-byte GPU tests, each stage within what is left of 9.5 minutes.
 # Usage (repo root): [SWEEP=grid] [BUDGET=190] [FORMATS=fp8/channel,int8/g128,fp8/g128,int8/channel]
 #   bash scripts/onebyte_check.sh
 set -o pipefail
@@ -23,12 +23,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 left() { echo $((570 - SECONDS)); }
 if [ "${SWEEP:-onebyte}" = grid ]; then
-  PRECISIONS=int8,int4 FRAMES=300 TESTS=tests/semantic/test_quant_gpu.py
-  # first the fused tail's own tests: 1, 2 and 3 programs per SM in one graph (the wider grids' correctness), and
-  # the fp16 copies of a quantized tail's activations against converting every tile
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k "mixed or fp16_copies" \
+  PRECISIONS=int8,int4 FRAMES=300
+  # the last stage's tests: first the fp16 copies of a quantized tail's activations against converting every tile
+  TESTS="tests/semantic/test_kernels_gpu.py::test_fp16_copies_of_a_quantized_tails_activations_change_no_bit
+    tests/semantic/test_quant_gpu.py"
+  # first the fused tail's own test with 1, 2 and 3 programs per SM in one graph (the wider grids' correctness)
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k mixed \
     "tests/semantic/test_kernels_gpu.py::test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays" \
-    "tests/semantic/test_kernels_gpu.py::test_fp16_copies_of_a_quantized_tails_activations_change_no_bit" \
     2>&1 | tail -n 15 > "$OUT/pytest-tail.log"; tail -n 1 "$OUT/pytest-tail.log"
   timeout "${TUNE_TIMEOUT:-240}" python3 -m music3_demo.semantic.kernels.tune_tail_grid "$OUT/onebyte.json" \
     --formats "${FORMATS:-bf16,int8/g128,int4/g64,fp8/channel}" 2>&1 | tee "$OUT/tune.log" | cut -c1-220 | tail -n 60
