@@ -3,13 +3,8 @@ shapes get configs of their own), for GPU architectures that need not be present
 kernel needs: shared memory (Triton's figure), registers (ptxas's, read back from the cubin) and, for the chained
 tail's spin barrier, how many of its programs one SM holds.
 
-No GPU and no weights: the engine is built over the random-full (or tiny) model's modules on the `meta` device and
-runs one frame (sampled and teacher-forced) with Triton's launcher pointed at a stand-in driver for the target; each
-launch is recorded instead of run (Triton's `jit_cache_hook`) and compiled afterwards with Triton's own compiler for
-`GPUTarget("cuda", capability, 32)`. The configs are those `kernels/tuning.py` chooses for that architecture.
-With int8 weights, the GEMV and the chained tail on packed int4 weights (the int4 mode's LM) are compiled once each
-too, in the configs the tuning gives them; and the full-size model's decode attention on an int8 KV cache. An
-engine on quantized weights also records its prefill's products (`kernels/matmul.py`).
+No GPU and no weights: `arch_record` records the launches of one frame on a stand-in for the target, each is
+compiled here with Triton's own compiler for `GPUTarget("cuda", capability, 32)`.
 tests/semantic/test_arch_compile.py runs this for sm_80, 86, 89, 90, 100 and 120 and checks the limits.
 
 Run (TRITON_INTERPRET must be unset): python -m music3_demo.semantic.arch_compile 86 90 [--sms 82]
@@ -20,60 +15,23 @@ architectures)
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
 import os
 import re
 import resource
 import subprocess
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
-
-from .kernels import linear, matmul, tail
-from .kernels.qweight import QWeight
-from .kernels.tuning import (
-    BLOCK_RESERVED_SHARED,
-    REGISTERS_PER_SM,
-    Target,
-    Tuning,
-    tuning_for_target,
-)
+from .arch_record import Launch, precisions_of, record_launches, stand_in
+from .kernels.tuning import BLOCK_RESERVED_SHARED, REGISTERS_PER_SM, Target
 
 # A typical SM count per architecture (the tail's grid is min(128, SMs) at run time; any count gets one program per
 # SM, which is what residency needs): A100, RTX 3090, RTX 4090, H200, B200, RTX 5090.
 TYPICAL = {80: ("NVIDIA A100-SXM4-80GB", 108), 86: ("NVIDIA GeForce RTX 3090", 82),
            89: ("NVIDIA GeForce RTX 4090", 128), 90: ("NVIDIA H200", 132), 100: ("NVIDIA B200", 148),
            120: ("NVIDIA GeForce RTX 5090", 170)}
-
-
-class _StandInDriver:
-    """What Triton's launcher asks the active driver before compiling, for a GPU that is not here. The device id is
-    the capability (recording: RECORDING + the capability), so each architecture gets its own binder (and target)
-    in a kernel's per-device caches, and recording launches never meets a kernel compiled earlier in the process
-    (a cache hit would launch it)."""
-
-    def __init__(self, capability: int, device: int | None = None) -> None:
-        self.capability = capability
-        self.device = capability if device is None else device
-
-    def get_current_device(self) -> int:
-        return self.device
-
-    def get_current_stream(self, device: int) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", self.capability, 32)
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("meta")
 
 
 @dataclass
@@ -92,188 +50,6 @@ class Compiled:
 
 
 MODELS = ("full", "tiny")  # random_models.FULL (the released checkpoint's sizes) and TINY
-
-
-def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv_format: str = "bf16",
-                slots: int | None = None):
-    """The graph engine over the random-full (or tiny) model's language model and depth decoder, on the meta device,
-    with its weights in `precision` (bf16, or fp8/int8/int4 in their default schemes), its KV cache in `kv_format`
-    and `slots` batch places (None: the engine's default)."""
-    import copy
-
-    from .. import random_models
-    from . import graph
-    from .quant import quantize_model_
-
-    if (model, "bf16") not in _MODELS:  # built once per process (the engine fuses their weights again per target)
-        with torch.device("meta"):
-            models = random_models._make_models(random_models.FULL if model == "full" else random_models.TINY)
-        _MODELS[model, "bf16"] = (models["language_model"].to(torch.bfloat16),
-                                  models["rvq_depth_decoder"].to(torch.bfloat16))
-    if (model, precision) not in _MODELS:
-        lm, depth = (copy.deepcopy(m) for m in _MODELS[model, "bf16"])
-        quantize_model_(lm, depth, precision, "meta")
-        _MODELS[model, precision] = (lm, depth)
-    lm, depth = _MODELS[model, precision]
-    with _patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
-        return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=True, tuning=tuning,
-                                 kv_format=kv_format, slots=slots)
-
-
-@contextlib.contextmanager
-def _patched(module, **values):
-    saved = {name: getattr(module, name) for name in values}
-    for name, value in values.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
-
-
-@dataclass
-class Launch:
-    fn: object  # the JIT function
-    spec: str  # Triton's specialization data (JSON)
-
-    @property
-    def name(self) -> str:
-        return self.fn.__name__
-
-    @property
-    def constants(self) -> dict:
-        data = json.loads(self.spec)
-        names = [p.name for p in self.fn.params]
-        return {names[key[0]]: value for key, value in zip(data["constant_keys"], data["constant_vals"])
-                if len(key) == 1 and not isinstance(value, dict)}
-
-
-_MODELS: dict = {}
-
-
-def precisions_of(capability: int, asked: tuple[str, ...] = ("bf16",)) -> tuple[str, ...]:
-    """Those of the `asked` weight precisions an engine can run with on this architecture (fp8 from sm_89 on)."""
-    return tuple(p for p in asked if p != "fp8" or capability >= 89)
-
-
-def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",), model: str = "full"
-                    ) -> tuple[Tuning, list[Launch]]:
-    """Every distinct kernel launch of one frame (sampled and teacher-forced) on `target`, for engines with weights
-    in each of `precisions` (the kernels they share are recorded once). The conversion routes' extra launches are
-    the full-size model's only (a route compiles alike at any shape)."""
-    tuning = tuning_for_target(target)
-    launches: dict[str, Launch] = {}
-    for precision in precisions:
-        _record(meta_engine(tuning, precision, model), target, launches,
-                routes=precision if precision in ("fp8", "int8") and model == "full" else None)
-    if model == "full":  # the int8 KV cache: its decode attention (every other launch is the bf16 engine's)
-        _record(meta_engine(tuning, "bf16", model, kv_format="int8"), target, launches)
-    return tuning, list(launches.values())
-
-
-def _route_launches(tuning: Tuning, kind: str) -> None:
-    """The down product's GEMV once per conversion route of 1-byte tiles (`qweight.CONVERSIONS`; the native fp16
-    conversion only for fp8) in `kind`'s default scheme, on meta tensors: every route compiles everywhere the format
-    runs, whichever the tuning picks today."""
-    from .kernels.qweight import CONVERSIONS, NATIVE_F16
-    from .quant import DEFAULT_SCHEMES
-
-    if kind not in ("fp8", "int8"):  # (int4's packed tiles have their own launches: _int4_launches)
-        raise ValueError(f"conversion routes are the 1-byte formats', not {kind!r}")
-    meta, bf16 = torch.device("meta"), torch.bfloat16
-    group, n, k = DEFAULT_SCHEMES[kind].group, 4096, 12288
-    dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
-    weight = QWeight(torch.empty(n, k, dtype=dtype, device=meta),
-                     torch.empty((n, k // group) if group else (n,), device=meta), group, bf16)
-    out = torch.empty(2, n, device=meta)
-    cfg = tuning.gemv(2, n, k, False, 2, 1, group, kind)
-    for route in CONVERSIONS.values():
-        if route != NATIVE_F16 or kind == "fp8":
-            linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
-                        config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
-
-
-def _int4_launches(tuning: Tuning, weights) -> None:
-    """On packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group), meta tensors: the down product's GEMV and its
-    prefill product, and an LM block's chained tail with the next block's q|k|v (fused, as on a GPU), in the configs
-    the engine's int4 LM takes (`Tuning.gemv` / `Tuning.tail`), and that tail once more on the fp16 bit route with
-    fp16 copies of its activations (`TailConfig.halves`), whichever route and copies the tuning picks today. One
-    launch each instead of recording an int4 engine's frame, which would add the tail without a next block and the
-    first q|k|v and audio-head GEMVs (variants of the same code) for about 2.5x the compile time."""
-    from .kernels.qweight import BITS_F16
-    from .quant import DEFAULT_SCHEMES
-
-    meta, bf16 = torch.device("meta"), torch.bfloat16
-    group = DEFAULT_SCHEMES["int4"].group
-
-    def int4(n: int, k: int) -> QWeight:
-        return QWeight(torch.empty(n, k // 2, dtype=torch.uint8, device=meta),
-                       torch.empty(n, k // group, device=meta), group, bf16)
-
-    n, k = 4096, 12288
-    out = torch.empty(2, n, device=meta)
-    linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), int4(n, k), out, residual=out,
-                config=tuning.gemv(2, n, k, False, 2, 1, group, "int4"), workspace=linear.GemvWorkspace(meta))
-    down = int4(n, k)
-    matmul.product(torch.empty(1024, k, dtype=bf16, device=meta), down,
-                   matmul.config_for(down, tuning.target.capability))
-    block = weights.blocks[0]
-    d, a, g, q = weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0]
-    h, xn, ln = torch.empty(2, d, device=meta), torch.empty(2, d, dtype=bf16, device=meta), block.ln2
-    cfg = tuning.tail(d, a, g, q, 1, group, "int4")
-    halves = replace(tail.with_products(cfg, lambda _, c: replace(c, convert=BITS_F16)), halves=True)
-    for config in (cfg, halves):
-        tail.block_tail(torch.empty(2, a, dtype=bf16, device=meta), h, xn,
-                        torch.empty(2, g // 2, dtype=bf16, device=meta), int4(d, a), int4(g, d), int4(d, g // 2), ln,
-                        weights.eps, tail.TailScratch(meta, tuning.programs),
-                        next_qkv=(int4(q, d), ln, torch.empty(2, q, dtype=bf16, device=meta)), config=config,
-                        fused=True)
-
-
-def _prefill_launches(weights, capability: int, rows: int = 1024) -> None:
-    """The prefill's products on a quantized LM block's weights (`kernels/matmul.py`; a plain weight's are cuBLAS's),
-    on meta tensors: one compile per format and tile shape (M is not specialised)."""
-    block = weights.blocks[0]
-    for weight in (block.qkv, block.o, block.gate_up, block.down):
-        if isinstance(weight, QWeight):
-            matmul.product(torch.empty(rows, weight.shape[1], dtype=weight.dtype, device="meta"), weight,
-                           matmul.config_for(weight, capability))
-
-
-def record_engine(engine, target: Target, buckets: tuple[int, ...] = (1,)) -> list[Launch]:
-    """Every distinct launch of one frame of `engine` (a `meta_engine`) per batch size in `buckets` (sampled; one song
-    teacher-forced too), on `target`."""
-    launches: dict[str, Launch] = {}
-    _record(engine, target, launches, buckets=buckets)
-    return list(launches.values())
-
-
-def _record(engine, target: Target, launches: dict, routes: str | None = None, buckets: tuple[int, ...] = (1,)
-            ) -> None:
-    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-        if is_manual_warmup:
-            return False  # a preload: compile it
-        launches.setdefault(compile["specialization_data"], Launch(fn.jit_function, compile["specialization_data"]))
-        return True  # recorded, not launched
-
-    from . import frame_graph
-
-    tma = target.tma
-    fused_tails = functools.partial(tail.block_tail, fused=True)  # as on a GPU (fused by default there)
-    with _patched(knobs.runtime, jit_cache_hook=hook), _patched(linear, tma_supported=lambda device: tma), \
-            _patched(tail, tma_supported=lambda device: tma), _patched(frame_graph, block_tail=fused_tails), \
-            _stand_in(target.capability, RECORDING + target.capability):
-        engine.allocate(512)
-        for bucket in buckets:
-            for forced in (False, True) if bucket == 1 else (False,):  # (teacher forcing: one song at a time)
-                engine.frame_graph.prepare(bucket, forced)()
-        _prefill_launches(engine.weights, target.capability)
-        if routes is not None:
-            _route_launches(engine.tuning, routes)
-        if routes == "int8":  # (int8 runs on every architecture)
-            _int4_launches(engine.tuning, engine.weights)
-
 
 # Kernels whose launch configuration no tuning changes: their code differs between architectures only through
 # Triton's per-generation passes, so the CI set compiles them for one architecture per generation.
@@ -309,22 +85,10 @@ def ci_set(launches: list[Launch], capability: int, small: bool = False) -> list
     return chosen
 
 
-RECORDING = 1000  # device ids of the recording stand-ins: apart from the compiling ones
-
-
-@contextlib.contextmanager
-def _stand_in(capability: int, device: int | None = None):
-    saved = driver._active
-    driver.set_active(_StandInDriver(capability, device))
-    try:
-        yield
-    finally:
-        driver._active = saved
-
 
 def compile_launch(launch: Launch, capability: int) -> Compiled:
     start = _cpu_seconds()
-    with _stand_in(capability):
+    with stand_in(capability):
         kernel = launch.fn.preload(launch.spec)
     seconds = _cpu_seconds() - start
     signature = json.loads(launch.spec)["signature"]

@@ -19,6 +19,7 @@ import torch
 from .engine_stream import EngineStream
 from .kernels import block_tail, cfg_sample, decode_attention, depth_attention, frame_tail, gemv, rmsnorm
 from .kernels.qweight import Weight, weight_format
+from .kernels.tail_config import TailConfig, o_reads_copy
 from .kernels.tuning import Tuning
 from .state import DeviceState, round_up
 from .weights import AUDIO_CODES, Block, EngineWeights
@@ -147,11 +148,12 @@ class FrameGraph:
             if index == 0 or not self.chain:  # layer 0 reads the feedback embedding frame_tail wrote (float32 only)
                 self._gemv(s, lm_h16 if index else lm_h, block.qkv, qkv, norm_weight=block.ln1, eps=w.eps)
             k_cache, v_cache, k_scale, v_scale = s.layer_caches(index)
+            following = w.blocks[index + 1] if index + 1 < len(w.blocks) else None
+            config, attn16 = self._tail_config(block, following, attn, lm_h, s)
             decode_attention(qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, attn,
                              s.attention, scale, w.eps, pdl=self.pdl, base=s.base[:songs], k_scale=k_scale,
-                             v_scale=v_scale)
-            following = w.blocks[index + 1] if index + 1 < len(w.blocks) else None
-            self._block_tail(block, following, attn, lm_h, lm_h16, act, qkv, w.eps, s)
+                             v_scale=v_scale, out16=attn16)
+            self._block_tail(block, following, attn, lm_h, lm_h16, act, qkv, w.eps, s, config=config, attn16=attn16)
         rmsnorm(lm_h, w.final_norm, lm_hidden, w.eps)
         counters = s.counters[:songs]
         torch.minimum(counters + 1, s.limits[:songs], out=counters)
@@ -172,25 +174,36 @@ class FrameGraph:
             if (index == 0 and not qkv_ready) or (index > 0 and not self.chain):
                 self._gemv(s, h16 if index else h, block.qkv, qkv, norm_weight=block.ln1, eps=w.depth_eps,
                            per_song=per_song)
-            depth_attention(qkv, out, s.dcache[index, 0, : rows // new], s.dcache[index, 1, : rows // new], base,
-                            new, scale, pdl=self.pdl)
             following = w.depth_blocks[index + 1] if index + 1 < len(w.depth_blocks) else None
-            self._block_tail(block, following, out, h, h16, act, qkv, w.depth_eps, s, per_song)
+            config, out16 = self._tail_config(block, following, out, h, s)
+            depth_attention(qkv, out, s.dcache[index, 0, : rows // new], s.dcache[index, 1, : rows // new], base,
+                            new, scale, pdl=self.pdl, out16=out16)
+            self._block_tail(block, following, out, h, h16, act, qkv, w.depth_eps, s, per_song, config, out16)
+
+    def _tail_config(self, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor,
+                     s: DeviceState) -> tuple[TailConfig | None, torch.Tensor | None]:
+        """The chained tail's config for `block` (None unchained) and, where its o product reads one
+        (`tail_config.o_reads_copy`), the fp16 copy of attn that the attention kernel before it writes."""
+        if not self.chain:
+            return None, None
+        qkv_rows = following.qkv.shape[0] if following is not None else 16
+        config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows,
+                                  *weight_format(block.o))
+        copy = s.tail_scratch.half("attn", attn) if o_reads_copy(config, block.o, attn.dtype) else None
+        return config, copy
 
     def _block_tail(
         self, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor, h16: torch.Tensor,
         act: torch.Tensor, qkv: torch.Tensor, eps: float, s: DeviceState, per_song: int = 2,
+        config: TailConfig | None = None, attn16: torch.Tensor | None = None,
     ) -> None:
-        """h += o·attn, the SwiGLU MLP on h, and when chained also the following block's q|k|v (which the
+        """h += o·attn, the SwiGLU MLP on h, and when chained (`config`) also the following block's q|k|v (which the
         unchained loop runs at the top of the next block). Chained, h16 is the tail's scratch for normalised inputs
         (no later kernel reads a bf16 copy of h: each stack's first q|k|v and its final norm read h)."""
-        if self.chain:
+        if config is not None:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
-            qkv_rows = following.qkv.shape[0] if following is not None else 16
-            config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows,
-                                      *weight_format(block.o))
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
-                       s.tail_scratch, next_qkv=next_qkv, config=config)
+                       s.tail_scratch, next_qkv=next_qkv, config=config, attn16=attn16)
             return
         self._gemv(s, attn, block.o, h, residual=h, out_copy=h16, per_song=per_song)
         self._gemv(s, h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True, per_song=per_song)

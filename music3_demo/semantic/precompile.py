@@ -7,7 +7,7 @@ self-check's batch of one, then each larger batch's kernels at the warm-up's cap
 for another engine than the graph one, or with MUSIC3_PRECOMPILE=0). That process builds the engine on the `meta`
 device as the card's plan sizes it (weights' precision, KV format, slots) for the built-in shapes the checkpoint has
 (the released model's or `tiny`'s; another shape: nothing to do), records every distinct launch of one frame of
-each batch size the engine captures (sampled and teacher-forced: arch_compile's recording, Triton's launcher pointed
+each batch size the engine captures (sampled and teacher-forced: arch_record's recording, Triton's launcher pointed
 at a stand-in for this GPU), and compiles them in a pool of spawned workers (`Launch.fn.preload`), which write into
 the same Triton cache as the app. A launch recorded differently from the real one (a pointer's alignment, say)
 is only a cache miss: the engine compiles it as before. Nothing it does can change what runs: Triton's cache key
@@ -138,8 +138,8 @@ def model_of(figures: dict) -> str | None:
 
 def record(args: dict, model: str) -> list:
     """Every distinct launch of the engine the plan sizes: one frame per captured batch size, sampled and
-    teacher-forced (arch_compile.record_engine)."""
-    from .arch_compile import meta_engine, record_engine
+    teacher-forced (arch_record.record_engine)."""
+    from .arch_record import meta_engine, record_engine
     from .kernels.tuning import Target, tuning_for_target
 
     target = Target(args["name"], args["capability"], args["sms"], args["shared"])
@@ -152,20 +152,20 @@ def _compile(capability: int, module: str, name: str, spec: str) -> float:
     """In a worker: compile one recorded launch into Triton's cache; its seconds."""
     from triton.runtime.jit import JITFunction
 
-    from .arch_compile import _stand_in
+    from .arch_record import stand_in
 
     began = time.perf_counter()
     fn = getattr(importlib.import_module(module), name)
     while not isinstance(fn, JITFunction):  # (a heuristics / autotune wrapper)
         fn = fn.fn
-    with _stand_in(capability):
+    with stand_in(capability):
         fn.preload(spec)
     return time.perf_counter() - began
 
 
 def _warm(_index: int) -> None:
     """In a worker, while the launches are recorded: import Triton and the kernels."""
-    from . import arch_compile  # noqa: F401
+    from . import arch_record  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,12 +68,14 @@ def test_every_engine_kernel_compiles_and_fits_every_architecture(reports):
         attention = [k for k in report["kernels"] if k["kernel"] == "_decode_attn_kernel"]
         if report["capability"] in (80, 90, 100, 120):  # (one architecture per generation: arch_compile.FIXED)
             assert {k["constants"]["INT8"] for k in attention} == {False, True}  # the bf16 and the int8 KV cache
+            for name in ("_decode_attn_kernel", "_depth_attn_kernel"):  # also with an fp16 copy of the output
+                assert {k["constants"]["HALF"] for k in report["kernels"] if k["kernel"] == name} == {False, True}
 
 
 def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(reports):
     """The engine on fp8/int8 weights (semantic/quant.py's default schemes): int8 on every architecture, fp8 from
     sm_89 on, each with every conversion route of kernels/qweight.py; and the GEMV and the chained tail (fused, with
-    the next block's q|k|v) on packed int4 (QUANT 3)."""
+    the next block's q|k|v) on packed int4 (QUANT 3), the tail also with fp16 copies of its activations."""
     for report in _full(reports):
         cap = report["capability"]
         quant = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] in ("_gemv_kernel",
@@ -84,7 +86,7 @@ def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(repor
         assert all((k["w_bytes"] == 1) == bool(k["constants"]["QUANT"]) for k in tails)
         assert any(k["constants"]["QUANT"] == 3 and k["constants"]["HAS_NEXT"] for k in tails)
         # the fp16 copies of the activations (`TailConfig.halves`), for each product that reads them
-        assert any(k["constants"]["QUANT"] == 3 and all(k["constants"][f"HALF_{p}"] for p in ("GU", "D", "Q"))
+        assert any(k["constants"]["QUANT"] == 3 and all(k["constants"][f"HALF_{p}"] for p in ("O", "GU", "D", "Q"))
                    for k in tails), cap
         # every conversion route of 1-byte tiles (kernels/qweight.CONVERSIONS), the native fp16 one with fp8 only
         routes = {k["constants"]["CONV"] for k in report["kernels"] if k["constants"].get("QUANT")
@@ -106,8 +108,9 @@ def test_the_tiny_model_compiles_on_sm90_in_every_weight_format(reports):
     assert names == {"_gemv_kernel", "_block_tail_kernel", "_decode_attn_kernel", "_depth_attn_kernel",
                      "_cfg_sample_kernel", "_rmsnorm_kernel", "_frame_tail_kernel", "_matmul_kernel"}
     assert {k["constants"]["QUANT"] for k in tiny["kernels"] if k["kernel"] == "_block_tail_kernel"} == {0, 1, 2}
-    (attention,) = [k for k in tiny["kernels"] if k["kernel"] == "_decode_attn_kernel"]
-    assert (attention["constants"]["D"], attention["constants"]["DP"]) == (8, 16)
+    attentions = [k for k in tiny["kernels"] if k["kernel"] == "_decode_attn_kernel"]  # (and with an fp16 copy)
+    assert [k["constants"]["HALF"] for k in attentions] == [False, True]
+    assert all((k["constants"]["D"], k["constants"]["DP"]) == (8, 16) for k in attentions)
     for kernel in tiny["kernels"]:
         assert kernel["shared"] <= tiny["shared_per_block"], kernel
         if kernel["kernel"] == "_block_tail_kernel":

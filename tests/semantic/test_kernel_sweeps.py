@@ -9,7 +9,7 @@ import sys
 
 from music3_demo.semantic.kernels import onebyte_space, tune_gemv, tune_onebyte, tune_tail
 from music3_demo.semantic.kernels.linear import GemvConfig as G
-from music3_demo.semantic.kernels.tail import TailConfig
+from music3_demo.semantic.kernels.tail_config import TailConfig
 from music3_demo.semantic.kernels.tuning import TABLES, Target, load_table, shared_bytes, tuning_for_target
 
 H200 = Target("NVIDIA H200", 90, 132)
@@ -100,7 +100,7 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
     from dataclasses import replace
 
     from music3_demo.semantic.kernels import tune_tail_grid
-    from music3_demo.semantic.kernels.tail import fit_tail_shape
+    from music3_demo.semantic.kernels.tail_config import fit_tail_shape
     from music3_demo.semantic.kernels.tuning import write_section
 
     tuning = tuning_for_target(H200)

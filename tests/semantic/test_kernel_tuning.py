@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from music3_demo.semantic.arch_compile import meta_engine
+from music3_demo.semantic.arch_record import meta_engine
 from music3_demo.semantic.kernels import linear, tail
 from music3_demo.semantic.kernels.linear import GemvConfig as G
 from music3_demo.semantic.kernels.tuning import (
@@ -232,3 +232,45 @@ def test_another_gpus_table_is_used_only_where_valid(tmp_path, monkeypatch, on_g
 def test_tables_are_packaged():
     text = (ROOT / "pyproject.toml").read_text()
     assert '"music3_demo.semantic.kernels" = ["tuning/*.json"]' in text and any(TABLES.glob("*.json"))
+
+
+@pytest.mark.parametrize("halves", [False, True])
+def test_a_tail_with_fp16_copies_reads_the_copy_its_attention_kernel_wrote(halves):
+    """The frame's part of `TailConfig.halves` (int8 weights, a bf16 model): where a stack's tail config asks for fp16
+    copies and its o product multiplies in fp16, the attention kernel before the tail is given an fp16 copy of its
+    output to write (`out16`) and the tail reads that very tensor (`attn16`), in the LM and the depth decoder; the
+    packaged tables (no copies) give neither."""
+    from dataclasses import replace
+
+    from music3_demo.semantic import frame_graph
+    from music3_demo.semantic.kernels.qweight import BITS_F16
+    from music3_demo.semantic.kernels.tail_config import with_products
+
+    class Copies(_Recording):
+        def tail(self, *key):
+            cfg = self.tuning.tail(*key)
+            return replace(with_products(cfg, lambda _, c: replace(c, convert=BITS_F16)), halves=halves)
+
+    engine = meta_engine(Copies(tuning_for_target(H200)), "int8")
+    calls = []
+    stubs = {name: (lambda *a, **k: None) for name in ("gemv", "cfg_sample", "frame_tail", "rmsnorm")}
+    stubs.update(decode_attention=lambda *a, **k: calls.append(("attention", a[8], k.get("out16"))),
+                 depth_attention=lambda *a, **k: calls.append(("attention", a[1], k.get("out16"))),
+                 block_tail=lambda *a, **k: calls.append(("tail", a[0], k.get("attn16"))))
+    saved = {name: getattr(frame_graph, name) for name in stubs}
+    try:
+        for name, stub in stubs.items():
+            setattr(frame_graph, name, stub)
+        engine.allocate(512)
+        engine.frame_graph.prepare(1, False)()
+    finally:
+        for name, value in saved.items():
+            setattr(frame_graph, name, value)
+    pairs = list(zip(calls[0::2], calls[1::2]))
+    assert len(pairs) == len(engine.weights.blocks) + 7 * len(engine.weights.depth_blocks)  # LM, then 7 depth passes
+    for (kind, out, out16), (tail_kind, attn, attn16) in pairs:
+        assert (kind, tail_kind) == ("attention", "tail") and attn is out
+        if halves:
+            assert attn16 is out16 and out16.dtype == torch.float16 and out16.shape == out.shape
+        else:
+            assert out16 is None and attn16 is None

@@ -131,3 +131,32 @@ def test_depth_attention_equals_causal_attention_over_the_whole_prefix(dtype, di
         base += new
     assert_close(torch.cat(got, dim=1).transpose(1, 2), expected, dtype)
     assert_close(k_cache, k, dtype)
+
+
+def test_both_attentions_also_write_a_saturated_fp16_copy_of_their_output_when_asked():
+    """`out16` (the chained tail's o product reads it on an fp16 route: `TailConfig.halves`): the output once more,
+    as fp16 saturated at 65504 (`linear.activation_tile`), the output itself unchanged; a copy laid out otherwise is
+    refused."""
+    batch, heads, kv_heads, dim, pos = 2, 4, 2, 16, 5
+    qkv = rand(batch, (heads + 2 * kv_heads) * dim, seed=5)
+    qkv[:, (heads + kv_heads) * dim:] *= 1e5  # values: the outputs reach beyond fp16's range
+    cos, sin = torch.ones(8, dim), torch.zeros(8, dim)
+    caches = [rand(batch, kv_heads, 8, dim, seed=s) * 1e5 for s in (6, 7)]
+    outs = []
+    for copy in (False, True):
+        k_cache, v_cache = (c.clone() for c in caches)
+        out, out16 = torch.empty(batch, heads * dim), torch.zeros(batch, heads * dim, dtype=torch.float16)
+        decode_attention(qkv, torch.ones(dim), torch.ones(dim), cos, sin, k_cache, v_cache,
+                         torch.tensor([pos], dtype=torch.int32), out, AttentionScratch.allocate(
+                             batch, heads, kv_heads, dim, 2, "cpu"), dim**-0.5, 1e-6, block=16,
+                         out16=out16 if copy else None)
+        outs.append(out)
+    assert out.abs().max() > 65504 and torch.equal(outs[0], outs[1])
+    assert torch.equal(out16, out.clamp(-65504, 65504).half())
+    sequence = rand(batch * 2, 3 * heads * dim, seed=11) * 1e5
+    k_cache, v_cache = torch.zeros(batch, heads, 4, dim), torch.zeros(batch, heads, 4, dim)
+    out, out16 = torch.empty(batch * 2, heads * dim), torch.zeros(batch * 2, heads * dim, dtype=torch.float16)
+    depth_attention(sequence, out, k_cache, v_cache, 0, 2, dim**-0.5, out16=out16)
+    assert out.abs().max() > 65504 and torch.equal(out16, out.clamp(-65504, 65504).half())
+    with pytest.raises(ValueError, match="fp16 copy"):
+        depth_attention(sequence, out, k_cache, v_cache, 2, 2, dim**-0.5, out16=out16[:, :-1])

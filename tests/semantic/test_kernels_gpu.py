@@ -123,7 +123,8 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     one block each, every grid size on its own barrier count)."""
     from dataclasses import replace
 
-    from music3_demo.semantic.kernels.tail import TailScratch, block_tail, default_tail_config, with_products
+    from music3_demo.semantic.kernels.tail import block_tail
+    from music3_demo.semantic.kernels.tail_config import TailScratch, default_tail_config, with_products
 
     hidden, gate_up_rows, qkv_rows = shape
     generator = torch.Generator(DEVICE).manual_seed(rows + qkv_rows)
@@ -169,13 +170,14 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
 @pytest.mark.parametrize("per_sm", [1, 2], ids=["one_per_sm", "two_per_sm"])
 def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm):
     """`TailConfig.halves` on an LM block (int4/g64 on the fp16 bit route, fp8 per channel on the native fp16 one):
-    the fused launch reading fp16 copies of its activations equals the fused launch converting every tile and one
-    launch per product, bit for bit, across graph replays. The copies are written by other programs between grid
+    the fused launch reading fp16 copies of its activations (o: of its attention input) equals the fused launch
+    converting every tile and one launch per product, bit for bit, across graph replays. The copies are written by other programs between grid
     barriers, as the bf16 activations are (`.cg` reads)."""
     from dataclasses import replace
 
     from music3_demo.semantic.kernels.qweight import BITS_F16, NATIVE_F16
-    from music3_demo.semantic.kernels.tail import TailScratch, block_tail, default_tail_config, with_products
+    from music3_demo.semantic.kernels.tail import block_tail
+    from music3_demo.semantic.kernels.tail_config import TailScratch, default_tail_config, with_products
     from music3_demo.semantic.quant import fp8_supported, quantize_weight
 
     if fmt == "fp8" and not fp8_supported(DEVICE):
@@ -192,6 +194,7 @@ def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm)
     ln1, ln2 = ((torch.rand(hidden, device=DEVICE, generator=generator) + 0.5).bfloat16() for _ in range(2))
     start = torch.randn(rows, hidden, device=DEVICE, generator=generator)
     attn = torch.randn(rows, hidden, device=DEVICE, generator=generator).bfloat16()
+    attn16 = attn.float().clamp(-65504, 65504).half()  # as the attention kernel writes it (`out16`)
     h, xn = torch.empty_like(start), torch.empty(rows, hidden, device=DEVICE, dtype=torch.bfloat16)
     act = torch.empty(rows, gate_up_rows // 2, device=DEVICE, dtype=torch.bfloat16)
     qkv = torch.empty(rows, qkv_rows, device=DEVICE, dtype=torch.bfloat16)
@@ -204,7 +207,7 @@ def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm)
     def run(fused: bool, halves: bool) -> list[torch.Tensor]:
         h.copy_(start)
         block_tail(attn, h, xn, act, o, gate_up, down, ln2, 1e-6, scratch, next_qkv=(next_qkv, ln1, qkv),
-                   config=replace(base, halves=halves), fused=fused)
+                   config=replace(base, halves=halves), fused=fused, attn16=attn16 if halves else None)
         return [t.clone() for t in (h, xn, act, qkv)]
 
     expected = run(fused=True, halves=False)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from dataclasses import replace
 
 from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, TailScratch, block_tail, gemv
-from music3_demo.semantic.kernels.tail import TailConfig
+from music3_demo.semantic.kernels.tail_config import TailConfig
 from music3_demo.semantic.kernels.linear import convert_tile
 from music3_demo.semantic.kernels.qweight import BITS_BF16, BITS_F16, NATIVE_F16, QWeight, int4_mma_order, int4_permute
 from music3_demo.semantic.quant import (

@@ -27,7 +27,8 @@ STALL_S = 10.0  # no round done by some thread for this long: the GPU stands sti
 
 def child() -> int:
     from music3_demo.random_models import FULL
-    from music3_demo.semantic.kernels.tail import TailScratch, block_tail
+    from music3_demo.semantic.kernels.tail import block_tail
+    from music3_demo.semantic.kernels.tail_config import TailScratch
 
     device = torch.device("cuda")
     d, a = FULL.hidden, FULL.lm_heads * FULL.lm_head_dim

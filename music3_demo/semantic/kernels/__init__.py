@@ -13,7 +13,8 @@ from .attention import AttentionScratch, decode_attention, depth_attention
 from .frame import cfg_sample, frame_tail, rmsnorm
 from .launch import interpreting, pdl_supported
 from .linear import GemvConfig, GemvWorkspace, gemv, interleave_rows
-from .tail import TailScratch, block_tail
+from .tail import block_tail
+from .tail_config import TailScratch
 
 __all__ = [
     "AttentionScratch",

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import padded_lanes, pdl_enter, pdl_launch
+from .launch import check_half_copy, padded_lanes, pdl_enter, pdl_launch
+from .linear import activation_tile
 
 
 @triton.jit
@@ -70,11 +71,11 @@ class AttentionScratch:
 @triton.jit
 def _decode_attn_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, pos_ptr, stride_pos,
-    base_ptr, part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr,
+    base_ptr, part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, out_ptr, out16_ptr,
     stride_qkv, stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_out, scale, eps,
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_POW2: tl.constexpr, D: tl.constexpr,
     DP: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr, POOLED: tl.constexpr,
-    INT8: tl.constexpr,
+    INT8: tl.constexpr, HALF: tl.constexpr,
 ):
     """Program (row·kv-head, split): the GROUP query heads sharing one kv head, over 1/SPLITS of the live context;
     the last of the SPLITS programs to finish combines them. The heads come raw from the q|k|v GEMV: each program
@@ -82,7 +83,8 @@ def _decode_attn_kernel(
     position's key and value into the cache before reading them back. Heads of D lanes run on DP (a small model's
     D=8 on 16: the products' least side), the lanes past D zero. INT8: the caches hold int8 head vectors with one
     float32 scale each (`semantic/kv_format.py`): the new position is quantized as it is written, a block of keys
-    scales its scores by their scales, a block of values the probabilities that weight them."""
+    scales its scores by their scales, a block of values the probabilities that weight them. HALF: the output also
+    goes to out16 as saturated fp16 (`_output`)."""
     if PDL:
         pdl_enter()
     bh = tl.program_id(0)
@@ -174,16 +176,26 @@ def _decode_attn_kernel(
         weight = tl.where(m_all > float("-inf"), tl.exp(m_all - m_max[:, None]), 0.0)
         denominator = tl.where(real, tl.sum(l_all * weight, axis=1), 1.0)
         out = tl.sum(o_all * weight[:, :, None], axis=1) / denominator[:, None]
-        tl.store(out_ptr + b * stride_out + (h * GROUP + gg)[:, None] * D + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=real[:, None] & lanes[None, :])
+        _output(out_ptr, out16_ptr, b * stride_out + (h * GROUP + gg)[:, None] * D + d[None, :], out,
+                real[:, None] & lanes[None, :], HALF)
         tl.atomic_xchg(count_ptr + bh, 0)  # ready for the next launch (or graph replay)
+
+
+@triton.jit
+def _output(out_ptr, out16_ptr, offsets, out, mask, HALF: tl.constexpr):
+    """An attention output tile in the model's dtype, and with HALF its copy in fp16 as an fp16 product's k-loop
+    would convert it (`linear.activation_tile`: saturated), for the chained tail's o product (`TailConfig.halves`)."""
+    value = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offsets, value, mask=mask)
+    if HALF:
+        tl.store(out16_ptr + offsets, activation_tile(value, out16_ptr.dtype.element_ty), mask=mask)
 
 
 def decode_attention(
     qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, scratch: AttentionScratch,
     scale: float, eps: float, block: int = 64, pdl: bool = False, base: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, out16: torch.Tensor | None = None,
 ) -> None:
     """One launch: q and k of the raw q|k|v GEMV output get the per-head RMSNorm and rotary at `pos`, k and v are
     written into the caches at `pos`, and out[b] = softmax(q k[: pos + 1]ᵀ) v.
@@ -192,7 +204,8 @@ def decode_attention(
     Several songs at once: rows 2s and 2s + 1 are song s's CFG pair, pos [S] (a strided view) its position, and with
     `base` (int32 [S]) the caches are a pool [2, KVH, P, D] where song s's context starts at position base[s].
     int8 caches come with their float32 scales, `k_scale` / `v_scale` [B or 2, KVH, S or P] (unit stride along
-    positions)."""
+    positions). `out16`: also write out as saturated fp16 there (out's shape and strides)."""
+    check_half_copy(out, out16, "the attention output")
     batch = qkv.shape[0]
     int8 = k_cache.dtype == torch.int8
     if int8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
@@ -208,23 +221,25 @@ def decode_attention(
     _decode_attn_kernel[(batch * kv_heads, splits)](
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, *scales, pos, pos.stride(0) if pos.numel() > 1 else 0,
         pos if base is None else base, scratch.o, scratch.m, scratch.l, scratch.counters, out,
-        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides, out.stride(0),
+        out if out16 is None else out16, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides, out.stride(0),
         scale, eps, KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         GROUP_POW2=triton.next_power_of_2(group), D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK=block, SPLITS=splits, PDL=pdl, POOLED=base is not None, INT8=int8, num_warps=4, **pdl_launch(pdl),
+        BLOCK=block, SPLITS=splits, PDL=pdl, POOLED=base is not None, INT8=int8, HALF=out16 is not None,
+        num_warps=4, **pdl_launch(pdl),
     )
 
 
 @triton.jit
 def _depth_attn_kernel(
-    qkv_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
+    qkv_ptr, out_ptr, out16_ptr, k_cache_ptr, v_cache_ptr,
     stride_qkv, stride_out, stride_cb, stride_ch, scale,
     NH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BASE: tl.constexpr, NEW: tl.constexpr,
-    MAXP: tl.constexpr, PDL: tl.constexpr,
+    MAXP: tl.constexpr, PDL: tl.constexpr, HALF: tl.constexpr,
 ):
     """Program (row, head): NEW new positions (rows b·NEW + i of qkv) attend causally to the BASE cached ones and
     to each other; their k, v are then appended to the cache. Keys of new positions come from registers, so no
-    program reads what another one writes. Heads of D lanes run on DP (the next power of two)."""
+    program reads what another one writes. Heads of D lanes run on DP (the next power of two). HALF: the output also
+    goes to out16 as saturated fp16 (`_output`)."""
     if PDL:
         pdl_enter()
     b = tl.program_id(0)
@@ -249,22 +264,24 @@ def _depth_attn_kernel(
         scores = tl.where(p <= BASE + i, scores, float("-inf"))
         w = tl.exp(scores - tl.max(scores, axis=0))
         o = tl.sum(vf * w[:, None], axis=0) / tl.sum(w, axis=0)
-        tl.store(out_ptr + row * stride_out + h * D + d, o.to(out_ptr.dtype.element_ty), mask=lanes)
+        _output(out_ptr, out16_ptr, row * stride_out + h * D + d, o, lanes, HALF)
     tl.store(k_cache_ptr + cache_offs, k, mask=is_new)
     tl.store(v_cache_ptr + cache_offs, v, mask=is_new)
 
 
 def depth_attention(
     qkv: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int, new: int,
-    scale: float, pdl: bool = False,
+    scale: float, pdl: bool = False, out16: torch.Tensor | None = None,
 ) -> None:
-    """qkv [B·new, 3·NH·D] (rows b·new + i), out [B·new, NH·D], caches [B, NH, P, D] contiguous in (P, D)."""
+    """qkv [B·new, 3·NH·D] (rows b·new + i), out [B·new, NH·D], caches [B, NH, P, D] contiguous in (P, D);
+    `out16`: also write out as saturated fp16 there (out's shape and strides)."""
+    check_half_copy(out, out16, "the attention output")
     batch, heads, max_pos, head_dim = k_cache.shape
     if base + new > max_pos:
         raise ValueError(f"depth positions {base}+{new} exceed the cache ({max_pos})")
     _depth_attn_kernel[(batch, heads)](
-        qkv, out, k_cache, v_cache, qkv.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1), scale,
-        NH=heads, D=head_dim, DP=triton.next_power_of_2(head_dim), BASE=base, NEW=new,
-        MAXP=triton.next_power_of_2(max_pos), PDL=pdl, num_warps=4,
+        qkv, out, out if out16 is None else out16, k_cache, v_cache, qkv.stride(0), out.stride(0), k_cache.stride(0),
+        k_cache.stride(1), scale, NH=heads, D=head_dim, DP=triton.next_power_of_2(head_dim), BASE=base, NEW=new,
+        MAXP=triton.next_power_of_2(max_pos), PDL=pdl, HALF=out16 is not None, num_warps=4,
         **pdl_launch(pdl),
     )

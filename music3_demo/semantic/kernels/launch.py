@@ -1,5 +1,5 @@
-"""How the kernels are launched: whether Triton is interpreting on CPU, programmatic dependent launch (PDL), and the
-mask of a dimension padded to a power of two."""
+"""How the kernels are launched: whether Triton is interpreting on CPU, programmatic dependent launch (PDL), the
+mask of a dimension padded to a power of two, and the check of an activation's fp16 copy."""
 
 from __future__ import annotations
 
@@ -55,3 +55,9 @@ def padded_lanes(d, D: tl.constexpr, DP: tl.constexpr):
         return tl.full(d.shape, 1, tl.int1)
     else:
         return d < D
+
+
+def check_half_copy(t: torch.Tensor, copy: torch.Tensor | None, name: str) -> None:
+    """An activation's fp16 copy (which fp16 products read: `tail_config.TailConfig.halves`) is laid out as the activation."""
+    if copy is not None and (copy.dtype != torch.float16 or copy.shape != t.shape or copy.stride() != t.stride()):
+        raise ValueError(f"{name}'s fp16 copy must be fp16, with {name}'s shape and strides")

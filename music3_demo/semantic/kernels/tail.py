@@ -25,145 +25,28 @@ program can be resident. `MUSIC3_TAIL_COOPERATIVE=0` launches it the old way, fo
 Triton's CPU interpreter runs programs one at a time and so never has them all resident: there `block_tail`
 launches the same kernel once per product (`fused=False`), which is also the GPU test's oracle for the fused launch.
 
-fp16 copies (`TailConfig.halves`): a product on an fp16 route (packed int4, fp8) converts its bf16 activation tile
-to fp16 in every K step of every row block: the same 16-row tile again for each of a program's row blocks,
-saturated, then through shared memory once more for the MMA (on sm_90 ~150 of a tile's ~780 instructions in the
-int4 LM tail, and a barrier). With `halves`, the product before it writes its output once more as fp16 (saturated
-alike), and the fp16 product reads that copy as its tiles arrive: the same values, bit for bit.
-
-Programs per SM (`TailConfig.per_sm`): one program of 4 warps per SM streams bf16 weights near the copy bandwidth,
-but a 1-byte weight tile is converted in registers, long chains of dependent instructions with one warp per
-scheduler to issue them; more programs per SM (a grid of `per_sm` x the SM-bound program count) give the schedulers
-other warps to switch to. The cooperative launch still guarantees that they are all resident; each grid size keeps
-its own arrival count (`TailScratch.counts`), so launches of different sizes can share one scratch.
+What each launch is given (its config, programs per SM, fp16 copies, the scratch): `tail_config`.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import interpreting
+from .launch import check_half_copy, interpreting
 from .linear import (
-    GemvConfig, TensorDescriptor, activation_tile, channel_scale, dot_tile, fit_group, fit_shape, gemv_epilogue,
-    prefetch_rows_l2, tma_supported, weight_ptrs, weight_tile,
+    GemvConfig, TensorDescriptor, activation_tile, channel_scale, dot_tile, fit_group, gemv_epilogue, prefetch_rows_l2,
+    tma_supported, weight_ptrs, weight_tile,
 )
 from .qweight import Weight, kernel_args
+from .tail_config import PRODUCTS, TailConfig, TailScratch, default_tail_config, o_reads_copy, with_products
 
 # The fused tail's launch is cooperative (see the module docstring); "0" only to measure the other way.
 COOPERATIVE = os.environ.get("MUSIC3_TAIL_COOPERATIVE", "1") != "0"
-
-
-MAX_PER_SM = 4  # programs per SM a tail config may ask for (`TailConfig.per_sm`)
-
-
-class TailScratch:
-    """The grid barriers' arrival counts and each program's partial sums of squares (one row per program, 16 columns
-    for the rows of x); one per engine state, shared in stream order by the tails' launches. `programs` is the grid
-    of one program per SM; a config's grid is `per_sm` times it, and each of those sizes has its own count (which
-    stays a multiple of its grid between barriers)."""
-
-    def __init__(self, device: torch.device | str, programs: int | None = None) -> None:
-        device = torch.device(device)
-        self.programs = programs or default_programs(device)
-        self.counts = torch.zeros(MAX_PER_SM, device=device, dtype=torch.int64)
-        self.partials = torch.zeros(triton.next_power_of_2(self.programs * MAX_PER_SM), 16, device=device,
-                                    dtype=torch.float32)
-        self._halves: dict[tuple, torch.Tensor] = {}
-
-    def half(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """The fp16 copy of activation `name` (up to 16 rows shaped and strided as `like`), which the products that
-        multiply in fp16 read (`_product`'s HALF). Made at a tail's first launch (the engine's warm-up, before any
-        graph is captured), then the same tensor every time."""
-        key = (name, like.shape[1], like.stride(0))
-        if key not in self._halves:
-            self._halves[key] = torch.empty(16, like.stride(0), device=like.device, dtype=torch.float16)
-        return self._halves[key][: like.shape[0], : like.shape[1]]
-
-    def grid(self, per_sm: int) -> int:
-        if not 1 <= per_sm <= MAX_PER_SM:
-            raise ValueError(f"a chained tail takes from 1 to {MAX_PER_SM} programs per SM, not {per_sm}")
-        return self.programs * per_sm
-
-    def count(self, per_sm: int = 1) -> torch.Tensor:
-        """The arrival count of the grid of `per_sm` programs per SM (a one-element view)."""
-        return self.counts[per_sm - 1:per_sm]
-
-
-PRODUCTS = ("o", "gate_up", "down", "qkv")  # a TailConfig's products, in the order the launch runs them
-
-
-@dataclass(frozen=True)
-class TailConfig:
-    o: GemvConfig
-    gate_up: GemvConfig
-    down: GemvConfig
-    qkv: GemvConfig
-    num_warps: int = 4
-    prefetch: int = 0  # bytes per weight row pulled into L2 before each barrier (measured: 1-8 KB only cost time)
-    per_sm: int = 1  # programs per SM (the module docstring): the grid is per_sm x `TailScratch.programs`
-    # products multiplying in fp16 read fp16 copies of their inputs, written once by the product before them
-    # (`_product`'s HALF), instead of converting the same activations for every weight tile
-    halves: bool = False
-
-
-def with_products(cfg: TailConfig, change) -> TailConfig:
-    """`cfg` with each product's config replaced by `change(name, config)`; its launch settings kept."""
-    return replace(cfg, **{name: change(name, getattr(cfg, name)) for name in PRODUCTS})
-
-
-@functools.lru_cache(maxsize=None)
-def default_programs(device: torch.device) -> int:
-    """128 programs (the LM's and depth decoder's row blocks divide evenly) or fewer on smaller GPUs: every program
-    must be resident at once for the barrier."""
-    if device.type != "cuda":
-        return 4
-    return min(128, torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-def default_tail_config(hidden: int, attn: int, gate_up: int, qkv: int, device: torch.device) -> TailConfig:
-    """The heuristic config of a shape no tuning table names (`kernels/tuning.py`): row blocks that split evenly over
-    128 programs (o/down: 32 rows as tuned for the GEMV; gate|up and q|k|v: 3 blocks of the LM's or depth decoder's
-    rows each), K tiles cut to what each product's K allows (`fit_tail_shape`: a small model's)."""
-    if interpreting() or device.type != "cuda":
-        def small(k: int) -> GemvConfig:
-            return GemvConfig(block_n=16, block_k=next((b for b in (64, 32, 16) if k % b == 0), 16))
-
-        cfg = TailConfig(small(attn), small(hidden), small(gate_up // 2), small(hidden), prefetch=0)
-    else:
-        cfg = TailConfig(
-            o=GemvConfig(32, 256, 4, 5),
-            gate_up=_tile(_even_block(gate_up)),
-            down=GemvConfig(32, 256, 4, 5),
-            qkv=_tile(_even_block(qkv)),
-        )
-    return fit_tail_shape(cfg, hidden, attn, gate_up, qkv)
-
-
-def fit_tail_shape(cfg: TailConfig, hidden: int, attn: int, gate_up: int, qkv: int) -> TailConfig:
-    """Each product's config cut down to its shape (`linear.fit_shape`; gate|up keeps whole gate/up pairs per row
-    block): the config itself when it fits, as every full-size one does."""
-    products = (fit_shape(cfg.o, hidden, attn), fit_shape(cfg.gate_up, gate_up, hidden, swiglu=True),
-                fit_shape(cfg.down, hidden, gate_up // 2), fit_shape(cfg.qkv, qkv, hidden))
-    if products == (cfg.o, cfg.gate_up, cfg.down, cfg.qkv):
-        return cfg
-    return replace(cfg, o=products[0], gate_up=products[1], down=products[2], qkv=products[3])
-
-
-def _tile(block_n: int) -> GemvConfig:
-    """The o/down products' tiles (a plain k-loop, as every product of the tail is), narrower pipelines for 64 rows
-    to fit shared memory."""
-    return GemvConfig(block_n, 256, 4, 5 if block_n <= 32 else 4)
-
-
-def _even_block(rows: int, programs: int = 128) -> int:
-    """The widest power-of-two row block (16..64) that gives every one of `programs` programs the same number."""
-    return next((b for b in (64, 32, 16) if rows % (b * programs) == 0), 16)
 
 
 @triton.jit
@@ -275,7 +158,7 @@ def _product(
 
 @triton.jit
 def _block_tail_kernel(
-    attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr, xn16_ptr, act16_ptr,
+    attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr, attn16_ptr, xn16_ptr, act16_ptr,
     wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, so_ptr, sgu_ptr, sd_ptr, sq_ptr,
     ln2_ptr, ln1_ptr, part_ptr, bar_ptr,
     s_attn, s_h, s_act, s_qkv, eps,
@@ -290,7 +173,8 @@ def _block_tail_kernel(
     QUANT: tl.constexpr, GROUP: tl.constexpr,
     DT_O: tl.constexpr, CV_O: tl.constexpr, WS_O: tl.constexpr, DT_GU: tl.constexpr, CV_GU: tl.constexpr,
     WS_GU: tl.constexpr, DT_D: tl.constexpr, CV_D: tl.constexpr, WS_D: tl.constexpr, DT_Q: tl.constexpr,
-    CV_Q: tl.constexpr, WS_Q: tl.constexpr, HALF_GU: tl.constexpr, HALF_D: tl.constexpr, HALF_Q: tl.constexpr,
+    CV_Q: tl.constexpr, WS_Q: tl.constexpr, HALF_O: tl.constexpr, HALF_GU: tl.constexpr, HALF_D: tl.constexpr,
+    HALF_Q: tl.constexpr,
 ):
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
     input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/GROUP: the weights' format (one for all four
@@ -298,11 +182,12 @@ def _block_tail_kernel(
     route and the power of two it leaves (its `GemvConfig.convert`). GRID: the number of programs. SYNC: one launch
     for all products (FRESH reads), with grid barriers between them unless BARRIERS is off (timing only).
     HALF_GU, HALF_D, HALF_Q: that product multiplies in fp16 and reads its input from the fp16 copy (xn16, act16,
-    same strides as xn and act) that the product before it writes (`_product`'s HALF)."""
+    same strides as xn and act) that the product before it writes (`_product`'s HALF); HALF_O: o reads attn16, the
+    copy the attention kernel wrote."""
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
-        _product(attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, xn16_ptr, ln2_ptr, part_ptr, eps,
-                 M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, GRID, QUANT, GROUP,
-                 DT_O, CV_O, WS_O, HALF_GU)
+        _product(attn16_ptr if HALF_O else attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, xn16_ptr,
+                 ln2_ptr, part_ptr, eps, M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, GRID,
+                 QUANT, GROUP, DT_O, CV_O, WS_O, HALF_GU)
     if SYNC and BARRIERS:
         _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU, QUANT)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
@@ -345,6 +230,7 @@ def block_tail(
     config: TailConfig | None = None,
     fused: bool | None = None,
     barriers: bool = True,
+    attn16: torch.Tensor | None = None,
 ) -> None:
     """h += o·attn; act = SwiGLU(gate_up · RMSNorm(h; ln2)); h += down·act; and with `next_qkv` = (weight, ln1, out)
     the next block's out = weight · RMSNorm(h; ln1). Each RMSNorm reads h rounded to bf16, as `gemv` reads the
@@ -355,7 +241,8 @@ def block_tail(
     `gate_up` is row-interleaved (`linear.interleave_rows`). `fused` (default: on a GPU) runs everything in one
     launch with grid barriers; otherwise one launch per product. `barriers=False` leaves the fused launch's barriers
     out: wrong results, only to time what they cost. The weights are all model-dtype tensors or all `QWeight`s of one
-    format (1-byte or packed int4)."""
+    format (1-byte or packed int4). `attn16`: attn's fp16 copy (`attention`'s out16), which o reads where the config
+    has `halves` and o multiplies in fp16 (`o_reads_copy`)."""
     m, d = h.shape
     g, a = gate_up.shape[0], attn.shape[1]
     q = next_qkv[0].shape[0] if next_qkv is not None else 16
@@ -390,6 +277,8 @@ def block_tail(
     # with `halves`, the products that multiply in fp16 (in a model of another dtype) read fp16 copies of the inputs
     half_gu, half_d, half_q = (cfg.halves and p[4] == tl.float16 and xn.dtype != torch.float16 for p in packed[1:])
     half_q = half_q and next_qkv is not None
+    check_half_copy(attn, attn16, "attn")
+    half_o = attn16 is not None and o_reads_copy(cfg, o, attn.dtype)
     xn16 = scratch.half("xn", xn) if half_gu or half_q else xn
     act16 = scratch.half("act", act) if half_d else act
     common = dict(
@@ -400,12 +289,12 @@ def block_tail(
            for name, p in zip(("GU", "D", "Q"), packed[1:])},
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
-        QUANT=packed[0][2], GROUP=packed[0][3], HALF_GU=half_gu, HALF_D=half_d, HALF_Q=half_q,
+        QUANT=packed[0][2], GROUP=packed[0][3], HALF_O=half_o, HALF_GU=half_gu, HALF_D=half_d, HALF_Q=half_q,
         **{f"{key}_{name}": value for name, p in zip(("O", "GU", "D", "Q"), packed)
            for key, value in zip(("DT", "CV", "WS"), p[4:])},
     )
     (wo, so, *_), (wgu, sgu, *_), (wd, sd, *_), (wqd, sq, *_) = packed
-    args = (attn, h, xn, act, qkv_out, xn16, act16, wo, _descriptor(wo, cfg.o, a), wgu, _descriptor(wgu, cfg.gate_up, d),
+    args = (attn, h, xn, act, qkv_out, attn16 if half_o else attn, xn16, act16, wo, _descriptor(wo, cfg.o, a), wgu, _descriptor(wgu, cfg.gate_up, d),
             wd, _descriptor(wd, cfg.down, g // 2), wqd, _descriptor(wqd, cfg.qkv, d), so, sgu, sd, sq, ln2, ln1,
             scratch.partials,
             scratch.count(cfg.per_sm), attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))

@@ -36,7 +36,8 @@ import torch
 from .linear import GemvConfig, GemvWorkspace, gemv, tile_fits_groups
 from .onebyte_space import FORMATS, ROUTES, fits_shape, route_tiles, tiles
 from .qweight import BITS_F16, CONVERSIONS, NATIVE_F16
-from .tail import TailConfig, TailScratch, block_tail, with_products
+from .tail import block_tail
+from .tail_config import TailConfig, TailScratch, with_products
 from .tune_gemv import SHAPES, time_graph
 from .tuning import Target, Tuning, load_table, tuning_for
 
@@ -145,6 +146,7 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
                ln1=torch.rand(d, device=device, dtype=DTYPE) + 0.5,
                ln2=torch.rand(d, device=device, dtype=DTYPE) + 0.5) for _ in range(layers)]
     attn = torch.randn(2, a, device=device, dtype=DTYPE)
+    attn16 = attn.float().clamp(-65504, 65504).half()  # the attention kernel's fp16 copy (read with `halves`)
     start = torch.randn(2, d, device=device)
     h, h16 = start.clone(), start.to(DTYPE)  # h16: the NORM products' input, in the model's dtype
     act = torch.zeros(2, g // 2, device=device, dtype=DTYPE)
@@ -154,7 +156,7 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
     def launch(cfg: TailConfig, index: int, barriers: bool = True) -> None:
         w = ws[index % layers]
         block_tail(attn, h, h16, act, w["o"], w["gate_up"], w["down"], w["ln2"], 1e-6, scratch,
-                   next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg, barriers=barriers)
+                   next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg, barriers=barriers, attn16=attn16)
 
     def expected() -> tuple[torch.Tensor, torch.Tensor]:
         """Block 0 in torch on the dequantized weights (float32, the kernels' roundings of h to the model dtype)."""

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from .linear import GemvConfig, gemv
-from .tail import TailConfig, TailScratch, block_tail
+from .tail import block_tail
+from .tail_config import TailConfig, TailScratch
 from .tune_gemv import show_and_save, time_graph
 from .tuning import Target, Tuning, tuning_for
 

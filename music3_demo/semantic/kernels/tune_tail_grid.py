@@ -39,7 +39,7 @@ import torch
 
 from .onebyte_space import FORMATS, SHARED_LIMIT
 from .qweight import BITS_F16, CAST, NATIVE_F16
-from .tail import PRODUCTS, TailConfig, with_products
+from .tail_config import PRODUCTS, TailConfig, with_products
 from .tune_gemv import time_graph
 from .tune_onebyte import FAMILIES, tail_family, write_table
 from .tuning import Target, Tuning, shared_bytes, tuning_for, tuning_for_target

@@ -8,7 +8,7 @@ import time and nothing comes from the environment. The choice, most specific fi
 2. else a table measured on the same architecture, then on the same architecture family (major version), of which
    only the entries valid here are used (TMA only from Hopper on, shared memory within this GPU's per-block limit);
 3. else (and for every shape a table leaves out or is not valid here) the heuristic: `linear.default_config` and
-   `tail.default_tail_config`, shrunk to this GPU's shared memory and cut to the product's shape (`linear.fit_shape`:
+   `tail_config.default_tail_config`, shrunk to this GPU's shared memory and cut to the product's shape (`linear.fit_shape`:
    a small model's K of 32 takes 32-column tiles; the full-size model's configs fit as they are).
 The chained tail's grid barrier needs all its programs resident at once: `Tuning.programs` is at most the device's
 SM count (read at run time, so a MIG slice or a cut-down card gets its own number), and a tuned tail's grid is its
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from . import linear, tail
+from . import linear, tail_config
 from .linear import GemvConfig
 from .qweight import NATIVE_F16
-from .tail import TailConfig
+from .tail_config import TailConfig
 
 TABLES = Path(__file__).with_name("tuning")
 
@@ -207,16 +207,16 @@ class Tuning:
                 return tuned
         if w_bytes == 1:
             base = self.tail(hidden, attn, gate_up, qkv)
-            ks = dict(zip(tail.PRODUCTS, (attn, hidden, gate_up // 2, hidden)))
-            cfg = tail.with_products(base, lambda name, c: one_byte_config(c, ks[name], group))
+            ks = dict(zip(tail_config.PRODUCTS, (attn, hidden, gate_up // 2, hidden)))
+            cfg = tail_config.with_products(base, lambda name, c: one_byte_config(c, ks[name], group))
         elif self.target is None:
-            return tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cpu"))
+            return tail_config.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cpu"))
         else:
-            cfg = tail.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cuda"))
+            cfg = tail_config.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cuda"))
         if self.target is not None:
             limit = self.target.shared_per_block
-            cfg = tail.with_products(cfg, lambda _, c: fit_shared(c, limit, 2, w_bytes))
-        return tail.fit_tail_shape(cfg, hidden, attn, gate_up, qkv)
+            cfg = tail_config.with_products(cfg, lambda _, c: fit_shared(c, limit, 2, w_bytes))
+        return tail_config.fit_tail_shape(cfg, hidden, attn, gate_up, qkv)
 
     @property
     def programs(self) -> int:
