@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One device call (<= 9.5 min on an H200: tuning <= 225 s, bench <= 160 s, tests <= 170 s): sweep the 1-byte kernels (semantic/kernels/tune_onebyte.py: conversion routes x tiles,
-# GEMVs and chained tails), bench bf16/fp8/int8 with the table it wrote, then the 1-byte GPU tests with that table
-# as this GPU's packaged one (the device's copy of the checkout only). Files in $OUT:
-# gpu.txt onebyte.json onebyte.rows.json tune.log bench.json bench.log pytest.log summary.txt (grid: also
-# pytest-tail.log bench-packaged.json bench-packaged.log); the .log files end in logs.tar.gz.
-# SWEEP=grid first runs the fused tail's GPU test (pytest-tail.log), then sweeps the chained tails' grid instead
-# (semantic/kernels/tune_tail_grid.py: programs per SM, warps, deeper pipelines, fp16 copies, the barriers' cost;
-# bf16 and fp8 tails included), benches int8 and int4 on the packaged table too (bench-packaged.json: both sides in
-# one call), then the fp16 copies' GPU test and the 1-byte GPU tests, each stage within what is left of 9.5 minutes.
+# One device call (<= 9.5 min on an H200). Default: sweep the 1-byte kernels (semantic/kernels/tune_onebyte.py:
+# conversion routes x tiles, GEMVs and chained tails, <= 225 s), bench bf16/fp8/int8 with the table it wrote, then the
+# 1-byte GPU tests with that table as this GPU's packaged one (the device's copy of the checkout only).
+# SWEEP=grid: sweep the chained tails' grid instead (semantic/kernels/tune_tail_grid.py: programs per SM, warps,
+# deeper pipelines, fp16 copies, the barriers' cost; int8, int4, fp8 and bf16 tails, <= 240 s), then one bench of
+# fp8/int8/int4 on the packaged table and on the swept one (`--compare-tuning`: both sides in one process), then
+# the fused tail's GPU tests (wider grids, fp16 copies: pytest-tail.log) and the 1-byte GPU tests, each stage
+# within what is left. Files in $OUT: gpu.txt onebyte.json onebyte.rows.json bench.json summary.txt logs.tar.gz
+# (tune.log bench.log pytest.log [pytest-tail.log]).
 # Usage (repo root): [SWEEP=grid] [BUDGET=190] [FORMATS=fp8/channel,int8/g128,fp8/g128,int8/channel]
 #   bash scripts/onebyte_check.sh
 set -o pipefail
@@ -23,32 +23,35 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 left() { echo $((570 - SECONDS)); }
 if [ "${SWEEP:-onebyte}" = grid ]; then
-  PRECISIONS=int8,int4 FRAMES=300
-  # the last stage's tests: first the fp16 copies of a quantized tail's activations against converting every tile
-  TESTS="tests/semantic/test_kernels_gpu.py::test_fp16_copies_of_a_quantized_tails_activations_change_no_bit
-    tests/semantic/test_quant_gpu.py"
-  # first the fused tail's own test with 1, 2 and 3 programs per SM in one graph (the wider grids' correctness)
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k mixed \
-    "tests/semantic/test_kernels_gpu.py::test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays" \
-    2>&1 | tail -n 15 > "$OUT/pytest-tail.log"; tail -n 1 "$OUT/pytest-tail.log"
+  # 1. the tails' sweep (its table written after each format), 2. one bench: every graph engine on the packaged
+  # table and on the swept one (`@compare`), same weights, same process, 3. the GPU tests of what the sweep may pick
   timeout "${TUNE_TIMEOUT:-240}" python3 -m music3_demo.semantic.kernels.tune_tail_grid "$OUT/onebyte.json" \
-    --formats "${FORMATS:-bf16,int8/g128,int4/g64,fp8/channel}" 2>&1 | tee "$OUT/tune.log" | cut -c1-220 | tail -n 60
+    --formats "${FORMATS:-int8/g128,int4/g64,fp8/channel,bf16}" 2>&1 | tee "$OUT/tune.log" | cut -c1-220 | tail -n 60
+  COMPARE=()
+  [ -s "$OUT/onebyte.json" ] && COMPARE=(--compare-tuning "$OUT/onebyte.json")
+  budget=$(( $(left) - 120 )); [ "$budget" -gt 90 ] || budget=90  # (the tests keep about two minutes)
+  timeout "$budget" python3 -m music3_demo.bench semantic --model random-full --engine graph \
+    --precision fp8,int8,int4 --prompt-tokens 400 --frames 300 "${COMPARE[@]}" --output "$OUT/bench.json" 2>&1 \
+    | grep -v 'should be kept in float32\|weight_norm' > "$OUT/bench.log"
+  # the wider grids in one graph (1, 2 and 3 programs per SM) and the fp16 copies against converting every tile
+  timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider -k "mixed or fp16_copies" \
+    "tests/semantic/test_kernels_gpu.py::test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays" \
+    "tests/semantic/test_kernels_gpu.py::test_fp16_copies_of_a_quantized_tails_activations_change_no_bit" \
+    2>&1 | tail -n 15 > "$OUT/pytest-tail.log"; tail -n 1 "$OUT/pytest-tail.log"
+  TESTS=tests/semantic/test_quant_gpu.py
 else
-  PRECISIONS=bf16,fp8,int8 FRAMES=500 TESTS=tests/semantic/test_quant_gpu.py
   timeout "${TUNE_TIMEOUT:-225}" python3 -m music3_demo.semantic.kernels.tune_onebyte "$OUT/onebyte.json" --budget "${BUDGET:-190}" \
     --formats "${FORMATS:-fp8/channel,int8/g128,fp8/g128,int8/channel}" 2>&1 | tee "$OUT/tune.log" \
     | grep -v '^SKIP\|^  tail' | tail -n 60
+  TUNING=()
+  [ -s "$OUT/onebyte.json" ] && TUNING=(--tuning "$OUT/onebyte.json")
+  if [ "$(left)" -gt 60 ]; then
+    timeout "$(left)" python3 -m music3_demo.bench semantic --model random-full --engine graph \
+      --precision bf16,fp8,int8 --prompt-tokens 400 --frames 500 "${TUNING[@]}" \
+      --output "$OUT/bench.json" 2>&1 | grep -v 'should be kept in float32\|weight_norm' > "$OUT/bench.log"
+  fi
+  TESTS=tests/semantic/test_quant_gpu.py
 fi
-TUNING=()
-[ -s "$OUT/onebyte.json" ] && TUNING=(--tuning "$OUT/onebyte.json")
-
-for side in $([ "${SWEEP:-onebyte}" = grid ] && echo packaged) tuned; do
-  [ "$(left)" -gt 60 ] || { echo "no time for the $side bench"; break; }
-  name=$([ $side = tuned ] && echo bench || echo bench-packaged)
-  timeout "$(left)" python3 -m music3_demo.bench semantic --model random-full --engine graph \
-    --precision $PRECISIONS --prompt-tokens 400 --frames $FRAMES $([ $side = tuned ] && echo "${TUNING[@]}") \
-    --output "$OUT/$name.json" 2>&1 | grep -v 'should be kept in float32\|weight_norm' > "$OUT/$name.log"
-done
 
 # the GPU tests read this GPU's packaged table: the tuned one stands in for it here
 [ -s "$OUT/onebyte.json" ] && cp "$OUT/onebyte.json" music3_demo/semantic/kernels/tuning/nvidia-h200.sm90.json
@@ -88,15 +91,13 @@ elif rows.exists():
               f" conv {[r['best'][p]['convert'] for p in ('o', 'gate_up', 'down', 'qkv')]}")
 else:
     print("no tuning rows (see tune.log)")
-for name in ("bench-packaged", "bench"):
-    if name == "bench-packaged" and not (out / f"{name}.log").exists():
-        continue
-    try:
-        bench = json.loads((out / f"{name}.json").read_text())
-        print(f"{name}: frames/s at 400:", {k: round(v, 1) for k, v in bench["frames_per_s_by_engine"]["400"].items()},
-              "tuning:", bench.get("tuning"))
-    except Exception as error:  # noqa: BLE001
-        print(f"{name} failed:", error)
+try:
+    bench = json.loads((out / "bench.json").read_text())
+    print("bench: frames/s at 400:", {k: round(v, 1) for k, v in bench["frames_per_s_by_engine"]["400"].items()},
+          "tuning:", bench.get("tuning"), "compare:", bench.get("compare_tuning"))
+    print("teacher-forced checks:", {k: v.get("ok") for k, v in bench.get("teacher_forced_check", {}).items()})
+except Exception as error:  # noqa: BLE001
+    print("bench failed:", error)
 for name in ("pytest-tail.log", "pytest.log"):
     if (out / name).exists():
         log = (out / name).read_text().strip().splitlines()

@@ -109,8 +109,10 @@ def run_song(engine: SemanticEngine, text_ids: torch.Tensor, frames: int, seed: 
 
 def bench_semantic(
     components: dict, engines: list[str], prompt_tokens: list[int], frames: int, reference_frames: int, seed: int,
-    tuning_path: str | None = None, precisions: tuple[str, ...] = ("bf16",),
+    tuning_path: str | None = None, precisions: tuple[str, ...] = ("bf16",), compare_path: str | None = None,
 ) -> dict:
+    """`compare_path`: a second tuning table; every graph engine also runs with it as `<name>@compare`, on the same
+    weights in the same process (both tables' figures from one call, one model load)."""
     from ..semantic.graph import GraphEngine
     from ..semantic.kernels.tuning import tuning_for
     from ..semantic.reference import ReferenceEngine
@@ -126,15 +128,19 @@ def bench_semantic(
             quantized[mode] = models[mode][2].as_dict()
     engines = [f"{name}:{mode}" if mode != "bf16" else name for mode in precisions for name in engines
                if mode == "bf16" or name.startswith("graph")]
+    if compare_path is not None:
+        engines = [variant for name in engines
+                   for variant in ([name, f"{name}{COMPARE}"] if name.startswith("graph") else [name])]
     bandwidth = measure_copy_bandwidth(device)
     tuning = tuning_for(device, tuning_path)
+    tunings = {"": tuning, COMPARE: tuning_for(device, compare_path) if compare_path is not None else None}
     graph = GraphEngine(lm, depth, device, tuning=tuning)
     byte_models = {"graph": bytes_model(graph)}
     built = {"graph": graph, "reference": ReferenceEngine(lm, depth)}
     for name in engines:  # variants of the graph engine on the same weights, timed in the same process
         if name not in built:
-            base, _, mode = name.partition(":")
-            built[name] = GraphEngine(*models[mode or "bf16"][:2], device, tuning=tuning, **graph_variant(base))
+            (base, mode), table = _parts(name)
+            built[name] = GraphEngine(*models[mode][:2], device, tuning=tunings[table], **graph_variant(base))
             byte_models.setdefault(name, bytes_model(built[name]))
     runs = []
     for tokens in prompt_tokens:
@@ -157,7 +163,7 @@ def bench_semantic(
                 fraction_of_limit=result.get("frames_per_s", 0.0) / limit,
             )
             runs.append(result)
-    checks = {name: teacher_forced_check(built[name], *models[name.partition(":")[2] or "bf16"][:2],
+    checks = {name: teacher_forced_check(built[name], *models[_parts(name)[0][1]][:2],
                                          random_prompt(prompt_tokens[0], seed, device))
               for name in engines if name.startswith("graph")}
     speedups = {}
@@ -181,6 +187,7 @@ def bench_semantic(
         },
         "graph_captures": graph.capture_count,
         "tuning": tuning.source,  # the kernel tuning table the graph engines launched with
+        **({"compare_tuning": tunings[COMPARE].source} if compare_path is not None else {}),
         "runs": runs,
         "graph_over_reference": speedups,
         "teacher_forced_check": checks,
@@ -249,6 +256,16 @@ def bench_batch(components: dict, batches: list[int], prompt_tokens: int, frames
     return {"prompt_tokens": prompt_tokens, "captures": engine.capture_count, "runs": runs}
 
 
+COMPARE = "@compare"  # the suffix of an engine run with `--compare-tuning`'s table
+
+
+def _parts(name: str) -> tuple[tuple[str, str], str]:
+    """((variant, weights' precision), table suffix) of a bench engine name: `graph-s8:int8@compare`."""
+    engine, _, table = name.partition("@")
+    base, _, mode = engine.partition(":")
+    return (base, mode or "bf16"), f"@{table}" if table else ""
+
+
 def graph_variant(name: str) -> dict:
     """GraphEngine options of a bench engine name: graph[-pdl|-chain|-unchained][-s<attention splits>][-kv8]; plain
     `graph` is the engine's default (chained block tails on a GPU), `graph-unchained` one launch per product,
@@ -313,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="also write the JSON here")
     parser.add_argument("--tuning", help="kernel tuning table to use (a tuning script's output) instead of the "
                         "packaged one for this GPU")
+    parser.add_argument("--compare-tuning", help="a second table: each graph engine also runs with it (named "
+                        "<engine>@compare), on the same weights in the same call")
     args = parser.parse_args(argv)
     engines = [name.strip() for name in args.engine.split(",") if name.strip()]
     precisions = tuple(p.strip() for p in args.precision.split(",") if p.strip())
@@ -335,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         if engines:
             report.update(
                 bench_semantic(components, engines, report["prompt_tokens"], args.frames, args.reference_frames,
-                               args.seed, args.tuning, precisions)
+                               args.seed, args.tuning, precisions, args.compare_tuning)
             )
         if batches:
             gc.collect()  # the engines above (an engine and its batch refer to each other) and their KV pools

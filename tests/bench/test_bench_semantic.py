@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from music3_demo.bench.semantic import bytes_model, graph_variant, main
+from music3_demo.bench.semantic import _parts, bytes_model, graph_variant, main
 
 
 def test_bench_engine_names_map_to_graph_engine_options():
@@ -19,6 +19,9 @@ def test_bench_engine_names_map_to_graph_engine_options():
         graph_variant("graph-fast")
     with pytest.raises(SystemExit):  # refused before anything touches a GPU
         main(["--engine", "reference,graph-x"])
+    # `--compare-tuning`: an engine of the same weights on a second table, named with a suffix
+    assert _parts("graph-s8:int8@compare") == (("graph-s8", "int8"), "@compare")
+    assert _parts("graph") == (("graph", "bf16"), "") and _parts("graph@compare") == (("graph", "bf16"), "@compare")
 
 
 def test_bench_bytes_model_counts_the_engines_weights_and_cache(one_block_models):

@@ -106,8 +106,8 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
     tuning = tuning_for_target(H200)
     jobs = tune_tail_grid.plan(tuning, tune_tail_grid.DEFAULT_FORMATS.split(","))
     assert [(fmt, family) for fmt, family, *_ in jobs] == [
-        ("bf16", "lm"), ("bf16", "depth"), ("int8/g128", "lm"), ("int8/g128", "depth"), ("int4/g64", "lm"),
-        ("fp8/channel", "lm"), ("fp8/channel", "depth")]
+        ("int8/g128", "lm"), ("int8/g128", "depth"), ("int4/g64", "lm"), ("fp8/channel", "lm"),
+        ("fp8/channel", "depth"), ("bf16", "lm"), ("bf16", "depth")]
     for fmt, family, tuned, variants in jobs:
         d, a, g, q, _ = tune_tail_grid.FAMILIES[family]
         w_bytes = tune_tail_grid.format_of(fmt)[0]
@@ -134,7 +134,7 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
             assert fit_tail_shape(v, d, a, g, q) == v  # runs as it is
             for c, rows in zip((v.o, v.gate_up, v.down, v.qkv), (d, g, d, q)):
                 assert c.block_n >= 16 and rows % c.block_n == 0
-    fmt, family, tuned, variants = jobs[4]
+    fmt, family, tuned, variants = jobs[2]
     wide = replace(tuned, per_sm=2, halves=True)
     path = tmp_path / "grid.json"
     write_section(path, "tail", {tune_tail_grid.table_key(fmt, family): wide}, target=H200)

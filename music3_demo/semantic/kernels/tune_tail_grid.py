@@ -20,7 +20,7 @@ weight copies as the model has blocks (tune_onebyte's tail cases, each config ch
 A grid that cannot be resident whole is refused by the cooperative launch and skipped. The fastest correct config
 per format and family goes into a tuning table (this GPU's packaged table plus those tail entries, which the bench's
 `--tuning` takes), every timed row into a JSON beside it (`<out>.rows.json`).
-Run: python -m music3_demo.semantic.kernels.tune_tail_grid [out.json] [--formats bf16,int8/g128,int4/g64,fp8/channel]
+Run: python -m music3_demo.semantic.kernels.tune_tail_grid [out.json] [--formats int8/g128,int4/g64,fp8/channel,bf16]
 [--tuning table.json] [--dry]
 """
 
@@ -44,7 +44,7 @@ from .tune_gemv import time_graph
 from .tune_onebyte import FAMILIES, tail_family, write_table
 from .tuning import Target, Tuning, shared_bytes, tuning_for, tuning_for_target
 
-DEFAULT_FORMATS = "bf16,int8/g128,int4/g64,fp8/channel"
+DEFAULT_FORMATS = "int8/g128,int4/g64,fp8/channel,bf16"  # (the table is written after each: a timeout keeps those)
 MAX_STAGES = 16  # the deepest pipeline the sweep asks of a tail's product
 
 
@@ -184,12 +184,15 @@ def main() -> None:
             if line:
                 print(line, flush=True)
     print(f"compiled {len(jobs)} launches in {time.perf_counter() - started:.0f} s", flush=True)
-    rows, best = sweep(tuning, formats, lambda case, cfg, barriers: time_graph(
-        lambda _: [case["launch"](cfg, i, barriers) for i in range(case["layers"])], 1) / case["layers"])
-    table = {table_key(fmt, family): cfg for (fmt, family), (cfg, _) in best.items()}
-    path = write_table(Path(args.output), tuning, {}, table, target)
-    Path(path).with_suffix(".rows.json").write_text(json.dumps(rows, indent=1))
-    print(f"wrote {path} ({len(table)} tail entries)", flush=True)
+    rows, best = [], {}
+    for fmt in formats:  # the table and rows after each format: a sweep cut short keeps what it timed
+        more, found = sweep(tuning, [fmt], lambda case, cfg, barriers: time_graph(
+            lambda _: [case["launch"](cfg, i, barriers) for i in range(case["layers"])], 1) / case["layers"])
+        rows, best = rows + more, best | found
+        table = {table_key(f, family): cfg for (f, family), (cfg, _) in best.items()}
+        path = write_table(Path(args.output), tuning, {}, table, target)
+        Path(path).with_suffix(".rows.json").write_text(json.dumps(rows, indent=1))
+        print(f"wrote {path} ({len(table)} tail entries) at {time.perf_counter() - started:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
