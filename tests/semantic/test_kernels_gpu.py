@@ -171,8 +171,8 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
 def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm):
     """`TailConfig.halves` on an LM block (int4/g64 on the fp16 bit route, fp8 per channel on the native fp16 one):
     the fused launch reading fp16 copies of its activations (o: of its attention input) equals the fused launch
-    converting every tile and one launch per product, bit for bit, across graph replays. The copies are written by other programs between grid
-    barriers, as the bf16 activations are (`.cg` reads)."""
+    converting every tile and one launch per product, bit for bit, across graph replays. The copies are written by
+    other programs between grid barriers, as the bf16 activations are (`.cg` reads)."""
     from dataclasses import replace
 
     from music3_demo.semantic.kernels.qweight import BITS_F16, NATIVE_F16

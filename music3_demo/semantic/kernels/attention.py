@@ -221,7 +221,8 @@ def decode_attention(
     _decode_attn_kernel[(batch * kv_heads, splits)](
         qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, *scales, pos, pos.stride(0) if pos.numel() > 1 else 0,
         pos if base is None else base, scratch.o, scratch.m, scratch.l, scratch.counters, out,
-        out if out16 is None else out16, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides, out.stride(0),
+        out if out16 is None else out16, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *scale_strides, out.stride(0),
         scale, eps, KVH=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         GROUP_POW2=triton.next_power_of_2(group), D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)),
         BLOCK=block, SPLITS=splits, PDL=pdl, POOLED=base is not None, INT8=int8, HALF=out16 is not None,

@@ -294,10 +294,10 @@ def block_tail(
            for key, value in zip(("DT", "CV", "WS"), p[4:])},
     )
     (wo, so, *_), (wgu, sgu, *_), (wd, sd, *_), (wqd, sq, *_) = packed
-    args = (attn, h, xn, act, qkv_out, attn16 if half_o else attn, xn16, act16, wo, _descriptor(wo, cfg.o, a), wgu, _descriptor(wgu, cfg.gate_up, d),
-            wd, _descriptor(wd, cfg.down, g // 2), wqd, _descriptor(wqd, cfg.qkv, d), so, sgu, sd, sq, ln2, ln1,
-            scratch.partials,
-            scratch.count(cfg.per_sm), attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
+    args = (attn, h, xn, act, qkv_out, attn16 if half_o else attn, xn16, act16, wo, _descriptor(wo, cfg.o, a), wgu,
+            _descriptor(wgu, cfg.gate_up, d), wd, _descriptor(wd, cfg.down, g // 2), wqd, _descriptor(wqd, cfg.qkv, d),
+            so, sgu, sd, sq, ln2, ln1, scratch.partials, scratch.count(cfg.per_sm), attn.stride(0), h.stride(0),
+            act.stride(0), qkv_out.stride(0))
     runs = [(True, True, True, next_qkv is not None)] if fused else [
         tuple(i == j for j in range(4)) for i in range(4 if next_qkv is not None else 3)
     ]

@@ -8,8 +8,8 @@ import time and nothing comes from the environment. The choice, most specific fi
 2. else a table measured on the same architecture, then on the same architecture family (major version), of which
    only the entries valid here are used (TMA only from Hopper on, shared memory within this GPU's per-block limit);
 3. else (and for every shape a table leaves out or is not valid here) the heuristic: `linear.default_config` and
-   `tail_config.default_tail_config`, shrunk to this GPU's shared memory and cut to the product's shape (`linear.fit_shape`:
-   a small model's K of 32 takes 32-column tiles; the full-size model's configs fit as they are).
+   `tail_config.default_tail_config`, shrunk to this GPU's shared memory and cut to the product's shape
+   (`linear.fit_shape`: a small model's K of 32 takes 32-column tiles; the full-size model's configs fit as they are).
 The chained tail's grid barrier needs all its programs resident at once: `Tuning.programs` is at most the device's
 SM count (read at run time, so a MIG slice or a cut-down card gets its own number), and a tuned tail's grid is its
 `per_sm` times that (the cooperative launch refuses a grid that cannot be resident; the compile test checks each
