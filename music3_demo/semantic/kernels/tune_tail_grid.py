@@ -179,20 +179,24 @@ def main() -> None:
             for cfg in (tuned, *variants)] + [(fmt, family, tuned, False) for fmt, family, tuned, _ in
                                               plan(tuning, formats)]
     started = time.perf_counter()
-    with ProcessPoolExecutor(args.jobs, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
-        for line in pool.map(warm, jobs):
-            if line:
-                print(line, flush=True)
-    print(f"compiled {len(jobs)} launches in {time.perf_counter() - started:.0f} s", flush=True)
     rows, best = [], {}
-    for fmt in formats:  # the table and rows after each format: a sweep cut short keeps what it timed
-        more, found = sweep(tuning, [fmt], lambda case, cfg, barriers: time_graph(
-            lambda _: [case["launch"](cfg, i, barriers) for i in range(case["layers"])], 1) / case["layers"])
-        rows, best = rows + more, best | found
-        table = {table_key(f, family): cfg for (f, family), (cfg, _) in best.items()}
-        path = write_table(Path(args.output), tuning, {}, table, target)
-        Path(path).with_suffix(".rows.json").write_text(json.dumps(rows, indent=1))
-        print(f"wrote {path} ({len(table)} tail entries) at {time.perf_counter() - started:.0f} s", flush=True)
+    with ProcessPoolExecutor(args.jobs, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
+        # every compile queued at once, in format order; each format is timed as soon as its own are done (the rest
+        # compile meanwhile), and the table and rows are written after it: a sweep cut short keeps what it timed
+        compiles = {fmt: [pool.submit(warm, job) for job in jobs if job[0] == fmt] for fmt in formats}
+        for fmt in formats:
+            for future in compiles[fmt]:
+                if future.result():
+                    print(future.result(), flush=True)
+            print(f"compiled {fmt}'s {len(compiles[fmt])} launches at {time.perf_counter() - started:.0f} s",
+                  flush=True)
+            more, found = sweep(tuning, [fmt], lambda case, cfg, barriers: time_graph(
+                lambda _: [case["launch"](cfg, i, barriers) for i in range(case["layers"])], 1) / case["layers"])
+            rows, best = rows + more, best | found
+            table = {table_key(f, family): cfg for (f, family), (cfg, _) in best.items()}
+            path = write_table(Path(args.output), tuning, {}, table, target)
+            Path(path).with_suffix(".rows.json").write_text(json.dumps(rows, indent=1))
+            print(f"wrote {path} ({len(table)} tail entries) at {time.perf_counter() - started:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
