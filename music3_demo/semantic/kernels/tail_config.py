@@ -30,10 +30,10 @@ MAX_PER_SM = 4  # programs per SM a tail config may ask for (`TailConfig.per_sm`
 
 
 class TailScratch:
-    """The grid barriers' arrival counts and each program's partial sums of squares (one row per program, 16 columns
-    for the rows of x); one per engine state, shared in stream order by the tails' launches. `programs` is the grid
-    of one program per SM; a config's grid is `per_sm` times it, and each of those sizes has its own count (which
-    stays a multiple of its grid between barriers)."""
+    """The grid barriers' arrival counts, each program's partial sums of squares (one row per program, 16 columns
+    for the rows of x) and the activations' fp16 copies (`half`); one per engine state, shared in stream order by the
+    tails' launches. `programs` is the grid of one program per SM; a config's grid is `per_sm` times it, and each of
+    those sizes has its own count (which stays a multiple of its grid between barriers)."""
 
     def __init__(self, device: torch.device | str, programs: int | None = None) -> None:
         device = torch.device(device)
@@ -45,7 +45,10 @@ class TailScratch:
 
     def half(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The fp16 copy of activation `name` (up to 16 rows shaped and strided as `like`) that fp16 products read
-        (`_product`'s HALF): made at its first use, then the same tensor every time."""
+        (`_product`'s HALF): made at its first use (in a graph capture: from the graph's pool, held here), then the
+        same tensor every time."""
+        if like.shape[0] > 16:
+            raise ValueError(f"a tail's activations have 16 rows at most, not {like.shape[0]}")
         key = (name, like.shape[1], like.stride(0))
         if key not in self._halves:
             self._halves[key] = torch.empty(16, like.stride(0), device=like.device, dtype=torch.float16)
