@@ -19,7 +19,7 @@ import torch
 from .engine_stream import EngineStream
 from .kernels import block_tail, cfg_sample, decode_attention, depth_attention, frame_tail, gemv, rmsnorm
 from .kernels.qweight import Weight, weight_format
-from .kernels.tail_config import TailConfig, o_reads_copy
+from .kernels.tail_config import TailConfig, reads_copy
 from .kernels.tuning import Tuning
 from .state import DeviceState, round_up
 from .weights import AUDIO_CODES, Block, EngineWeights
@@ -183,13 +183,13 @@ class FrameGraph:
     def _tail_config(self, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor,
                      s: DeviceState) -> tuple[TailConfig | None, torch.Tensor | None]:
         """The chained tail's config for `block` (None unchained) and, where its o product reads one
-        (`tail_config.o_reads_copy`), the fp16 copy of attn that the attention kernel before it writes."""
+        (`tail_config.reads_copy`), the fp16 copy of attn that the attention kernel before it writes."""
         if not self.chain:
             return None, None
         qkv_rows = following.qkv.shape[0] if following is not None else 16
         config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows,
                                   *weight_format(block.o))
-        copy = s.tail_scratch.half("attn", attn) if o_reads_copy(config, block.o, attn.dtype) else None
+        copy = s.tail_scratch.half("attn", attn) if reads_copy(config, "o", block.o, attn.dtype) else None
         return config, copy
 
     def _block_tail(

@@ -43,7 +43,7 @@ from .linear import (
     tma_supported, weight_ptrs, weight_tile,
 )
 from .qweight import Weight, kernel_args
-from .tail_config import PRODUCTS, TailConfig, TailScratch, default_tail_config, o_reads_copy, with_products
+from .tail_config import PRODUCTS, TailConfig, TailScratch, default_tail_config, reads_copy, with_products
 
 # The fused tail's launch is cooperative (see the module docstring); "0" only to measure the other way.
 COOPERATIVE = os.environ.get("MUSIC3_TAIL_COOPERATIVE", "1") != "0"
@@ -242,7 +242,7 @@ def block_tail(
     launch with grid barriers; otherwise one launch per product. `barriers=False` leaves the fused launch's barriers
     out: wrong results, only to time what they cost. The weights are all model-dtype tensors or all `QWeight`s of one
     format (1-byte or packed int4). `attn16`: attn's fp16 copy (`attention`'s out16), which o reads where the config
-    has `halves` and o multiplies in fp16 (`o_reads_copy`)."""
+    has `halves` and o multiplies in fp16 (`tail_config.reads_copy`)."""
     m, d = h.shape
     g, a = gate_up.shape[0], attn.shape[1]
     q = next_qkv[0].shape[0] if next_qkv is not None else 16
@@ -274,11 +274,11 @@ def block_tail(
         raise ValueError(f"gate|up rows ({g}) must be a multiple of its row block ({cfg.gate_up.block_n})")
     fused = (device.type == "cuda" and not interpreting()) if fused is None else fused
     grid = scratch.grid(cfg.per_sm)
-    # with `halves`, the products that multiply in fp16 (in a model of another dtype) read fp16 copies of the inputs
-    half_gu, half_d, half_q = (cfg.halves and p[4] == tl.float16 and xn.dtype != torch.float16 for p in packed[1:])
-    half_q = half_q and next_qkv is not None
+    # with `halves`, the products that multiply in fp16 read fp16 copies of their inputs (o's: attn16, if given)
+    half_o, half_gu, half_d, half_q = (reads_copy(cfg, name, weights[name], x.dtype)
+                                       for name, x in zip(PRODUCTS, (attn, xn, act, xn)))
     check_half_copy(attn, attn16, "attn")
-    half_o = attn16 is not None and o_reads_copy(cfg, o, attn.dtype)
+    half_o, half_q = half_o and attn16 is not None, half_q and next_qkv is not None
     xn16 = scratch.half("xn", xn) if half_gu or half_q else xn
     act16 = scratch.half("act", act) if half_d else act
     common = dict(

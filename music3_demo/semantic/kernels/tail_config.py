@@ -135,8 +135,10 @@ def _even_block(rows: int, programs: int = 128) -> int:
     return next((b for b in (64, 32, 16) if rows % (b * programs) == 0), 16)
 
 
-def o_reads_copy(config: TailConfig, o: Weight, dtype: torch.dtype) -> bool:
-    """Whether a tail of `config` on o weight `o` (in a model of `dtype`) reads an fp16 copy of its attention input:
-    with `halves`, where o multiplies in fp16 in a model of another dtype. The attention kernel before it then
-    writes that copy (`attention`'s out16), once, instead of every o program converting the whole input."""
-    return config.halves and dtype != torch.float16 and kernel_args(o, config.o.convert)[4] == tl.float16
+def reads_copy(config: TailConfig, name: str, weight: Weight, dtype: torch.dtype) -> bool:
+    """Whether product `name` of a tail of `config` (on `weight`, its input in `dtype`) reads an fp16 copy of that
+    input: with `halves`, where it multiplies in fp16 and its input is not fp16 already. The product before it writes
+    the copy; for o, the attention kernel before the tail (`attention`'s out16), once, instead of every o program
+    converting the whole input."""
+    return (config.halves and dtype != torch.float16
+            and kernel_args(weight, getattr(config, name).convert)[4] == tl.float16)

@@ -182,7 +182,8 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
                    ((qkv.float() - want_q).norm() / want_q.norm()).item())
 
     ref = expected()
-    nbytes = sum(w.nbytes if fmt == "bf16" else w.nbytes() for w in (ws[0][n] for n in ("o", "gate_up", "down", "qkv")))
+    nbytes = sum(w.nbytes if fmt == "bf16" else w.nbytes()
+                 for w in (ws[0][name] for name in ("o", "gate_up", "down", "qkv")))
     case = dict(launch=launch, error=error, layers=layers, nbytes=nbytes, shape=(d, a, g, q))
     _CACHE[key] = case
     return case
