@@ -144,9 +144,9 @@ def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",), mod
 
 def _route_launches(tuning: Tuning, kind: str) -> None:
     """The down product's GEMV once per conversion route of 1-byte tiles (`qweight.CONVERSIONS`; the native fp16
-    conversion only for fp8) in `kind`'s default scheme, on meta tensors: every route compiles everywhere the format
-    runs, whichever the tuning picks today."""
-    from .kernels.qweight import CONVERSIONS, NATIVE_F16
+    conversion only for fp8, the packed PTX one only for int8) in `kind`'s default scheme, on meta tensors: every
+    route compiles everywhere the format runs, whichever the tuning picks today."""
+    from .kernels.qweight import CONVERSIONS, NATIVE_F16, PACKED_F16
     from .quant import DEFAULT_SCHEMES
 
     if kind not in ("fp8", "int8"):  # (int4's packed tiles have their own launches: _int4_launches)
@@ -159,19 +159,18 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
     out = torch.empty(2, n, device=meta)
     cfg = tuning.gemv(2, n, k, False, 2, 1, group, kind)
     for route in CONVERSIONS.values():
-        if route != NATIVE_F16 or kind == "fp8":
+        if {NATIVE_F16: "fp8", PACKED_F16: "int8"}.get(route, kind) == kind:
             linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
                         config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
 
 
 def _int4_launches(tuning: Tuning, weights) -> None:
     """On packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group), meta tensors: the down product's GEMV and its
-    prefill product, and an LM block's chained tail with the next block's q|k|v (fused, as on a GPU), in the configs
-    the engine's int4 LM takes (`Tuning.gemv` / `Tuning.tail`), and that tail once more on the fp16 bit route with
-    fp16 copies of its activations and its attention input (`TailConfig.halves`), whichever route and copies the
-    tuning picks today. One
-    launch each instead of recording an int4 engine's frame, which would add the tail without a next block and the
-    first q|k|v and audio-head GEMVs (variants of the same code) for about 2.5x the compile time."""
+    prefill product, and an LM block's chained tail (`_tail_launch`) in the configs the engine's int4 LM takes
+    (`Tuning.gemv` / `Tuning.tail`), and that tail once more on the fp16 bit route with fp16 copies of its activations
+    and its attention input (`TailConfig.halves`), whichever route and copies the tuning picks today. One launch each
+    instead of recording an int4 engine's frame, which would add the tail without a next block and the first q|k|v
+    and audio-head GEMVs (variants of the same code) for about 2.5x the compile time."""
     from .kernels.qweight import BITS_F16
     from .quant import DEFAULT_SCHEMES
 
@@ -189,17 +188,45 @@ def _int4_launches(tuning: Tuning, weights) -> None:
     down = int4(n, k)
     matmul.product(torch.empty(1024, k, dtype=bf16, device=meta), down,
                    matmul.config_for(down, tuning.target.capability))
+    cfg = _lm_tail_config(tuning, weights, group, "int4")
+    for config in (cfg, replace(tail_config.with_products(cfg, lambda _, c: replace(c, convert=BITS_F16)),
+                                halves=True)):
+        _tail_launch(tuning, weights, int4, config)
+
+
+def _packed_tail_launch(tuning: Tuning, weights) -> None:
+    """On int8 weights (the default scheme's group), meta tensors: an LM block's chained tail with every product on
+    its cheapest fp16 route (`tail_config.fp16_routes`: the 32-row tiles on the packed PTX route) and fp16 copies of
+    its activations, whichever routes the tuning picks today."""
+    from .quant import DEFAULT_SCHEMES
+
+    group = DEFAULT_SCHEMES["int8"].group
+
+    def int8(n: int, k: int) -> QWeight:
+        return QWeight(torch.empty(n, k, dtype=torch.int8, device="meta"),
+                       torch.empty(n, k // group, device="meta"), group, torch.bfloat16)
+
+    cfg = _lm_tail_config(tuning, weights, group, "int8")
+    _tail_launch(tuning, weights, int8, replace(tail_config.fp16_routes(cfg), halves=True))
+
+
+def _lm_tail_config(tuning: Tuning, weights, group: int, kind: str):
+    block = weights.blocks[0]
+    return tuning.tail(weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0], 1, group, kind)
+
+
+def _tail_launch(tuning: Tuning, weights, weight, config) -> None:
+    """An LM block's chained tail with the next block's q|k|v (fused, as on a GPU) in `config`, on meta weights that
+    `weight(n, k)` makes; its o reads the attention's fp16 copy where the config asks for one."""
+    meta, bf16 = torch.device("meta"), torch.bfloat16
     block = weights.blocks[0]
     d, a, g, q = weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0]
     h, xn, ln = torch.empty(2, d, device=meta), torch.empty(2, d, dtype=bf16, device=meta), block.ln2
-    cfg = tuning.tail(d, a, g, q, 1, group, "int4")
-    halves = replace(tail_config.with_products(cfg, lambda _, c: replace(c, convert=BITS_F16)), halves=True)
-    for config in (cfg, halves):  # (with halves, o reads the attention's fp16 copy too)
-        tail.block_tail(torch.empty(2, a, dtype=bf16, device=meta), h, xn,
-                        torch.empty(2, g // 2, dtype=bf16, device=meta), int4(d, a), int4(g, d), int4(d, g // 2), ln,
-                        weights.eps, tail_config.TailScratch(meta, tuning.programs),
-                        next_qkv=(int4(q, d), ln, torch.empty(2, q, dtype=bf16, device=meta)), config=config,
-                        fused=True, attn16=torch.empty(2, a, dtype=torch.float16, device=meta))
+    tail.block_tail(torch.empty(2, a, dtype=bf16, device=meta), h, xn, torch.empty(2, g // 2, dtype=bf16, device=meta),
+                    weight(d, a), weight(g, d), weight(d, g // 2), ln, weights.eps,
+                    tail_config.TailScratch(meta, tuning.programs),
+                    next_qkv=(weight(q, d), ln, torch.empty(2, q, dtype=bf16, device=meta)), config=config,
+                    fused=True, attn16=torch.empty(2, a, dtype=torch.float16, device=meta))
 
 
 def _prefill_launches(weights, capability: int, rows: int = 1024) -> None:
@@ -248,6 +275,7 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None, b
             _route_launches(engine.tuning, routes)
         if routes == "int8":  # (int8 runs on every architecture)
             _int4_launches(engine.tuning, engine.weights)
+            _packed_tail_launch(engine.tuning, engine.weights)
 
 
 def _with_copy(attention):

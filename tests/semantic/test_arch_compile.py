@@ -75,7 +75,8 @@ def test_every_engine_kernel_compiles_and_fits_every_architecture(reports):
 def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(reports):
     """The engine on fp8/int8 weights (semantic/quant.py's default schemes): int8 on every architecture, fp8 from
     sm_89 on, each with every conversion route of kernels/qweight.py; and the GEMV and the chained tail (fused, with
-    the next block's q|k|v) on packed int4 (QUANT 3), the tail also with fp16 copies of its activations."""
+    the next block's q|k|v) on packed int4 (QUANT 3), the tail also with fp16 copies of its activations, as
+    the int8 tail on its cheapest fp16 routes (the packed PTX route on its 32-row tiles)."""
     for report in _full(reports):
         cap = report["capability"]
         quant = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] in ("_gemv_kernel",
@@ -88,10 +89,13 @@ def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(repor
         # the fp16 copies of the activations (`TailConfig.halves`), for each product that reads them
         assert any(k["constants"]["QUANT"] == 3 and all(k["constants"][f"HALF_{p}"] for p in ("O", "GU", "D", "Q"))
                    for k in tails), cap
-        # every conversion route of 1-byte tiles (kernels/qweight.CONVERSIONS), the native fp16 one with fp8 only
+        # every conversion route of 1-byte tiles (kernels/qweight.CONVERSIONS), the native fp16 one with fp8 only,
+        # the packed PTX one with int8 only, also in an int8 tail with fp16 copies (`tail_config.fp16_routes`)
         routes = {k["constants"]["CONV"] for k in report["kernels"] if k["constants"].get("QUANT")
                   and "CONV" in k["constants"]}
-        assert routes == ({0, 1, 2, 3} if cap >= 89 else {0, 1, 2}), (cap, routes)
+        assert routes == ({0, 1, 2, 3, 4} if cap >= 89 else {0, 1, 2, 4}), (cap, routes)
+        assert any(k["constants"]["QUANT"] == 2 and {k["constants"]["CV_O"], k["constants"]["CV_D"]} == {4}
+                   and k["constants"]["HALF_O"] for k in tails), cap
         # the prefill's products (kernels/matmul.py) in every quantized format the architecture runs
         prefill = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] == "_matmul_kernel"}
         assert prefill == ({1, 2, 3} if cap >= 89 else {2, 3}), (cap, prefill)

@@ -124,7 +124,7 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     from dataclasses import replace
 
     from music3_demo.semantic.kernels.tail import block_tail
-    from music3_demo.semantic.kernels.tail_config import TailScratch, default_tail_config, with_products
+    from music3_demo.semantic.kernels.tail_config import TailScratch, default_tail_config, fp16_routes, with_products
 
     hidden, gate_up_rows, qkv_rows = shape
     generator = torch.Generator(DEVICE).manual_seed(rows + qkv_rows)
@@ -166,10 +166,11 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
         assert scratch.count(per_sm).item() == launches * 3 * per_sm * scratch.programs
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "int8"])
 @pytest.mark.parametrize("per_sm", [1, 2], ids=["one_per_sm", "two_per_sm"])
 def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm):
-    """`TailConfig.halves` on an LM block (int4/g64 on the fp16 bit route, fp8 per channel on the native fp16 one):
+    """`TailConfig.halves` on an LM block (int4/g64 on the fp16 bit route, fp8 per channel on the native fp16 one,
+    int8/g128 on its cheapest fp16 routes: `tail_config.fp16_routes`, o and down on the packed PTX route):
     the fused launch reading fp16 copies of its activations (o: of its attention input) equals the fused launch
     converting every tile and one launch per product, bit for bit, across graph replays. The copies are written by
     other programs between grid barriers, as the bf16 activations are (`.cg` reads)."""
@@ -177,7 +178,7 @@ def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm)
 
     from music3_demo.semantic.kernels.qweight import BITS_F16, NATIVE_F16
     from music3_demo.semantic.kernels.tail import block_tail
-    from music3_demo.semantic.kernels.tail_config import TailScratch, default_tail_config, with_products
+    from music3_demo.semantic.kernels.tail_config import TailScratch, default_tail_config, fp16_routes, with_products
     from music3_demo.semantic.quant import fp8_supported, quantize_weight
 
     if fmt == "fp8" and not fp8_supported(DEVICE):
@@ -187,7 +188,7 @@ def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm)
 
     def weight(n: int, k: int):
         w = (torch.randn(n, k, device=DEVICE, generator=generator) * k**-0.5).bfloat16()
-        return quantize_weight(w, fmt, 64 if fmt == "int4" else 0)
+        return quantize_weight(w, fmt, {"int4": 64, "int8": 128}.get(fmt, 0))
 
     o, gate_up, down, next_qkv = (weight(hidden, hidden), weight(gate_up_rows, hidden),
                                   weight(hidden, gate_up_rows // 2), weight(qkv_rows, hidden))
@@ -202,7 +203,7 @@ def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm)
     route = BITS_F16 if fmt == "int4" else NATIVE_F16
     base = with_products(default_tail_config(hidden, hidden, gate_up_rows, qkv_rows, DEVICE),
                          lambda _, c: replace(c, convert=route, block_k=128, num_stages=4))
-    base = replace(base, per_sm=per_sm)
+    base = replace(fp16_routes(base) if fmt == "int8" else base, per_sm=per_sm)
 
     def run(fused: bool, halves: bool) -> list[torch.Tensor]:
         h.copy_(start)

@@ -86,6 +86,8 @@ def test_every_conversion_route_is_as_close_to_float32_as_the_bf16_kernel(route,
     route whose scaled values the tensor cores flush (bits_bf16 leaves fp8 weights at 2^-126..2^-111)."""
     if route == "native_f16" and scheme.fmt == "int8":
         pytest.skip("int8 has no native fp16 route worth keeping (an I2F per weight, as the cast)")
+    if route == "packed_f16" and scheme.fmt != "int8":
+        pytest.skip("the packed PTX route converts int8 bytes only")
     if scheme.fmt == "int4" and route not in ("cast", "bits_f16"):
         pytest.skip("packed int4 takes one route per MMA dtype: the model's (cast) or fp16 (bits_f16)")
     rows, n, k = 2, 4096, 12288
@@ -131,6 +133,54 @@ def test_fused_block_tail_on_one_byte_weights_equals_its_products_one_by_one(sch
         results[fused] = (h, act, qkv)
     for got, expected in zip(results[True], results[False]):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("group", [0, 128], ids=["channel", "g128"])
+def test_the_packed_ptx_route_gives_the_fp16_bit_routes_bits(group):
+    """int8 tiles converted four bytes an instruction in inline PTX (`qweight.INT8_F16_PTX`) are BITS_F16's values:
+    the GEMV on every tile shape of the 1-byte sweep that fits the down product (mma.sync and wgmma tiles, TMA and
+    not, split-K), and the fused tail with every product on its cheapest fp16 route and fp16 copies
+    (`tail_config.fp16_routes`: o and down packed) against the same tail on the fp16 bit route alone."""
+    from music3_demo.semantic.kernels.onebyte_space import fits_shape, tiles
+    from music3_demo.semantic.kernels.qweight import BITS_F16, PACKED_F16
+    from music3_demo.semantic.kernels.tail_config import fp16_routes
+
+    rows, n, k = 2, 4096, 12288
+    x = (torch.randn(rows, k, device=DEVICE) * 4).to(torch.bfloat16)
+    q = quantize_weight(_weight(n, k, seed=11), "int8", group)
+    workspace = GemvWorkspace(DEVICE)
+    checked = 0
+    for tile in tiles(group):
+        packed = dataclasses.replace(tile, convert=PACKED_F16)
+        if not fits_shape(packed, (rows, n, k, ""), group):
+            continue
+        got, want = (gemv(x, q, torch.empty(rows, n, device=DEVICE, dtype=torch.bfloat16), config=c,
+                          workspace=workspace) for c in (packed, dataclasses.replace(tile, convert=BITS_F16)))
+        assert torch.equal(got, want), tile
+        checked += 1
+    assert checked >= 8
+    d, a, inter = 4096, 4096, 12288
+    weights = {"o": _weight(d, a, 1), "gate_up": interleave_rows(_weight(inter, d, 2), _weight(inter, d, 3)),
+               "down": _weight(d, inter, 4), "qkv": _weight(6144, d, 5)}
+    qw = {name: quantize_weight(w, "int8", group) for name, w in weights.items()}
+    ln = (torch.rand(d, device=DEVICE) + 0.5).bfloat16()
+    attn = torch.randn(2, a, device=DEVICE).bfloat16()
+    attn16 = attn.float().clamp(-65504, 65504).half()
+    h0 = torch.randn(2, d, device=DEVICE)
+    tuning = tuning_for(DEVICE)
+    tuned = tuning.tail(d, a, 2 * inter, 6144, *weight_format(qw["o"]))
+    results = []
+    for packed in (True, False):
+        config = dataclasses.replace(fp16_routes(tuned, packed), halves=True)
+        h, xn = h0.clone(), torch.empty(2, d, device=DEVICE, dtype=torch.bfloat16)
+        act = torch.empty(2, inter, device=DEVICE, dtype=torch.bfloat16)
+        qkv = torch.empty(2, 6144, device=DEVICE, dtype=torch.bfloat16)
+        block_tail(attn, h, xn, act, qw["o"], qw["gate_up"], qw["down"], ln, 1e-6, TailScratch(DEVICE, tuning.programs),
+                   next_qkv=(qw["qkv"], ln, qkv), config=config, fused=True, attn16=attn16)
+        results.append((h, xn, act, qkv))
+    assert PACKED_F16 in (fp16_routes(tuned).o.convert, fp16_routes(tuned).down.convert)
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The same inside a kernel: the interpreter cannot run inline PTX, so a kernel takes its Triton form there.
+INTERPRETED = tl.constexpr(interpreting())
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch needs Hopper or newer, a real GPU and a Triton that can launch with it."""
     if interpreting() or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:

@@ -45,8 +45,8 @@ try:  # Triton >= 3.4; without it TMA configs fall back to cp.async tiles
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-from .launch import interpreting, pdl_enter, pdl_launch
-from .qweight import BITS_F16, INT4_RUN, NATIVE_F16, QWeight, Weight, int4_mma_order, kernel_args, unpack_int4
+from .launch import INTERPRETED, interpreting, pdl_enter, pdl_launch
+from .qweight import FP16_ROUTES, INT4_RUN, INT8_F16_PTX, QWeight, Weight, int4_mma_order, kernel_args, unpack_int4
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,12 @@ def weight_tile(w_ptrs, w_desc, n_mask, row0, k, TMA: tl.constexpr, QUANT: tl.co
 def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False):
     """A 1-byte weight tile (int8 or fp8 e4m3) as DOT values, by route CONV (`qweight.CAST` ...: what each does and
     why). The bit routes are integer ops on the sign-extended bytes; the fp8 ones leave a power of two in the values
-    (`qweight.kernel_args`' WSCALE), which the scales take back. Packed int4 words: `qweight.unpack_int4`."""
+    (`qweight.kernel_args`' WSCALE), which the scales take back. Packed int4 words: `qweight.unpack_int4`. The
+    packed PTX route (int8) is BITS_F16's formula four bytes an instruction; the interpreter takes the formula."""
     if w.dtype == tl.int32:
         return unpack_int4(w, DOT if DOT != tl.float32 else tl.float16, MMA_ORDER).to(DOT)
+    elif CONV == 4 and not INTERPRETED:  # PACKED_F16
+        return tl.inline_asm_elementwise(INT8_F16_PTX, "=r,=r,r", [w], dtype=tl.float16, is_pure=True, pack=4).to(DOT)
     elif CONV == 0:
         return w.to(DOT)
     elif CONV == 3:
@@ -302,7 +305,7 @@ def tile_fits_groups(block_k: int, group: int, convert: int) -> bool:
     """Whether K tiles of `block_k` columns run as they are on weights with scales per `group` columns (0: per
     channel): within one group, or spanning whole groups on an fp16 route (the weights scaled before the MMA, in
     fp16: `dot_tile`); a bf16 MMA would round each scaled weight to 8 bits, so its tiles stay within a group."""
-    return not group or group % block_k == 0 or (block_k % group == 0 and convert in (BITS_F16, NATIVE_F16))
+    return not group or group % block_k == 0 or (block_k % group == 0 and convert in FP16_ROUTES)
 
 
 def fit_group(cfg: GemvConfig, weight: Weight) -> GemvConfig:

@@ -9,8 +9,8 @@ from .tuning import shared_bytes
 FORMATS = {"fp8/channel": ("fp8", 0), "int8/g128": ("int8", 128), "fp8/g128": ("fp8", 128),
            "int8/channel": ("int8", 0), "int4/g64": ("int4", 64), "int4/g128": ("int4", 128)}
 # Packed int4 takes one route per MMA dtype (the model's, or fp16: `qweight.unpack_int4`).
-ROUTES = {"fp8": ["cast", "bits_bf16", "bits_f16", "native_f16"], "int8": ["cast", "bits_bf16", "bits_f16"],
-          "int4": ["cast", "bits_f16"]}
+ROUTES = {"fp8": ["cast", "bits_bf16", "bits_f16", "native_f16"],
+          "int8": ["cast", "bits_bf16", "bits_f16", "packed_f16"], "int4": ["cast", "bits_f16"]}
 SHARED_LIMIT = 227 * 1024  # sm_90's per-block limit
 
 

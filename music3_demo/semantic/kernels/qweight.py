@@ -49,13 +49,33 @@ PER_CHANNEL, PER_GROUP, PACKED_INT4 = 1, 2, 3
 # BITS_F16: the same into fp16 and an fp16 MMA: fp8 bits << 7 (value times 2^-8, folded into the scale), int8 by
 #   0x6400 (fp16 1024.0): (0x6400 | b ^ 0x80) - 1152 is b exactly;
 # NATIVE_F16: Triton's conversion to fp16 (fp8: one cvt.rn.f16x2.e4m3x2 per two weights on sm_89+) and an fp16 MMA.
+# PACKED_F16 (int8 only): BITS_F16's values, four bytes at a time in inline PTX (INT8_F16_PTX: one xor, two byte
+#   permutes into 0x64xx pairs, two f16x2 subtractions per 32-bit word, where Triton's form of the same formula takes
+#   a shift, mask and or per byte pair). Cheapest on mma.sync tiles (32 rows), whose operand registers hold four
+#   consecutive bytes; on wgmma tiles the words are first put together from two-byte loads, and BITS_F16 costs less.
 # The fp16 routes round the bf16 activations to fp16: exact inside fp16's range (|x| < 65504; bf16's 8 significant
 # bits fit fp16's 11), flushed towards zero below 6e-5 (a negligible share of a sum), infinite above: they are for
 # products whose activations are known to stay in range.
 # Packed int4 always takes the magic-number route of its MMA dtype, two nibbles per 32-bit operation
-# (`unpack_int4`); the route only picks that dtype: BITS_F16 / NATIVE_F16 fp16, else the model's.
-CAST, BITS_BF16, BITS_F16, NATIVE_F16 = 0, 1, 2, 3
-CONVERSIONS = {"cast": CAST, "bits_bf16": BITS_BF16, "bits_f16": BITS_F16, "native_f16": NATIVE_F16}
+# (`unpack_int4`); the route only picks that dtype: BITS_F16 / NATIVE_F16 fp16, else the model's (PACKED_F16 is
+# refused: it reads four bytes, not nibbles).
+CAST, BITS_BF16, BITS_F16, NATIVE_F16, PACKED_F16 = 0, 1, 2, 3, 4
+CONVERSIONS = {"cast": CAST, "bits_bf16": BITS_BF16, "bits_f16": BITS_F16, "native_f16": NATIVE_F16,
+               "packed_f16": PACKED_F16}
+FP16_ROUTES = (BITS_F16, NATIVE_F16, PACKED_F16)  # the routes whose MMA takes fp16 operands
+# int8 -> fp16 for PACKED_F16 on one 32-bit word of four bytes ($2), into two words of fp16 pairs ($0: bytes 0 and 1,
+# low half first; $1: bytes 2 and 3): u = b ^ 0x80 is b + 128 as an unsigned byte; prmt puts u under 0x64 (fp16
+# 1024 + u); minus 1152 (0x6480) is b, exactly. Selector nibble i of prmt names the source byte of result byte i
+# (0-3: the first operand's, 4-7: the second's). A constexpr: the kernels read it as a global.
+INT8_F16_PTX = tl.constexpr("""{
+.reg .b32 u, m;
+xor.b32 u, $2, 0x80808080;
+prmt.b32 $0, u, 0x64646464, 0x4140;
+prmt.b32 $1, u, 0x64646464, 0x4342;
+mov.b32 m, 0x64806480;
+sub.f16x2 $0, $0, m;
+sub.f16x2 $1, $1, m;
+}""")
 
 
 def int4_mma_order(group: int) -> bool:
@@ -190,8 +210,10 @@ def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torc
     (unread) scales. DOT is the MMA's operand dtype, WSCALE the power of two the conversion `convert` leaves in the
     weights (folded into the scales). Packed int4 passes its bytes as int32 words ([N, K / 8])."""
     if isinstance(weight, QWeight):
-        dot = tl.float16 if convert in (BITS_F16, NATIVE_F16) else TL_DTYPES[weight.dtype]
+        dot = tl.float16 if convert in FP16_ROUTES else TL_DTYPES[weight.dtype]
         fp8 = weight.data.dtype == torch.float8_e4m3fn
+        if convert == PACKED_F16 and weight.data.dtype != torch.int8:
+            raise ValueError(f"the packed PTX route converts int8 weights, not {weight.kind}")
         if fp8 and convert == BITS_BF16 and weight.dtype != torch.bfloat16:
             # its bf16 values carry 2^-120, which fp16 cannot hold (a silent zero): a bf16 model's route only
             raise ValueError(f"fp8 weights take the bf16 bit route only in a bf16 model, not {weight.dtype}")

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .launch import interpreting
 from .linear import GemvConfig, fit_shape
-from .qweight import Weight, kernel_args
+from .qweight import BITS_F16, PACKED_F16, Weight, kernel_args
 
 MAX_PER_SM = 4  # programs per SM a tail config may ask for (`TailConfig.per_sm`)
 
@@ -84,6 +84,13 @@ class TailConfig:
 def with_products(cfg: TailConfig, change) -> TailConfig:
     """`cfg` with each product's config replaced by `change(name, config)`; its launch settings kept."""
     return replace(cfg, **{name: change(name, getattr(cfg, name)) for name in PRODUCTS})
+
+
+def fp16_routes(cfg: TailConfig, packed: bool = True) -> TailConfig:
+    """`cfg` with every product multiplying in fp16 on int8 weights, each on the route its tile converts cheapest on
+    (sm_90 code, with fp16 copies): wgmma tiles (64 rows and more) on the fp16 bit route, mma.sync tiles (32 rows and
+    fewer) on the packed PTX route, or, not `packed`, on the fp16 bit route too (`qweight.PACKED_F16` says why)."""
+    return with_products(cfg, lambda _, c: replace(c, convert=PACKED_F16 if packed and c.block_n < 64 else BITS_F16))
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,7 +35,7 @@ import torch
 
 from .linear import GemvConfig, GemvWorkspace, gemv, tile_fits_groups
 from .onebyte_space import FORMATS, ROUTES, fits_shape, route_tiles, tiles
-from .qweight import BITS_F16, CONVERSIONS, NATIVE_F16
+from .qweight import CONVERSIONS, FP16_ROUTES
 from .tail import block_tail
 from .tail_config import TailConfig, TailScratch, with_products
 from .tune_gemv import SHAPES, time_graph
@@ -327,7 +327,7 @@ def main() -> None:
     for fmt in routes:
         kind, group = FORMATS[fmt]
         ranked = routes[fmt][:1] if left() < 150 else routes[fmt][:2]  # the runner-up too where time allows
-        fp16 = [r for r in routes[fmt] if CONVERSIONS[r] in (BITS_F16, NATIVE_F16)]
+        fp16 = [r for r in routes[fmt] if CONVERSIONS[r] in FP16_ROUTES]
         if group and fp16 and not set(ranked) & set(fp16):  # the tiles spanning groups need an fp16 route
             ranked.append(fp16[0])
         jobs = [("gemv", fmt, s, with_route(c, r)) for r in ranked for s in SHAPES for c in tiles(group, kind)

@@ -14,9 +14,10 @@ weight copies as the model has blocks (tune_onebyte's tail cases, each config ch
   tails wait on the bytes in flight; if only the wider grid gains, on the warps' issue;
 - where a product multiplies in fp16 (packed int4, fp8), the tuned config and 2 per SM with fp16 copies of the
   activations (`TailConfig.halves`: in the sm_90 code, ~30% fewer instructions a tile in the fp8 LM tail's wgmma
-  products, ~10% in int4's); where 1-byte products of 64 rows and more take the cast route (int8's LM tail), the
-  same with those products on the fp16 bit route (its gate|up and q|k|v tiles: 512 -> 379 instructions; on 32-row
-  mma.sync tiles the fp16 route costs more than the cast, so those keep theirs).
+  products, ~10% in int4's); where int8 products take the cast route, the same with every product on its cheapest
+  fp16 route (`tail_config.fp16_routes`: 64-row tiles the fp16 bit route, gate|up 512 -> 379 instructions; 32-row
+  tiles the packed PTX route, down 252 -> 205), and in the LM tail with only the 64-row products moved (the 32-row
+  ones keep the cast, which costs less there than the fp16 bit route).
 A grid that cannot be resident whole is refused by the cooperative launch and skipped. The fastest correct config
 per format and family goes into a tuning table (this GPU's packaged table plus those tail entries, which the bench's
 `--tuning` takes), every timed row into a JSON beside it (`<out>.rows.json`).
@@ -38,8 +39,8 @@ from pathlib import Path
 import torch
 
 from .onebyte_space import FORMATS, SHARED_LIMIT
-from .qweight import BITS_F16, CAST, NATIVE_F16
-from .tail_config import PRODUCTS, TailConfig, with_products
+from .qweight import BITS_F16, FP16_ROUTES
+from .tail_config import PRODUCTS, TailConfig, fp16_routes, with_products
 from .tune_gemv import time_graph
 from .tune_onebyte import FAMILIES, tail_family, write_table
 from .tuning import Target, Tuning, shared_bytes, tuning_for, tuning_for_target
@@ -76,9 +77,10 @@ def deeper(cfg: TailConfig, w_bytes: int) -> TailConfig:
     return cfg
 
 
-def candidates(cfg: TailConfig, family: str, w_bytes: int = 2) -> list[TailConfig]:
+def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "") -> list[TailConfig]:
     """The grid and pipeline variants of a tuned tail `cfg` (itself not among them), each once; `w_bytes`: its
-    weights' bytes per element (1 for 1-byte and packed int4: an upper bound of the latter's shared memory)."""
+    weights' bytes per element (1 for 1-byte and packed int4: an upper bound of the latter's shared memory), `kind`
+    their format ("int8", "fp8", "int4"; "" for the model's dtype)."""
     d, _, g, q, _ = FAMILIES[family]
     rows = dict(zip(PRODUCTS, (d, g, d, q)))
 
@@ -89,12 +91,13 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2) -> list[TailConfi
     out = [replace(cfg, per_sm=2), replace(cfg, per_sm=3), replace(with_products(cfg, halved), per_sm=2),
            replace(cfg, num_warps=8), deeper(cfg, w_bytes)]
     if w_bytes == 1:  # fp16 copies (`TailConfig.halves`) where products multiply in fp16 ...
-        if any(getattr(cfg, name).convert in (BITS_F16, NATIVE_F16) for name in PRODUCTS):
+        if any(getattr(cfg, name).convert in FP16_ROUTES for name in PRODUCTS):
             out += [replace(cfg, halves=True), replace(cfg, per_sm=2, halves=True)]
-        elif any(getattr(cfg, name).convert == CAST and getattr(cfg, name).block_n >= 64 for name in PRODUCTS):
-            # ... or could: the wgmma-sized products (64 rows and more) moved from the cast to the fp16 bit route
-            sixteen = with_products(cfg, lambda _, c: replace(c, convert=BITS_F16) if c.block_n >= 64 else c)
-            out += [replace(sixteen, halves=True), replace(sixteen, per_sm=2, halves=True)]
+        elif kind == "int8":  # ... or could, int8's tails being on the cast route:
+            packed = fp16_routes(cfg)  # every product on its cheapest fp16 route (32-row tiles the packed PTX one)
+            wide = with_products(cfg, lambda _, c: replace(c, convert=BITS_F16) if c.block_n >= 64 else c)
+            for sixteen in (packed, wide) if wide != cfg else (packed,):  # (`wide`: the 64-row products only)
+                out += [replace(sixteen, halves=True), replace(sixteen, per_sm=2, halves=True)]
     unique = []
     for c in out:
         if c != cfg and c not in unique:
@@ -109,7 +112,7 @@ def plan(tuning: Tuning, formats: list[str]) -> list[tuple[str, str, TailConfig,
         w_bytes, group, kind = format_of(fmt)
         for family in families_of(fmt):
             tuned = tuning.tail(*FAMILIES[family][:4], w_bytes, group, kind)
-            jobs.append((fmt, family, tuned, candidates(tuned, family, w_bytes)))
+            jobs.append((fmt, family, tuned, candidates(tuned, family, w_bytes, kind)))
     return jobs
 
 
