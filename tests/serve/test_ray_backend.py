@@ -31,6 +31,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import app  # noqa: E402
 from music3_demo.audio import write_audio  # noqa: E402
+from music3_demo.bench.cluster import kill_replica  # noqa: E402
 from music3_demo.events import Finished  # noqa: E402
 from music3_demo.request import GenerationRequest  # noqa: E402
 
@@ -191,8 +192,7 @@ def test_a_replica_killed_mid_song_the_song_is_finished_on_the_other_and_the_fro
     job = client(front).submit(**SONG, api_name="/generate")
     wait_until(lambda: sum(running(front).values()) == 1, 60, "the song did not start", every=0.02)
     victim = next(name for name, songs in running(front).items() if songs)
-    actor = f"SERVE_REPLICA::music3#SongWorker#{victim.split()[1]}"
-    ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
+    kill_replica(victim)  # (the two-GPU bench's way: `bench ray --replicas 2 --kill`)
 
     wav, report = job.result(timeout=120)
     assert report["device"] != victim  # finished on the other replica...
