@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "auto = int8 only where a bf16 cache leaves the songs short (default: auto)")
     parser.add_argument("--swap", default="auto", choices=SWAP_MODES,
                         help="the two stages take turns on the GPU, their weights moved whole through pinned host "
-                             "memory, a song at a time, its frames handed over in turns so it still streams; auto = only where "
-                             "the model does not fit with both stages on the GPU (default: auto)")
+                             "memory, a song at a time, its frames handed over in turns so it still streams; auto = "
+                             "only where the model does not fit with both stages on the GPU (default: auto)")
     parser.add_argument("--devices", default=None,
                         help="comma-separated devices, each running as many songs at once as its engine has batch "
                              "slots (default: every CUDA GPU, else the CPU); cuda:0+cuda:1 is one device whose "

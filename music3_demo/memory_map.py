@@ -5,14 +5,14 @@ from one place show there; both need recording on).
 
 Off by default. `MUSIC3_MEMORY_MAP=DIR` (the app, the CLI, a bench) writes one JSON file per call point into DIR:
 `ready` after the warm-up, `song` after each song (before its cache is trimmed), each with the allocator's peaks since
-the process started (reserved, allocated) and the allocator cap in force. The pools cost nothing to read; the live blocks'
-origins need allocation stacks, recorded from the load on only where `MUSIC3_MEMORY_STACKS=1` is set too: a stack
-capture per allocation, which slows every song (its timings then mean nothing). `MUSIC3_MEMORY_STACKS=events` records
-no stacks and no allocations, only the allocator's segment events (a segment mapped or given back, an out-of-memory),
-each with its time, stream and size: each map then lists those since the one before and the wall-clock time it was
-written (a song's map comes right after the song: its timings place its events), cheap enough to leave the songs'
-timings as they are. That is what tells whether a host stood still in a give-back of the cache (which waits for the
-device) at a given moment of a song.
+the process started (reserved, allocated) and the allocator cap in force. The pools cost nothing to read; the live
+blocks' origins need allocation stacks, recorded from the load on only where `MUSIC3_MEMORY_STACKS=1` is set too: a
+stack capture per allocation, which slows every song (its timings then mean nothing). `MUSIC3_MEMORY_STACKS=events`
+records no stacks and no allocations, only the allocator's segment events (a segment mapped or given back, an
+out-of-memory), each with its time, stream and size: each map then lists those since the one before and the wall-clock
+time it was written (a song's map comes right after the song: its timings place its events), cheap enough to leave the
+songs' timings as they are. That is what tells whether a host stood still in a give-back of the cache (which waits for
+the device) at a given moment of a song.
 """
 
 from __future__ import annotations

@@ -203,8 +203,9 @@ class Music3Pipeline:
         """`precision`: the LM / depth decoder's, auto | bf16 | fp8 | int8 | int4; `dit_precision`: the DiT's, auto
         | bf16 | fp8 (sm_89+); `kv_precision`: the graph engine's KV cache, auto | bf16 | int8; `swap`: the stages
         take turns on the device, auto | on | off; auto: what the card's memory plan picks (memory_plan.py).
-        `lazy`, `flow_device`: see __init__ (a `device` written "cuda:0+cuda:1" means device cuda:0, flow_device cuda:1). An out-of-memory while
-        loading, self-checking or capturing leaves as one sentence (loading.getting_ready)."""
+        `lazy`, `flow_device`: see __init__ (a `device` written "cuda:0+cuda:1" means device cuda:0, flow_device
+        cuda:1). An out-of-memory while loading, self-checking or capturing leaves as one sentence
+        (loading.getting_ready)."""
         note_process_start()  # the card's use by the others, before this process's CUDA context (memory.py)
         start_recording()  # allocation stacks or segment events for memory maps, where asked for (memory_map.py)
         device, flow_device = split_devices(device, flow_device)

@@ -341,8 +341,8 @@ def test_the_fp8_dit_arrives_after_the_self_check_so_the_load_peak_is_the_larger
 def test_auto_takes_an_int4_lm_only_where_no_8_bit_one_fits():
     """auto's last resort is an int4 LM (its depth decoder int8: 0.5625 and 1.03 bytes per weight): a 16 GB sm_86
     card, where int8 does not fit, runs it (with a bf16 cache two slots and a 5 min 38 s song; auto's int8 cache
-    gives three slots and 6 minutes); a 20 GB one keeps int8, as a 16 GB sm_89 card keeps fp8 (two slots, 6 minutes alone
-    with an int8 cache), though int4 would hold more there: it costs accuracy (and on a fast card speed).
+    gives three slots and 6 minutes); a 20 GB one keeps int8, as a 16 GB sm_89 card keeps fp8 (two slots, 6 minutes
+    alone with an int8 cache), though int4 would hold more there: it costs accuracy (and on a fast card speed).
     `--precision int4` asks for it anywhere."""
     from music3_demo.memory_layout import BYTES_PER_WEIGHT, DEPTH_MODE
     from music3_demo.semantic.quant import DEFAULT_SCHEMES, DEPTH_SCHEMES

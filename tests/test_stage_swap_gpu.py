@@ -2,8 +2,8 @@
 (torch's allocator holds that much less), come back for each song's frames and again after its flow turn at the
 200th frame (the frame graph captured again over the new addresses, a song on the engine), the flow stage's DiT
 graph is dropped when its weights leave and captured again at each flow turn's full chunk, the first chunk is
-heard before the song's last frames, and the song is the streaming pipeline's bit for bit (its DiT captured too). The tiny model: the mechanism; the
-full-size figures per card are the plan's."""
+heard before the song's last frames, and the song is the streaming pipeline's bit for bit (its DiT captured too).
+The tiny model: the mechanism; the full-size figures per card are the plan's."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The graph engine's CUDA stream and the events between it and its callers' streams: the scope launches run in,
-timeline marks, the copies handed over to a caller (on a copy-out stream of their own), and snapshots of the songs' end flags through pinned memory.
-Off CUDA (the CPU interpreter in tests, the meta device of the compile checks) every call is its plain stand-in."""
+timeline marks, the copies handed over to a caller (on a copy-out stream of their own), and snapshots of the songs'
+end flags through pinned memory. Off CUDA (the CPU interpreter in tests, the meta device of the compile checks)
+every call is its plain stand-in."""
 
 from __future__ import annotations
 

@@ -167,7 +167,8 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
             if not ahead and start == 0:
                 text = f"⏳ Starting {songs}"
             else:
-                text = "⏳ Waiting for your turn" + (f": {ahead} song{'s' if ahead > 1 else ''} ahead" if ahead else "")
+                text = "⏳ Waiting for your turn"
+                text += f": {ahead} song{'s' if ahead > 1 else ''} ahead" if ahead else ""
                 text += f", starting in about {_seconds(start)}" if start is not None else ""
             return text + (f"; each should take about {_seconds(own)} once it starts." if own is not None else ".")
 

@@ -356,8 +356,9 @@ def test_dequantizing_a_few_rows_at_a_time_gives_the_whole_weights_bits(fmt, gro
 
 def test_int4_packs_in_mma_order_or_column_order_and_dequantizes_to_the_rounded_weight():
     """Each value is q + 8 with q in [-7, 7]. With 64-column groups (a multiple of 32: MMA order), in each run of 32
-    columns word c holds column 8a + 2c + b in nibble 2a + b (bits 4(2a + b) of the little-endian word); with 16-column groups, column order: byte j holds column 2j low, 2j + 1 high. The dequantized
-    weight is q x the group's max|w| / 7, within half a step of the original; no scale groups: refused."""
+    columns word c holds column 8a + 2c + b in nibble 2a + b (bits 4(2a + b) of the little-endian word); with
+    16-column groups, column order: byte j holds column 2j low, 2j + 1 high. The dequantized weight is q x the
+    group's max|w| / 7, within half a step of the original; no scale groups: refused."""
     w = _outlier_weight(8, 128, 11)
     q = quantize_weight(w, "int4", 64)
     assert q.data.dtype == torch.uint8 and q.data.shape == (8, 64) and q.shape == (8, 128) and q.kind == "int4"

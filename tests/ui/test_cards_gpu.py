@@ -20,8 +20,8 @@ muted so every song runs to its full length. Through the API (gradio_client), as
   2-minute song (memory_layout.HEADROOM_FLOOR at least): a 120-s song, first audio <= 3.5 s, <= 6.8 GiB throughout.
 
 About 8 minutes for the first two on an H200 (random-full loads in ~60 s, a 6-minute song takes ~90 s), the 12 GB
-card ~2 more, each int4 card ~3.5 (the 8 GB card ~3). The pytest process itself never touches CUDA (its context would count against the
-simulated card).
+card ~2 more, each int4 card ~3.5 (the 8 GB card ~3). The pytest process itself never touches CUDA (its context would
+count against the simulated card).
 """
 
 from __future__ import annotations
