@@ -39,17 +39,18 @@ FIRST_AUDIO_WITHIN_S = 0.3
 
 def timed_song(backend, request: GenerationRequest, heard: threading.Event | None = None) -> tuple[dict, np.ndarray]:
     """One song through `backend.song_events`: wall and first-audio seconds, frames, the device (a Ray replica's
-    name) and whether it was started again on another replica, and its audio. `heard` is set at its first piece."""
+    name) that made it and the one its first piece came from, whether it was started again on another replica, and
+    its audio. `heard` is set at its first piece."""
     from ..serve.ray_backend import RESTART_TEXT
     from ..serve.runner import Job, Phase
 
     job = Job(backend, request)
     started = time.perf_counter()
-    first = song = None
+    first = song = first_device = None
     restarted = False
     for event in backend.song_events(job, 0.05):
         if isinstance(event, AudioPiece) and first is None:
-            first = time.perf_counter() - started
+            first, first_device = time.perf_counter() - started, job.record.device
             if heard is not None:
                 heard.set()
         elif isinstance(event, Phase) and event.text == RESTART_TEXT:
@@ -59,7 +60,8 @@ def timed_song(backend, request: GenerationRequest, heard: threading.Event | Non
     wall = time.perf_counter() - started
     return {"seed": request.seed, "wall_s": round(wall, 3),
             "first_audio_s": round(first, 3) if first is not None else None, "frames": song.frames,
-            "song_s": round(song.duration, 3), "device": job.record.device, "restarted": restarted}, song.audio
+            "song_s": round(song.duration, 3), "device": job.record.device, "first_device": first_device,
+            "restarted": restarted}, song.audio
 
 
 def runs(backend, request: GenerationRequest, count: int) -> tuple[dict, np.ndarray]:
@@ -115,8 +117,9 @@ def together(cluster, requests: list[GenerationRequest], alone: list[np.ndarray]
         for event in heard:
             event.wait(timeout_s)
         running = dict(cluster.status().running)
-        victim = max(running, key=running.get)
-        kill_replica(victim)
+        victim = max(running, key=running.get) if any(running.values()) else None  # (None: all had ended)
+        if victim is not None:
+            kill_replica(victim)
         report["kill"] = {"replica": victim, "at_s": round(time.perf_counter() - started, 3), "running": running}
     for thread in threads:
         thread.join(timeout_s)
@@ -127,7 +130,7 @@ def together(cluster, requests: list[GenerationRequest], alone: list[np.ndarray]
         songs.append(timing | {"same_song": bool(same and np.array_equal(audio, reference)),
                                "max_abs_diff": float(np.abs(audio - reference).max()) if same else None})
     report["songs"] = songs
-    report["replicas_used"] = sorted({s["device"] for s in songs if s.get("device") and not s.get("restarted")})
+    report["replicas_used"] = sorted({s["first_device"] for s in songs if s.get("first_device")})  # before a kill
     if kill:
         after, _ = timed_song(cluster, dataclasses.replace(requests[0], duration=min(requests[0].duration, 10.0)))
         report["kill"] |= {"all_finished": all("error" not in s for s in songs),
@@ -204,5 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         kill = users.get("kill", {})
         users["met"] = (all(song["same_song"] for song in users["songs"])
                         and len(users["replicas_used"]) == args.replicas
-                        and (not args.kill or (kill["all_finished"] and kill["next_song"]["frames"] > 0)))
+                        and (not args.kill or (kill["replica"] is not None and kill["all_finished"]
+                                               and kill["next_song"]["frames"] > 0)))
     return finish(report, args.output)
