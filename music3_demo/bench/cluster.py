@@ -132,7 +132,10 @@ def together(cluster, requests: list[GenerationRequest], alone: list[np.ndarray]
     report["songs"] = songs
     report["replicas_used"] = sorted({s["first_device"] for s in songs if s.get("first_device")})  # before a kill
     if kill:
-        after, _ = timed_song(cluster, dataclasses.replace(requests[0], duration=min(requests[0].duration, 10.0)))
+        try:
+            after, _ = timed_song(cluster, dataclasses.replace(requests[0], duration=min(requests[0].duration, 10.0)))
+        except Exception as error:  # noqa: BLE001 - the front did not serve it: reported
+            after = {"error": f"{type(error).__name__}: {error}", "frames": 0}
         report["kill"] |= {"all_finished": all("error" not in s for s in songs),
                            "restarted": sum(bool(s.get("restarted")) for s in songs), "next_song": after}
     return report
