@@ -10,13 +10,7 @@
 #   [FLOW_BATCH=1] (one flow chunk for 1, 2, 4 songs: merged DiT/vocoder calls vs one after another)
 #   bash scripts/gpu_check.sh
 # Put this checkout's sha in MUSIC3_COMMIT here, not `git rev-parse` run there: the device's copy of .git can be stale.
-set -o pipefail
-OUT=${OUT:-/tmp/music3_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton, transformers, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
+. scripts/device_env.sh
 if [ "${TUNE:-0}" = 1 ]; then
   timeout "${TUNE_TIMEOUT:-420}" python3 -m music3_demo.semantic.kernels.tune_gemv "$OUT/tuning.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -v '^SKIP'
 fi

@@ -10,16 +10,7 @@
 # (tune.log bench.log pytest.log [pytest-tail.log]).
 # Usage (repo root): [SWEEP=grid] [BUDGET=190] [FORMATS=fp8/channel,int8/g128,fp8/g128,int8/channel]
 #   bash scripts/onebyte_check.sh
-set -o pipefail
-OUT=${OUT:-/tmp/music3_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+. scripts/device_env.sh
 
 left() { echo $((570 - SECONDS)); }
 if [ "${SWEEP:-onebyte}" = grid ]; then

@@ -10,18 +10,7 @@
 # Files in $OUT: gpu.txt and, by part, pytest.log stage_split.json split.log | users.json users.log users_app.log |
 # ray.json ray.log.
 # Usage (repo root): MUSIC3_COMMIT=<sha> PART=1|2|3 bash scripts/two_gpus_check.sh
-set -o pipefail
-OUT=${OUT:-/tmp/music3_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-fi
-if ls .whl-ray/*.whl >/dev/null 2>&1; then  # let pip compile: each Ray process would compile Ray again otherwise
-  python3 -m pip install -q --no-index --no-deps --target /tmp/ray-site .whl-ray/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/ray-site:/tmp/site:$PWD PYTHONUNBUFFERED=1 OUT
-nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+. scripts/device_env.sh
 left() { echo $((570 - SECONDS)); }
 quiet() { grep -v 'should be kept in float32\|weight_norm'; }
 
