@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, TailScratch, block_tail, gemv
 from music3_demo.semantic.kernels.tail_config import TailConfig
-from music3_demo.semantic.kernels.linear import convert_tile
+from music3_demo.semantic.kernels.operands import convert_tile
 from music3_demo.semantic.kernels.qweight import BITS_BF16, BITS_F16, NATIVE_F16, QWeight, int4_mma_order, int4_permute
 from music3_demo.semantic.quant import (
     AudioHead, QuantizedLinear, Scheme, audio_head_rows, fp8_supported, quantize_model_, quantize_weight,
@@ -286,7 +286,7 @@ def _every_byte(fmt: str) -> torch.Tensor:
 @pytest.mark.parametrize("route", [BITS_BF16, BITS_F16, NATIVE_F16], ids=["bits_bf16", "bits_f16", "native_f16"])
 def test_every_conversion_route_gives_every_byte_its_value_times_the_folded_power_of_two(fmt, route):
     """All 256 bytes (fp8 subnormals and signs included; its two NaN patterns are never produced by quantization and
-    are left out) through `linear.convert_tile`, compared as bit patterns. The interpreter cannot do bf16
+    are left out) through `operands.convert_tile`, compared as bit patterns. The interpreter cannot do bf16
     arithmetic, so the int8 bf16 route's one subtraction is checked on its two bit patterns with torch."""
     data = _every_byte(fmt)
     dtype = torch.bfloat16 if route == BITS_BF16 else torch.float16

@@ -81,7 +81,7 @@ def test_gemv_on_one_byte_weights_is_as_close_to_float32_as_the_bf16_kernel(shap
 @pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
 @pytest.mark.parametrize("route", list(CONVERSIONS))
 def test_every_conversion_route_is_as_close_to_float32_as_the_bf16_kernel(route, scheme):
-    """Each way of turning 1-byte tiles into MMA operands (`linear.convert_tile`), on the down product's shape with
+    """Each way of turning 1-byte tiles into MMA operands (`operands.convert_tile`), on the down product's shape with
     activations of a SwiGLU's size: within 2x the bf16 kernel's error against float32 on the same weights. Catches a
     route whose scaled values the tensor cores flush (bits_bf16 leaves fp8 weights at 2^-126..2^-111)."""
     if route == "native_f16" and scheme.fmt == "int8":

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .launch import check_half_copy, padded_lanes, pdl_enter, pdl_launch
-from .linear import activation_tile
+from .operands import activation_tile
 
 
 @triton.jit
@@ -184,7 +184,7 @@ def _decode_attn_kernel(
 @triton.jit
 def _output(out_ptr, out16_ptr, offsets, out, mask, HALF: tl.constexpr):
     """An attention output tile in the model's dtype, and with HALF its copy in fp16 as an fp16 product's k-loop
-    would convert it (`linear.activation_tile`: saturated), for the chained tail's o product (`TailConfig.halves`)."""
+    would convert it (`operands.activation_tile`: saturated), for the chained tail's o product (`TailConfig.halves`)."""
     value = out.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offsets, value, mask=mask)
     if HALF:

@@ -1,5 +1,6 @@
-"""How the kernels are launched: whether Triton is interpreting on CPU, programmatic dependent launch (PDL), the
-mask of a dimension padded to a power of two, and the check of an activation's fp16 copy."""
+"""How the kernels are launched: whether Triton is interpreting on CPU, programmatic dependent launch (PDL) and the
+L2 prefetch of a launch's first weight tiles, the mask of a dimension padded to a power of two, and the check of an
+activation's fp16 copy."""
 
 from __future__ import annotations
 
@@ -34,6 +35,15 @@ def pdl_supported(device: torch.device) -> bool:
     except ImportError:
         return False
     return "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+@triton.jit
+def prefetch_rows_l2(row_ptrs, nbytes: tl.constexpr):
+    """Hint L2 to fetch `nbytes` from each row start (16-byte aligned): one Hopper bulk prefetch per row."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+        [row_ptrs, tl.full(row_ptrs.shape, nbytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+    )
 
 
 @triton.jit

@@ -18,8 +18,8 @@ Fused on the way:
   behind a running one; only one tile per row is prefetched, which the running stream has no time to evict. (Releasing
   the dependents before waiting, which let a cascade of waiting kernels fill the SMs, and prefetching every row
   whole, which the running stream evicted, cost 26%.)
-Weights: the model's dtype, or a `qweight.QWeight` converted in registers (`dot_tile`): 1-byte tiles by route,
-packed int4 words (QUANT 3: K / 8 words per row) unpacked by magic numbers (`qweight.unpack_int4`).
+Weights: the model's dtype, or a `qweight.QWeight` converted in registers (`operands.dot_tile`): 1-byte tiles by
+route, packed int4 words (QUANT 3: K / 8 words per row) unpacked by magic numbers (`qweight.unpack_int4`).
 TMA (`GemvConfig.tma`, Hopper): weight tiles arrive by one bulk tensor copy each instead of 16-byte copies from every
 thread, so more pipeline stages stay in flight with 4 warps; the sweep picks it for the gate|up, depth q|k|v and
 audio-head products (+4% per frame). Older GPUs fall back to cp.async tiles.
@@ -45,8 +45,9 @@ try:  # Triton >= 3.4; without it TMA configs fall back to cp.async tiles
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-from .launch import INTERPRETED, interpreting, pdl_enter, pdl_launch
-from .qweight import FP16_ROUTES, INT4_RUN, INT8_F16_PTX, QWeight, Weight, int4_mma_order, kernel_args, unpack_int4
+from .launch import interpreting, pdl_enter, pdl_launch, prefetch_rows_l2
+from .operands import activation_tile, channel_scale, dot_tile, weight_ptrs, weight_tile
+from .qweight import FP16_ROUTES, INT4_RUN, QWeight, Weight, int4_mma_order, kernel_args
 
 
 @dataclass(frozen=True)
@@ -77,122 +78,6 @@ class GemvWorkspace:
             raise RuntimeError("GemvWorkspace too small inside a CUDA-graph capture: warm the product up first")
         self.partials = torch.zeros(max(partials, self.partials.numel()), device=self.device, dtype=torch.float32)
         self.counters = torch.zeros(max(blocks, self.counters.numel()), device=self.device, dtype=torch.int32)
-
-
-@triton.jit
-def prefetch_rows_l2(row_ptrs, nbytes: tl.constexpr):
-    """Hint L2 to fetch `nbytes` from each row start (16-byte aligned): one Hopper bulk prefetch per row."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-        [row_ptrs, tl.full(row_ptrs.shape, nbytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
-def weight_ptrs(w_ptr, offs_n, k, K, BLOCK_K: tl.constexpr, QUANT: tl.constexpr):
-    """Where the weight tile of rows offs_n and columns k .. k + BLOCK_K lies: model-dtype or 1-byte elements, or for
-    packed int4 (QUANT 3) BLOCK_K / 8 int32 words of rows of K / 8."""
-    PACK: tl.constexpr = 8 if QUANT == 3 else 1
-    return w_ptr + offs_n.to(tl.int64)[:, None] * (K // PACK) + (k // PACK + tl.arange(0, BLOCK_K // PACK))[None, :]
-
-
-@triton.jit
-def weight_tile(w_ptrs, w_desc, n_mask, row0, k, TMA: tl.constexpr, QUANT: tl.constexpr):
-    """The weight tile as stored (`weight_ptrs`; `dot_tile` converts it): by TMA, the descriptor's block at row row0
-    and column k, else loaded from w_ptrs. Rows past N are zeros (masked; TMA tiles arrive so)."""
-    PACK: tl.constexpr = 8 if QUANT == 3 else 1
-    if TMA:
-        w = w_desc.load([row0, k // PACK])
-    else:
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-    return w
-
-
-@triton.jit
-def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False):
-    """A 1-byte weight tile (int8 or fp8 e4m3) as DOT values, by route CONV (`qweight.CAST` ...: what each does and
-    why). The bit routes are integer ops on the sign-extended bytes; the fp8 ones leave a power of two in the values
-    (`qweight.kernel_args`' WSCALE), which the scales take back. Packed int4 words: `qweight.unpack_int4`. The
-    packed PTX route (int8) is BITS_F16's formula four bytes an instruction; the interpreter takes the formula."""
-    if w.dtype == tl.int32:
-        return unpack_int4(w, DOT if DOT != tl.float32 else tl.float16, MMA_ORDER).to(DOT)
-    elif CONV == 4 and not INTERPRETED:  # PACKED_F16
-        return tl.inline_asm_elementwise(INT8_F16_PTX, "=r,=r,r", [w], dtype=tl.float16, is_pure=True, pack=4).to(DOT)
-    elif CONV == 0:
-        return w.to(DOT)
-    elif CONV == 3:
-        return w.to(tl.float16)
-    else:
-        b = w.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: bits 7..15 are the sign
-        if w.dtype == tl.int8:
-            if CONV == 1:  # bf16(0x4300 | low 7 bits) = 128 + low; minus 128 (b >= 0) or 256 (b < 0)
-                v = ((b & 0x7F) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                c = ((b & 0x80) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                return (v - c).to(DOT)
-            else:  # fp16(0x6400 | u) = 1024 + u for u = b + 128 in [0, 255]
-                v = (((b ^ 0x80) & 0xFF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                return (v - 1152.0).to(DOT)
-        else:
-            if CONV == 1:  # sign to bit 15, exponent|mantissa to bits 4..10: e4m3 value x 2^-120 as bf16
-                return ((b & -32768) | ((b & 0x7F) << 4)).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            else:  # bit 8 (a sign copy) lands on 15, exponent|mantissa on 7..13; bit 7 -> 14 is masked: x 2^-8
-                return ((b << 7) & -16512).to(tl.int16).to(tl.float16, bitcast=True)  # 0xBF80
-
-
-@triton.jit
-def activation_tile(x, DOT: tl.constexpr):
-    """The activation tile as DOT values. For the fp16 routes, bf16 activations beyond fp16's range (65504) saturate
-    instead of becoming inf: one huge SwiGLU product must not turn a whole output row into NaN. A tile already in
-    DOT is taken as it is (the chained tail's fp16 copies were saturated this way when written)."""
-    if x.dtype == DOT:
-        return x
-    if DOT == tl.float16:
-        xf = x.to(tl.float32)
-        return tl.minimum(tl.maximum(xf, -65504.0), 65504.0).to(tl.float16)
-    return x.to(DOT)
-
-
-@triton.jit
-def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
-             CONV: tl.constexpr = 0, WSCALE: tl.constexpr = 1.0):
-    """acc += W_tile · x_tileᵀ. QUANT 0: a model-dtype weight, as before. 1-byte weights (`qweight.py`) are converted
-    to DOT in registers by route CONV (`convert_tile`); per-group (QUANT 2, 3) scales are applied here: to the
-    product of a tile that lies in one group, or, where a tile spans several groups, to the converted weights before
-    the product (fp16 routes only: q exact, times the scale rounded to fp16, each product rounded once to fp16's 11
-    bits, finer than the bf16 reference's own rounding of the dequantized weight); per-channel ones (QUANT 1) later,
-    by `channel_scale`."""
-    BK: tl.constexpr = x.shape[1]
-    ORDER: tl.constexpr = QUANT == 3 and GROUP % 32 == 0  # packed int4 in MMA order (`qweight.int4_mma_order`)
-    if QUANT == 0:
-        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
-    elif QUANT == 1:
-        acc = tl.dot(convert_tile(w, CONV, DOT, ORDER), tl.trans(activation_tile(x, DOT)), acc)
-    elif BK > GROUP:  # several scale groups per tile (fp16 routes only: `tile_fits_groups`): scaled weights, one MMA
-        BN: tl.constexpr = w.shape[0]
-        NG: tl.constexpr = BK // GROUP
-        scale = tl.load(s_ptr + offs_n.to(tl.int64)[:, None] * (K // GROUP) + k0 // GROUP + tl.arange(0, NG)[None, :],
-                        mask=n_mask[:, None], other=0.0)
-        if WSCALE != 1.0:
-            scale = scale * WSCALE
-        wt = tl.reshape(convert_tile(w, CONV, DOT, ORDER), [BN, NG, GROUP]) * scale.to(DOT)[:, :, None]
-        acc = tl.dot(tl.reshape(wt, [BN, BK]), tl.trans(activation_tile(x, DOT)), acc)
-    else:
-        scale = tl.load(s_ptr + offs_n.to(tl.int64) * (K // GROUP) + k0 // GROUP, mask=n_mask, other=0.0)
-        if WSCALE != 1.0:
-            scale = scale * WSCALE
-        acc += tl.dot(convert_tile(w, CONV, DOT, ORDER), tl.trans(activation_tile(x, DOT))) * scale[:, None]
-    return acc
-
-
-@triton.jit
-def channel_scale(acc, s_ptr, offs_n, n_mask, QUANT: tl.constexpr, WSCALE: tl.constexpr = 1.0):
-    """Per-channel 1-byte weights: one multiply per output row once its k-loop is done."""
-    if QUANT == 1:
-        scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-        if WSCALE != 1.0:
-            scale = scale * WSCALE
-        acc = acc * scale[:, None]
-    return acc
 
 
 @triton.jit

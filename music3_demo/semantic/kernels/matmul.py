@@ -1,5 +1,5 @@
 """y = x · Wᵀ for many rows (a prompt's prefill: both CFG rows of up to a prefill chunk of tokens) on a 1-byte or
-packed int4 weight (`qweight.QWeight`), converted in registers tile by tile as the GEMV does it (`linear.dot_tile`:
+packed int4 weight (`qweight.QWeight`), converted in registers tile by tile as the GEMV does it (`operands.dot_tile`:
 the same conversion, per-group scales per K tile, per-channel ones once per output row): one launch per product and
 no dense copy of the weight. A plain weight's product is cuBLAS's (`F.linear`).
 
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .launch import interpreting
-from .linear import channel_scale, dot_tile, weight_ptrs, weight_tile
+from .operands import channel_scale, dot_tile, weight_ptrs, weight_tile
 from .qweight import CAST, QWeight, Weight, kernel_args
 
 

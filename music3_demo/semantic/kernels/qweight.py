@@ -19,7 +19,7 @@ column a nibble holds ("the order"):
 The kernels load the 1-byte tile, convert it to `dtype` (the model's dtype, which the weight stands in for) in
 registers, take the product with fp32 accumulation and apply the scales: per-channel once per output row in the
 epilogue, per-group once per K tile inside the loop (a K tile within one group), or to the converted weights of a
-tile spanning several (`linear.dot_tile`). `dequantize` is the
+tile spanning several (`operands.dot_tile`). `dequantize` is the
 same weight as a dense tensor: what `semantic/quant.QuantizedLinear` hands F.linear, so the eager reference and the
 kernels compute with one set of weights (the prefill's products on it: `matmul.py`, converted tile by tile).
 """

@@ -37,11 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_half_copy, interpreting
-from .linear import (
-    GemvConfig, TensorDescriptor, activation_tile, channel_scale, dot_tile, fit_group, gemv_epilogue, prefetch_rows_l2,
-    tma_supported, weight_ptrs, weight_tile,
-)
+from .launch import check_half_copy, interpreting, prefetch_rows_l2
+from .linear import GemvConfig, TensorDescriptor, fit_group, gemv_epilogue, tma_supported
+from .operands import activation_tile, channel_scale, dot_tile, weight_ptrs, weight_tile
 from .qweight import Weight, kernel_args
 from .tail_config import PRODUCTS, TailConfig, TailScratch, default_tail_config, reads_copy, with_products
 
@@ -92,11 +90,11 @@ def _product(
     k-loop is a plain product, with no per-tile reduction (which made 16-32-row tiles 2-3x slower).
     RESIDUAL: out (float32) += y; with NEXT, also next = bf16(bf16(out) ⊙ gain) for the next NORM product and this
     program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s, and so is the
-    handling of quantized weights (QUANT, GROUP, DOT, CONV, WSCALE): its tile loads (`linear.weight_ptrs`,
-    `weight_tile`: packed int4 as K / 8 words per row) and conversions (`linear.dot_tile`; per-channel scales at each
+    handling of quantized weights (QUANT, GROUP, DOT, CONV, WSCALE): its tile loads (`operands.weight_ptrs`,
+    `weight_tile`: packed int4 as K / 8 words per row) and conversions (`operands.dot_tile`; per-channel scales at each
     row block's end).
     HALF: the next product multiplies in fp16, so what this one writes for it (next, or the SwiGLU output) is also
-    written to half_ptr as fp16 (`linear.activation_tile`'s saturation), with the same strides: the next product's
+    written to half_ptr as fp16 (`operands.activation_tile`'s saturation), with the same strides: the next product's
     k-loop then feeds its tiles to the MMA as they arrive, instead of converting the same activations again for
     every tile of every row block (and staging them through shared memory once more).
     """
