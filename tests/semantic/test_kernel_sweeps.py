@@ -96,8 +96,9 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
     which must still divide each product's rows and keep 16 at least), 8 warps, pipelines twice (or 1.5 times) as
     deep where one SM's shared memory holds them (not bf16's LM tail: its 64 x 256 gate|up tiles in 4 stages already
     take 168 KB), and where a product multiplies in fp16, fp16 copies of the activations at 1 and 2 programs per SM;
-    int8's tails (cast route) with copies on their cheapest fp16 routes (32-row tiles on the packed PTX route), the
-    LM tail also with its 64-row products alone moved; what it writes (programs per SM and copies included) is what
+    int8's tails also with 2 warps a program (2 and 3 per SM) and (cast route) with copies on their cheapest fp16
+    routes (32-row tiles on the packed PTX route; at 2 per SM also with 2 warps), the LM tail also with its 64-row
+    products alone moved; what it writes (programs per SM and copies included) is what
     the engine's tuning reads back."""
     from dataclasses import replace
 
@@ -117,11 +118,14 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
         # products on an fp16 route, or int8's on the cast route that can move to fp16 ones: every product (both
         # tails), and in the LM tail the 64-row ones only (its depth tail has 32-row tiles only)
         halves = (fmt in ("int4/g64", "fp8/channel")) + (fmt == "int8/g128") + ((fmt, family) == ("int8/g128", "lm"))
+        # int8: also 2 warps a program (no weight converted by two warps) at 2 and 3 per SM, and with its cheapest
+        # fp16 routes and copies at 2 per SM
+        int8 = fmt == "int8/g128"
         assert tuned.per_sm == 1 and not tuned.halves and tuned not in variants
-        assert len(set(variants)) == len(variants) == 4 + deep + 2 * halves
+        assert len(set(variants)) == len(variants) == 4 + deep + 2 * halves + 3 * int8
         assert [(v.per_sm, v.num_warps, v.halves) for v in variants] == (
             [(2, 4, False), (3, 4, False), (2, 4, False), (1, 8, False)] + [(1, 4, False)] * deep
-            + [(1, 4, True), (2, 4, True)] * halves)
+            + [(2, 2, False), (3, 2, False)] * int8 + [(1, 4, True), (2, 4, True)] * halves + [(2, 2, True)] * int8)
         if deep:  # every product deeper, nothing else changed, within one SM's shared memory
             deeper = variants[4]
             for was, now in zip((tuned.o, tuned.gate_up, tuned.down, tuned.qkv),
@@ -129,10 +133,10 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
                 assert was.num_stages < now.num_stages <= 2 * was.num_stages
                 assert replace(now, num_stages=was.num_stages) == was
                 assert shared_bytes(now, 2, w_bytes) <= onebyte_space.SHARED_LIMIT
-        if fmt == "int8/g128":  # 64-row tiles to the fp16 bit route (2), 32-row ones to the packed PTX route (4)
-            routes = [[c.convert for c in (v.o, v.gate_up, v.down, v.qkv)] for v in variants[5:]]
-            assert routes[0] == routes[1] == [2 if c.block_n >= 64 else 4 for c in (tuned.o, tuned.gate_up,
-                                                                                     tuned.down, tuned.qkv)]
+        if int8:  # 64-row tiles to the fp16 bit route (2), 32-row ones to the packed PTX route (4)
+            routes = [[c.convert for c in (v.o, v.gate_up, v.down, v.qkv)] for v in variants[6 + deep:]]
+            packed = [2 if c.block_n >= 64 else 4 for c in (tuned.o, tuned.gate_up, tuned.down, tuned.qkv)]
+            assert routes[0] == routes[1] == routes[-1] == packed
             if family == "lm":  # and gate|up and q|k|v (64 rows) alone to the fp16 bit route, o and down kept
                 assert routes[2] == routes[3] == [tuned.o.convert, 2, tuned.down.convert, 2]
         for v in variants:
@@ -173,9 +177,10 @@ def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_
     rows, best = tune_tail_grid.sweep(Tuning(), ["bf16", "int8/g128"], per_block)
     for fmt in ("bf16", "int8/g128"):
         mine = [r for r in rows if r["format"] == fmt]
-        # (int8: also on its cheapest fp16 routes with copies, at 1 and 2 per SM: `tail_config.fp16_routes`)
+        # (int8: also 2 warps a program, at 2 and 3 per SM, and its cheapest fp16 routes with copies at 1 and 2 per
+        # SM, 2 also with 2 warps: `tail_config.fp16_routes`)
         assert [(r["per_sm"], r["num_warps"]) for r in mine] == [(1, 4), (2, 4), (3, 4), (1, 8), (1, 4)] + [
-            (1, 4), (2, 4)] * (fmt == "int8/g128")
+            (2, 2), (3, 2), (1, 4), (2, 4), (2, 2)] * (fmt == "int8/g128")
         assert all("us_per_block" in r for r in mine), mine  # every grid computes the block within 2e-2
         assert [r for r in mine if "without_barriers_us" in r] == [mine[0]]
         cfg, _ = best[(fmt, "lm")]

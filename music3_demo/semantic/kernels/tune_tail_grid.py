@@ -9,6 +9,11 @@ weight copies as the model has blocks (tune_onebyte's tail cases, each config ch
   and the pipelines' refills after them cost a block);
 - 2 and 3 programs per SM (`TailConfig.per_sm`), 2 also with each product's row block halved so that the wider
   grid still gives every program rows, and 8 warps per program;
+- for int8 tails, 2 warps a program at 2 and 3 programs per SM: with 4 warps, a tile of 32 rows on mma.sync
+  (warps [2, 2] over its 32 rows and the activations' 16) has each weight converted by two warps, and a 64-row
+  wgmma tile packs its operand registers with PRMTs; with 2 warps (mma.sync, [2, 1]) the sm_90 code of an int8 tail
+  takes 25-43% fewer warp instructions a tile (depth: 1,272 -> 924; LM gate|up: 2,788 -> 1,580), more programs per
+  SM making up the warps (fp8: 5-12% fewer; int4, whose tiles are all 64-row wgmma ones: 7% more);
 - one program per SM with each product's pipeline twice as deep (as far as shared memory allows): as many weight
   bytes in flight per SM as 2 programs per SM, from one warp per scheduler. If it gains as much as 2 per SM, the
   tails wait on the bytes in flight; if only the wider grid gains, on the warps' issue;
@@ -90,6 +95,8 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "") -
 
     out = [replace(cfg, per_sm=2), replace(cfg, per_sm=3), replace(with_products(cfg, halved), per_sm=2),
            replace(cfg, num_warps=8), deeper(cfg, w_bytes)]
+    if kind == "int8":  # 2 warps a program (mma.sync's [2, 1]: no weight converted twice), 2 and 3 per SM
+        out += [replace(cfg, num_warps=2, per_sm=2), replace(cfg, num_warps=2, per_sm=3)]
     if w_bytes == 1:  # fp16 copies (`TailConfig.halves`) where products multiply in fp16 ...
         if any(getattr(cfg, name).convert in FP16_ROUTES for name in PRODUCTS):
             out += [replace(cfg, halves=True), replace(cfg, per_sm=2, halves=True)]
@@ -98,6 +105,7 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "") -
             wide = with_products(cfg, lambda _, c: replace(c, convert=BITS_F16) if c.block_n >= 64 else c)
             for sixteen in (packed, wide) if wide != cfg else (packed,):  # (`wide`: the 64-row products only)
                 out += [replace(sixteen, halves=True), replace(sixteen, per_sm=2, halves=True)]
+            out.append(replace(packed, num_warps=2, per_sm=2, halves=True))
     unique = []
     for c in out:
         if c != cfg and c not in unique:
