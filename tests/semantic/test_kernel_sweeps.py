@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from music3_demo.semantic.kernels import onebyte_space, tune_gemv, tune_onebyte, tune_tail
 from music3_demo.semantic.kernels.linear import GemvConfig as G
@@ -13,6 +14,7 @@ from music3_demo.semantic.kernels.tail_config import TailConfig
 from music3_demo.semantic.kernels.tuning import TABLES, Target, load_table, shared_bytes, tuning_for_target
 
 H200 = Target("NVIDIA H200", 90, 132)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _packaged_tables():
@@ -98,15 +100,16 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
     take 168 KB), and where a product multiplies in fp16, fp16 copies of the activations at 1 and 2 programs per SM;
     int8's tails also with 2 warps a program (2 and 3 per SM) and (cast route) with copies on their cheapest fp16
     routes (32-row tiles on the packed PTX route; at 2 per SM also with 2 warps), the LM tail also with its 64-row
-    products alone moved; what it writes (programs per SM and copies included) is what
-    the engine's tuning reads back."""
+    products alone moved; what it writes (programs per SM and copies included) is what the engine's tuning reads
+    back. From the table the first such sweep started from (every tail at 4 warps, 1 per SM, no copies; int8 on the
+    cast route), kept beside that call's raw files."""
     from dataclasses import replace
 
     from music3_demo.semantic.kernels import tune_tail_grid
     from music3_demo.semantic.kernels.tail_config import fit_tail_shape
     from music3_demo.semantic.kernels.tuning import write_section
 
-    tuning = tuning_for_target(H200)
+    tuning = tuning_for_target(H200, ROOT / "docs/runs/2026-12-05/call23-048ab6f-tail-grid/table_before.json")
     jobs = tune_tail_grid.plan(tuning, tune_tail_grid.DEFAULT_FORMATS.split(","))
     assert [(fmt, family) for fmt, family, *_ in jobs] == [
         ("int8/g128", "lm"), ("int8/g128", "depth"), ("int4/g64", "lm"), ("fp8/channel", "lm"),
