@@ -170,8 +170,19 @@ def test_ctrl_enter_streams_then_one_player_and_history_survives_a_reload(contex
     players = page.evaluate("() => [...document.querySelectorAll('audio')].filter(a => a.offsetParent !== null)"
                             ".map(a => a.closest('[id]') && a.closest('[id]').id)")
     assert players == ["result-audio"], players
-    page.wait_for_function("() => { const a = document.querySelector('#result-audio audio');"
-                           " return a && Math.abs(a.duration - 9.0) < 0.05; }", timeout=90_000)  # (a loaded CI box)
+    # The finished player holds the whole song: its metadata says 9.0 s. Its preload is a hint, which a busy browser
+    # may leave unserved (no fetch at all: readyState 0, network idle); the check then asks for the metadata, as
+    # pressing play would, and a failure names the element's state.
+    ready = ("() => { const a = document.querySelector('#result-audio audio'); if (!a) return false;"
+             " if (a.readyState === 0 && a.networkState !== 2 && a.currentSrc) a.load();"
+             " return Math.abs(a.duration - 9.0) < 0.05; }")
+    try:
+        page.wait_for_function(ready, timeout=90_000, polling=1_000)  # (a loaded CI box)
+    except Exception:
+        state = page.evaluate("() => { const a = document.querySelector('#result-audio audio'); return a && {src:"
+                              " a.currentSrc, ready: a.readyState, network: a.networkState, duration: a.duration,"
+                              " error: a.error && a.error.code}; }")
+        raise AssertionError(f"the finished player's audio never said 9.0 s: {state}") from None
     # The picture and the FLAC / MP3 downloads are written after the song is handed over: they fill in.
     page.wait_for_selector("#waveform img", state="visible", timeout=30_000)
     assert all(page.locator(f"#download-{kind}").is_visible() for kind in ("wav", "flac", "mp3"))
@@ -188,8 +199,19 @@ def test_ctrl_enter_streams_then_one_player_and_history_survives_a_reload(contex
     page.wait_for_function("() => document.querySelectorAll('.m3-reuse').length === 1", timeout=10_000)
     assert "bright synth-pop" in page.locator("#history").inner_text()
     page.locator(".m3-play").click()  # the history's song plays in the page's one player
-    page.wait_for_function("() => { const a = document.querySelector('#result-audio audio');"
-                           " return a && Math.abs(a.duration - 9.0) < 0.05; }", timeout=90_000)  # (a loaded CI box)
+    # The finished player holds the whole song: its metadata says 9.0 s. Its preload is a hint, which a busy browser
+    # may leave unserved (no fetch at all: readyState 0, network idle); the check then asks for the metadata, as
+    # pressing play would, and a failure names the element's state.
+    ready = ("() => { const a = document.querySelector('#result-audio audio'); if (!a) return false;"
+             " if (a.readyState === 0 && a.networkState !== 2 && a.currentSrc) a.load();"
+             " return Math.abs(a.duration - 9.0) < 0.05; }")
+    try:
+        page.wait_for_function(ready, timeout=90_000, polling=1_000)  # (a loaded CI box)
+    except Exception:
+        state = page.evaluate("() => { const a = document.querySelector('#result-audio audio'); return a && {src:"
+                              " a.currentSrc, ready: a.readyState, network: a.networkState, duration: a.duration,"
+                              " error: a.error && a.error.code}; }")
+        raise AssertionError(f"the finished player's audio never said 9.0 s: {state}") from None
     assert len(drawings) == 1, f"the history was drawn {len(drawings)} times on one page load"
     page.close()
 
