@@ -151,6 +151,22 @@ def test_stop_is_not_an_error(context, app):
         page.close()
 
 
+def player_holds_the_whole_song(page, seconds: float) -> None:
+    """The page's player (#result-audio) holds the whole song: its metadata says `seconds`. Its preload is a hint,
+    which a busy browser may leave unserved (nothing fetched: readyState 0, network not loading); the check then asks
+    for the metadata, as pressing play would, and a failure names the element's state."""
+    ready = ("() => { const a = document.querySelector('#result-audio audio'); if (!a) return false;"
+             " if (a.readyState === 0 && a.networkState !== 2 && a.currentSrc) a.load();"
+             f" return Math.abs(a.duration - {seconds}) < 0.05; }}")
+    try:
+        page.wait_for_function(ready, timeout=90_000, polling=1_000)  # (a loaded CI box)
+    except Exception:
+        state = page.evaluate("() => { const a = document.querySelector('#result-audio audio'); return a && {src:"
+                              " a.currentSrc, ready: a.readyState, network: a.networkState, duration: a.duration,"
+                              " error: a.error && a.error.code}; }")
+        raise AssertionError(f"the player's audio never said {seconds} s: {state}") from None
+
+
 def test_ctrl_enter_streams_then_one_player_and_history_survives_a_reload(context, app):
     page = open_page(context, app)
     page.wait_for_selector("#live-box", state="hidden", timeout=5_000)  # no empty live player before a song
@@ -170,19 +186,7 @@ def test_ctrl_enter_streams_then_one_player_and_history_survives_a_reload(contex
     players = page.evaluate("() => [...document.querySelectorAll('audio')].filter(a => a.offsetParent !== null)"
                             ".map(a => a.closest('[id]') && a.closest('[id]').id)")
     assert players == ["result-audio"], players
-    # The finished player holds the whole song: its metadata says 9.0 s. Its preload is a hint, which a busy browser
-    # may leave unserved (no fetch at all: readyState 0, network idle); the check then asks for the metadata, as
-    # pressing play would, and a failure names the element's state.
-    ready = ("() => { const a = document.querySelector('#result-audio audio'); if (!a) return false;"
-             " if (a.readyState === 0 && a.networkState !== 2 && a.currentSrc) a.load();"
-             " return Math.abs(a.duration - 9.0) < 0.05; }")
-    try:
-        page.wait_for_function(ready, timeout=90_000, polling=1_000)  # (a loaded CI box)
-    except Exception:
-        state = page.evaluate("() => { const a = document.querySelector('#result-audio audio'); return a && {src:"
-                              " a.currentSrc, ready: a.readyState, network: a.networkState, duration: a.duration,"
-                              " error: a.error && a.error.code}; }")
-        raise AssertionError(f"the finished player's audio never said 9.0 s: {state}") from None
+    player_holds_the_whole_song(page, 9.0)
     # The picture and the FLAC / MP3 downloads are written after the song is handed over: they fill in.
     page.wait_for_selector("#waveform img", state="visible", timeout=30_000)
     assert all(page.locator(f"#download-{kind}").is_visible() for kind in ("wav", "flac", "mp3"))
@@ -199,19 +203,7 @@ def test_ctrl_enter_streams_then_one_player_and_history_survives_a_reload(contex
     page.wait_for_function("() => document.querySelectorAll('.m3-reuse').length === 1", timeout=10_000)
     assert "bright synth-pop" in page.locator("#history").inner_text()
     page.locator(".m3-play").click()  # the history's song plays in the page's one player
-    # The finished player holds the whole song: its metadata says 9.0 s. Its preload is a hint, which a busy browser
-    # may leave unserved (no fetch at all: readyState 0, network idle); the check then asks for the metadata, as
-    # pressing play would, and a failure names the element's state.
-    ready = ("() => { const a = document.querySelector('#result-audio audio'); if (!a) return false;"
-             " if (a.readyState === 0 && a.networkState !== 2 && a.currentSrc) a.load();"
-             " return Math.abs(a.duration - 9.0) < 0.05; }")
-    try:
-        page.wait_for_function(ready, timeout=90_000, polling=1_000)  # (a loaded CI box)
-    except Exception:
-        state = page.evaluate("() => { const a = document.querySelector('#result-audio audio'); return a && {src:"
-                              " a.currentSrc, ready: a.readyState, network: a.networkState, duration: a.duration,"
-                              " error: a.error && a.error.code}; }")
-        raise AssertionError(f"the finished player's audio never said 9.0 s: {state}") from None
+    player_holds_the_whole_song(page, 9.0)
     assert len(drawings) == 1, f"the history was drawn {len(drawings)} times on one page load"
     page.close()
 
