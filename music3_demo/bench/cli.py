@@ -14,6 +14,7 @@ BENCHES = {
     "flow-batch": ("flow_batch", "one flow chunk for 1, 2, 4 songs: merged DiT/vocoder calls vs one after another"),
     "formats": ("formats", "how much each 1-byte weight format changes the model's logits (teacher-forced, float32)"),
     "split": ("stage_split", "a 120-s song on one GPU vs the stage split over two (nvidia-h200-x2)"),
+    "counters": ("counters", "Nsight Compute's per-unit counters (stalls, pipes, issue) of one launch of each tail"),
     "profile": ("kernel_profile", "kernel by kernel (CUPTI): one graph-engine frame, or one flow chunk"),
     "ray": ("cluster", "a song through the Ray backend (one SongWorker replica) vs in-process: wall, first audio"),
     "dit-fp8": ("dit_fp8", "the fp8 DiT against bf16: chunk time, errors, per-product timings, bytes"),

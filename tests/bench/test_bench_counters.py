@@ -1,0 +1,54 @@
+"""The counters bench's reading of Nsight Compute's CSV pages, and its one sentence where ncu is missing."""
+
+import json
+
+from music3_demo.bench import counters
+
+RAW = '''==PROF== Connected to process 1 (python3)
+{"tail": "int4/g64:lm", "error": 0.004}
+"ID","Kernel Name","gpu__time_duration.sum","smsp__issue_active.avg.pct_of_peak_sustained_active",\
+"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",\
+"sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active","sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active"
+"","","usecond","%","inst","inst","inst","inst","%","%"
+"0","_block_tail_kernel","124.10","31.5","1.20","0.40","0","2.5","12.0","20.5"
+==PROF== Disconnected
+'''
+
+SOURCE = '''"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",\
+"Instructions Executed"
+"0x10","LDS.128 R4, [R2]","40","38","1024"
+"0x20","@P0 LOP3.LUT R5, R4, 0xf000f, RZ, 0xc0, !PT","30","20","2048"
+"0x30","LOP3.LUT R6, R4, 0xf000f, RZ, 0xc0, !PT","15","5","2048"
+"0x40","HMMA.16816.F32 R8, R4, R6, R8","5","1","512"
+'''
+
+
+def test_the_raw_page_gives_each_kernels_figures_and_stalls_largest_first():
+    kernels = counters.parse_raw(RAW)
+    assert len(kernels) == 1 and kernels[0]["Kernel Name"] == "_block_tail_kernel"  # the units row skipped
+    summary = counters.summarize(kernels[0])
+    assert summary["time"] == 124.10 and summary["issue_active_pct"] == 31.5
+    assert list(summary["stalls"]) == ["barrier", "wait", "long_scoreboard"]  # zero ones left out
+    assert list(summary["pipes_pct"]) == ["fma", "alu"]
+
+
+def test_no_header_means_no_kernels():
+    assert counters.parse_raw("==PROF== Error: profiling is not supported on this device\n") == []
+
+
+def test_the_source_page_sums_stall_samples_by_opcode_predicates_aside():
+    rows = counters.by_opcode(SOURCE)
+    assert [r["opcode"] for r in rows] == ["LOP3", "LDS", "HMMA"]
+    assert rows[0]["stall_samples"] == 45 and rows[0]["executed"] == 4096 and rows[0]["lines"] == 2
+
+
+def test_without_ncu_it_says_so_in_one_sentence(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(counters, "find_ncu", lambda given=None: None)
+    out = tmp_path / "c.json"
+    assert counters.main([str(out)]) == 3
+    said = capsys.readouterr().out.strip()
+    assert said.count("\n") == 0 and "ncu" in said
+    assert json.loads(out.read_text()) == {"ncu": None}
