@@ -8,8 +8,8 @@
 # the fused tail's GPU tests (wider grids, fp16 copies: pytest-tail.log) and the 1-byte GPU tests, each stage
 # within what is left. Files in $OUT: gpu.txt onebyte.json onebyte.rows.json bench.json summary.txt logs.tar.gz
 # (tune.log bench.log pytest.log [pytest-tail.log]).
-# Usage (repo root): [SWEEP=grid] [BUDGET=190] [FORMATS=fp8/channel,int8/g128,fp8/g128,int8/channel]
-#   bash scripts/onebyte_check.sh
+# Usage (repo root): [SWEEP=grid [GRID_ARGS=--balance-only] [PRECISIONS=bf16,fp8,int8,int4]] [BUDGET=190]
+#   [FORMATS=fp8/channel,int8/g128,fp8/g128,int8/channel] bash scripts/onebyte_check.sh
 . scripts/device_env.sh
 
 left() { echo $((570 - SECONDS)); }
@@ -17,17 +17,21 @@ if [ "${SWEEP:-onebyte}" = grid ]; then
   # 1. the tails' sweep (its table written after each format), 2. one bench: every graph engine on the packaged
   # table and on the swept one (`@compare`), same weights, same process, 3. the GPU tests of what the sweep may pick
   timeout "${TUNE_TIMEOUT:-240}" python3 -m music3_demo.semantic.kernels.tune_tail_grid "$OUT/onebyte.json" \
-    --formats "${FORMATS:-int8/g128,int4/g64,fp8/channel,bf16}" 2>&1 | tee "$OUT/tune.log" | cut -c1-220 | tail -n 60
+    --formats "${FORMATS:-int8/g128,int4/g64,fp8/channel,bf16}" ${GRID_ARGS:-} 2>&1 | tee "$OUT/tune.log" \
+    | cut -c1-220 | tail -n 60
   COMPARE=()
   [ -s "$OUT/onebyte.json" ] && COMPARE=(--compare-tuning "$OUT/onebyte.json")
   budget=$(( $(left) - 120 )); [ "$budget" -gt 90 ] || budget=90  # (the tests keep about two minutes)
   timeout "$budget" python3 -m music3_demo.bench semantic --model random-full --engine graph \
-    --precision fp8,int8,int4 --prompt-tokens 400 --frames 300 "${COMPARE[@]}" --output "$OUT/bench.json" 2>&1 \
+    --precision "${PRECISIONS:-fp8,int8,int4}" --prompt-tokens 400 --frames 300 "${COMPARE[@]}" \
+    --output "$OUT/bench.json" 2>&1 \
     | grep -v 'should be kept in float32\|weight_norm' > "$OUT/bench.log"
-  # the wider grids in one graph (1, 2 and 3 programs per SM) and the fp16 copies against converting every tile
-  timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider -k "mixed or fp16_copies" \
+  # the wider grids in one graph (1, 2 and 3 programs per SM), the fp16 copies against converting every tile, and
+  # the balanced tails against their products one by one
+  timeout "$(left)" python3 -m pytest -m gpu -q -p no:cacheprovider -k "mixed or fp16_copies or balanced" \
     "tests/semantic/test_kernels_gpu.py::test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays" \
     "tests/semantic/test_kernels_gpu.py::test_fp16_copies_of_a_quantized_tails_activations_change_no_bit" \
+    "tests/semantic/test_kernels_gpu.py::test_balanced_tuned_tails_equal_their_products_one_by_one_and_the_unbalanced_tail" \
     2>&1 | tail -n 15 > "$OUT/pytest-tail.log"; tail -n 1 "$OUT/pytest-tail.log"
   TESTS=tests/semantic/test_quant_gpu.py
 else

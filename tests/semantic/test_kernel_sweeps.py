@@ -100,8 +100,8 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
     take 168 KB), and where a product multiplies in fp16, fp16 copies of the activations at 1 and 2 programs per SM;
     int8's tails also with 2 warps a program (2 and 3 per SM) and (cast route) with copies on their cheapest fp16
     routes (32-row tiles on the packed PTX route; at 2 per SM also with 2 warps), the LM tail also with its 64-row
-    products alone moved; what it writes (programs per SM and copies included) is what the engine's tuning reads
-    back. From the table the first such sweep started from (every tail at 4 warps, 1 per SM, no copies; int8 on the
+    products alone moved; and balanced (`TailConfig.balance`) at 1 and 2 per SM, alone with `--balance-only`; what
+    it writes (programs per SM, copies and balance included) is what the engine's tuning reads back. From the table the first such sweep started from (every tail at 4 warps, 1 per SM, no copies; int8 on the
     cast route), kept beside that call's raw files."""
     from dataclasses import replace
 
@@ -125,10 +125,13 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
         # fp16 routes and copies at 2 per SM
         int8 = fmt == "int8/g128"
         assert tuned.per_sm == 1 and not tuned.halves and tuned not in variants
-        assert len(set(variants)) == len(variants) == 4 + deep + 2 * halves + 3 * int8
+        assert len(set(variants)) == len(variants) == 4 + deep + 2 * halves + 3 * int8 + 2
         assert [(v.per_sm, v.num_warps, v.halves) for v in variants] == (
             [(2, 4, False), (3, 4, False), (2, 4, False), (1, 8, False)] + [(1, 4, False)] * deep
-            + [(2, 2, False), (3, 2, False)] * int8 + [(1, 4, True), (2, 4, True)] * halves + [(2, 2, True)] * int8)
+            + [(2, 2, False), (3, 2, False)] * int8 + [(1, 4, True), (2, 4, True)] * halves + [(2, 2, True)] * int8
+            + [(1, 4, False), (2, 4, False)])
+        assert [v.balance for v in variants] == [False] * (len(variants) - 2) + [True] * 2
+        assert variants[-2:] == [replace(tuned, balance=True), replace(tuned, balance=True, per_sm=2)]
         if deep:  # every product deeper, nothing else changed, within one SM's shared memory
             deeper = variants[4]
             for was, now in zip((tuned.o, tuned.gate_up, tuned.down, tuned.qkv),
@@ -137,7 +140,7 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
                 assert replace(now, num_stages=was.num_stages) == was
                 assert shared_bytes(now, 2, w_bytes) <= onebyte_space.SHARED_LIMIT
         if int8:  # 64-row tiles to the fp16 bit route (2), 32-row ones to the packed PTX route (4)
-            routes = [[c.convert for c in (v.o, v.gate_up, v.down, v.qkv)] for v in variants[6 + deep:]]
+            routes = [[c.convert for c in (v.o, v.gate_up, v.down, v.qkv)] for v in variants[6 + deep:-2]]
             packed = [2 if c.block_n >= 64 else 4 for c in (tuned.o, tuned.gate_up, tuned.down, tuned.qkv)]
             assert routes[0] == routes[1] == routes[-1] == packed
             if family == "lm":  # and gate|up and q|k|v (64 rows) alone to the fp16 bit route, o and down kept
@@ -146,8 +149,10 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
             assert fit_tail_shape(v, d, a, g, q) == v  # runs as it is
             for c, rows in zip((v.o, v.gate_up, v.down, v.qkv), (d, g, d, q)):
                 assert c.block_n >= 16 and rows % c.block_n == 0
+    only = tune_tail_grid.plan(tuning, tune_tail_grid.DEFAULT_FORMATS.split(","), balance_only=True)
+    assert [variants for *_, variants in only] == [variants[-2:] for *_, variants in jobs]
     fmt, family, tuned, variants = jobs[2]
-    wide = replace(tuned, per_sm=2, halves=True)
+    wide = replace(tuned, per_sm=2, halves=True, balance=True)
     path = tmp_path / "grid.json"
     write_section(path, "tail", {tune_tail_grid.table_key(fmt, family): wide}, target=H200)
     assert tuning_for_target(H200, path).tail(*tune_tail_grid.FAMILIES[family][:4], 1, 64, "int4") == wide
@@ -181,9 +186,10 @@ def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_
     for fmt in ("bf16", "int8/g128"):
         mine = [r for r in rows if r["format"] == fmt]
         # (int8: also 2 warps a program, at 2 and 3 per SM, and its cheapest fp16 routes with copies at 1 and 2 per
-        # SM, 2 also with 2 warps: `tail_config.fp16_routes`)
+        # SM, 2 also with 2 warps: `tail_config.fp16_routes`; then balanced at 1 and 2 per SM)
         assert [(r["per_sm"], r["num_warps"]) for r in mine] == [(1, 4), (2, 4), (3, 4), (1, 8), (1, 4)] + [
-            (2, 2), (3, 2), (1, 4), (2, 4), (2, 2)] * (fmt == "int8/g128")
+            (2, 2), (3, 2), (1, 4), (2, 4), (2, 2)] * (fmt == "int8/g128") + [(1, 4), (2, 4)]
+        assert [r["balance"] for r in mine][-3:] == [False, True, True]
         assert all("us_per_block" in r for r in mine), mine  # every grid computes the block within 2e-2
         assert [r for r in mine if "without_barriers_us" in r] == [mine[0]]
         cfg, _ = best[(fmt, "lm")]

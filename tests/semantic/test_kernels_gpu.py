@@ -116,11 +116,14 @@ def _replays_reproduce(run, outputs: tuple, expected: list, replays: int) -> Non
 @pytest.mark.parametrize("shape", [(4096, 24576, 6144), (4096, 12288, 12288)], ids=["lm", "depth"])
 @pytest.mark.parametrize("rows", [2, 4])
 @pytest.mark.parametrize("grids", [(1,), (2,), (1, 2, 3)], ids=["one_per_sm", "two_per_sm", "mixed"])
-def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays(shape, rows, grids):
+@pytest.mark.parametrize("balance", [False, True], ids=["", "balanced"])
+def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays(shape, rows, grids, balance):
     """The grid barriers are the only difference between one persistent launch and one launch per product: any
     missing ordering (a program reading a row another has not written, a stale L1 line) changes bits. Three blocks
     in a row share the scratch, replayed 20 times, with 1, 2 or 3 programs per SM (`TailConfig.per_sm`; "mixed":
-    one block each, every grid size on its own barrier count)."""
+    one block each, every grid size on its own barrier count). Balanced (`TailConfig.balance`): the products whose
+    row blocks do not divide over the grid split K (q|k|v's 96 blocks at 1 per SM, every product at 2), the last
+    part of a row block to finish adding the partials: as many bits whoever finishes last, counters back at zero."""
     from dataclasses import replace
 
     from music3_demo.semantic.kernels.tail import block_tail
@@ -141,7 +144,7 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     act = torch.empty(rows, gate_up_rows // 2, device=DEVICE, dtype=torch.bfloat16)
     qkv = torch.empty(rows, qkv_rows, device=DEVICE, dtype=torch.bfloat16)
     scratch = TailScratch(DEVICE)
-    base = default_tail_config(hidden, hidden, gate_up_rows, qkv_rows, torch.device(DEVICE))
+    base = replace(default_tail_config(hidden, hidden, gate_up_rows, qkv_rows, torch.device(DEVICE)), balance=balance)
     small = with_products(base, lambda _, c: replace(c, block_k=128, num_stages=2))  # 3 fit on an SM
     per_block = [grids[i % len(grids)] for i in range(len(blocks))]
 
@@ -164,6 +167,7 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     for per_sm in (1, 2, 3):  # three barriers per launch, nobody lost
         launches = 21 * per_block.count(per_sm)
         assert scratch.count(per_sm).item() == launches * 3 * per_sm * scratch.programs
+    assert not scratch.split_counts.any() and bool(scratch._splits) == balance
 
 
 @pytest.mark.parametrize("fmt", ["int4", "fp8", "int8"])
@@ -218,3 +222,44 @@ def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm)
     run(fused=True, halves=True)  # compiles outside the capture
     _replays_reproduce(lambda: run(fused=True, halves=True), (h, xn, act, qkv), expected, 10)
     assert scratch._halves  # the copies were made and read
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "int8", "bf16"])
+@pytest.mark.parametrize("family", ["lm", "depth"])
+def test_balanced_tuned_tails_equal_their_products_one_by_one_and_the_unbalanced_tail(fmt, family):
+    """This GPU's tuned tail of each format with `TailConfig.balance` (the int4 LM's 64-row o and down on all
+    programs, the int8 depth tail at 2 per SM splitting every product): the fused launch equals one launch per
+    product bit for bit across graph replays, and the unbalanced tail to the partials' order of addition."""
+    from dataclasses import replace
+
+    from music3_demo.semantic.kernels.tail_config import balanced_splits
+    from music3_demo.semantic.kernels.tune_onebyte import FAMILIES, tail_family
+    from music3_demo.semantic.kernels.tune_tail_grid import format_of
+    from music3_demo.semantic.kernels.tuning import tuning_for
+    from music3_demo.semantic.quant import fp8_supported
+
+    if fmt == "fp8" and not fp8_supported(DEVICE):
+        pytest.skip("fp8 needs sm_89 or newer")
+    if fmt == "int4" and family == "depth":
+        pytest.skip("an int4 LM keeps its depth decoder at int8")
+    tuned = tuning_for(DEVICE).tail(*FAMILIES[family][:4], *format_of(fmt))
+    balanced = replace(tuned, balance=True)
+    case = tail_family(fmt, family, layers=1)
+    assert case["error"](balanced) < 2e-2
+    d, a, g, q = case["shape"]
+    if balanced_splits(balanced, tuned.per_sm * min(128, torch.cuda.get_device_properties(DEVICE).multi_processor_count),
+                       d, a, g, q) == (1, 1, 1, 1):
+        pytest.skip("this GPU's tuned tail divides evenly already")
+    outputs = case["outputs"]
+
+    def run(cfg, fused: bool) -> list[torch.Tensor]:
+        case["reset"]()
+        case["launch"](cfg, 0, fused=fused)
+        return [t.clone() for t in outputs]
+
+    unbalanced, expected = run(tuned, True), run(balanced, False)
+    for got, want in zip(run(balanced, True), expected):
+        assert torch.equal(got, want)
+    for got, want in zip(expected, unbalanced):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-3
+    _replays_reproduce(lambda: run(balanced, True), tuple(outputs), expected, 10)

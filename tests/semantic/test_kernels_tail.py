@@ -150,3 +150,56 @@ def test_fp16_copies_of_the_activations_give_the_fp16_products_the_same_tiles(fo
     assert outputs[1][2].any() == following
     for read_copy, zero_input in zip(outputs[2], outputs[3]):  # o multiplies the copy, not attn
         assert torch.equal(read_copy, zero_input)
+
+
+def test_balanced_splits_give_every_program_equal_work_where_row_blocks_do_not():
+    """`balanced_splits` on the models' shapes: the int4 LM tail's 64-row o and down (64 row blocks on 128
+    programs) take 2 parts, q|k|v's 96 blocks 4; gate|up's 384 none; the int8 depth tail at 2 programs per SM (256)
+    splits all four; without `balance`, or where no split of at most MAX_SPLIT parts fits, nothing splits."""
+    from dataclasses import replace
+
+    from music3_demo.semantic.kernels.tail_config import TailConfig, balanced_splits
+
+    wide = TailConfig(*[GemvConfig(64, 256)] * 4, balance=True)
+    assert balanced_splits(wide, 128, 4096, 4096, 24576, 6144) == (2, 1, 2, 4)
+    assert balanced_splits(replace(wide, balance=False), 128, 4096, 4096, 24576, 6144) == (1, 1, 1, 1)
+    assert balanced_splits(wide, 128, 4096, 4096, 24576, None) == (2, 1, 2, 1)  # no next block: no q|k|v
+    depth = TailConfig(*[GemvConfig(32, 128)] * 4, balance=True)
+    assert balanced_splits(depth, 256, 4096, 4096, 12288, 12288) == (2, 2, 2, 2)
+    assert balanced_splits(depth, 132, 4096, 4096, 12288, 12288) == (1, 1, 1, 1)  # 128 or 384 blocks: 33 parts
+    # o's 192 blocks would feed the next RMSNorm from more row blocks than programs: not split
+    assert balanced_splits(TailConfig(*[GemvConfig(16, 128)] * 4, balance=True), 128, 3072, 4096, 24576, 6144)[0] == 1
+
+
+def test_balanced_products_sum_their_parts_in_a_fixed_order_to_the_unsplit_result():
+    """`TailConfig.balance` on 8 programs: o and down (4 row blocks) and gate|up (12) in 2 parts of K, q|k|v (6) in
+    4. Each part's partial is stored and the last to finish a row block adds them in part order: the tail agrees with
+    the unsplit one to rounding, twice the same bits, the RMSNorm's sums of squares handed on through the row blocks'
+    rows, and every row block's counter is back at zero."""
+    from dataclasses import replace
+
+    from music3_demo.semantic.kernels.tail import block_tail
+    from music3_demo.semantic.kernels.tail_config import TailConfig, TailScratch, balanced_splits
+
+    d, a, i, q = 64, 64, 96, 96
+    weights = [rand(*shape, dtype=torch.float32, seed=seed, scale=shape[1] ** -0.5)
+               for seed, shape in enumerate([(d, a), (2 * i, d), (d, i), (q, d)])]
+    ln1, ln2 = (rand(d, seed=seed, scale=0.1) + 1 for seed in (5, 6))
+    attn, start = rand(2, a, seed=7), rand(2, d, seed=8)
+    base = TailConfig(*[GemvConfig(16, 16)] * 4)
+    assert balanced_splits(replace(base, balance=True), 8, d, a, 2 * i, q) == (2, 2, 2, 4)
+    outputs = []
+    for balance in (False, True, True):
+        scratch = TailScratch("cpu", 8)
+        h, h16 = start.clone(), start.clone()
+        act, qkv = torch.zeros(2, i), torch.zeros(2, q)
+        block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, scratch, next_qkv=(weights[3], ln1, qkv),
+                   config=replace(base, balance=balance))
+        outputs.append((h, act, qkv))
+        assert not scratch.split_counts.any()
+        assert bool(scratch._splits) == balance
+    for split, whole in zip(outputs[1], outputs[0]):
+        assert_close(split, whole, torch.float32)
+    for first, again in zip(outputs[1], outputs[2]):
+        assert torch.equal(first, again)
+    assert outputs[1][2].abs().sum() > 0

@@ -37,11 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_half_copy, interpreting, prefetch_rows_l2
+from .launch import INTERPRETED, check_half_copy, interpreting, prefetch_rows_l2
 from .linear import GemvConfig, TensorDescriptor, fit_group, gemv_epilogue, tma_supported
 from .operands import activation_tile, channel_scale, dot_tile, weight_ptrs, weight_tile
 from .qweight import Weight, kernel_args
-from .tail_config import PRODUCTS, TailConfig, TailScratch, default_tail_config, reads_copy, with_products
+from .tail_config import (
+    PRODUCTS, TailConfig, TailScratch, balanced_splits, default_tail_config, reads_copy, with_products,
+)
 
 # The fused tail's launch is cooperative (see the module docstring); "0" only to measure the other way.
 COOPERATIVE = os.environ.get("MUSIC3_TAIL_COOPERATIVE", "1") != "0"
@@ -64,6 +66,16 @@ def _grid_barrier(count_ptr):
 
 
 @triton.jit
+def _cta_sync(value):
+    """`tl.debug_barrier` inside a pipelined k-loop: as inline PTX, which Triton's software pipeliner does not take
+    for a barrier it must not pipeline across (`tl.debug_barrier` there leaves the loop unpipelined). The
+    interpreter runs a program's threads as one, so there it is nothing."""
+    if not INTERPRETED:
+        tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, $1;", "=r,r", [value], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
 def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, QUANT: tl.constexpr):
     """Between two products: start this program's next weight rows towards L2, then wait for the whole grid."""
     if PREFETCH > 0:
@@ -80,7 +92,7 @@ def _product(
     STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
     NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr, GRID: tl.constexpr,
     QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr, WSCALE: tl.constexpr,
-    HALF: tl.constexpr,
+    HALF: tl.constexpr, SPLIT: tl.constexpr, split_ptr, cnt_ptr,
 ):
     """This program's row blocks of out = epilogue(W · x). FRESH: x and out were written earlier in this launch
     (by other programs), so they are read through L2 only (`.cg`; L1 is not coherent).
@@ -97,16 +109,24 @@ def _product(
     written to half_ptr as fp16 (`operands.activation_tile`'s saturation), with the same strides: the next product's
     k-loop then feeds its tiles to the MMA as they arrive, instead of converting the same activations again for
     every tile of every row block (and staging them through shared memory once more).
+    SPLIT (`tail_config.balanced_splits`): the work items are (row block, K part) pairs, SPLIT parts of K per row
+    block, so that a product with fewer row blocks than programs (or not a multiple of them) keeps every program
+    busy. Each part stores its fp32 partial (split_ptr) and bumps its row block's counter (cnt_ptr); the last to
+    arrive adds the partials in part order (the sum does not depend on timing), resets the counter and applies the
+    epilogue: `linear._gemv_kernel`'s split-K, inside the flattened k-loop. Its sum of squares for the next NORM
+    product goes to the row block's own row of part_ptr (not the program's), so that the NORM product's sum in
+    program order is again the same whoever came last; the programs past the row blocks write zeros there.
     """
     BLOCK_M: tl.constexpr = 16
-    K_TILES: tl.constexpr = K // BLOCK_K
+    K_TILES: tl.constexpr = K // BLOCK_K // SPLIT  # K tiles of one work item
+    ROWS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     programs: tl.constexpr = GRID
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     x_ptrs = x_ptr + offs_m[:, None] * stride_x + offs_k[None, :]
-    blocks = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs)
+    blocks = tl.cdiv(ROWS * SPLIT - pid, programs)  # this program's work items
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     if NORM:  # every program's partial, in program order (deterministic)
         parts = tl.arange(0, PARTS)
@@ -116,8 +136,10 @@ def _product(
     part = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for t in tl.range(0, blocks * K_TILES, num_stages=STAGES):
-        row0 = (pid + (t // K_TILES) * programs) * BLOCK_N
-        k0 = (t % K_TILES) * BLOCK_K
+        item = pid + (t // K_TILES) * programs
+        row = item % ROWS
+        row0 = row * BLOCK_N
+        k0 = ((item // ROWS) * K_TILES + t % K_TILES) * BLOCK_K
         offs_n = row0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         w = weight_tile(weight_ptrs(w_ptr, offs_n, k0, K, BLOCK_K, QUANT), w_desc, n_mask, row0, k0, TMA, QUANT)
@@ -127,38 +149,58 @@ def _product(
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
         acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
         if t % K_TILES == K_TILES - 1:
-            acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
-            if RESIDUAL:
-                mask = n_mask[:, None] & m_mask[None, :]
-                out_ptrs = out_ptr + offs_m[None, :] * stride_o + offs_n[:, None]
-                if FRESH:
-                    res = tl.load(out_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            last = True
+            if SPLIT > 1:  # every part's partial, then the last to arrive sums them in part order
+                tile = (row * SPLIT * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * BLOCK_M + offs_m[None, :]
+                tl.store(split_ptr + (item // ROWS) * BLOCK_N * BLOCK_M + tile, acc, mask=m_mask[None, :])
+                _cta_sync(row)  # every thread's stores precede the release (as in `_grid_barrier`)
+                last = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+                if last:
+                    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                    for part_k in tl.static_range(SPLIT):
+                        acc += tl.load(split_ptr + part_k * BLOCK_N * BLOCK_M + tile, mask=m_mask[None, :],
+                                       other=0.0, cache_modifier=".cg")
+                    tl.atomic_xchg(cnt_ptr + row, 0)  # ready for the next product or launch
+            if last:
+                acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
+                if RESIDUAL:
+                    mask = n_mask[:, None] & m_mask[None, :]
+                    out_ptrs = out_ptr + offs_m[None, :] * stride_o + offs_n[:, None]
+                    if FRESH:
+                        res = tl.load(out_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                    else:
+                        res = tl.load(out_ptrs, mask=mask, other=0.0)
+                    y = res + acc.to(out_ptr.dtype.element_ty)
+                    tl.store(out_ptrs, y, mask=mask)
+                    if NEXT:
+                        rounded = y.to(next_ptr.dtype.element_ty).to(tl.float32)
+                        squares = tl.sum(rounded * rounded, axis=0)  # masked rows and columns are zero
+                        if SPLIT > 1:
+                            tl.store(part_ptr + row * BLOCK_M + offs_m, squares)
+                        else:
+                            part += squares
+                        gain = tl.load(gain_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                        normed = (rounded * gain[:, None]).to(next_ptr.dtype.element_ty)
+                        tl.store(next_ptr + offs_m[None, :] * stride_o + offs_n[:, None], normed, mask=mask)
+                        if HALF:
+                            tl.store(half_ptr + offs_m[None, :] * stride_o + offs_n[:, None],
+                                     activation_tile(normed, half_ptr.dtype.element_ty), mask=mask)
                 else:
-                    res = tl.load(out_ptrs, mask=mask, other=0.0)
-                y = res + acc.to(out_ptr.dtype.element_ty)
-                tl.store(out_ptrs, y, mask=mask)
-                if NEXT:
-                    rounded = y.to(next_ptr.dtype.element_ty).to(tl.float32)
-                    part += tl.sum(rounded * rounded, axis=0)  # masked rows and columns are zero
-                    gain = tl.load(gain_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                    normed = (rounded * gain[:, None]).to(next_ptr.dtype.element_ty)
-                    tl.store(next_ptr + offs_m[None, :] * stride_o + offs_n[:, None], normed, mask=mask)
-                    if HALF:
-                        tl.store(half_ptr + offs_m[None, :] * stride_o + offs_n[:, None],
-                                 activation_tile(normed, half_ptr.dtype.element_ty), mask=mask)
-            else:
-                gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, out_ptr, half_ptr, stride_o,
-                               stride_o, eps, K, NORM, False, SWIGLU, HALF)
+                    gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, out_ptr, half_ptr, stride_o,
+                                   stride_o, eps, K, NORM, False, SWIGLU, HALF)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if NEXT:
-        tl.store(part_ptr + pid * BLOCK_M + offs_m, part)
+        if SPLIT == 1:
+            tl.store(part_ptr + pid * BLOCK_M + offs_m, part)
+        elif pid >= ROWS:  # rows of part_ptr past the row blocks' (`balanced_splits` keeps ROWS <= programs)
+            tl.store(part_ptr + pid * BLOCK_M + offs_m, part)
 
 
 @triton.jit
 def _block_tail_kernel(
     attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr, attn16_ptr, xn16_ptr, act16_ptr,
     wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, so_ptr, sgu_ptr, sd_ptr, sq_ptr,
-    ln2_ptr, ln1_ptr, part_ptr, bar_ptr,
+    ln2_ptr, ln1_ptr, part_ptr, bar_ptr, split_ptr, cnt_ptr,
     s_attn, s_h, s_act, s_qkv, eps,
     M: tl.constexpr, D: tl.constexpr, A: tl.constexpr, G: tl.constexpr, Q: tl.constexpr,
     RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr, HAS_NEXT: tl.constexpr,
@@ -172,7 +214,7 @@ def _block_tail_kernel(
     DT_O: tl.constexpr, CV_O: tl.constexpr, WS_O: tl.constexpr, DT_GU: tl.constexpr, CV_GU: tl.constexpr,
     WS_GU: tl.constexpr, DT_D: tl.constexpr, CV_D: tl.constexpr, WS_D: tl.constexpr, DT_Q: tl.constexpr,
     CV_Q: tl.constexpr, WS_Q: tl.constexpr, HALF_O: tl.constexpr, HALF_GU: tl.constexpr, HALF_D: tl.constexpr,
-    HALF_Q: tl.constexpr,
+    HALF_Q: tl.constexpr, SP_O: tl.constexpr, SP_GU: tl.constexpr, SP_D: tl.constexpr, SP_Q: tl.constexpr,
 ):
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
     input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/GROUP: the weights' format (one for all four
@@ -185,25 +227,25 @@ def _block_tail_kernel(
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
         _product(attn16_ptr if HALF_O else attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, xn16_ptr,
                  ln2_ptr, part_ptr, eps, M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, GRID,
-                 QUANT, GROUP, DT_O, CV_O, WS_O, HALF_GU)
+                 QUANT, GROUP, DT_O, CV_O, WS_O, HALF_GU, SP_O, split_ptr, cnt_ptr)
     if SYNC and BARRIERS:
         _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU, QUANT)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
         _product(xn16_ptr if HALF_GU else xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr, s_act, act_ptr,
                  act16_ptr, ln2_ptr, part_ptr, eps, M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False,
-                 PARTS, SYNC, GRID, QUANT, GROUP, DT_GU, CV_GU, WS_GU, HALF_D)
+                 PARTS, SYNC, GRID, QUANT, GROUP, DT_GU, CV_GU, WS_GU, HALF_D, SP_GU, split_ptr, cnt_ptr)
     if SYNC and BARRIERS:
         _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D, QUANT)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
         _product(act16_ptr if HALF_D else act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h, xn_ptr, xn16_ptr,
                  ln1_ptr, part_ptr, eps, M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS,
-                 SYNC, GRID, QUANT, GROUP, DT_D, CV_D, WS_D, HALF_Q and HAS_NEXT)
+                 SYNC, GRID, QUANT, GROUP, DT_D, CV_D, WS_D, HALF_Q and HAS_NEXT, SP_D, split_ptr, cnt_ptr)
     if SYNC and BARRIERS and HAS_NEXT:
         _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q, QUANT)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
         _product(xn16_ptr if HALF_Q else xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv, qkv_ptr, qkv_ptr,
                  ln1_ptr, part_ptr, eps, M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC,
-                 GRID, QUANT, GROUP, DT_Q, CV_Q, WS_Q, False)
+                 GRID, QUANT, GROUP, DT_Q, CV_Q, WS_Q, False, SP_Q, split_ptr, cnt_ptr)
 
 
 def _descriptor(data: torch.Tensor, cfg: GemvConfig, k: int):
@@ -279,6 +321,11 @@ def block_tail(
     half_o, half_q = half_o and attn16 is not None, half_q and next_qkv is not None
     xn16 = scratch.half("xn", xn) if half_gu or half_q else xn
     act16 = scratch.half("act", act) if half_d else act
+    splits = balanced_splits(cfg, grid, d, a, g, q if next_qkv is not None else None)
+    # the split products' partials, [row blocks, parts, BLOCK_N, 16] fp32 each; one buffer (the products run in turn)
+    need = max((-(-n // c.block_n) * c.block_n * s * 16 for n, c, s in zip((d, g, d, q), products, splits) if s > 1),
+               default=0)
+    split_scratch = scratch.split_partials(need) if need else scratch.partials
     common = dict(
         eps=eps, M=m, D=d, A=a, G=g, Q=q, HAS_NEXT=next_qkv is not None, SYNC=fused, BARRIERS=barriers,
         PARTS=triton.next_power_of_2(grid), GRID=grid,
@@ -288,14 +335,15 @@ def block_tail(
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
         QUANT=packed[0][2], GROUP=packed[0][3], HALF_O=half_o, HALF_GU=half_gu, HALF_D=half_d, HALF_Q=half_q,
+        **dict(zip(("SP_O", "SP_GU", "SP_D", "SP_Q"), splits)),
         **{f"{key}_{name}": value for name, p in zip(("O", "GU", "D", "Q"), packed)
            for key, value in zip(("DT", "CV", "WS"), p[4:])},
     )
     (wo, so, *_), (wgu, sgu, *_), (wd, sd, *_), (wqd, sq, *_) = packed
     args = (attn, h, xn, act, qkv_out, attn16 if half_o else attn, xn16, act16, wo, _descriptor(wo, cfg.o, a), wgu,
             _descriptor(wgu, cfg.gate_up, d), wd, _descriptor(wd, cfg.down, g // 2), wqd, _descriptor(wqd, cfg.qkv, d),
-            so, sgu, sd, sq, ln2, ln1, scratch.partials, scratch.count(cfg.per_sm), attn.stride(0), h.stride(0),
-            act.stride(0), qkv_out.stride(0))
+            so, sgu, sd, sq, ln2, ln1, scratch.partials, scratch.count(cfg.per_sm), split_scratch,
+            scratch.split_counts, attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
     runs = [(True, True, True, next_qkv is not None)] if fused else [
         tuple(i == j for j in range(4)) for i in range(4 if next_qkv is not None else 3)
     ]

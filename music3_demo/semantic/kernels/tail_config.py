@@ -11,6 +11,12 @@ but a 1-byte weight tile is converted in registers, long chains of dependent ins
 scheduler to issue them; more programs per SM (a grid of `per_sm` x the SM-bound program count) give the schedulers
 other warps to switch to. The cooperative launch still guarantees that they are all resident; each grid size keeps
 its own arrival count (`TailScratch.counts`), so launches of different sizes can share one scratch.
+
+Balanced products (`TailConfig.balance`, `balanced_splits`): a product whose row blocks are fewer than the programs,
+or not a multiple of them, leaves programs waiting at the next barrier (read by Nsight Compute: a quarter of the int4
+LM tail's warp time in the barrier's spin, its o and down products on 64 of 128 programs). With `balance`, such a
+product's K is split into parts so that (row blocks x parts) is a multiple of the grid; the last part of a row block
+to finish adds the partials in a fixed order (`tail._product`'s SPLIT).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from .linear import GemvConfig, fit_shape
 from .qweight import BITS_F16, PACKED_F16, Weight, kernel_args
 
 MAX_PER_SM = 4  # programs per SM a tail config may ask for (`TailConfig.per_sm`)
+MAX_SPLIT = 4  # K parts a balanced product may take (`balanced_splits`)
+SPLIT_ROWS = 8192  # row blocks a launch's split products may have (`TailScratch.split_counts`)
 
 
 class TailScratch:
@@ -42,6 +50,8 @@ class TailScratch:
         self.partials = torch.zeros(triton.next_power_of_2(self.programs * MAX_PER_SM), 16, device=device,
                                     dtype=torch.float32)
         self._halves: dict[tuple, torch.Tensor] = {}
+        self.split_counts = torch.zeros(SPLIT_ROWS, device=device, dtype=torch.int32)  # zero between products
+        self._splits: dict[int, torch.Tensor] = {}
 
     def half(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The fp16 copy of activation `name` (up to 16 rows shaped and strided as `like`) that fp16 products read
@@ -53,6 +63,13 @@ class TailScratch:
         if key not in self._halves:
             self._halves[key] = torch.empty(16, like.stride(0), device=like.device, dtype=torch.float16)
         return self._halves[key][: like.shape[0], : like.shape[1]]
+
+    def split_partials(self, elements: int) -> torch.Tensor:
+        """fp32 scratch of `elements` for the balanced products' partials (`tail._product`'s SPLIT): made at its first
+        use (as `half`), then the same tensor for that size."""
+        if elements not in self._splits:
+            self._splits[elements] = torch.empty(elements, device=self.split_counts.device, dtype=torch.float32)
+        return self._splits[elements]
 
     def grid(self, per_sm: int) -> int:
         if not 1 <= per_sm <= MAX_PER_SM:
@@ -79,6 +96,9 @@ class TailConfig:
     # products multiplying in fp16 read fp16 copies of their inputs, written once by the product before them
     # (`_product`'s HALF), instead of converting the same activations for every weight tile
     halves: bool = False
+    # products with row blocks fewer than, or not a multiple of, the grid split K so every program has equal work
+    # (`balanced_splits`; the products' own `split_k` is the GEMV's and is not read here)
+    balance: bool = False
 
 
 def with_products(cfg: TailConfig, change) -> TailConfig:
@@ -91,6 +111,26 @@ def fp16_routes(cfg: TailConfig, packed: bool = True) -> TailConfig:
     (sm_90 code, with fp16 copies): wgmma tiles (64 rows and more) on the fp16 bit route, mma.sync tiles (32 rows and
     fewer) on the packed PTX route, or, not `packed`, on the fp16 bit route too (`qweight.PACKED_F16` says why)."""
     return with_products(cfg, lambda _, c: replace(c, convert=PACKED_F16 if packed and c.block_n < 64 else BITS_F16))
+
+
+def balanced_splits(cfg: TailConfig, grid: int, hidden: int, attn: int, gate_up: int, qkv: int | None
+                    ) -> tuple[int, int, int, int]:
+    """K parts per product (o, gate|up, down, q|k|v; 1 without `cfg.balance`): the fewest (up to MAX_SPLIT) that make
+    the product's row blocks times parts a multiple of `grid`, with whole K tiles per part. A product whose output
+    feeds the next RMSNorm (o, down) splits only while its row blocks fit the grid (their sums of squares take the
+    row blocks' rows of the per-program partials: `tail._product`)."""
+    shapes = ((hidden, attn, True), (gate_up, hidden, False), (hidden, gate_up // 2, True), (qkv or 0, hidden, False))
+    if not cfg.balance:
+        return (1, 1, 1, 1)
+
+    def parts(c: GemvConfig, n: int, k: int, norms: bool) -> int:
+        rows = -(-n // c.block_n)
+        if not n or rows % grid == 0 or (norms and rows > grid) or rows > SPLIT_ROWS:
+            return 1
+        return next((s for s in range(2, MAX_SPLIT + 1)
+                     if rows * s % grid == 0 and (k // c.block_k) % s == 0), 1)
+
+    return tuple(parts(getattr(cfg, name), *shape) for name, shape in zip(PRODUCTS, shapes))
 
 
 @functools.lru_cache(maxsize=None)

@@ -153,10 +153,14 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
     qkv = torch.zeros(2, q, device=device, dtype=DTYPE)
     scratch = TailScratch(device)
 
-    def launch(cfg: TailConfig, index: int, barriers: bool = True) -> None:
+    def launch(cfg: TailConfig, index: int, barriers: bool = True, fused: bool | None = None) -> None:
         w = ws[index % layers]
         block_tail(attn, h, h16, act, w["o"], w["gate_up"], w["down"], w["ln2"], 1e-6, scratch,
-                   next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg, barriers=barriers, attn16=attn16)
+                   next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg, barriers=barriers, attn16=attn16, fused=fused)
+
+    def reset() -> None:
+        h.copy_(start)
+        h16.copy_(start.to(DTYPE))
 
     def expected() -> tuple[torch.Tensor, torch.Tensor]:
         """Block 0 in torch on the dequantized weights (float32, the kernels' roundings of h to the model dtype)."""
@@ -172,8 +176,7 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
         return hh, normed(hh, ws[0]["ln1"]) @ w["qkv"].T
 
     def error(cfg: TailConfig) -> float:
-        h.copy_(start)
-        h16.copy_(start.to(DTYPE))
+        reset()
         launch(cfg, 0)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -184,7 +187,8 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
     ref = expected()
     nbytes = sum(w.nbytes if fmt == "bf16" else w.nbytes()
                  for w in (ws[0][name] for name in ("o", "gate_up", "down", "qkv")))
-    case = dict(launch=launch, error=error, layers=layers, nbytes=nbytes, shape=(d, a, g, q))
+    case = dict(launch=launch, error=error, layers=layers, nbytes=nbytes, shape=(d, a, g, q), reset=reset,
+                outputs=(h, h16, act, qkv))
     _CACHE[key] = case
     return case
 

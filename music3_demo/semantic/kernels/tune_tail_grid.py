@@ -23,11 +23,14 @@ weight copies as the model has blocks (tune_onebyte's tail cases, each config ch
   fp16 route (`tail_config.fp16_routes`: 64-row tiles the fp16 bit route, gate|up 512 -> 379 instructions; 32-row
   tiles the packed PTX route, down 252 -> 205), and in the LM tail with only the 64-row products moved (the 32-row
   ones keep the cast, which costs less there than the fp16 bit route).
+- balanced products (`TailConfig.balance`: a product whose row blocks do not divide over the grid splits K), at
+  the tuned grid and at the other of 1 and 2 per SM: Nsight Compute read a quarter of the int4 LM tail's warp time
+  in the barriers' spin, its 64-row o and down products running on 64 of 128 programs.
 A grid that cannot be resident whole is refused by the cooperative launch and skipped. The fastest correct config
 per format and family goes into a tuning table (this GPU's packaged table plus those tail entries, which the bench's
 `--tuning` takes), every timed row into a JSON beside it (`<out>.rows.json`).
 Run: python -m music3_demo.semantic.kernels.tune_tail_grid [out.json] [--formats int8/g128,int4/g64,fp8/channel,bf16]
-[--tuning table.json] [--dry]
+[--tuning table.json] [--dry] [--balance-only]
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def deeper(cfg: TailConfig, w_bytes: int) -> TailConfig:
     return cfg
 
 
-def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "") -> list[TailConfig]:
+def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "", balance_only: bool = False
+               ) -> list[TailConfig]:
     """The grid and pipeline variants of a tuned tail `cfg` (itself not among them), each once; `w_bytes`: its
     weights' bytes per element (1 for 1-byte and packed int4: an upper bound of the latter's shared memory), `kind`
     their format ("int8", "fp8", "int4"; "" for the model's dtype)."""
@@ -106,6 +110,9 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "") -
             for sixteen in (packed, wide) if wide != cfg else (packed,):  # (`wide`: the 64-row products only)
                 out += [replace(sixteen, halves=True), replace(sixteen, per_sm=2, halves=True)]
             out.append(replace(packed, num_warps=2, per_sm=2, halves=True))
+    out += [replace(cfg, balance=True), replace(cfg, balance=True, per_sm=2 if cfg.per_sm == 1 else 1)]
+    if balance_only:
+        out = [c for c in out if c.balance]
     unique = []
     for c in out:
         if c != cfg and c not in unique:
@@ -113,28 +120,30 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "") -
     return unique
 
 
-def plan(tuning: Tuning, formats: list[str]) -> list[tuple[str, str, TailConfig, list[TailConfig]]]:
+def plan(tuning: Tuning, formats: list[str], balance_only: bool = False
+         ) -> list[tuple[str, str, TailConfig, list[TailConfig]]]:
     """(format, family, tuned config, its variants) for every tail the sweep times."""
     jobs = []
     for fmt in formats:
         w_bytes, group, kind = format_of(fmt)
         for family in families_of(fmt):
             tuned = tuning.tail(*FAMILIES[family][:4], w_bytes, group, kind)
-            jobs.append((fmt, family, tuned, candidates(tuned, family, w_bytes, kind)))
+            jobs.append((fmt, family, tuned, candidates(tuned, family, w_bytes, kind, balance_only)))
     return jobs
 
 
-def sweep(tuning: Tuning, formats: list[str], per_block) -> tuple[list[dict], dict]:
+def sweep(tuning: Tuning, formats: list[str], per_block, balance_only: bool = False) -> tuple[list[dict], dict]:
     """Every planned tail (`plan`) checked against torch and timed: `per_block(case, cfg, barriers)` gives seconds
     per block of a tune_onebyte tail case. Returns the rows and, per (format, family), the fastest correct
     (config, seconds)."""
     rows, best = [], {}
-    for fmt, family, tuned, variants in plan(tuning, formats):
+    for fmt, family, tuned, variants in plan(tuning, formats, balance_only):
         case = tail_family(fmt, family)
         for cfg in [tuned, *variants]:
             row = {"format": fmt, "family": family, "tuned": cfg == tuned, "per_sm": cfg.per_sm,
                    "num_warps": cfg.num_warps, "stages": [getattr(cfg, p).num_stages for p in PRODUCTS],
                    "routes": [getattr(cfg, p).convert for p in PRODUCTS], "halves": cfg.halves,
+                   "balance": cfg.balance,
                    "config": dataclasses.asdict(cfg)}
             try:
                 err = case["error"](cfg)
@@ -172,6 +181,7 @@ def main() -> None:
     parser.add_argument("--tuning", help="a table file to start from (default: this GPU's packaged one)")
     parser.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     parser.add_argument("--dry", action="store_true", help="list the candidates only (no GPU)")
+    parser.add_argument("--balance-only", action="store_true", help="only the balanced variants (`TailConfig.balance`)")
     args = parser.parse_args()
     formats = [f for f in args.formats.split(",") if f]
     for fmt in formats:
@@ -179,16 +189,16 @@ def main() -> None:
 
     if args.dry:
         tuning = tuning_for_target(Target("NVIDIA H200", 90, 132), args.tuning)
-        for fmt, family, tuned, variants in plan(tuning, formats):
+        for fmt, family, tuned, variants in plan(tuning, formats, args.balance_only):
             print(f"{fmt} {family}: {len(variants)} variants of {tuned}")
         return
     device = torch.device("cuda")
     target = Target.of(device)
     tuning = tuning_for(device, args.tuning)
     print(f"{target.name} sm{target.capability}: starting from {tuning.source}", flush=True)
-    jobs = [(fmt, family, cfg, True) for fmt, family, tuned, variants in plan(tuning, formats)
-            for cfg in (tuned, *variants)] + [(fmt, family, tuned, False) for fmt, family, tuned, _ in
-                                              plan(tuning, formats)]
+    planned = plan(tuning, formats, args.balance_only)
+    jobs = [(fmt, family, cfg, True) for fmt, family, tuned, variants in planned
+            for cfg in (tuned, *variants)] + [(fmt, family, tuned, False) for fmt, family, tuned, _ in planned]
     started = time.perf_counter()
     rows, best = [], {}
     with ProcessPoolExecutor(args.jobs, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
@@ -202,7 +212,8 @@ def main() -> None:
             print(f"compiled {fmt}'s {len(compiles[fmt])} launches at {time.perf_counter() - started:.0f} s",
                   flush=True)
             more, found = sweep(tuning, [fmt], lambda case, cfg, barriers: time_graph(
-                lambda _: [case["launch"](cfg, i, barriers) for i in range(case["layers"])], 1) / case["layers"])
+                lambda _: [case["launch"](cfg, i, barriers) for i in range(case["layers"])], 1) / case["layers"],
+                args.balance_only)
             rows, best = rows + more, best | found
             table = {table_key(f, family): cfg for (f, family), (cfg, _) in best.items()}
             path = write_table(Path(args.output), tuning, {}, table, target)
