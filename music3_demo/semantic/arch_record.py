@@ -192,6 +192,11 @@ def _int4_launches(tuning: Tuning, weights) -> None:
     for config in (cfg, replace(tail_config.with_products(cfg, lambda _, c: replace(c, convert=BITS_F16)),
                                 halves=True)):
         _tail_launch(tuning, weights, int4, config)
+    # balanced products (`TailConfig.balance`): 64-row o and down on 128 programs split K in 2, q|k|v's 96 row
+    # blocks in 4, on any architecture (one launch per product: the split code is the fused launch's, and a grid of
+    # 128 need not be resident at once where the SMs are fewer)
+    wide = tail_config.with_products(cfg, lambda name, c: replace(c, block_n=64) if name in ("o", "down") else c)
+    _tail_launch(tuning, weights, int4, replace(wide, balance=True), programs=128, fused=False)
 
 
 def _packed_tail_launch(tuning: Tuning, weights) -> None:
@@ -215,18 +220,19 @@ def _lm_tail_config(tuning: Tuning, weights, group: int, kind: str):
     return tuning.tail(weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0], 1, group, kind)
 
 
-def _tail_launch(tuning: Tuning, weights, weight, config) -> None:
-    """An LM block's chained tail with the next block's q|k|v (fused, as on a GPU) in `config`, on meta weights that
-    `weight(n, k)` makes; its o reads the attention's fp16 copy where the config asks for one."""
+def _tail_launch(tuning: Tuning, weights, weight, config, programs: int | None = None, fused: bool = True) -> None:
+    """An LM block's chained tail with the next block's q|k|v (fused, as on a GPU, or one launch per product) in
+    `config` on a grid of the tuning's programs (or `programs`), on meta weights that `weight(n, k)` makes; its o
+    reads the attention's fp16 copy where the config asks for one."""
     meta, bf16 = torch.device("meta"), torch.bfloat16
     block = weights.blocks[0]
     d, a, g, q = weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0]
     h, xn, ln = torch.empty(2, d, device=meta), torch.empty(2, d, dtype=bf16, device=meta), block.ln2
     tail.block_tail(torch.empty(2, a, dtype=bf16, device=meta), h, xn, torch.empty(2, g // 2, dtype=bf16, device=meta),
                     weight(d, a), weight(g, d), weight(d, g // 2), ln, weights.eps,
-                    tail_config.TailScratch(meta, tuning.programs),
+                    tail_config.TailScratch(meta, programs or tuning.programs),
                     next_qkv=(weight(q, d), ln, torch.empty(2, q, dtype=bf16, device=meta)), config=config,
-                    fused=True, attn16=torch.empty(2, a, dtype=torch.float16, device=meta))
+                    fused=fused, attn16=torch.empty(2, a, dtype=torch.float16, device=meta))
 
 
 def _prefill_launches(weights, capability: int, rows: int = 1024) -> None:

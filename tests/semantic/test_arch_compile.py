@@ -76,7 +76,8 @@ def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(repor
     """The engine on fp8/int8 weights (semantic/quant.py's default schemes): int8 on every architecture, fp8 from
     sm_89 on, each with every conversion route of kernels/qweight.py; and the GEMV and the chained tail (fused, with
     the next block's q|k|v) on packed int4 (QUANT 3), the tail also with fp16 copies of its activations, as
-    the int8 tail on its cheapest fp16 routes (the packed PTX route on its 32-row tiles)."""
+    the int8 tail on its cheapest fp16 routes (the packed PTX route on its 32-row tiles), and the int4 tail's products
+    balanced (K split in parts: `TailConfig.balance`)."""
     for report in _full(reports):
         cap = report["capability"]
         quant = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] in ("_gemv_kernel",
@@ -89,6 +90,10 @@ def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(repor
         # the fp16 copies of the activations (`TailConfig.halves`), for each product that reads them
         assert any(k["constants"]["QUANT"] == 3 and all(k["constants"][f"HALF_{p}"] for p in ("O", "GU", "D", "Q"))
                    for k in tails), cap
+        # balanced products (`TailConfig.balance`): o and down's K split in 2, one launch per product
+        split = {(p, k["constants"][f"SP_{p}"]) for k in tails for p in ("O", "D")
+                 if k["constants"]["QUANT"] == 3 and k["constants"][f"RUN_{p}"] and not k["constants"]["SYNC"]}
+        assert {("O", 2), ("D", 2)} <= split, (cap, split)
         # every conversion route of 1-byte tiles (kernels/qweight.CONVERSIONS), the native fp16 one with fp8 only,
         # the packed PTX one with int8 only, also in an int8 tail with fp16 copies (`tail_config.fp16_routes`)
         routes = {k["constants"]["CONV"] for k in report["kernels"] if k["constants"].get("QUANT")
@@ -131,7 +136,9 @@ def _check(reports: list[dict]) -> None:
         names = {k["kernel"] for k in report["kernels"]}
         assert {"_gemv_kernel", "_block_tail_kernel"} <= names
         tails = [k for k in report["kernels"] if k["kernel"] == "_block_tail_kernel"]
-        assert tails and all(k["constants"]["SYNC"] for k in tails)  # fused, as on a GPU
+        # fused, as on a GPU (but the balanced int4 tail's launches, one per product: `arch_record._int4_launches`)
+        assert tails and all(k["constants"]["SYNC"] or max(k["constants"][f"SP_{p}"] for p in ("O", "GU", "D", "Q")) > 1
+                             for k in tails)
         assert report["tail_programs"] == min(128, report["sms"])
         for kernel in report["kernels"]:
             assert kernel["shared"] <= report["shared_per_block"], (cap, kernel)
