@@ -125,13 +125,24 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
         # fp16 routes and copies at 2 per SM
         int8 = fmt == "int8/g128"
         assert tuned.per_sm == 1 and not tuned.halves and tuned not in variants
-        assert len(set(variants)) == len(variants) == 4 + deep + 2 * halves + 3 * int8 + 2
+        # balanced, as tuned and (where a product's tiles have fewer than 64 rows) widened to 64 rows, at 1 and 2 per
+        # SM, its pipelines cut to what 2 programs' shared memory holds
+        narrow = any(c.block_n < 64 for c in (tuned.o, tuned.gate_up, tuned.down, tuned.qkv))
+        balanced = 2 + 2 * narrow
+        assert len(set(variants)) == len(variants) == 4 + deep + 2 * halves + 3 * int8 + balanced
         assert [(v.per_sm, v.num_warps, v.halves) for v in variants] == (
             [(2, 4, False), (3, 4, False), (2, 4, False), (1, 8, False)] + [(1, 4, False)] * deep
             + [(2, 2, False), (3, 2, False)] * int8 + [(1, 4, True), (2, 4, True)] * halves + [(2, 2, True)] * int8
-            + [(1, 4, False), (2, 4, False)])
-        assert [v.balance for v in variants] == [False] * (len(variants) - 2) + [True] * 2
-        assert variants[-2:] == [replace(tuned, balance=True), replace(tuned, balance=True, per_sm=2)]
+            + [(1, 4, False), (2, 4, False)] * (1 + narrow))
+        assert [v.balance for v in variants] == [False] * (len(variants) - balanced) + [True] * balanced
+        assert variants[-balanced:][:2] == [replace(tuned, balance=True), replace(tuned, balance=True, per_sm=2)]
+        for wide in variants[-balanced:][2:]:
+            for was, now in zip((tuned.o, tuned.gate_up, tuned.down, tuned.qkv), (wide.o, wide.gate_up, wide.down,
+                                                                                   wide.qkv)):
+                assert now.block_n == max(was.block_n, 64) and now.num_stages <= was.num_stages
+                if was.block_n < 64:  # (a widened tile's pipeline fits its programs' shared memory)
+                    assert (shared_bytes(now, 2, w_bytes) * wide.per_sm <= onebyte_space.SHARED_LIMIT
+                            or now.num_stages == 2)
         if deep:  # every product deeper, nothing else changed, within one SM's shared memory
             deeper = variants[4]
             for was, now in zip((tuned.o, tuned.gate_up, tuned.down, tuned.qkv),
@@ -140,7 +151,7 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
                 assert replace(now, num_stages=was.num_stages) == was
                 assert shared_bytes(now, 2, w_bytes) <= onebyte_space.SHARED_LIMIT
         if int8:  # 64-row tiles to the fp16 bit route (2), 32-row ones to the packed PTX route (4)
-            routes = [[c.convert for c in (v.o, v.gate_up, v.down, v.qkv)] for v in variants[6 + deep:-2]]
+            routes = [[c.convert for c in (v.o, v.gate_up, v.down, v.qkv)] for v in variants[6 + deep:-balanced]]
             packed = [2 if c.block_n >= 64 else 4 for c in (tuned.o, tuned.gate_up, tuned.down, tuned.qkv)]
             assert routes[0] == routes[1] == routes[-1] == packed
             if family == "lm":  # and gate|up and q|k|v (64 rows) alone to the fp16 bit route, o and down kept
@@ -150,7 +161,8 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
             for c, rows in zip((v.o, v.gate_up, v.down, v.qkv), (d, g, d, q)):
                 assert c.block_n >= 16 and rows % c.block_n == 0
     only = tune_tail_grid.plan(tuning, tune_tail_grid.DEFAULT_FORMATS.split(","), balance_only=True)
-    assert [variants for *_, variants in only] == [variants[-2:] for *_, variants in jobs]
+    assert [variants for *_, variants in only] == [variants[-4:] if len(variants[-4:]) == 4 and variants[-4].balance
+                                                    else variants[-2:] for *_, variants in jobs]
     fmt, family, tuned, variants = jobs[2]
     wide = replace(tuned, per_sm=2, halves=True, balance=True)
     path = tmp_path / "grid.json"
@@ -188,8 +200,8 @@ def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_
         # (int8: also 2 warps a program, at 2 and 3 per SM, and its cheapest fp16 routes with copies at 1 and 2 per
         # SM, 2 also with 2 warps: `tail_config.fp16_routes`; then balanced at 1 and 2 per SM)
         assert [(r["per_sm"], r["num_warps"]) for r in mine] == [(1, 4), (2, 4), (3, 4), (1, 8), (1, 4)] + [
-            (2, 2), (3, 2), (1, 4), (2, 4), (2, 2)] * (fmt == "int8/g128") + [(1, 4), (2, 4)]
-        assert [r["balance"] for r in mine][-3:] == [False, True, True]
+            (2, 2), (3, 2), (1, 4), (2, 4), (2, 2)] * (fmt == "int8/g128") + [(1, 4), (2, 4)] * 2
+        assert [r["balance"] for r in mine][-5:] == [False, True, True, True, True]  # (the last two: 64-row tiles)
         assert all("us_per_block" in r for r in mine), mine  # every grid computes the block within 2e-2
         assert [r for r in mine if "without_barriers_us" in r] == [mine[0]]
         cfg, _ = best[(fmt, "lm")]

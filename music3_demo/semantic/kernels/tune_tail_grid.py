@@ -24,8 +24,9 @@ weight copies as the model has blocks (tune_onebyte's tail cases, each config ch
   tiles the packed PTX route, down 252 -> 205), and in the LM tail with only the 64-row products moved (the 32-row
   ones keep the cast, which costs less there than the fp16 bit route).
 - balanced products (`TailConfig.balance`: a product whose row blocks do not divide over the grid splits K), at
-  the tuned grid and at the other of 1 and 2 per SM: Nsight Compute read a quarter of the int4 LM tail's warp time
-  in the barriers' spin, its 64-row o and down products running on 64 of 128 programs.
+  the tuned grid and at the other of 1 and 2 per SM, as tuned and with every tile widened to 64 rows (`widened`):
+  Nsight Compute read a quarter of the int4 LM tail's warp time in the barriers' spin, its 64-row o and down
+  products running on 64 of 128 programs.
 A grid that cannot be resident whole is refused by the cooperative launch and skipped. The fastest correct config
 per format and family goes into a tuning table (this GPU's packaged table plus those tail entries, which the bench's
 `--tuning` takes), every timed row into a JSON beside it (`<out>.rows.json`).
@@ -47,7 +48,7 @@ from pathlib import Path
 import torch
 
 from .onebyte_space import FORMATS, SHARED_LIMIT
-from .qweight import BITS_F16, FP16_ROUTES
+from .qweight import BITS_F16, FP16_ROUTES, PACKED_F16
 from .tail_config import PRODUCTS, TailConfig, fp16_routes, with_products
 from .tune_gemv import time_graph
 from .tune_onebyte import FAMILIES, tail_family, write_table
@@ -85,6 +86,25 @@ def deeper(cfg: TailConfig, w_bytes: int) -> TailConfig:
     return cfg
 
 
+def widened(cfg: TailConfig, family: str, w_bytes: int, per_sm: int) -> TailConfig:
+    """`cfg` with each product's tile of fewer than 64 rows widened to 64 (where its rows divide), its pipeline cut
+    until `per_sm` programs' shared memory fits an SM; int8's packed PTX route (mma.sync tiles) moves to the fp16 bit
+    route, as `tail_config.fp16_routes` gives 64-row tiles. Unbalanced, 64-row o and down leave half of 128
+    programs idle; balanced (`TailConfig.balance`) they split K instead, so wider tiles (wgmma on sm_90) may pay."""
+    d, _, g, q, _ = FAMILIES[family]
+    rows = dict(zip(PRODUCTS, (d, g, d, q)))
+
+    def wide(name: str, c):
+        if c.block_n >= 64 or rows[name] % 64:
+            return c  # (a grid that cannot be resident whole is refused at launch, and the sweep skips it)
+        c = replace(c, block_n=64, convert=BITS_F16 if c.convert == PACKED_F16 else c.convert)
+        while c.num_stages > 2 and shared_bytes(c, 2, w_bytes) * per_sm > SHARED_LIMIT:
+            c = replace(c, num_stages=c.num_stages - 1)
+        return c
+
+    return with_products(cfg, wide)
+
+
 def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "", balance_only: bool = False
                ) -> list[TailConfig]:
     """The grid and pipeline variants of a tuned tail `cfg` (itself not among them), each once; `w_bytes`: its
@@ -110,9 +130,10 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "", b
             for sixteen in (packed, wide) if wide != cfg else (packed,):  # (`wide`: the 64-row products only)
                 out += [replace(sixteen, halves=True), replace(sixteen, per_sm=2, halves=True)]
             out.append(replace(packed, num_warps=2, per_sm=2, halves=True))
-    out += [replace(cfg, balance=True), replace(cfg, balance=True, per_sm=2 if cfg.per_sm == 1 else 1)]
-    if balance_only:
-        out = [c for c in out if c.balance]
+    grids = (cfg.per_sm, 2 if cfg.per_sm == 1 else 1)
+    balanced = ([replace(cfg, balance=True, per_sm=n) for n in grids]
+                + [replace(widened(cfg, family, w_bytes, n), balance=True, per_sm=n) for n in grids])
+    out = balanced if balance_only else out + balanced
     unique = []
     for c in out:
         if c != cfg and c not in unique:
