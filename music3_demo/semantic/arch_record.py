@@ -196,7 +196,7 @@ def _int4_launches(tuning: Tuning, weights) -> None:
     # blocks in 4, on any architecture (one launch per product: the split code is the fused launch's, and a grid of
     # 128 need not be resident at once where the SMs are fewer)
     wide = tail_config.with_products(cfg, lambda name, c: replace(c, block_n=64) if name in ("o", "down") else c)
-    _tail_launch(tuning, weights, int4, replace(wide, balance=True), programs=128, fused=False)
+    _tail_launch(tuning, weights, int4, replace(wide, balance=True, per_sm=1), programs=128, fused=False)
 
 
 def _packed_tail_launch(tuning: Tuning, weights) -> None:
