@@ -75,7 +75,9 @@ def ci_set(launches: list[Launch], capability: int, small: bool = False) -> list
     block, the first sample copies)."""
     chosen, seen = [], set()
     for launch in launches:
-        if launch.name in FIXED and GENERATION.get(capability, capability) != capability:
+        per_generation = launch.name in FIXED or (launch.name == "_block_tail_kernel"
+                                                  and not launch.constants.get("SYNC"))  # (the balanced int4 ones)
+        if per_generation and GENERATION.get(capability, capability) != capability:
             continue
         minor = (SMALL_MINOR if small else MINOR).get(launch.name, set())
         key = (launch.name, json.dumps({k: v for k, v in launch.constants.items() if k not in minor}, sort_keys=True))

@@ -90,10 +90,11 @@ def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(repor
         # the fp16 copies of the activations (`TailConfig.halves`), for each product that reads them
         assert any(k["constants"]["QUANT"] == 3 and all(k["constants"][f"HALF_{p}"] for p in ("O", "GU", "D", "Q"))
                    for k in tails), cap
-        # balanced products (`TailConfig.balance`): o and down's K split in 2, one launch per product
+        # balanced products (`TailConfig.balance`): o and down's K split in 2, one launch per product (the CI set:
+        # one architecture per generation, as arch_compile.FIXED)
         split = {(p, k["constants"][f"SP_{p}"]) for k in tails for p in ("O", "D")
                  if k["constants"]["QUANT"] == 3 and k["constants"][f"RUN_{p}"] and not k["constants"]["SYNC"]}
-        assert {("O", 2), ("D", 2)} <= split, (cap, split)
+        assert ({("O", 2), ("D", 2)} <= split) == (cap in (80, 90, 100, 120)), (cap, split)
         # every conversion route of 1-byte tiles (kernels/qweight.CONVERSIONS), the native fp16 one with fp8 only,
         # the packed PTX one with int8 only, also in an int8 tail with fp16 copies (`tail_config.fp16_routes`)
         routes = {k["constants"]["CONV"] for k in report["kernels"] if k["constants"].get("QUANT")
