@@ -119,9 +119,9 @@ def balanced_splits(cfg: TailConfig, grid: int, hidden: int, attn: int, gate_up:
     the product's row blocks times parts a multiple of `grid`, with whole K tiles per part. A product whose output
     feeds the next RMSNorm (o, down) splits only while its row blocks fit the grid (their sums of squares take the
     row blocks' rows of the per-program partials: `tail._product`)."""
-    shapes = ((hidden, attn, True), (gate_up, hidden, False), (hidden, gate_up // 2, True), (qkv or 0, hidden, False))
     if not cfg.balance:
         return (1, 1, 1, 1)
+    shapes = ((hidden, attn, True), (gate_up, hidden, False), (hidden, gate_up // 2, True), (qkv or 0, hidden, False))
 
     def parts(c: GemvConfig, n: int, k: int, norms: bool) -> int:
         rows = -(-n // c.block_n)
