@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from kernel_cases import rand  # first: checks Triton's interpreter is on
 
+import itertools
+
 import pytest
 import torch
 import triton
@@ -356,8 +358,9 @@ def test_dequantizing_a_few_rows_at_a_time_gives_the_whole_weights_bits(fmt, gro
 
 def test_int4_packs_in_mma_order_or_column_order_and_dequantizes_to_the_rounded_weight():
     """Each value is q + 8 with q in [-7, 7]. With 64-column groups (a multiple of 32: MMA order), in each run of 32
-    columns word c holds column 8a + 2c + b in nibble 2a + b (bits 4(2a + b) of the little-endian word); with
-    16-column groups, column order: byte j holds column 2j low, 2j + 1 high. The dequantized weight is q x the
+    columns word c holds column 16h + 8a + 2c + b in nibble 2h + a + 4b (bits 4(2h + a + 4b) of the little-endian
+    word): one 0x000F000F mask takes out two adjacent columns, an MMA operand register's pair; with 16-column groups,
+    column order: byte j holds column 2j low, 2j + 1 high. The dequantized weight is q x the
     group's max|w| / 7, within half a step of the original; no scale groups: refused."""
     w = _outlier_weight(8, 128, 11)
     q = quantize_weight(w, "int4", 64)
@@ -368,10 +371,9 @@ def test_int4_packs_in_mma_order_or_column_order_and_dequantizes_to_the_rounded_
     words = q.data.view(torch.int32)  # [8, 16]: four runs of four words
     for word in range(16):
         run, c = divmod(word, 4)
-        for a in range(4):
-            for b in range(2):
-                nibble = ((words[:, word] >> (4 * (2 * a + b))) & 0xF).float() - 8
-                assert torch.equal(nibble, expected[:, 32 * run + 8 * a + 2 * c + b]), (word, a, b)
+        for h, a, b in itertools.product(range(2), range(2), range(2)):
+            nibble = ((words[:, word] >> (4 * (2 * h + a + 4 * b))) & 0xF).float() - 8
+            assert torch.equal(nibble, expected[:, 32 * run + 16 * h + 8 * a + 2 * c + b]), (word, h, a, b)
     assert ((q.data & 0xF) >= 1).all() and ((q.data >> 4) >= 1).all()
     step = scale.repeat_interleave(64, dim=1)
     assert ((q.dequantize(torch.float32) - w).abs() <= step / 2 + 1e-6).all()

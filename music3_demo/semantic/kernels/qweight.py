@@ -6,14 +6,17 @@ Packed int4 (`data` uint8 [N, K / 2]): each value as q + 8 for q in [-7, 7] (off
 never written), read as little-endian int32 words ([N, K / 8], `kernel_args`; nibble i is bits 4i..4i+3). Which
 column a nibble holds ("the order"):
 - MMA order, where the scale group is a multiple of 32 columns (every full-size scheme): in each run of 32 columns,
-  word c (0..3) holds column 8a + 2c + b in nibble 2a + b (a 0..3, b 0..1). That is the MMA's operand layout (thread
-  c of each quad holds columns 2c, 2c + 1, 2c + 8, 2c + 9 of every 16): unpacked in the registers the words were
-  loaded to, the tile is already where the MMA reads it, so it goes from shared memory to the tensor cores once, as
-  int4 (in column order the converted tile went through shared memory again, 4x the bytes, with barriers, on every
-  K step). Compiled for sm_86, 89, 90 and 120, no tile goes back to shared memory (wgmma; mma.sync with bf16
-  operands), and the sm_8x tails need 80 registers instead of 164; only mma.sync with fp16 operands (the fp16
-  routes there) lays its operand out 4 values a thread (a run order 16h + 4c + e would suit it). Tiles then take
-  whole runs (`linear.fit_group`).
+  word c (0..3) holds column 16h + 8a + 2c + b in nibble 2h + a + 4b (h, a, b 0..1). That is the MMA's operand
+  layout (thread c of each quad holds columns 2c, 2c + 1, 2c + 8, 2c + 9 of every 16): unpacked in the registers the
+  words were loaded to, the tile is already where the MMA reads it, so it goes from shared memory to the tensor cores
+  once, as int4 (in column order the converted tile went through shared memory again, 4x the bytes, with barriers,
+  on every K step). And the two nibbles one 32-bit mask takes out of a word (s and s + 4: `unpack_int4`) are the
+  adjacent columns 2c + b of one operand register, so the magic-number values are the MMA's registers as they come
+  out (nibble pairs of different registers cost a byte permute each to re-pair: 64 of a 64 x 256 int4 tile's ~640
+  sm_90 instructions, `arch_census`). Compiled for sm_86, 89, 90 and 120, no tile goes back to shared memory (wgmma;
+  mma.sync with bf16 operands), and the sm_8x tails need 80 registers instead of 164; only mma.sync with fp16
+  operands (the fp16 routes there) lays its operand out 4 values a thread. Tiles then take whole runs
+  (`linear.fit_group`).
 - Column order otherwise (a small model's 16-column groups): nibble i of word j is column 8j + i.
 
 The kernels load the 1-byte tile, convert it to `dtype` (the model's dtype, which the weight stands in for) in
@@ -31,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .launch import INTERPRETED
 
 ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
 INT4 = torch.uint8  # packed int4: two columns per byte
@@ -83,11 +88,13 @@ def int4_mma_order(group: int) -> bool:
     return group % INT4_RUN == 0
 
 
-def int4_permute(nibbles: torch.Tensor) -> torch.Tensor:
-    """Column order <-> MMA order of a [N, K] tensor of nibbles (K a multiple of INT4_RUN): the same permutation
-    both ways (it swaps a and c in column 8a + 2c + b of each run)."""
+def int4_permute(nibbles: torch.Tensor, to_columns: bool = False) -> torch.Tensor:
+    """A [N, K] tensor of nibbles (K a multiple of INT4_RUN) from column order to MMA order (`to_columns`: back):
+    column 16h + 8a + 2c + b of each run is nibble 2h + a + 4b of word c (see the module docstring)."""
     n, k = nibbles.shape
-    return nibbles.view(n, k // INT4_RUN, 4, 4, 2).transpose(2, 3).reshape(n, k)
+    runs = k // INT4_RUN
+    shape = (n, runs, 4, 2, 2, 2) if to_columns else (n, runs, 2, 2, 4, 2)  # [c, b, h, a] or [h, a, c, b]
+    return nibbles.reshape(shape).permute(0, 1, 4, 5, 2, 3).reshape(n, k)
 
 
 @dataclass(frozen=True)
@@ -151,7 +158,7 @@ class QWeight:
             return self.data.float()
         nibbles = torch.stack((self.data & 0xF, self.data >> 4), dim=-1).flatten(-2)  # low nibble first
         if int4_mma_order(self.group):
-            nibbles = int4_permute(nibbles)
+            nibbles = int4_permute(nibbles, to_columns=True)
         return nibbles.float() - INT4_ZERO
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -223,12 +230,24 @@ def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torc
     return weight, weight, 0, 1, TL_DTYPES.get(weight.dtype, tl.float32), CAST, 1.0
 
 
+# q = u - 8 from a 32-bit word of two bf16 magic-number halves 128 + u (`unpack_int4`), in one packed operation: times
+# 1.0 (0x3F80) minus 136 (0xC308 is -136), an FMA because bf16x2 subtraction is sm_90's only. Triton's own bf16
+# subtraction on sm_80 goes half by half, with byte permutes around it (`arch_census`: 182 -> 153 instructions a
+# 32 x 64 LM tile); its fp16 subtraction is already one HADD2 a pair.
+INT4_BF16_PTX = tl.constexpr("{\n.reg .b32 m, one;\nmov.b32 m, 0xC308C308;\nmov.b32 one, 0x3F803F80;\n"
+                             "fma.rn.bf16x2 $0, $1, one, m;\n}")
+
+
 @triton.jit
-def _nibble_pair(w, s: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
-    """Nibbles s and s + 4 of each word as HALF values 2^k + u, joined: [BN, BW, 2] (the new axis: bit 2 of the
-    column within the word)."""
+def _nibble_pair(w, s: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr, OFFSET: tl.constexpr):
+    """Nibbles s and s + 4 of each word as HALF values q, joined: [BN, BW, 2] (the new axis: bit 2 of the nibble
+    within the word). bf16 on a GPU: one packed FMA a pair (INT4_BF16_PTX); the interpreter takes the formula."""
     pair = ((w >> (4 * s)) & 0x000F000F) | MAGIC
-    return tl.join(pair.to(tl.int16).to(HALF, bitcast=True), (pair >> 16).to(tl.int16).to(HALF, bitcast=True))
+    if HALF == tl.bfloat16 and not INTERPRETED:
+        q = tl.inline_asm_elementwise(INT4_BF16_PTX, "=r,r", [pair], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.join(q.to(tl.int16).to(HALF, bitcast=True), (q >> 16).to(tl.int16).to(HALF, bitcast=True))
+    return tl.join(pair.to(tl.int16).to(HALF, bitcast=True) - OFFSET,
+                   (pair >> 16).to(tl.int16).to(HALF, bitcast=True) - OFFSET)
 
 
 @triton.jit
@@ -236,7 +255,7 @@ def unpack_int4(w, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False):
     """A tile of packed int4 words (int32 [BN, BK / 8], stored as q + 8; in MMA order or column order, see the
     module docstring) as DOT values [BN, BK] (fp16 or bf16) in column order, by magic numbers two nibbles per 32-bit
     operation: (w >> 4s) & 0x000F000F | 0x64006400 is two fp16 values 1024 + u (nibbles s and s + 4 of each word, u
-    in [0, 15]), minus 1032 is q exactly; bf16 the same with 0x43004300 (128 + u) and 136. The planes are put in
+    in [0, 15]), minus 1032 is q exactly (`_nibble_pair`); bf16 the same with 0x43004300 (128 + u) and 136. The planes are put in
     column order by joins (each a new minor axis, in the thread) and reshapes: in MMA order each thread then holds
     its own MMA operand columns, so no value crosses threads."""
     BN: tl.constexpr = w.shape[0]
@@ -244,11 +263,13 @@ def unpack_int4(w, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False):
     MAGIC: tl.constexpr = 0x43004300 if DOT == tl.bfloat16 else 0x64006400
     HALF: tl.constexpr = tl.bfloat16 if DOT == tl.bfloat16 else tl.float16
     OFFSET: tl.constexpr = 136.0 if DOT == tl.bfloat16 else 1032.0
-    if MMA_ORDER:  # nibble s + 4h = 2a + b of word c of run r: column 32r + 16h + 8(s // 2) + 2c + s % 2
-        t = tl.join(tl.join(_nibble_pair(w, 0, MAGIC, HALF), _nibble_pair(w, 1, MAGIC, HALF)),
-                    tl.join(_nibble_pair(w, 2, MAGIC, HALF), _nibble_pair(w, 3, MAGIC, HALF)))  # [n, j, h, b, s//2]
-        t = tl.permute(tl.reshape(t, [BN, BW // 4, 4, 2, 2, 2]), (0, 1, 3, 5, 2, 4))  # [n, r, h, s//2, c, b]
+    p0 = _nibble_pair(w, 0, MAGIC, HALF, OFFSET)
+    p1 = _nibble_pair(w, 1, MAGIC, HALF, OFFSET)
+    p2 = _nibble_pair(w, 2, MAGIC, HALF, OFFSET)
+    p3 = _nibble_pair(w, 3, MAGIC, HALF, OFFSET)
+    if MMA_ORDER:  # nibble s + 4b = 2h + a + 4b of word c of run r: column 32r + 16h + 8a + 2c + b
+        t = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [n, j, b, a, h]
+        t = tl.permute(tl.reshape(t, [BN, BW // 4, 4, 2, 2, 2]), (0, 1, 5, 4, 2, 3))  # [n, r, h, a, c, b]
     else:  # nibble s + 4h of word j: column 8j + 4h + s
-        t = tl.join(tl.join(_nibble_pair(w, 0, MAGIC, HALF), _nibble_pair(w, 2, MAGIC, HALF)),
-                    tl.join(_nibble_pair(w, 1, MAGIC, HALF), _nibble_pair(w, 3, MAGIC, HALF)))  # [n, j, h, s//2, s%2]
-    return tl.reshape(t, [BN, BW * 8]) - OFFSET
+        t = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [n, j, h, s//2, s%2]
+    return tl.reshape(t, [BN, BW * 8])

@@ -1,0 +1,169 @@
+"""The instructions a chained block tail spends per weight, read from its machine code (SASS) on this CPU: what a
+change to the 1-byte and int4 conversions buys before any GPU runs it.
+
+The 1-byte and int4 tails are bound by issuing instructions, not by bytes (Nsight Compute: `bench counters`), so
+the count of instructions in each product's k-loop per weight a thread converts is the figure a conversion change
+moves. For each tail of one frame of the engine in a weight precision (`arch_record`: the meta engine, the tuning
+table of a GPU that need not be here), the tail is compiled with Triton for the target and disassembled
+(`cuobjdump -sass`); its k-loops are the backward branches around an MMA (HGMMA on sm_90, HMMA elsewhere), one per
+product in launch order (o, gate|up, down, the next block's q|k|v). A loop's hot path leaves out the stretches a
+forward branch skips that hold no MMA: the row block's epilogue, run once per row block, not once per tile.
+
+Per product: the hot path's instructions per tile, per weight a thread (tile rows x columns / threads), its count
+of each opcode (modifiers dropped), and the kernel's registers. A static count is not a time: ptxas's scheduling,
+the pipelines' latencies and the barriers are not in it; the GPU's `tune_tail_grid` and the engine's comparison are.
+
+Run (TRITON_INTERPRET unset): python -m music3_demo.semantic.arch_census [90] [--precisions int4,int8,fp8,bf16]
+[--table table.json] [--out census.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from .arch_compile import TYPICAL, registers
+from .arch_record import meta_engine, record_engine, stand_in
+from .kernels.tail_config import PRODUCTS
+from .kernels.tuning import Target, tuning_for_target
+
+# What each product's tile is named by in the tail kernel's constants
+TILE = {"o": ("BN_O", "BK_O"), "gate_up": ("BN_GU", "BK_GU"), "down": ("BN_D", "BK_D"), "qkv": ("BN_Q", "BK_Q")}
+_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*?)\s*;")
+
+
+def sass(cubin: bytes) -> str:
+    """cuobjdump's disassembly of one cubin (the tool beside the ptxas Triton uses)."""
+    from triton.backends.nvidia.compiler import knobs as nvidia_knobs
+
+    tool = Path(nvidia_knobs.nvidia.ptxas.path).with_name("cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        return subprocess.run([str(tool), "-sass", handle.name], capture_output=True, text=True, check=True).stdout
+
+
+def instructions(text: str) -> list[tuple[int, str, str, bool]]:
+    """(address, opcode with modifiers, operands, predicated) of every instruction in a SASS listing."""
+    found = []
+    for line in text.splitlines():
+        match = _LINE.match(line)
+        if match:
+            found.append((int(match.group(1), 16), match.group(3), match.group(4), bool(match.group(2))))
+    return found
+
+
+def _target(operands: str) -> int | None:
+    match = re.search(r"0x([0-9a-f]+)", operands)
+    return int(match.group(1), 16) if match else None
+
+
+def _is_mma(opcode: str) -> bool:
+    return opcode.startswith(("HGMMA", "HMMA"))
+
+
+def mma_loops(code: list[tuple[int, str, str, bool]]) -> list[dict]:
+    """The innermost loops around an MMA, in address order: each its whole body's and its hot path's instructions
+    (see the module docstring) and the hot path's opcodes. An MMA's loop is the shortest span of a backward branch
+    that holds it: ptxas places some cold blocks after the function's loops, and their branches back into a loop span
+    everything in between (as does a loop it rotated to take a second latch)."""
+    index = {address: i for i, (address, *_rest) in enumerate(code)}
+    spans = []
+    for end, (address, opcode, operands, _) in enumerate(code):
+        target = _target(operands) if opcode.startswith("BRA") else None
+        if target is not None and target <= address and target in index:
+            spans.append((index[target], end))
+    chosen = set()
+    for i, (_, opcode, _, _) in enumerate(code):
+        holding = [(b - a, a, b) for a, b in spans if a <= i <= b]
+        if _is_mma(opcode) and holding:
+            chosen.add(min(holding)[1:])
+    return [_loop(code, index, start, end) for start, end in sorted(chosen)]
+
+
+def _loop(code: list[tuple[int, str, str, bool]], index: dict, start: int, end: int) -> dict:
+    cold = set()
+    for i in range(start, end):
+        address, op, operands, predicated = code[i]
+        skip = _target(operands) if op.startswith("BRA") and predicated else None
+        if skip is not None and code[end][0] >= skip > address and skip in index:
+            stretch = range(i + 1, index[skip])
+            if not any(_is_mma(code[j][1]) for j in stretch):
+                cold.update(stretch)
+    hot = [code[i][1].split(".")[0] for i in range(start, end + 1) if i not in cold]
+    return {"start": start, "end": end, "body": end + 1 - start, "hot": len(hot),
+            "mma": sum(1 for op in hot if op in ("HGMMA", "HMMA")), "opcodes": Counter(hot)}
+
+
+def tail_census(launch, capability: int) -> dict:
+    """One tail launch compiled for `capability`: per product, its loop's figures (see the module docstring)."""
+    with stand_in(capability):
+        kernel = launch.fn.preload(launch.spec)
+    constants = launch.constants
+    threads = kernel.metadata.num_warps * 32
+    names = [name for name in PRODUCTS if name != "qkv" or constants.get("HAS_NEXT")]
+    loops = mma_loops(instructions(sass(kernel.asm["cubin"])))
+    products = {}
+    for name, loop in zip(names, loops):
+        rows, columns = (constants[key] for key in TILE[name])
+        per_thread = rows * columns / threads
+        products[name] = {"tile": [rows, columns], "hot": loop["hot"], "body": loop["body"], "mma": loop["mma"],
+                          "per_weight": round(loop["hot"] / per_thread, 2),
+                          "opcodes": dict(loop["opcodes"].most_common(16))}
+    return {"warps": kernel.metadata.num_warps, "grid": constants.get("GRID"), "registers":
+            registers(kernel.asm["cubin"]), "loops": len(loops), "products": products,
+            "problems": [] if len(loops) == len(names) else [f"{len(loops)} MMA loops for {len(names)} products"]}
+
+
+def census(capability: int, precision: str, table: str | None = None) -> dict:
+    """The tails of one frame of the full-size engine in `precision` on a typical GPU of `capability`: the LM's
+    tail (with the next block) and the depth decoder's, each the first launched."""
+    name, sms = TYPICAL.get(capability, (f"sm_{capability}", 128))
+    target = Target(name, capability, sms)
+    tuning = tuning_for_target(target, table)
+    engine = meta_engine(tuning, precision)
+    hidden = engine.weights.blocks[0].gate_up.shape[0]
+    tails = {}
+    for launch in record_engine(engine, target):
+        constants = launch.constants
+        if launch.name != "_block_tail_kernel" or not constants.get("HAS_NEXT"):
+            continue
+        stack = "lm" if constants["G"] == hidden else "depth"
+        if stack not in tails:
+            tails[stack] = tail_census(launch, capability)
+    return {"capability": capability, "gpu": name, "precision": precision, "table": tuning.source, "tails": tails}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("capabilities", nargs="*", type=int, default=[90])
+    parser.add_argument("--precisions", default="int4,int8,fp8,bf16")
+    parser.add_argument("--table", help="a tuning table file to take the configs from (default: the packaged one)")
+    parser.add_argument("--out", help="write the figures as JSON here too")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise SystemExit("arch_census compiles for a GPU: unset TRITON_INTERPRET")
+    results = []
+    for capability in args.capabilities:
+        for precision in (p.strip() for p in args.precisions.split(",") if p.strip()):
+            if precision == "fp8" and capability < 89:
+                continue
+            result = census(capability, precision, args.table)
+            results.append(result)
+            for stack, tail in result["tails"].items():
+                figures = ", ".join(f"{name} {p['per_weight']} ({p['hot']}/tile {p['tile'][0]}x{p['tile'][1]})"
+                                    for name, p in tail["products"].items())
+                print(f"sm_{capability} {precision} {stack}: {tail['registers']} registers, {tail['warps']} warps; "
+                      f"instructions per weight a thread: {figures}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

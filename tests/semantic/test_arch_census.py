@@ -1,0 +1,80 @@
+"""The static instruction census of the chained tails (semantic/arch_census.py): its reading of a SASS listing (the
+k-loops around an MMA, their hot paths without the row block's epilogue), and on the int4 LM tail compiled for sm_90
+on this CPU, the conversion's figures: packed int4 in MMA order takes its nibble pairs out as the MMA's registers,
+so a k-loop has no byte permute left once its activations arrive in fp16 (`TailConfig.halves`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from music3_demo.semantic.arch_census import instructions, mma_loops
+from music3_demo.semantic.kernels.tuning import TABLES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A listing in cuobjdump's form: a prologue, a k-loop (0x40 .. 0xd0) whose predicated branch at 0x70 skips a stretch
+# without an MMA (an epilogue, cold), a second loop without an MMA (a spin wait), and a loop around the first with
+# the next product's MMA loop after it.
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                  /* 0x00000a0000017a02 */
+        /*0010*/                   S2R R0, SR_TID.X ;                      /* 0x0000000000007919 */
+        /*0040*/                   LDS.128 R12, [R2] ;                     /* 0x0000000002027984 */
+        /*0050*/                   LOP3.LUT R4, R12, 0xf000f, RZ, 0xc0, !PT ; /* 0x000f000f0c047812 */
+        /*0060*/                   HGMMA.64x16x16.F32 R24, R40, gdesc[UR24], R24 ; /* 0x0020001828187df0 */
+        /*0070*/              @!P0 BRA 0xa0 ;                              /* 0x0000000000008947 */
+        /*0080*/                   STG.E [R6.64], R24 ;                    /* 0x0000001806007986 */
+        /*0090*/                   FADD R24, R24, R25 ;                    /* 0x0000001918187221 */
+        /*00a0*/                   PRMT R5, R4, 0x5410, R4 ;               /* 0x0000541004057816 */
+        /*00b0*/                   HADD2 R5, R5, -1032, -1032 ;            /* 0x0000000005057430 */
+        /*00c0*/                   ISETP.NE.AND P1, PT, R3, RZ, PT ;       /* 0x000000ff0300720c */
+        /*00d0*/               @P1 BRA 0x40 ;                              /* 0x0000000000001947 */
+        /*00e0*/                   LDG.E.STRONG.GPU R8, [R6.64] ;          /* 0x0000000006087981 */
+        /*00f0*/               @P2 BRA 0xe0 ;                              /* 0x0000000000002947 */
+        /*0100*/                   HMMA.16816.F32.BF16 R16, R16, R12, RZ ; /* 0x0000000c1010723c */
+        /*0110*/               @P3 BRA 0x100 ;                             /* 0x0000000000003947 */
+        /*0120*/               @P4 BRA 0x40 ;                              /* 0x0000000000004947 */
+        /*0130*/                   EXIT ;                                  /* 0x000000000000794d */
+"""
+
+
+def test_the_census_reads_the_mma_loops_and_leaves_their_epilogues_out():
+    code = instructions(LISTING)
+    assert len(code) == 18 and code[5] == (0x70, "BRA", "0xa0", True)
+    loops = mma_loops(code)
+    assert [(loop["start"], loop["end"]) for loop in loops] == [(2, 11), (14, 15)]  # not the spin, not the outer one
+    first = loops[0]
+    assert first["body"] == 10 and first["hot"] == 8 and first["mma"] == 1  # the STG and FADD are cold
+    assert first["opcodes"] == {"LDS": 1, "LOP3": 1, "HGMMA": 1, "BRA": 2, "PRMT": 1, "HADD2": 1, "ISETP": 1}
+    assert loops[1]["opcodes"] == {"HMMA": 1, "BRA": 1}
+
+
+def test_the_int4_tails_conversion_on_sm90_takes_no_byte_permutes(tmp_path):
+    """The packaged H200 table's int4 LM tail with fp16 copies of its activations, compiled for sm_90: each of its
+    four products' k-loops converts 128 weights a thread (a 64 x 256 tile, 4 warps) with one mask, one packed
+    subtraction and one packed scale a pair, and no PRMT. With the nibble pairs of the former MMA order (columns 16
+    apart, not adjacent) every subtraction's result was re-paired by a PRMT: 64 a tile."""
+    table = json.loads((TABLES / "nvidia-h200.sm90.json").read_text())
+    for entry in table["tail"]:
+        if entry["key"][-2:] == ["int4", 64]:
+            entry["config"]["halves"] = True
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    out = tmp_path / "census.json"
+    run = subprocess.run([sys.executable, "-m", "music3_demo.semantic.arch_census", "90", "--precisions", "int4",
+                          "--table", str(path), "--out", str(out)], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lm = json.loads(out.read_text())[0]["tails"]["lm"]
+    assert lm["problems"] == [] and set(lm["products"]) == {"o", "gate_up", "down", "qkv"}
+    for name, product in lm["products"].items():
+        ops = product["opcodes"]
+        assert product["tile"] == [64, 256] and ops["HGMMA"] == 16, (name, product)
+        assert ops.get("PRMT", 0) == 0 and ops["HADD2"] == 64 and ops["HMUL2"] == 64, (name, ops)
+        assert product["per_weight"] < 4.5, (name, product)  # (4.0-4.2 compiled here; the former order 4.4-4.6)
