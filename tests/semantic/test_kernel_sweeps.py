@@ -100,7 +100,8 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
     take 168 KB), and where a product multiplies in fp16, fp16 copies of the activations at 1 and 2 programs per SM;
     int8's tails also with 2 warps a program (2 and 3 per SM) and (cast route) with copies on their cheapest fp16
     routes (32-row tiles on the packed PTX route; at 2 per SM also with 2 warps), the LM tail also with its 64-row
-    products alone moved; and balanced (`TailConfig.balance`) at 1 and 2 per SM, alone with `--balance-only`; what
+    products alone moved; and balanced (`TailConfig.balance`) at 1 and 2 per SM (with copies switched too where it
+    multiplies in fp16), alone with `--balance-only`; what
     it writes (programs per SM, copies and balance included) is what the engine's tuning reads back. From the table the first such sweep started from (every tail at 4 warps, 1 per SM, no copies; int8 on the
     cast route), kept beside that call's raw files."""
     from dataclasses import replace
@@ -128,15 +129,18 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
         # balanced, as tuned and (where a product's tiles have fewer than 64 rows) widened to 64 rows, at 1 and 2 per
         # SM, its pipelines cut to what 2 programs' shared memory holds
         narrow = any(c.block_n < 64 for c in (tuned.o, tuned.gate_up, tuned.down, tuned.qkv))
-        balanced = 2 + 2 * narrow
+        flip = fmt in ("int4/g64", "fp8/channel")  # and with its copies switched, where it multiplies in fp16
+        balanced = 2 + 2 * narrow + flip
         assert len(set(variants)) == len(variants) == 4 + deep + 2 * halves + 3 * int8 + balanced
         assert [(v.per_sm, v.num_warps, v.halves) for v in variants] == (
             [(2, 4, False), (3, 4, False), (2, 4, False), (1, 8, False)] + [(1, 4, False)] * deep
             + [(2, 2, False), (3, 2, False)] * int8 + [(1, 4, True), (2, 4, True)] * halves + [(2, 2, True)] * int8
-            + [(1, 4, False), (2, 4, False)] * (1 + narrow))
+            + [(1, 4, False), (2, 4, False)] * (1 + narrow) + [(1, 4, True)] * flip)
         assert [v.balance for v in variants] == [False] * (len(variants) - balanced) + [True] * balanced
         assert variants[-balanced:][:2] == [replace(tuned, balance=True), replace(tuned, balance=True, per_sm=2)]
-        for wide in variants[-balanced:][2:]:
+        if flip:
+            assert variants[-1] == replace(tuned, balance=True, halves=True)
+        for wide in variants[-balanced:][2:balanced - flip]:
             for was, now in zip((tuned.o, tuned.gate_up, tuned.down, tuned.qkv), (wide.o, wide.gate_up, wide.down,
                                                                                    wide.qkv)):
                 assert now.block_n == max(was.block_n, 64) and now.num_stages <= was.num_stages
@@ -161,8 +165,7 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
             for c, rows in zip((v.o, v.gate_up, v.down, v.qkv), (d, g, d, q)):
                 assert c.block_n >= 16 and rows % c.block_n == 0
     only = tune_tail_grid.plan(tuning, tune_tail_grid.DEFAULT_FORMATS.split(","), balance_only=True)
-    assert [variants for *_, variants in only] == [variants[-4:] if len(variants[-4:]) == 4 and variants[-4].balance
-                                                    else variants[-2:] for *_, variants in jobs]
+    assert [variants for *_, variants in only] == [[v for v in variants if v.balance] for *_, variants in jobs]
     fmt, family, tuned, variants = jobs[2]
     wide = replace(tuned, per_sm=2, halves=True, balance=True)
     path = tmp_path / "grid.json"

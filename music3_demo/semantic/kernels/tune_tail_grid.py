@@ -133,6 +133,8 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "", b
     grids = (cfg.per_sm, 2 if cfg.per_sm == 1 else 1)
     balanced = ([replace(cfg, balance=True, per_sm=n) for n in grids]
                 + [replace(widened(cfg, family, w_bytes, n), balance=True, per_sm=n) for n in grids])
+    if w_bytes == 1 and any(getattr(cfg, name).convert in FP16_ROUTES for name in PRODUCTS):
+        balanced.append(replace(cfg, balance=True, halves=not cfg.halves))  # (copies pay by what a tile converts)
     out = balanced if balance_only else out + balanced
     unique = []
     for c in out:
