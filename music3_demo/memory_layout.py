@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from . import contract as c
 from .model_figures import ModelFigures
-from .precision import EQUALIZED, QUANTIZED, PrecisionChoice
+from .precision import EQUALIZED, QUANTIZED, PrecisionChoice, depth_mode
 
 GB = 1e9
 GiB = 2**30
@@ -81,9 +81,8 @@ MERGE_SHARE = 0.10
 BUCKETS = (1, 2, 4)  # songs per merged DiT / vocoder call (flow/executor.py)
 # Bytes per weight of the quantized formats: the values, plus the float32 scales (per output row for fp8, per 128
 # columns for int8, per 64 for int4; the DiT's fp8 scales are per output row). An int4 LM keeps its depth decoder
-# at int8 (DEPTH_MODE, semantic/quant.DEPTH_SCHEMES).
+# at 8 bits (`precision.depth_mode`).
 BYTES_PER_WEIGHT = {"fp8": 1 + 4 / 1024, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 64}
-DEPTH_MODE = {"int4": "int8"}
 STAGES = ("semantic", "flow")
 SEMANTIC_WEIGHTS = ("language_model", "depth_decoder", "audio_head", "engine_tables", "embeddings_and_head")
 # (the rest: flow's)
@@ -296,7 +295,7 @@ def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engi
     weights: dict[str, int] = {}
     if semantic:
         weights["language_model"] = _stored(f.lm_blocks, lm, 2) + 2 * f.lm_other
-        weights["depth_decoder"] = _stored(f.depth_blocks, DEPTH_MODE.get(lm, lm), 2) + 2 * f.depth_other
+        weights["depth_decoder"] = _stored(f.depth_blocks, depth_mode(lm, capability), 2) + 2 * f.depth_other
         if engine == "graph":
             weights["audio_head"] = _stored(f.audio_head, lm, 2)
             if not swap:  # (in turn: in pinned host memory, read a row at a time: semantic/weights.TABLES)

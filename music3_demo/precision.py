@@ -4,7 +4,8 @@ in Python), the DiT's (`--dit-precision {auto,bf16,fp8}`, `dit_precision=`) and 
 
 bf16 is the checkpoint's weights unquantized (float32 on a CPU): the exact reference. fp8 (e4m3) and int8 are
 weight-only quantizations of the language model's and the depth decoder's block weights, made at load
-(`semantic/quant.py`); int4 quantizes the language model to 4 bits and keeps the depth decoder at int8. Which mode
+(`semantic/quant.py`); int4 quantizes the language model to 4 bits and keeps the depth decoder at 8 bits (`depth_mode`:
+fp8 where the GPU converts it, else int8). Which mode
 runs on a card, and why, is decided by the card's memory plan (memory_plan.py).
 """
 
@@ -44,6 +45,17 @@ class PrecisionChoice:
 
 def fp8_capable(capability: tuple[int, int] | None) -> bool:
     return capability is not None and tuple(capability) >= FP8_MIN_CAPABILITY
+
+
+def depth_mode(lm: str, capability: tuple[int, int] | None) -> str:
+    """The depth decoder's mode beside an LM in mode `lm`: the same, except beside an int4 LM, where it stays at 8
+    bits (a 4-bit depth decoder loses the vocal band): fp8 on a GPU with fp8 conversions (its chained tails take
+    half of int8's instructions a weight, 68 against 87 us an H200 block, and its error on the 1/8-width model with
+    outlier columns measured no larger: depth hiddens' relative error 0.080 against int8/g128's 0.096 beside an
+    int8 LM), else int8. `capability` None (the CPU): int8."""
+    if lm != "int4":
+        return lm
+    return "fp8" if fp8_capable(capability) else "int8"
 
 
 def check_precision(requested: str) -> str:

@@ -339,16 +339,21 @@ def test_the_fp8_dit_arrives_after_the_self_check_so_the_load_peak_is_the_larger
 
 
 def test_auto_takes_an_int4_lm_only_where_no_8_bit_one_fits():
-    """auto's last resort is an int4 LM (its depth decoder int8: 0.5625 and 1.03 bytes per weight): a 16 GB sm_86
-    card, where int8 does not fit, runs it (with a bf16 cache two slots and a 5 min 38 s song; auto's int8 cache
-    gives three slots and 6 minutes); a 20 GB one keeps int8, as a 16 GB sm_89 card keeps fp8 (two slots, 6 minutes
-    alone with an int8 cache), though int4 would hold more there: it costs accuracy (and on a fast card speed).
-    `--precision int4` asks for it anywhere."""
-    from music3_demo.memory_layout import BYTES_PER_WEIGHT, DEPTH_MODE
-    from music3_demo.semantic.quant import DEFAULT_SCHEMES, DEPTH_SCHEMES
+    """auto's last resort is an int4 LM (its depth decoder at 8 bits: 0.5625 and 1.03 bytes per weight on sm_86,
+    its int8; fp8's 1.004 where the GPU converts fp8): a 16 GB sm_86 card, where int8 does not fit, runs it (with a
+    bf16 cache two slots and a 5 min 38 s song; auto's int8 cache gives three slots and 6 minutes); a 20 GB one
+    keeps int8, as a 16 GB sm_89 card keeps fp8 (two slots, 6 minutes alone with an int8 cache), though int4 would
+    hold more there: it costs accuracy (and on a fast card speed). `--precision int4` asks for it anywhere."""
+    from music3_demo.memory_layout import BYTES_PER_WEIGHT
+    from music3_demo.precision import depth_mode
+    from music3_demo.semantic.quant import DEFAULT_SCHEMES
 
     assert BYTES_PER_WEIGHT["int4"] == 0.5 + 4 / DEFAULT_SCHEMES["int4"].group
-    assert DEPTH_MODE == {mode: scheme.fmt for mode, scheme in DEPTH_SCHEMES.items()}
+    assert [depth_mode("int4", cap) for cap in (SM86, SM89, (9, 0), None)] == ["int8", "fp8", "fp8", "int8"]
+    assert [depth_mode(mode, SM89) for mode in ("bf16", "fp8", "int8")] == ["bf16", "fp8", "int8"]
+    fp8_depth = plan(16, SM89, precision="int4").weights["depth_decoder"]
+    assert fp8_depth == plan(16, SM89, precision="fp8").weights["depth_decoder"]
+    assert fp8_depth < plan(16, SM86, precision="int4").weights["depth_decoder"]
     assert not plan(16, SM86, precision="int8", swap="off").fits
     p = plan(16, SM86, kv_precision="bf16")
     assert p.fits and (p.lm.mode, p.dit.mode, p.slots) == ("int4", "bf16", 2) and 338 <= p.longest_alone_s < 339
@@ -402,7 +407,7 @@ def test_where_both_stages_do_not_fit_they_take_turns_and_streaming_stays_where_
     assert eight.fits and eight.swap and (eight.lm.mode, eight.dit.mode, eight.kv) == ("int4", "fp8", "int8")
     assert eight.load_peak == eight.stage_bytes("semantic") + CHECK_BYTES + layer + EQUALIZE_ROWS_BYTES + RUNTIME_BYTES
     assert eight.load_peak < eight.free_bytes - HEADROOM_FIXED and 120 <= eight.longest_alone_s < 125
-    assert HEADROOM_FLOOR <= eight.headroom < HEADROOM_FIXED and "share cut to 0.23 GB" in eight.why
+    assert HEADROOM_FLOOR <= eight.headroom < HEADROOM_FIXED and "share cut to 0.27 GB" in eight.why
     assert CONTEXT + eight.song_bytes + eight.kv_pool_bytes <= 6.8 * GiB
     assert plan(7 * GiB / GB).headroom == HEADROOM_FIXED  # (where the fixed share holds 2 minutes, it stays)
     smaller = plan((6.9 * GiB - CONTEXT) / GB)  # no share holds 2 minutes: the floor's, the longest it can

@@ -43,12 +43,15 @@ MID = ModelSizes(
     depth_heads=8, depth_intermediate=768, dit_channels=8, dit_condition_dim=16, dit_layers=2, dit_heads=2,
     dit_head_dim=8, dit_ff=32, dit_rotary_dim=4, dit_fourier_dim=16, vocoder_input_dim=16, vocoder_hidden_dim=16,
 )
-# int4 runs with its mode's int8 depth decoder (quant.DEPTH_SCHEMES); the last pair, an int4 depth decoder too, is
+# int4 runs with its mode's 8-bit depth decoder (`precision.depth_mode`: int8 on the CPU, fp8 on an fp8 GPU; the
+# result's name says which); the last pair, an int4 depth decoder too, is
 # what that choice avoids.
 SCHEMES = (Scheme("fp8", 0), Scheme("fp8", 128), Scheme("int8", 0), Scheme("int8", 128), Scheme("int4", 64),
            Scheme("int4", 128), (Scheme("int4", 64), Scheme("int4", 64)))
-# Measured again after column equalization of the LM (their names end in "+eq").
-EQUALIZED = (Scheme("int8", 128), Scheme("int4", 64), Scheme("int4", 128))
+# Measured again after column equalization of the LM (their names end in "+eq"); int4/g64 also with an fp8 depth
+# decoder (what fp8 GPUs could run beside an int4 LM: the faster 8-bit tail), and int8/g128 so too for comparison.
+EQUALIZED = (Scheme("int8", 128), Scheme("int4", 64), Scheme("int4", 128), (Scheme("int4", 64), Scheme("fp8", 0)),
+             (Scheme("int8", 128), Scheme("fp8", 0)))
 # Measured with the int8 KV cache: the weights unquantized ("kv/int8"), and the 1-byte LMs auto pairs it with.
 KV_INT8 = (None, Scheme("fp8", 0), Scheme("int8", 128))
 OUTLIER_COLUMNS, OUTLIER_GAIN = 4, 30.0  # per 4,096 input columns (at least one per Linear)
@@ -121,7 +124,7 @@ def densify_(model: torch.nn.Module) -> None:
 
 def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: int = 64, seed: int = 0,
                     schemes: tuple[Scheme | tuple[Scheme, Scheme], ...] = SCHEMES,
-                    equalized: tuple[Scheme, ...] = (), kv_int8: tuple[Scheme | None, ...] = ()) -> dict:
+                    equalized: tuple[Scheme | tuple[Scheme, Scheme], ...] = (), kv_int8: tuple[Scheme | None, ...] = ()) -> dict:
     """Figures of each scheme (or pair: the LM's, the depth decoder's) for float32 models (outliers already
     injected), teacher-forced on `frames` frames of random codes after a random prompt, then of each `equalized`
     scheme on the column-equalized LM ("<name>+eq"), then of each `kv_int8` scheme (None: the weights as they are)

@@ -196,14 +196,17 @@ def bench_semantic(
 
 
 def quantized_copy(lm, depth, mode: str, device: torch.device):
-    """(lm, depth, QuantReport): a copy of the bf16 models with their Linear weights in `mode`. The copy is made
-    module by module on the device (deepcopy), then quantized in place, which drops its bf16 weights as it goes."""
+    """(lm, depth, QuantReport): a copy of the bf16 models with their Linear weights in `mode` ("int4+int8": an
+    int4 LM with the depth decoder in int8's default scheme instead of the mode's own). The copy is made module by
+    module on the device (deepcopy), then quantized in place, which drops its bf16 weights as it goes."""
     import copy
 
-    from ..semantic.quant import quantize_model_
+    from ..semantic.quant import DEFAULT_SCHEMES, quantize_model_
 
+    lm_mode, _, depth_mode = mode.partition("+")
     lm_copy, depth_copy = copy.deepcopy(lm), copy.deepcopy(depth)
-    report = quantize_model_(lm_copy, depth_copy, mode, device)
+    report = quantize_model_(lm_copy, depth_copy, lm_mode, device,
+                             depth_scheme=DEFAULT_SCHEMES[depth_mode] if depth_mode else None)
     torch.cuda.empty_cache()
     return lm_copy, depth_copy, report
 
@@ -325,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="", help="comma list of song counts (e.g. 1,2,4,8): the graph engine's "
                         "aggregate frames/s with that many songs at once, at the first prompt length")
     parser.add_argument("--precision", default="bf16",
-                        help="comma list of bf16, fp8, int8, int4 (its depth decoder int8): each graph engine also "
-                        "runs on weights quantized to these (named graph:fp8, ...), in the same call")
+                        help="comma list of bf16, fp8, int8, int4 (its depth decoder 8-bit: fp8 on an fp8 GPU), "
+                        "int4+int8 / int4+fp8 (the depth decoder's format named): each graph engine also runs on "
+                        "weights quantized to these (named graph:fp8, ...), in the same call")
     parser.add_argument("--output", help="also write the JSON here")
     parser.add_argument("--tuning", help="kernel tuning table to use (a tuning script's output) instead of the "
                         "packaged one for this GPU")
@@ -335,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     engines = [name.strip() for name in args.engine.split(",") if name.strip()]
     precisions = tuple(p.strip() for p in args.precision.split(",") if p.strip())
-    if any(p not in ("bf16", "fp8", "int8", "int4") for p in precisions):
-        parser.error(f"--precision takes bf16, fp8, int8 and int4, got {args.precision!r}")
+    if any(p not in ("bf16", "fp8", "int8", "int4", "int4+int8", "int4+fp8") for p in precisions):
+        parser.error(f"--precision takes bf16, fp8, int8, int4, int4+int8 and int4+fp8, got {args.precision!r}")
     for name in engines:
         if name != "reference":
             try:

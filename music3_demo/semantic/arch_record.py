@@ -75,16 +75,18 @@ def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv
     from . import graph
     from .quant import quantize_model_
 
-    if (model, "bf16") not in _MODELS:  # built once per process (the engine fuses their weights again per target)
+    if (model, "bf16", None) not in _MODELS:  # built once per process (the engine fuses their weights again per target)
         with torch.device("meta"):
             models = random_models._make_models(random_models.FULL if model == "full" else random_models.TINY)
-        _MODELS[model, "bf16"] = (models["language_model"].to(torch.bfloat16),
-                                  models["rvq_depth_decoder"].to(torch.bfloat16))
-    if (model, precision) not in _MODELS:
-        lm, depth = (copy.deepcopy(m) for m in _MODELS[model, "bf16"])
-        quantize_model_(lm, depth, precision, "meta")
-        _MODELS[model, precision] = (lm, depth)
-    lm, depth = _MODELS[model, precision]
+        _MODELS[model, "bf16", None] = (models["language_model"].to(torch.bfloat16),
+                                        models["rvq_depth_decoder"].to(torch.bfloat16))
+    # (an int4 LM's depth decoder is fp8 or int8 by architecture: `precision.depth_mode`)
+    capability = divmod(tuning.target.capability, 10) if tuning.target is not None and precision == "int4" else None
+    if (model, precision, capability) not in _MODELS:
+        lm, depth = (copy.deepcopy(m) for m in _MODELS[model, "bf16", None])
+        quantize_model_(lm, depth, precision, "meta", capability=capability)
+        _MODELS[model, precision, capability] = (lm, depth)
+    lm, depth = _MODELS[model, precision, capability]
     with _patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
         return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=True, tuning=tuning,
                                  kv_format=kv_format, slots=slots)

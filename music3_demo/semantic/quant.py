@@ -1,8 +1,8 @@
 """Weight-only quantization of the language model and the RVQ depth decoder: fp8 (e4m3) or int8 values with float32
 scales per output channel or per output channel and 128-column group, made at load from the bf16 checkpoint; and
 int4 (two values per byte, `kernels/qweight.py` says which nibble is which column, scales per 64-column group) for
-the LM with the depth decoder kept at int8 (`DEPTH_SCHEMES`); the graph engine's GEMVs and chained tails read the
-packed words.
+the LM with the depth decoder kept at 8 bits (fp8 where the GPU converts it, else int8: `precision.depth_mode`); the
+graph engine's GEMVs and chained tails read the packed words.
 
 Each quantized `nn.Linear` is replaced in place by a `QuantizedLinear` that holds the 1-byte weight and its scales and
 dequantizes on forward (to the activation dtype) before F.linear. So the HF model itself, with its modules swapped,
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import contract as c
-from ..precision import EQUALIZED
+from ..precision import EQUALIZED, depth_mode
 from ..weights_stream import buffers_to
 from .equalize import LINEARS, LayerGatherer, equalize_
 from .kernels.qweight import INT4_ZERO, QWeight, int4_mma_order, int4_permute
@@ -59,9 +59,6 @@ class Scheme:
 # a few x30 input columns raise a row's scale but the other weights keep their 3 mantissa bits, so one scale per
 # channel loses almost nothing; int8's uniform steps would grow with that scale, so int8 scales per 128 columns.
 DEFAULT_SCHEMES = {"fp8": Scheme("fp8", 0), "int8": Scheme("int8", 128), "int4": Scheme("int4", 64)}
-# The depth decoder's scheme where a mode's differs from its LM's: a 4-bit depth decoder loses the vocal band, and
-# its weights are 1.3 of the model's 15.3 GB (bf16), so it stays at 8 bits beside an int4 LM.
-DEPTH_SCHEMES = {"int4": Scheme("int8", 128)}
 
 
 def fp8_supported(device: torch.device | str) -> bool:
@@ -228,14 +225,17 @@ class LayerQuantizer:
     tensor to `place(component, name, tensor)`, which quantizes the LM's and depth decoder's block weights on the
     device the moment they exist (so the bf16 model is never whole anywhere), and `finish()` quantizes lm_head's
     audio rows and returns the report. The models may be skeletons (parameters on `meta`) when it is made.
-    `scheme` is the LM's (default `DEFAULT_SCHEMES[mode]`), `depth_scheme` the depth decoder's (default
-    `DEPTH_SCHEMES`, else the LM's); lm_head's audio rows take the LM's."""
+    `scheme` is the LM's (default `DEFAULT_SCHEMES[mode]`), `depth_scheme` the depth decoder's (default: the
+    default scheme of `precision.depth_mode` on `capability`, which defaults to the device's: an int4 LM's depth
+    decoder at fp8 where the GPU converts it, else int8); lm_head's audio rows take the LM's."""
 
     def __init__(self, language_model, depth_decoder, mode: str, device: torch.device | str,
                  scheme: Scheme | None = None, depth_scheme: Scheme | None = None,
-                 equalize: bool | None = None) -> None:
+                 equalize: bool | None = None, capability: tuple[int, int] | None = None) -> None:
         self.language_model, self.depth_decoder = language_model, depth_decoder
         self.mode, self.device = mode, torch.device(device)
+        if capability is None and self.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
         # The modes that equalize the LM's columns first (None: `precision.EQUALIZED`): each decoder layer waits
         # in `gatherer` until whole, then is equalized and quantized.
         self.equalize = mode in EQUALIZED if equalize is None else equalize
@@ -251,7 +251,8 @@ class LayerQuantizer:
             raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer ({self.device} is older): "
                              "use int8.")
         scheme = scheme or DEFAULT_SCHEMES[mode]
-        depth_scheme = depth_scheme or DEPTH_SCHEMES.get(mode, scheme)
+        depth_scheme = depth_scheme or (scheme if depth_mode(mode, capability) == mode
+                                        else DEFAULT_SCHEMES[depth_mode(mode, capability)])
         if scheme.fmt != mode:
             raise ValueError(f"scheme {scheme.name} is not a {mode} scheme")
         names = {("language_model", id(module)): name for name, module in language_model.named_modules()}
@@ -334,14 +335,15 @@ class LayerQuantizer:
 @torch.no_grad()
 def quantize_model_(
     language_model, depth_decoder, mode: str, device: torch.device | str, scheme: Scheme | None = None,
-    depth_scheme: Scheme | None = None, equalize: bool | None = None,
+    depth_scheme: Scheme | None = None, equalize: bool | None = None, capability: tuple[int, int] | None = None,
 ) -> QuantReport:
     """Swap the LM's and depth decoder's Linear modules for `QuantizedLinear` ones in `mode` ("bf16" changes nothing)
     and leave both models on `device`. Layer by layer: each weight is quantized on `device` and the module's own
     weight is dropped before the next, so the models may come in on the CPU or already on `device`, and two full
-    copies never sit on the GPU. `scheme` / `depth_scheme` / `equalize` override the mode's defaults
-    (`LayerQuantizer`)."""
-    quantizer = LayerQuantizer(language_model, depth_decoder, mode, device, scheme, depth_scheme, equalize)
+    copies never sit on the GPU. `scheme` / `depth_scheme` / `equalize` / `capability` override the mode's and
+    device's defaults (`LayerQuantizer`)."""
+    quantizer = LayerQuantizer(language_model, depth_decoder, mode, device, scheme, depth_scheme, equalize,
+                               capability)
     quantizer.swap_all()
     return quantizer.finish(whole=True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from music3_demo.bench.semantic import _parts, bytes_model, graph_variant, main
+from music3_demo.bench.semantic import _parts, bytes_model, graph_variant, main, quantized_copy
 
 
 def test_bench_engine_names_map_to_graph_engine_options():
@@ -22,6 +22,24 @@ def test_bench_engine_names_map_to_graph_engine_options():
     # `--compare-tuning`: an engine of the same weights on a second table, named with a suffix
     assert _parts("graph-s8:int8@compare") == (("graph-s8", "int8"), "@compare")
     assert _parts("graph") == (("graph", "bf16"), "") and _parts("graph@compare") == (("graph", "bf16"), "@compare")
+    assert _parts("graph:int4+int8@compare") == (("graph", "int4+int8"), "@compare")
+    with pytest.raises(SystemExit):
+        main(["--precision", "int4+int4"])
+
+
+def test_bench_int4_engines_name_their_depth_decoders_format():
+    """`--precision int4+int8` / `int4+fp8`: an int4 LM with the depth decoder in that format's default scheme,
+    whatever the GPU's own choice (`precision.depth_mode`), so one call times both beside each other."""
+    import torch
+
+    from music3_demo import random_models
+
+    components = random_models.build_components(random_models.TINY, seed=0)
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    schemes = {mode: quantized_copy(lm, depth, mode, torch.device("cpu"))[2].scheme
+               for mode in ("int4", "int4+int8", "int4+fp8")}
+    assert schemes == {"int4": "int4/g16, depth int8/g16", "int4+int8": "int4/g16, depth int8/g16",
+                       "int4+fp8": "int4/g16, depth fp8/channel"}
 
 
 def test_bench_bytes_model_counts_the_engines_weights_and_cache(one_block_models):

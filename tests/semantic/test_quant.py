@@ -231,20 +231,22 @@ def test_fp8_needs_capability_8_9_and_bad_modes_get_one_sentence(monkeypatch):
     assert fp8_supported(torch.device("cuda", 0))
 
 
-@pytest.mark.parametrize("scheme,chain", [(Scheme("int8", 16), False), (Scheme("fp8", 0), True),
-                                          (Scheme("int4", 16), True)],
-                         ids=["int8-g16-gemv", "fp8-channel-tail", "int4-g16-tail"])
-def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weights(scheme, chain):
+@pytest.mark.parametrize("scheme,chain,capability", [
+    (Scheme("int8", 16), False, None), (Scheme("fp8", 0), True, None), (Scheme("int4", 16), True, None),
+    (Scheme("int4", 16), True, (9, 0))],
+                         ids=["int8-g16-gemv", "fp8-channel-tail", "int4-g16-tail", "int4-g16-fp8-depth"])
+def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weights(scheme, chain, capability):
     """Teacher forcing on the tiny model (float32 activations, interpreter): the engine built from the swapped
     modules (fused q|k|v and gate|up rows with their scales, the audio head, depth heads and tables) computes what
-    the HF modules compute on the dequantized weights; int4: the int4 mode (an int8 depth decoder), whose LM blocks
-    run their chained tails on packed int4 words."""
+    the HF modules compute on the dequantized weights; int4: the int4 mode (an int8 depth decoder, or on an fp8 GPU
+    an fp8 one), whose LM blocks run their chained tails on packed int4 words."""
     from music3_demo import random_models
     from music3_demo.semantic.graph import GraphEngine
 
     components = random_models.build_components(random_models.TINY, seed=0)
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
-    quantize_model_(lm, depth, scheme.fmt, "cpu", scheme)
+    report = quantize_model_(lm, depth, scheme.fmt, "cpu", scheme, capability=capability)
+    assert report.scheme.endswith("depth fp8/channel") == (capability is not None)
     engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=chain)
     assert engine.precision == scheme.fmt and isinstance(engine.weights.blocks[0].qkv, QWeight)
     generator = torch.Generator().manual_seed(20)
@@ -418,9 +420,15 @@ def test_int4_bf16_magic_numbers_give_every_nibble_pair_its_value():
         assert torch.equal(high.float(), ((words >> (4 * s + 16)) & 0xF).float() - 8)
 
 
-def test_int4_mode_keeps_the_depth_decoder_at_int8():
+def test_int4_mode_keeps_the_depth_decoder_at_8_bits_fp8_where_the_gpu_converts_it():
+    """An int4 LM's depth decoder: int8 on the CPU and GPUs before sm_89, fp8 (per channel) from sm_89 on."""
     from music3_demo import random_models
 
+    for capability, depth_scheme in (((8, 9), "fp8/channel"), ((9, 0), "fp8/channel"), ((8, 6), "int8/g16")):
+        components = random_models.build_components(random_models.TINY, seed=0)
+        report = quantize_model_(components["language_model"], components["rvq_depth_decoder"], "int4", "cpu",
+                                 capability=capability)
+        assert report.scheme == f"int4/g16, depth {depth_scheme}", capability
     components = random_models.build_components(random_models.TINY, seed=0)
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
     report = quantize_model_(lm, depth, "int4", "cpu")

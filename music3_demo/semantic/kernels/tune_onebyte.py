@@ -275,7 +275,7 @@ def main() -> None:
               f"{time.perf_counter() - started:.0f} s", flush=True)
 
     def tune_tails(fmt: str, which: str) -> None:
-        # an int4 LM keeps its depth decoder at int8 (`quant.DEPTH_SCHEMES`): no int4 depth tail runs
+        # an int4 LM keeps its depth decoder at 8 bits (`precision.depth_mode`): no int4 depth tail runs
         for family in [f for f in FAMILIES if not (FORMATS[fmt][0] == "int4" and f == "depth")]:
             if left() < 25:
                 print(f"BUDGET: {fmt} {family} tail ({which}) not tuned", flush=True)

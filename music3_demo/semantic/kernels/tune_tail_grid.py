@@ -67,7 +67,7 @@ def format_of(fmt: str) -> tuple[int, int, str]:
 
 
 def families_of(fmt: str) -> list[str]:
-    """An int4 LM keeps its depth decoder at int8 (`quant.DEPTH_SCHEMES`): no int4 depth tail runs."""
+    """An int4 LM keeps its depth decoder at 8 bits (`precision.depth_mode`): no int4 depth tail runs."""
     return ["lm"] if fmt.startswith("int4") else list(FAMILIES)
 
 
