@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
                 figures = ", ".join(f"{name} {p['per_weight']} ({p['hot']}/tile {p['tile'][0]}x{p['tile'][1]})"
                                     for name, p in tail["products"].items())
                 print(f"sm_{capability} {precision} {stack}: {tail['registers']} registers, {tail['warps']} warps; "
-                      f"instructions per weight a thread: {figures}", flush=True)
+                      f"instructions per weight a thread: {figures}" + "".join(f"; {p}" for p in tail["problems"]),
+                      flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
