@@ -23,12 +23,10 @@ import argparse
 import json
 import os
 import re
-import subprocess
-import tempfile
 from collections import Counter
 from pathlib import Path
 
-from .arch_compile import TYPICAL, registers
+from .arch_compile import TYPICAL, cuobjdump, registers
 from .arch_record import meta_engine, record_engine, stand_in
 from .kernels.tail_config import PRODUCTS
 from .kernels.tuning import Target, tuning_for_target
@@ -39,14 +37,8 @@ _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z
 
 
 def sass(cubin: bytes) -> str:
-    """cuobjdump's disassembly of one cubin (the tool beside the ptxas Triton uses)."""
-    from triton.backends.nvidia.compiler import knobs as nvidia_knobs
-
-    tool = Path(nvidia_knobs.nvidia.ptxas.path).with_name("cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-        handle.write(cubin)
-        handle.flush()
-        return subprocess.run([str(tool), "-sass", handle.name], capture_output=True, text=True, check=True).stdout
+    """The disassembly of one cubin (`cuobjdump -sass`)."""
+    return cuobjdump(cubin, "-sass")
 
 
 def instructions(text: str) -> list[tuple[int, str, str, bool]]:

@@ -109,14 +109,18 @@ def _cpu_seconds() -> float:
 
 def registers(cubin: bytes) -> int:
     """Registers per thread, as ptxas allocated them (cuobjdump's resource usage of the cubin)."""
+    return int(re.search(r"REG:(\d+)", cuobjdump(cubin, "-res-usage")).group(1))
+
+
+def cuobjdump(cubin: bytes, *options: str) -> str:
+    """cuobjdump's output on one cubin (the tool beside the ptxas Triton uses)."""
     from triton.backends.nvidia.compiler import knobs as nvidia_knobs
 
     tool = Path(nvidia_knobs.nvidia.ptxas.path).with_name("cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        usage = subprocess.run([str(tool), "-res-usage", handle.name], capture_output=True, text=True, check=True)
-    return int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+        return subprocess.run([str(tool), *options, handle.name], capture_output=True, text=True, check=True).stdout
 
 
 def programs_per_sm(compiled: Compiled, target: Target) -> int:

@@ -81,7 +81,8 @@ def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv
         _MODELS[model, "bf16", None] = (models["language_model"].to(torch.bfloat16),
                                         models["rvq_depth_decoder"].to(torch.bfloat16))
     # (an int4 LM's depth decoder is fp8 or int8 by architecture: `precision.depth_mode`)
-    capability = divmod(tuning.target.capability, 10) if tuning.target is not None and precision == "int4" else None
+    target = getattr(tuning, "target", None) if precision == "int4" else None
+    capability = divmod(target.capability, 10) if target is not None else None
     if (model, precision, capability) not in _MODELS:
         lm, depth = (copy.deepcopy(m) for m in _MODELS[model, "bf16", None])
         quantize_model_(lm, depth, precision, "meta", capability=capability)
