@@ -44,8 +44,8 @@ class Compiled:
     registers: int
     seconds: float
     x_bytes: int  # element size of the activation operand (x_ptr), where the kernel has one
-    # element size of the weights (1: fp8/int8 weights, `semantic/quant.py`, and packed int4's int32 words, which
-    # the tuning counts as 1-byte weights: an upper bound of their shared memory)
+    # element size of the weights (1: fp8/int8 weights, `semantic/quant.py`, as bytes or 32-bit words, and packed
+    # int4's int32 words, which the tuning counts as 1-byte weights: an upper bound of their shared memory)
     w_bytes: int = 2
 
 
@@ -98,7 +98,7 @@ def compile_launch(launch: Launch, capability: int) -> Compiled:
     w_type = signature.get("w_ptr", signature.get("wo_ptr", ""))
     return Compiled(launch.name, launch.constants, kernel.metadata.num_warps, kernel.metadata.num_stages,
                     kernel.metadata.shared, registers(kernel.asm["cubin"]), seconds, 4 if x_type == "*fp32" else 2,
-                    1 if w_type in ("*i8", "*u8", "*fp8e4nv", "*i32") else 2)
+                    1 if w_type in ("*i8", "*u8", "*fp8e4nv", "*i32", "*u32") else 2)
 
 
 def _cpu_seconds() -> float:

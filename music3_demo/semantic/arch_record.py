@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
 from .kernels import linear, matmul, tail, tail_config
-from .kernels.qweight import QWeight
+from .kernels.qweight import QWeight, byte_order_for
 from .kernels.tuning import Target, Tuning, tuning_for_target
 
 RECORDING = 1000  # device ids of the recording stand-ins: apart from the compiling ones
@@ -80,8 +80,9 @@ def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv
             models = random_models._make_models(random_models.FULL if model == "full" else random_models.TINY)
         _MODELS[model, "bf16", None] = (models["language_model"].to(torch.bfloat16),
                                         models["rvq_depth_decoder"].to(torch.bfloat16))
-    # (an int4 LM's depth decoder is fp8 or int8 by architecture: `precision.depth_mode`)
-    target = getattr(tuning, "target", None) if precision == "int4" else None
+    # (quantized for the architecture: an int4 LM's depth decoder is fp8 or int8 by it, `precision.depth_mode`, and
+    # sm_90's 1-byte weights take byte MMA order, `qweight.byte_order_for`)
+    target = getattr(tuning, "target", None) if precision != "bf16" else None
     capability = divmod(target.capability, 10) if target is not None else None
     if (model, precision, capability) not in _MODELS:
         lm, depth = (copy.deepcopy(m) for m in _MODELS[model, "bf16", None])
@@ -158,7 +159,8 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
     group, n, k = DEFAULT_SCHEMES[kind].group, 4096, 12288
     dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
     weight = QWeight(torch.empty(n, k, dtype=dtype, device=meta),
-                     torch.empty((n, k // group) if group else (n,), device=meta), group, bf16)
+                     torch.empty((n, k // group) if group else (n,), device=meta), group, bf16,
+                     byte_order_for(divmod(tuning.target.capability, 10)))
     out = torch.empty(2, n, device=meta)
     cfg = tuning.gemv(2, n, k, False, 2, 1, group, kind)
     for route in CONVERSIONS.values():
@@ -212,7 +214,8 @@ def _packed_tail_launch(tuning: Tuning, weights) -> None:
 
     def int8(n: int, k: int) -> QWeight:
         return QWeight(torch.empty(n, k, dtype=torch.int8, device="meta"),
-                       torch.empty(n, k // group, device="meta"), group, torch.bfloat16)
+                       torch.empty(n, k // group, device="meta"), group, torch.bfloat16,
+                       byte_order_for(divmod(tuning.target.capability, 10)))
 
     cfg = _lm_tail_config(tuning, weights, group, "int8")
     _tail_launch(tuning, weights, int8, replace(tail_config.fp16_routes(cfg), halves=True))

@@ -33,7 +33,9 @@ from .. import contract as c
 from ..precision import EQUALIZED, depth_mode
 from ..weights_stream import buffers_to
 from .equalize import LINEARS, LayerGatherer, equalize_
-from .kernels.qweight import INT4_ZERO, QWeight, int4_mma_order, int4_permute
+from .kernels.qweight import (
+    INT4_ZERO, QWeight, byte_mma_order, byte_order_for, byte_permute, int4_mma_order, int4_permute,
+)
 
 SUPPORTED = ("bf16", "fp8", "int8", "int4")
 FP8_MAX, INT8_MAX, INT4_MAX = 448.0, 127.0, 7.0
@@ -71,10 +73,11 @@ def fp8_supported(device: torch.device | str) -> bool:
 
 
 @torch.no_grad()
-def quantize_weight(weight: torch.Tensor, fmt: str, group: int = 0) -> QWeight:
+def quantize_weight(weight: torch.Tensor, fmt: str, group: int = 0, ordered: bool | None = None) -> QWeight:
     """A [N, K] weight as a QWeight standing in for weight.dtype: scale = max|w| / (448, 127 or 7) per row or group;
     fp8 rounds to nearest (saturating), int8 and int4 to the nearest integer in [-127, 127] / [-7, 7] (int4: packed
-    two per byte as q + 8, `qweight.py`; per-group scales only)."""
+    two per byte as q + 8, `qweight.py`; per-group scales only). `ordered`: 1-byte values in byte MMA order where
+    the shape allows it (`qweight.byte_mma_order`); None: where the weight's GPU takes it (`qweight.byte_order_for`)."""
     if fmt not in QMAX:
         raise ValueError(f"unknown weight format {fmt!r}")
     if fmt == "int4" and not group:
@@ -85,16 +88,21 @@ def quantize_weight(weight: torch.Tensor, fmt: str, group: int = 0) -> QWeight:
     scale = (blocks.abs().amax(-1) / qmax).clamp_min(torch.finfo(torch.float32).tiny)
     scaled = (blocks / scale[..., None]).clamp(-qmax, qmax)
     del blocks
-    if fmt == "fp8":
-        data = scaled.to(torch.float8_e4m3fn).view(n, k)
-    elif fmt == "int8":
-        data = scaled.round_().to(torch.int8).view(n, k)
+    if fmt in ("fp8", "int8"):
+        data = scaled.to(torch.float8_e4m3fn) if fmt == "fp8" else scaled.round_().to(torch.int8)
+        data = data.view(n, k)
+        if ordered is None:
+            ordered = weight.is_cuda and byte_order_for(torch.cuda.get_device_capability(weight.device))
+        ordered = ordered and byte_mma_order(k, group)
+        if ordered:  # (kernels/qweight.py: which byte holds which column)
+            data = byte_permute(data)
     else:
         nibbles = (scaled.round_() + INT4_ZERO).to(torch.uint8).view(n, k)
         if int4_mma_order(group):  # (kernels/qweight.py: which nibble holds which column)
             nibbles = int4_permute(nibbles)
         data = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # low nibble first
-    return QWeight(data.contiguous(), (scale if group else scale[:, 0]).contiguous(), group, weight.dtype)
+    return QWeight(data.contiguous(), (scale if group else scale[:, 0]).contiguous(), group, weight.dtype,
+                   fmt != "int4" and bool(ordered))
 
 
 class QuantizedLinear(nn.Module):
@@ -108,12 +116,13 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.fmt = weight.kind
         self.group = weight.group
+        self.ordered = weight.ordered
         self.register_buffer("qdata", weight.data.view(torch.uint8) if self.fmt == "fp8" else weight.data)
         self.register_buffer("scale", weight.scale)
 
     def qweight(self, dtype: torch.dtype) -> QWeight:
         """The kernels' view of this weight (same storage), standing in for a `dtype` weight."""
-        return _as_qweight(self.fmt, self.qdata, self.scale, self.group, dtype)
+        return _as_qweight(self.fmt, self.qdata, self.scale, self.group, dtype, self.ordered)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.qweight(x.dtype).dequantize())
@@ -236,6 +245,7 @@ class LayerQuantizer:
         self.mode, self.device = mode, torch.device(device)
         if capability is None and self.device.type == "cuda":
             capability = torch.cuda.get_device_capability(self.device)
+        self.byte_order = byte_order_for(capability)  # (1-byte weights in byte MMA order: `qweight.byte_order_for`)
         # The modes that equalize the LM's columns first (None: `precision.EQUALIZED`): each decoder layer waits
         # in `gatherer` until whole, then is equalized and quantized.
         self.equalize = mode in EQUALIZED if equalize is None else equalize
@@ -286,7 +296,7 @@ class LayerQuantizer:
         parent, child, linear = target
         started = time.perf_counter()
         linear.weight = nn.Parameter(tensor, requires_grad=False)
-        parent._modules[child] = _swap(linear, *self.formats[component], self.device, self.report)
+        parent._modules[child] = _swap(linear, *self.formats[component], self.device, self.report, self.byte_order)
         self.seconds += time.perf_counter() - started
         return True
 
@@ -295,7 +305,7 @@ class LayerQuantizer:
         for part in LINEARS:
             parent, child, linear = self.targets.pop(("language_model", f"model.layers.{index}.{part}.weight"))
             started = time.perf_counter()
-            parent._modules[child] = _swap(linear, *self.formats["language_model"], self.device, self.report)
+            parent._modules[child] = _swap(linear, *self.formats["language_model"], self.device, self.report, self.byte_order)
             self.seconds += time.perf_counter() - started
 
     def swap_all(self) -> None:
@@ -319,12 +329,12 @@ class LayerQuantizer:
             head = language_model.lm_head
             fmt = self.formats["language_model"]
             if isinstance(head, AudioHead):  # the audio rows only (a load for the graph engine)
-                head.audio = _swap(head.audio, *fmt, self.device, self.report)
+                head.audio = _swap(head.audio, *fmt, self.device, self.report, self.byte_order)
             else:
                 rows = audio_head_rows(head.weight.device)
                 audio = nn.Linear(head.in_features, rows.numel(), bias=False, device="meta")
                 audio.weight = nn.Parameter(head.weight.detach()[rows], requires_grad=False)  # a copy of 16,385 rows
-                language_model.lm_head = AudioHead(_swap(audio, *fmt, self.device, self.report), head.out_features,
+                language_model.lm_head = AudioHead(_swap(audio, *fmt, self.device, self.report, self.byte_order), head.out_features,
                                                    head)
         for model in (self.language_model, self.depth_decoder):
             model.to(self.device) if whole else buffers_to(model, self.device)
@@ -348,12 +358,13 @@ def quantize_model_(
     return quantizer.finish(whole=True)
 
 
-def _swap(linear: nn.Linear, fmt: str, group: int, device: torch.device, report: QuantReport) -> QuantizedLinear:
+def _swap(linear: nn.Linear, fmt: str, group: int, device: torch.device, report: QuantReport,
+          ordered: bool = False) -> QuantizedLinear:
     weight = linear.weight.detach()
     report.modules += 1
     report.weights += weight.numel()
     report.bytes_before += weight.numel() * weight.element_size()
-    quantized = QuantizedLinear(quantize_weight(weight.to(device), fmt, group))
+    quantized = QuantizedLinear(quantize_weight(weight.to(device), fmt, group, ordered))
     linear.weight = None  # the bf16 weight goes as soon as its quantized form exists
     del weight
     report.bytes_after += quantized.qdata.numel() + quantized.scale.numel() * 4
@@ -378,8 +389,9 @@ def fuse_quantized(modules: list[QuantizedLinear], dtype: torch.dtype, interleav
             rows = module.out_features
             module.qdata, module.scale = data[start : start + rows], scale[start : start + rows]
             start += rows
-    return _as_qweight(modules[0].fmt, data, scale, modules[0].group, dtype)
+    return _as_qweight(modules[0].fmt, data, scale, modules[0].group, dtype, modules[0].ordered)
 
 
-def _as_qweight(fmt: str, data: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> QWeight:
-    return QWeight(data.view(torch.float8_e4m3fn) if fmt == "fp8" else data, scale.float(), group, dtype)
+def _as_qweight(fmt: str, data: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype,
+                ordered: bool = False) -> QWeight:
+    return QWeight(data.view(torch.float8_e4m3fn) if fmt == "fp8" else data, scale.float(), group, dtype, ordered)

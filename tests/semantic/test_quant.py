@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from dataclasses import replace
 
 from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, TailScratch, block_tail, gemv
-from music3_demo.semantic.kernels.tail_config import TailConfig
+from music3_demo.semantic.kernels.tail_config import TailConfig, default_tail_config, with_products
 from music3_demo.semantic.kernels.operands import convert_tile
-from music3_demo.semantic.kernels.qweight import BITS_BF16, BITS_F16, NATIVE_F16, QWeight, int4_mma_order, int4_permute
+from music3_demo.semantic.kernels.qweight import (
+    BITS_BF16, BITS_F16, CAST, NATIVE_F16, PACKED_F16, QWeight, byte_permute, int4_mma_order, int4_permute,
+)
 from music3_demo.semantic.quant import (
     AudioHead, QuantizedLinear, Scheme, audio_head_rows, fp8_supported, quantize_model_, quantize_weight,
 )
@@ -89,19 +91,23 @@ def test_gemv_on_quantized_weights_is_as_close_to_float32_as_on_fp16_weights(sch
     assert not workspace.counters.any()
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["columns", "byte-mma-order"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_one_byte_gemv_with_unit_scales_equals_the_fp16_gemv_on_the_same_values_bit_for_bit(fmt):
+def test_one_byte_gemv_with_unit_scales_equals_the_fp16_gemv_on_the_same_values_bit_for_bit(fmt, ordered):
     """The same values as a 1-byte weight with scale 1 and as an fp16 weight: the 1-byte path's loads, masks (N not
-    a multiple of the row block), conversion and per-channel epilogue change no bit."""
+    a multiple of the row block), conversion and per-channel epilogue change no bit; stored in byte MMA order (read
+    as 32-bit words, every route a word's bytes at a time) as in column order."""
     rows, k, n = 2, 128, 40
     values = (rand(n, k, seed=5) * 20).round().clamp(-100, 100)
     data = values.to(torch.int8) if fmt == "int8" else values.to(torch.float8_e4m3fn)
-    q = QWeight(data, torch.ones(n), 0, torch.float16)
+    q = QWeight(byte_permute(data) if ordered else data, torch.ones(n), 0, torch.float16, ordered)
+    assert torch.equal(q.values(), data.float()) and torch.equal(q.dequantize(torch.float32), data.float())
     x = rand(rows, k, dtype=torch.float16, seed=6)
-    cfg = GemvConfig(16, 64)
-    ours = gemv(x, q, torch.empty(rows, n, dtype=torch.float16), config=cfg)
-    plain = gemv(x, data.to(torch.float16), torch.empty(rows, n, dtype=torch.float16), config=cfg)
-    assert torch.equal(ours, plain)
+    plain = gemv(x, data.to(torch.float16), torch.empty(rows, n, dtype=torch.float16), config=GemvConfig(16, 64))
+    routes = [CAST, BITS_F16] + ([NATIVE_F16] if fmt == "fp8" else [PACKED_F16])
+    for route in routes:  # (fp16 model: the bit route's power of two is folded into the scale, exactly)
+        ours = gemv(x, q, torch.empty(rows, n, dtype=torch.float16), config=GemvConfig(16, 64, convert=route))
+        assert torch.equal(ours, plain), route
 
 
 @pytest.mark.parametrize("scheme", [Scheme("int4", 16), Scheme("int8", 16), Scheme("fp8", 32)],
@@ -183,6 +189,39 @@ def test_block_tail_on_one_byte_weights_runs_the_products_as_the_gemvs_do(scheme
     with pytest.raises(ValueError, match="one format"):
         block_tail(attn, start.clone(), start.half(), act, weights[0], dense[1], *weights[2:3], ln2, 1e-6,
                    TailScratch("cpu", 3))
+
+
+@pytest.mark.parametrize("scheme", [Scheme("fp8", 0), Scheme("int8", 16)], ids=["fp8/channel", "int8/g16"])
+def test_byte_mma_order_changes_no_bit_of_the_tail_or_the_reference(scheme):
+    """The same weights quantized in byte MMA order (what an sm_90 GPU gets: `qweight.byte_order_for`) and in column
+    order: the same values and dequantized weight, and the chained tail (its products read 32-bit words, a word's four
+    bytes at a time) gives the same bits on every route the format takes."""
+    from music3_demo.semantic.kernels.qweight import FP16_ROUTES, byte_order_for
+
+    assert byte_order_for((9, 0)) and not byte_order_for((8, 9)) and not byte_order_for(None)
+    d, a, i, q = 64, 48, 96, 80
+    dense = [_outlier_weight(*shape, seed=seed).half() for seed, shape in enumerate([(d, a), (2 * i, d), (d, i),
+                                                                                    (q, d)])]
+    plain = [quantize_weight(w, scheme.fmt, scheme.group, ordered=False) for w in dense]
+    ordered = [quantize_weight(w, scheme.fmt, scheme.group, ordered=True) for w in dense]
+    for x, y in zip(plain, ordered):
+        assert y.ordered and not x.ordered and not torch.equal(x.data.view(torch.uint8), y.data.view(torch.uint8))
+        assert torch.equal(x.values(), y.values()) and torch.equal(x.dequantize(), y.dequantize())
+    ln1, ln2 = (rand(d, dtype=torch.float16, seed=seed, scale=0.1) + 1 for seed in (5, 6))
+    attn, start = rand(2, a, dtype=torch.float16, seed=7), rand(2, d, seed=8)
+    routes = [CAST, BITS_F16] + ([NATIVE_F16] if scheme.fmt == "fp8" else [PACKED_F16])
+    for route in routes:
+        cfg = with_products(default_tail_config(d, a, 2 * i, q, torch.device("cpu")),
+                            lambda _, c: replace(c, convert=route))
+        outputs = []
+        for weights in (plain, ordered):
+            h, h16 = start.clone(), start.half()
+            act, qkv = torch.zeros(2, i, dtype=torch.float16), torch.zeros(2, q, dtype=torch.float16)
+            block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, TailScratch("cpu", 3),
+                       next_qkv=(weights[3], ln1, qkv), config=cfg)
+            outputs.append((h, act, qkv))
+        for x, y in zip(*outputs):
+            assert torch.equal(x, y), (route, route in FP16_ROUTES)
 
 
 def test_quantize_model_swaps_the_linear_modules_and_the_reference_reads_the_dequantized_weights():

@@ -117,11 +117,11 @@ def _gemv_kernel(
     N, K, stride_xm, stride_om, stride_rm, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr,
-    TMA: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr,
+    TMA: tl.constexpr, QUANT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
+    CONV: tl.constexpr,
     WSCALE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
-    PACK: tl.constexpr = 8 if QUANT == 3 else 1  # weights per element of w (packed int4: 8 per int32 word)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     k_len = K // SPLIT_K
@@ -130,7 +130,7 @@ def _gemv_kernel(
     offs_k = split * k_len + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    w_ptrs = weight_ptrs(w_ptr, offs_n, split * k_len, K, BLOCK_K, QUANT)
+    w_ptrs = weight_ptrs(w_ptr, offs_n, split * k_len, K, BLOCK_K, PACK)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     if PDL:  # SPLIT_K is 1 under PDL: the first tile is at K offset 0
         prefetch_rows_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (K // PACK),
@@ -139,7 +139,7 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
-        w = weight_tile(w_ptrs + k0 // PACK, w_desc, n_mask, pid * BLOCK_N, split * k_len + k0, TMA, QUANT)
+        w = weight_tile(w_ptrs + k0 // PACK, w_desc, n_mask, pid * BLOCK_N, split * k_len + k0, TMA, PACK)
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
@@ -305,7 +305,7 @@ def gemv(
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl,
-        TMA=cfg.tma, QUANT=quant, GROUP=group, DOT=dot, CONV=conv, WSCALE=wscale,
+        TMA=cfg.tma, QUANT=quant, PACK=pack, GROUP=group, DOT=dot, CONV=conv, WSCALE=wscale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out

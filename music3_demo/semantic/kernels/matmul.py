@@ -61,9 +61,9 @@ def config_for(weight: QWeight, capability: int | None = None) -> MatmulConfig:
 def _matmul_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr, WSCALE: tl.constexpr,
+    QUANT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr,
+    WSCALE: tl.constexpr,
 ):
-    PACK: tl.constexpr = 8 if QUANT == 3 else 1  # weights per element of w (packed int4: 8 per int32 word)
     pid = tl.program_id(0)
     row_blocks = tl.cdiv(M, BLOCK_M)
     pid_n = pid // row_blocks  # the programs of one weight tile run side by side
@@ -73,11 +73,11 @@ def _matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    w_ptrs = weight_ptrs(w_ptr, offs_n, 0, K, BLOCK_K, QUANT)
+    w_ptrs = weight_ptrs(w_ptr, offs_n, 0, K, BLOCK_K, PACK)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w = weight_tile(w_ptrs + k0 // PACK, w_ptr, n_mask, 0, k0, False, QUANT)
+        w = weight_tile(w_ptrs + k0 // PACK, w_ptr, n_mask, 0, k0, False, PACK)
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
         acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
     acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
@@ -105,7 +105,7 @@ def product(x: torch.Tensor, weight: Weight, config: MatmulConfig | None = None)
         grid = (triton.cdiv(rows.shape[0], cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         _matmul_kernel[grid](
             rows, data, scales, out, rows.shape[0], n, k, rows.stride(0), out.stride(0),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, QUANT=quant, GROUP=group, DOT=dot,
-            CONV=conv, WSCALE=wscale, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, QUANT=quant, PACK=k // data.shape[1],
+            GROUP=group, DOT=dot, CONV=conv, WSCALE=wscale, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out.view(*x.shape[:-1], n)

@@ -12,22 +12,21 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRETED
-from .qweight import INT8_F16_PTX, unpack_int4
+from .qweight import FP8_F16_PTX, INT8_BF16_PTX, INT8_F16_PTX, unpack_int4
 
 
 @triton.jit
-def weight_ptrs(w_ptr, offs_n, k, K, BLOCK_K: tl.constexpr, QUANT: tl.constexpr):
-    """Where the weight tile of rows offs_n and columns k .. k + BLOCK_K lies: model-dtype or 1-byte elements, or for
-    packed int4 (QUANT 3) BLOCK_K / 8 int32 words of rows of K / 8."""
-    PACK: tl.constexpr = 8 if QUANT == 3 else 1
+def weight_ptrs(w_ptr, offs_n, k, K, BLOCK_K: tl.constexpr, PACK: tl.constexpr):
+    """Where the weight tile of rows offs_n and columns k .. k + BLOCK_K lies, in elements of PACK weights each
+    (`qweight.kernel_args`' data: 1 for model-dtype or 1-byte elements, 8 for packed int4's int32 words, 4 for 1-byte
+    values in byte MMA order as 32-bit words): BLOCK_K / PACK of rows of K / PACK."""
     return w_ptr + offs_n.to(tl.int64)[:, None] * (K // PACK) + (k // PACK + tl.arange(0, BLOCK_K // PACK))[None, :]
 
 
 @triton.jit
-def weight_tile(w_ptrs, w_desc, n_mask, row0, k, TMA: tl.constexpr, QUANT: tl.constexpr):
+def weight_tile(w_ptrs, w_desc, n_mask, row0, k, TMA: tl.constexpr, PACK: tl.constexpr):
     """The weight tile as stored (`weight_ptrs`; `dot_tile` converts it): by TMA, the descriptor's block at row row0
     and column k, else loaded from w_ptrs. Rows past N are zeros (masked; TMA tiles arrive so)."""
-    PACK: tl.constexpr = 8 if QUANT == 3 else 1
     if TMA:
         w = w_desc.load([row0, k // PACK])
     else:
@@ -36,14 +35,68 @@ def weight_tile(w_ptrs, w_desc, n_mask, row0, k, TMA: tl.constexpr, QUANT: tl.co
 
 
 @triton.jit
-def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False):
+def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False,
+                 INT4: tl.constexpr = False):
+    """A weight tile as stored as DOT values in column order: packed int4 words (INT4: `qweight.unpack_int4`),
+    1-byte values in byte MMA order as words (`unpack_bytes`), or 1-byte values (`convert_bytes`)."""
+    if w.dtype == tl.int32 or w.dtype == tl.uint32:
+        if INT4:
+            return unpack_int4(w, DOT if DOT != tl.float32 else tl.float16, MMA_ORDER).to(DOT)
+        else:
+            return unpack_bytes(w, CONV, DOT)
+    else:
+        return convert_bytes(w, CONV, DOT)
+
+
+@triton.jit
+def _half_pair(q, HALF: tl.constexpr):
+    """A 32-bit word of two HALF values as [.., 2] (its low half first)."""
+    return tl.join(q.to(tl.int16).to(HALF, bitcast=True), (q >> 16).to(tl.int16).to(HALF, bitcast=True))
+
+
+@triton.jit
+def _byte(w, i: tl.constexpr, FP8: tl.constexpr):
+    """Byte i of each word as its 1-byte value (int8, or fp8 e4m3)."""
+    b = ((w >> (8 * i)) & 0xFF).to(tl.uint8)
+    return b.to(tl.float8e4nv, bitcast=True) if FP8 else b.to(tl.int8, bitcast=True)
+
+
+@triton.jit
+def unpack_bytes(w, CONV: tl.constexpr, DOT: tl.constexpr):
+    """A tile of 1-byte values in byte MMA order as 32-bit words ([BN, BK / 4]: int32 for int8, uint32 for fp8;
+    `qweight.byte_mma_order`) as DOT values [BN, BK] in column order. Where the route's values are the bytes' exactly
+    (int8 in fp16 on every fp16 route and an fp16 model's cast, int8 in bf16 on the cast and bf16 bit routes, fp8 in
+    fp16 on the native route and an fp16 model's cast), a word converts at a time in PTX (`qweight.INT8_F16_PTX`,
+    `INT8_BF16_PTX`, `FP8_F16_PTX`) into two registers of pairs: bytes 0, 1 and 2, 3, columns 2c, 2c + 1 and 2c + 8,
+    2c + 9, the MMA's operand registers as they are. The other routes (and the interpreter) take each byte plane
+    through `convert_bytes`. The planes are put in column order by joins and a permute within the thread, as
+    `qweight.unpack_int4` does."""
+    BN: tl.constexpr = w.shape[0]
+    BW: tl.constexpr = w.shape[1]
+    FP8: tl.constexpr = w.dtype == tl.uint32
+    HALF: tl.constexpr = DOT == tl.float16 and CONV != 1  # (BITS_BF16 leaves fp8's 2^-120: bf16 only)
+    if not FP8 and (HALF or (DOT == tl.bfloat16 and CONV <= 1)) and not INTERPRETED:
+        PTX: tl.constexpr = INT8_F16_PTX if HALF else INT8_BF16_PTX
+        lo, hi = tl.inline_asm_elementwise(PTX, "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        t = tl.join(_half_pair(lo, DOT), _half_pair(hi, DOT))  # [n, j, b, h]
+    elif FP8 and HALF and CONV != 2 and not INTERPRETED:  # (BITS_F16 leaves 2^-8 in the values: its own formula)
+        lo, hi = tl.inline_asm_elementwise(FP8_F16_PTX, "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True,
+                                           pack=1)
+        t = tl.join(_half_pair(lo, tl.float16), _half_pair(hi, tl.float16))
+    else:
+        t = tl.join(tl.join(convert_bytes(_byte(w, 0, FP8), CONV, DOT), convert_bytes(_byte(w, 1, FP8), CONV, DOT)),
+                    tl.join(convert_bytes(_byte(w, 2, FP8), CONV, DOT), convert_bytes(_byte(w, 3, FP8), CONV, DOT)))
+    t = tl.permute(tl.reshape(t, [BN, BW // 4, 4, 2, 2]), (0, 1, 4, 2, 3))  # [n, r, h, c, b]: column 8h + 2c + b
+    return tl.reshape(t, [BN, BW * 4]).to(DOT)
+
+
+@triton.jit
+def convert_bytes(w, CONV: tl.constexpr, DOT: tl.constexpr):
     """A 1-byte weight tile (int8 or fp8 e4m3) as DOT values, by route CONV (`qweight.CAST` ...: what each does and
     why). The bit routes are integer ops on the sign-extended bytes; the fp8 ones leave a power of two in the values
-    (`qweight.kernel_args`' WSCALE), which the scales take back. Packed int4 words: `qweight.unpack_int4`. The
-    packed PTX route (int8) is BITS_F16's formula four bytes an instruction; the interpreter takes the formula."""
-    if w.dtype == tl.int32:
-        return unpack_int4(w, DOT if DOT != tl.float32 else tl.float16, MMA_ORDER).to(DOT)
-    elif CONV == 4 and not INTERPRETED:  # PACKED_F16
+    (`qweight.kernel_args`' WSCALE), which the scales take back. The packed PTX route (int8) is BITS_F16's formula
+    four bytes an instruction; the interpreter takes the formula."""
+    if CONV == 4 and not INTERPRETED:  # PACKED_F16
         return tl.inline_asm_elementwise(INT8_F16_PTX, "=r,=r,r", [w], dtype=tl.float16, is_pure=True, pack=4).to(DOT)
     elif CONV == 0:
         return w.to(DOT)
@@ -90,10 +143,11 @@ def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP
     by `channel_scale`."""
     BK: tl.constexpr = x.shape[1]
     ORDER: tl.constexpr = QUANT == 3 and GROUP % 32 == 0  # packed int4 in MMA order (`qweight.int4_mma_order`)
+    INT4: tl.constexpr = QUANT == 3
     if QUANT == 0:
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     elif QUANT == 1:
-        acc = tl.dot(convert_tile(w, CONV, DOT, ORDER), tl.trans(activation_tile(x, DOT)), acc)
+        acc = tl.dot(convert_tile(w, CONV, DOT, ORDER, INT4), tl.trans(activation_tile(x, DOT)), acc)
     elif BK > GROUP:  # several scale groups per tile (fp16 routes only: `tile_fits_groups`): scaled weights, one MMA
         BN: tl.constexpr = w.shape[0]
         NG: tl.constexpr = BK // GROUP
@@ -101,13 +155,13 @@ def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP
                         mask=n_mask[:, None], other=0.0)
         if WSCALE != 1.0:
             scale = scale * WSCALE
-        wt = tl.reshape(convert_tile(w, CONV, DOT, ORDER), [BN, NG, GROUP]) * scale.to(DOT)[:, :, None]
+        wt = tl.reshape(convert_tile(w, CONV, DOT, ORDER, INT4), [BN, NG, GROUP]) * scale.to(DOT)[:, :, None]
         acc = tl.dot(tl.reshape(wt, [BN, BK]), tl.trans(activation_tile(x, DOT)), acc)
     else:
         scale = tl.load(s_ptr + offs_n.to(tl.int64) * (K // GROUP) + k0 // GROUP, mask=n_mask, other=0.0)
         if WSCALE != 1.0:
             scale = scale * WSCALE
-        acc += tl.dot(convert_tile(w, CONV, DOT, ORDER), tl.trans(activation_tile(x, DOT))) * scale[:, None]
+        acc += tl.dot(convert_tile(w, CONV, DOT, ORDER, INT4), tl.trans(activation_tile(x, DOT))) * scale[:, None]
     return acc
 
 

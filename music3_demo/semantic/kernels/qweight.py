@@ -19,6 +19,18 @@ column a nibble holds ("the order"):
   (`linear.fit_group`).
 - Column order otherwise (a small model's 16-column groups): nibble i of word j is column 8j + i.
 
+1-byte values (int8, fp8) quantized for an sm_90 GPU (`byte_order_for`) with K a multiple of 16 (and so the scale
+group: every model here) are stored in the MMA's operand order too ("byte MMA order", `QWeight.ordered`,
+`byte_mma_order`): in each run of 16 columns, bytes 4c .. 4c + 3 (word
+c, 0..3) hold columns 2c, 2c + 1, 2c + 8, 2c + 9 (byte 2h + b: column 8h + 2c + b), the four a thread of each quad
+feeds the MMA of one row. The kernels read them as 32-bit words (`kernel_args`: int32 for int8, uint32 for fp8, which
+is how a kernel tells the two apart) and convert a word at a time (`unpack_bytes`): int8's packed PTX or fp8's
+paired conversion gives two registers that are the MMA's as they are. In column order a thread's bytes are two
+2-byte pieces a row, loaded from shared memory two bytes an instruction and put together by byte permutes (an sm_90
+int8 64 x 128 tile: 41 loads and 96 PRMT of its 410 instructions; in this order 9 and 32 of 248, `arch_census`).
+Only sm_90 takes it: the other architectures' tiles (mma.sync, their heuristic routes: the cast) read the bytes of a
+word one plane at a time there, 40-50% more instructions a tile than in column order. Other K keep column order.
+
 The kernels load the 1-byte tile, convert it to `dtype` (the model's dtype, which the weight stands in for) in
 registers, take the product with fp32 accumulation and apply the scales: per-channel once per output row in the
 epilogue, per-group once per K tile inside the loop (a K tile within one group), or to the converted weights of a
@@ -41,6 +53,7 @@ ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
 INT4 = torch.uint8  # packed int4: two columns per byte
 INT4_ZERO = 8  # the nibble of q = 0
 INT4_RUN = 32  # the columns of one run of four words in MMA order
+BYTE_RUN = 16  # the columns of one run of four words in byte MMA order
 DEQUANTIZE_STEP = 1 << 23  # elements dequantized at a time (QWeight.dequantize: int4's float32 pieces 32 MB each)
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # The kernels' QUANT constexpr; 0 is a plain (model-dtype) weight; PACKED_INT4: int4 words with per-group scales.
@@ -97,12 +110,33 @@ def int4_permute(nibbles: torch.Tensor, to_columns: bool = False) -> torch.Tenso
     return nibbles.reshape(shape).permute(0, 1, 4, 5, 2, 3).reshape(n, k)
 
 
+def byte_mma_order(k: int, group: int) -> bool:
+    """Whether 1-byte values of K columns with scales per `group` (0: per channel) can be in byte MMA order."""
+    return k % BYTE_RUN == 0 and group % BYTE_RUN == 0
+
+
+def byte_order_for(capability: tuple[int, int] | None) -> bool:
+    """Whether 1-byte weights quantized for a GPU of `capability` (None: no GPU) take byte MMA order: sm_90's
+    (wgmma, and the tuned fp16 routes that convert a word at a time; see the module docstring)."""
+    return capability is not None and tuple(capability) == (9, 0)
+
+
+def byte_permute(values: torch.Tensor, to_columns: bool = False) -> torch.Tensor:
+    """A [N, K] tensor of 1-byte values (K a multiple of BYTE_RUN) from column order to byte MMA order
+    (`to_columns`: back): column 8h + 2c + b of each run is byte 4c + 2h + b (see the module docstring)."""
+    n, k = values.shape
+    runs = k // BYTE_RUN
+    shape = (n, runs, 4, 2, 2) if to_columns else (n, runs, 2, 4, 2)  # [c, h, b] or [h, c, b]
+    return values.reshape(shape).permute(0, 1, 3, 2, 4).reshape(n, k)
+
+
 @dataclass(frozen=True)
 class QWeight:
     data: torch.Tensor  # [N, K] int8 or float8_e4m3fn, or [N, K / 2] uint8 (packed int4), contiguous
     scale: torch.Tensor  # float32 [N] (per-channel) or [N, K // group] (per-group)
     group: int = 0  # 0: per-channel
     dtype: torch.dtype = torch.bfloat16  # the model dtype: the products run in it, dequantize() returns it
+    ordered: bool = False  # 1-byte values in byte MMA order (see the module docstring)
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -114,6 +148,9 @@ class QWeight:
                              f"{tuple(self.scale.shape)}")
         if self.group and k % self.group:
             raise ValueError(f"K={k} is not a multiple of the scale group {self.group}")
+        if self.ordered and (self.int4 or not byte_mma_order(k, self.group)):
+            raise ValueError(f"byte MMA order takes 1-byte values with K and the scale group multiples of {BYTE_RUN}, "
+                             f"got {self.kind} K={k}, group {self.group}")
 
     @property
     def int4(self) -> bool:
@@ -155,7 +192,7 @@ class QWeight:
     def values(self) -> torch.Tensor:
         """The quantized values as float32 [N, K] (int4: the nibbles unpacked, q = nibble - 8)."""
         if not self.int4:
-            return self.data.float()
+            return (byte_permute(self.data, to_columns=True) if self.ordered else self.data).float()
         nibbles = torch.stack((self.data & 0xF, self.data >> 4), dim=-1).flatten(-2)  # low nibble first
         if int4_mma_order(self.group):
             nibbles = int4_permute(nibbles, to_columns=True)
@@ -176,7 +213,8 @@ class QWeight:
             if self.int4:
                 target.copy_(part.values() * part.expanded_scale())  # (the copy rounds as .to() does)
                 continue
-            values = part.data.to(torch.bfloat16) if self.kind == "fp8" else part.data  # (exact either way)
+            values = byte_permute(part.data, to_columns=True) if self.ordered else part.data
+            values = values.to(torch.bfloat16) if self.kind == "fp8" else values  # (exact either way)
             rows, group = values.shape[0], self.group or k
             torch.mul(values.view(rows, k // group, group), part.scale.view(rows, -1, 1),
                       out=target.view(rows, k // group, group))
@@ -184,7 +222,7 @@ class QWeight:
 
     def rows(self, start: int, stop: int) -> "QWeight":
         """Rows [start, stop) as views of the same storage."""
-        return QWeight(self.data[start:stop], self.scale[start:stop], self.group, self.dtype)
+        return QWeight(self.data[start:stop], self.scale[start:stop], self.group, self.dtype, self.ordered)
 
     def nbytes(self) -> int:
         return self.data.numel() + self.scale.numel() * 4
@@ -215,7 +253,8 @@ def rows(weight: Weight, start: int, stop: int) -> Weight:
 def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torch.Tensor, int, int, object, int, float]:
     """(data, scales, QUANT, GROUP, DOT, CONV, WSCALE) for a kernel launch: a plain weight passes itself as its
     (unread) scales. DOT is the MMA's operand dtype, WSCALE the power of two the conversion `convert` leaves in the
-    weights (folded into the scales). Packed int4 passes its bytes as int32 words ([N, K / 8])."""
+    weights (folded into the scales). Packed int4 passes its bytes as int32 words ([N, K / 8]); 1-byte values in
+    byte MMA order as words too ([N, K / 4]: int32 for int8, uint32 for fp8)."""
     if isinstance(weight, QWeight):
         dot = tl.float16 if convert in FP16_ROUTES else TL_DTYPES[weight.dtype]
         fp8 = weight.data.dtype == torch.float8_e4m3fn
@@ -225,7 +264,9 @@ def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torc
             # its bf16 values carry 2^-120, which fp16 cannot hold (a silent zero): a bf16 model's route only
             raise ValueError(f"fp8 weights take the bf16 bit route only in a bf16 model, not {weight.dtype}")
         wscale = {BITS_BF16: 2.0**120, BITS_F16: 2.0**8}.get(convert, 1.0) if fp8 else 1.0
-        data = weight.data.view(torch.int32) if weight.int4 else weight.data
+        data = weight.data
+        if weight.int4 or weight.ordered:  # words: int4's, int8's as int32, fp8's as uint32 (the kernels' tell)
+            data = data.view(torch.uint32 if fp8 else torch.int32)
         return data, weight.scale, weight.quant, weight.group or 1, dot, convert, wscale
     return weight, weight, 0, 1, TL_DTYPES.get(weight.dtype, tl.float32), CAST, 1.0
 
@@ -255,9 +296,9 @@ def unpack_int4(w, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False):
     """A tile of packed int4 words (int32 [BN, BK / 8], stored as q + 8; in MMA order or column order, see the
     module docstring) as DOT values [BN, BK] (fp16 or bf16) in column order, by magic numbers two nibbles per 32-bit
     operation: (w >> 4s) & 0x000F000F | 0x64006400 is two fp16 values 1024 + u (nibbles s and s + 4 of each word, u
-    in [0, 15]), minus 1032 is q exactly (`_nibble_pair`); bf16 the same with 0x43004300 (128 + u) and 136. The planes are put in
-    column order by joins (each a new minor axis, in the thread) and reshapes: in MMA order each thread then holds
-    its own MMA operand columns, so no value crosses threads."""
+    in [0, 15]), minus 1032 is q exactly (`_nibble_pair`); bf16 the same with 0x43004300 (128 + u) and 136. The
+    planes are put in column order by joins (each a new minor axis, in the thread) and reshapes: in MMA order each
+    thread then holds its own MMA operand columns, so no value crosses threads."""
     BN: tl.constexpr = w.shape[0]
     BW: tl.constexpr = w.shape[1]
     MAGIC: tl.constexpr = 0x43004300 if DOT == tl.bfloat16 else 0x64006400
@@ -273,3 +314,31 @@ def unpack_int4(w, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False):
     else:  # nibble s + 4h of word j: column 8j + 4h + s
         t = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [n, j, h, s//2, s%2]
     return tl.reshape(t, [BN, BW * 8])
+
+
+# int8 -> bf16 on one 32-bit word of four bytes ($2) in byte MMA order, into two words of bf16 pairs (as INT8_F16_PTX):
+# prmt puts each byte under 0x43 (bf16 128.0: its exponent's low bit is the byte's bit 7), then BITS_BF16's formula a
+# pair at a time: (0x43 | b & 0x7F) - (0x43 | b & 0x80), 128 + low 7 bits minus 128 or 256, is b exactly (an FMA by
+# -1.0: bf16x2 subtraction is sm_90's only). The cast and bf16 bit routes' values, for a bf16 model's tiles.
+INT8_BF16_PTX = tl.constexpr("""{
+.reg .b32 x, y, lo, hi, m;
+prmt.b32 x, $2, 0x43434343, 0x4140;
+prmt.b32 y, $2, 0x43434343, 0x4342;
+mov.b32 m, 0xBF80BF80;
+and.b32 lo, x, 0xFF7FFF7F;
+and.b32 hi, x, 0xFF80FF80;
+fma.rn.bf16x2 $0, hi, m, lo;
+and.b32 lo, y, 0xFF7FFF7F;
+and.b32 hi, y, 0xFF80FF80;
+fma.rn.bf16x2 $1, hi, m, lo;
+}""")
+
+# fp8 e4m3 -> fp16 for NATIVE_F16 on one 32-bit word of four values ($2), into two words of fp16 pairs ($0: bytes 0 and
+# 1, low half first; $1: bytes 2 and 3): one paired conversion per half (sm_89 on). A constexpr, read as a global.
+FP8_F16_PTX = tl.constexpr("""{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}""")
+

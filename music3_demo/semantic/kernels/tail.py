@@ -76,11 +76,10 @@ def _cta_sync(value):
 
 
 @triton.jit
-def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, QUANT: tl.constexpr):
+def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PACK: tl.constexpr):
     """Between two products: start this program's next weight rows towards L2, then wait for the whole grid."""
     if PREFETCH > 0:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        PACK: tl.constexpr = 8 if QUANT == 3 else 1  # packed int4: K / 8 words per row
         prefetch_rows_l2(w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * (K // PACK), PREFETCH)
     _grid_barrier(bar_ptr)
 
@@ -91,8 +90,8 @@ def _product(
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
     NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr, GRID: tl.constexpr,
-    QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr, WSCALE: tl.constexpr,
-    HALF: tl.constexpr, SPLIT: tl.constexpr, split_ptr, cnt_ptr,
+    QUANT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr,
+    WSCALE: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, split_ptr, cnt_ptr,
 ):
     """This program's row blocks of out = epilogue(W · x). FRESH: x and out were written earlier in this launch
     (by other programs), so they are read through L2 only (`.cg`; L1 is not coherent).
@@ -142,7 +141,7 @@ def _product(
         k0 = ((item // ROWS) * K_TILES + t % K_TILES) * BLOCK_K
         offs_n = row0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        w = weight_tile(weight_ptrs(w_ptr, offs_n, k0, K, BLOCK_K, QUANT), w_desc, n_mask, row0, k0, TMA, QUANT)
+        w = weight_tile(weight_ptrs(w_ptr, offs_n, k0, K, BLOCK_K, PACK), w_desc, n_mask, row0, k0, TMA, PACK)
         if FRESH:
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
         else:
@@ -210,14 +209,14 @@ def _block_tail_kernel(
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, ST_GU: tl.constexpr, TMA_GU: tl.constexpr,
     BN_D: tl.constexpr, BK_D: tl.constexpr, ST_D: tl.constexpr, TMA_D: tl.constexpr,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, ST_Q: tl.constexpr, TMA_Q: tl.constexpr,
-    QUANT: tl.constexpr, GROUP: tl.constexpr,
+    QUANT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
     DT_O: tl.constexpr, CV_O: tl.constexpr, WS_O: tl.constexpr, DT_GU: tl.constexpr, CV_GU: tl.constexpr,
     WS_GU: tl.constexpr, DT_D: tl.constexpr, CV_D: tl.constexpr, WS_D: tl.constexpr, DT_Q: tl.constexpr,
     CV_Q: tl.constexpr, WS_Q: tl.constexpr, HALF_O: tl.constexpr, HALF_GU: tl.constexpr, HALF_D: tl.constexpr,
     HALF_Q: tl.constexpr, SP_O: tl.constexpr, SP_GU: tl.constexpr, SP_D: tl.constexpr, SP_Q: tl.constexpr,
 ):
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
-    input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/GROUP: the weights' format (one for all four
+    input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/PACK/GROUP: the weights' format (one for all four
     products: `qweight.kernel_args`), the s*_ptr their scales; DT_/CV_/WS_: each product's MMA dtype, conversion
     route and the power of two it leaves (its `GemvConfig.convert`). GRID: the number of programs. SYNC: one launch
     for all products (FRESH reads), with grid barriers between them unless BARRIERS is off (timing only).
@@ -227,25 +226,25 @@ def _block_tail_kernel(
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
         _product(attn16_ptr if HALF_O else attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, xn16_ptr,
                  ln2_ptr, part_ptr, eps, M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, GRID,
-                 QUANT, GROUP, DT_O, CV_O, WS_O, HALF_GU, SP_O, split_ptr, cnt_ptr)
+                 QUANT, PACK, GROUP, DT_O, CV_O, WS_O, HALF_GU, SP_O, split_ptr, cnt_ptr)
     if SYNC and BARRIERS:
-        _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU, QUANT)
+        _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU, PACK)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
         _product(xn16_ptr if HALF_GU else xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr, s_act, act_ptr,
                  act16_ptr, ln2_ptr, part_ptr, eps, M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False,
-                 PARTS, SYNC, GRID, QUANT, GROUP, DT_GU, CV_GU, WS_GU, HALF_D, SP_GU, split_ptr, cnt_ptr)
+                 PARTS, SYNC, GRID, QUANT, PACK, GROUP, DT_GU, CV_GU, WS_GU, HALF_D, SP_GU, split_ptr, cnt_ptr)
     if SYNC and BARRIERS:
-        _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D, QUANT)
+        _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D, PACK)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
         _product(act16_ptr if HALF_D else act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h, xn_ptr, xn16_ptr,
                  ln1_ptr, part_ptr, eps, M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS,
-                 SYNC, GRID, QUANT, GROUP, DT_D, CV_D, WS_D, HALF_Q and HAS_NEXT, SP_D, split_ptr, cnt_ptr)
+                 SYNC, GRID, QUANT, PACK, GROUP, DT_D, CV_D, WS_D, HALF_Q and HAS_NEXT, SP_D, split_ptr, cnt_ptr)
     if SYNC and BARRIERS and HAS_NEXT:
-        _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q, QUANT)
+        _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q, PACK)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
         _product(xn16_ptr if HALF_Q else xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv, qkv_ptr, qkv_ptr,
                  ln1_ptr, part_ptr, eps, M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC,
-                 GRID, QUANT, GROUP, DT_Q, CV_Q, WS_Q, False, SP_Q, split_ptr, cnt_ptr)
+                 GRID, QUANT, PACK, GROUP, DT_Q, CV_Q, WS_Q, False, SP_Q, split_ptr, cnt_ptr)
 
 
 def _descriptor(data: torch.Tensor, cfg: GemvConfig, k: int):
@@ -334,7 +333,8 @@ def block_tail(
            for name, p in zip(("GU", "D", "Q"), packed[1:])},
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
-        QUANT=packed[0][2], GROUP=packed[0][3], HALF_O=half_o, HALF_GU=half_gu, HALF_D=half_d, HALF_Q=half_q,
+        QUANT=packed[0][2], PACK=a // packed[0][0].shape[1], GROUP=packed[0][3], HALF_O=half_o, HALF_GU=half_gu,
+        HALF_D=half_d, HALF_Q=half_q,
         **dict(zip(("SP_O", "SP_GU", "SP_D", "SP_Q"), splits)),
         **{f"{key}_{name}": value for name, p in zip(("O", "GU", "D", "Q"), packed)
            for key, value in zip(("DT", "CV", "WS"), p[4:])},
