@@ -305,7 +305,8 @@ class LayerQuantizer:
         for part in LINEARS:
             parent, child, linear = self.targets.pop(("language_model", f"model.layers.{index}.{part}.weight"))
             started = time.perf_counter()
-            parent._modules[child] = _swap(linear, *self.formats["language_model"], self.device, self.report, self.byte_order)
+            parent._modules[child] = _swap(linear, *self.formats["language_model"], self.device, self.report,
+                                           self.byte_order)
             self.seconds += time.perf_counter() - started
 
     def swap_all(self) -> None:
@@ -334,8 +335,8 @@ class LayerQuantizer:
                 rows = audio_head_rows(head.weight.device)
                 audio = nn.Linear(head.in_features, rows.numel(), bias=False, device="meta")
                 audio.weight = nn.Parameter(head.weight.detach()[rows], requires_grad=False)  # a copy of 16,385 rows
-                language_model.lm_head = AudioHead(_swap(audio, *fmt, self.device, self.report, self.byte_order), head.out_features,
-                                                   head)
+                audio = _swap(audio, *fmt, self.device, self.report, self.byte_order)
+                language_model.lm_head = AudioHead(audio, head.out_features, head)
         for model in (self.language_model, self.depth_decoder):
             model.to(self.device) if whole else buffers_to(model, self.device)
         self.report.seconds = self.seconds + time.perf_counter() - started
