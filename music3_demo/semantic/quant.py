@@ -240,12 +240,14 @@ class LayerQuantizer:
 
     def __init__(self, language_model, depth_decoder, mode: str, device: torch.device | str,
                  scheme: Scheme | None = None, depth_scheme: Scheme | None = None,
-                 equalize: bool | None = None, capability: tuple[int, int] | None = None) -> None:
+                 equalize: bool | None = None, capability: tuple[int, int] | None = None,
+                 byte_order: bool | None = None) -> None:
         self.language_model, self.depth_decoder = language_model, depth_decoder
         self.mode, self.device = mode, torch.device(device)
         if capability is None and self.device.type == "cuda":
             capability = torch.cuda.get_device_capability(self.device)
-        self.byte_order = byte_order_for(capability)  # (1-byte weights in byte MMA order: `qweight.byte_order_for`)
+        # 1-byte weights in byte MMA order (`qweight.byte_order_for`; `byte_order` False: column order, to compare)
+        self.byte_order = byte_order_for(capability) if byte_order is None else byte_order
         # The modes that equalize the LM's columns first (None: `precision.EQUALIZED`): each decoder layer waits
         # in `gatherer` until whole, then is equalized and quantized.
         self.equalize = mode in EQUALIZED if equalize is None else equalize
@@ -347,14 +349,15 @@ class LayerQuantizer:
 def quantize_model_(
     language_model, depth_decoder, mode: str, device: torch.device | str, scheme: Scheme | None = None,
     depth_scheme: Scheme | None = None, equalize: bool | None = None, capability: tuple[int, int] | None = None,
+    byte_order: bool | None = None,
 ) -> QuantReport:
     """Swap the LM's and depth decoder's Linear modules for `QuantizedLinear` ones in `mode` ("bf16" changes nothing)
     and leave both models on `device`. Layer by layer: each weight is quantized on `device` and the module's own
     weight is dropped before the next, so the models may come in on the CPU or already on `device`, and two full
-    copies never sit on the GPU. `scheme` / `depth_scheme` / `equalize` / `capability` override the mode's and
-    device's defaults (`LayerQuantizer`)."""
+    copies never sit on the GPU. `scheme` / `depth_scheme` / `equalize` / `capability` / `byte_order` override the
+    mode's and device's defaults (`LayerQuantizer`)."""
     quantizer = LayerQuantizer(language_model, depth_decoder, mode, device, scheme, depth_scheme, equalize,
-                               capability)
+                               capability, byte_order)
     quantizer.swap_all()
     return quantizer.finish(whole=True)
 

@@ -459,6 +459,24 @@ def test_int4_bf16_magic_numbers_give_every_nibble_pair_its_value():
         assert torch.equal(high.float(), ((words >> (4 * s + 16)) & 0xF).float() - 8)
 
 
+def test_one_byte_weights_quantized_for_sm90_take_byte_mma_order():
+    """The 1-byte weights of a model quantized for an sm_90 GPU are in byte MMA order (every K of the tiny model is a
+    multiple of 16), for sm_89 or the CPU in column order, and `byte_order=False` keeps column order anywhere (the
+    bench's "-columns"); the reference reads the same weights either way."""
+    from music3_demo import random_models
+
+    def modules(capability, byte_order=None):
+        components = random_models.build_components(random_models.TINY, seed=0)
+        lm, depth = components["language_model"], components["rvq_depth_decoder"]
+        quantize_model_(lm, depth, "int8", "cpu", capability=capability, byte_order=byte_order)
+        return [m for model in (lm, depth) for m in model.modules() if isinstance(m, QuantizedLinear)]
+
+    ordered, columns = modules((9, 0)), modules((8, 9))
+    assert all(m.ordered for m in ordered) and not any(m.ordered for m in columns + modules((9, 0), False))
+    for a, b in zip(ordered, columns):
+        assert torch.equal(a.qweight(torch.float32).dequantize(), b.qweight(torch.float32).dequantize())
+
+
 def test_int4_mode_keeps_the_depth_decoder_at_8_bits_fp8_where_the_gpu_converts_it():
     """An int4 LM's depth decoder: int8 on the CPU and GPUs before sm_89, fp8 (per channel) from sm_89 on."""
     from music3_demo import random_models
