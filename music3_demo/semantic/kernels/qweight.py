@@ -69,8 +69,9 @@ PER_CHANNEL, PER_GROUP, PACKED_INT4 = 1, 2, 3
 # NATIVE_F16: Triton's conversion to fp16 (fp8: one cvt.rn.f16x2.e4m3x2 per two weights on sm_89+) and an fp16 MMA.
 # PACKED_F16 (int8 only): BITS_F16's values, four bytes at a time in inline PTX (INT8_F16_PTX: one xor, two byte
 #   permutes into 0x64xx pairs, two f16x2 subtractions per 32-bit word, where Triton's form of the same formula takes
-#   a shift, mask and or per byte pair). Cheapest on mma.sync tiles (32 rows), whose operand registers hold four
-#   consecutive bytes; on wgmma tiles the words are first put together from two-byte loads, and BITS_F16 costs less.
+#   a shift, mask and or per byte pair). In column order: cheapest on mma.sync tiles (32 rows), whose operand
+#   registers hold four consecutive bytes; on wgmma tiles the words are first put together from two-byte loads, and
+#   BITS_F16 costs less. In byte MMA order (sm_90) both take this PTX a word at a time (`operands.unpack_bytes`).
 # The fp16 routes round the bf16 activations to fp16: exact inside fp16's range (|x| < 65504; bf16's 8 significant
 # bits fit fp16's 11), flushed towards zero below 6e-5 (a negligible share of a sum), infinite above: they are for
 # products whose activations are known to stay in range.
