@@ -124,7 +124,8 @@ def densify_(model: torch.nn.Module) -> None:
 
 def measure_formats(language_model, depth_decoder, frames: int, prompt_tokens: int = 64, seed: int = 0,
                     schemes: tuple[Scheme | tuple[Scheme, Scheme], ...] = SCHEMES,
-                    equalized: tuple[Scheme | tuple[Scheme, Scheme], ...] = (), kv_int8: tuple[Scheme | None, ...] = ()) -> dict:
+                    equalized: tuple[Scheme | tuple[Scheme, Scheme], ...] = (),
+                    kv_int8: tuple[Scheme | None, ...] = ()) -> dict:
     """Figures of each scheme (or pair: the LM's, the depth decoder's) for float32 models (outliers already
     injected), teacher-forced on `frames` frames of random codes after a random prompt, then of each `equalized`
     scheme on the column-equalized LM ("<name>+eq"), then of each `kv_int8` scheme (None: the weights as they are)
