@@ -106,8 +106,9 @@ def test_one_byte_gemv_with_unit_scales_equals_the_fp16_gemv_on_the_same_values_
     plain = gemv(x, data.to(torch.float16), torch.empty(rows, n, dtype=torch.float16), config=GemvConfig(16, 64))
     routes = [CAST, BITS_F16] + ([NATIVE_F16] if fmt == "fp8" else [PACKED_F16])
     for route in routes:  # (fp16 model: the bit route's power of two is folded into the scale, exactly)
-        ours = gemv(x, q, torch.empty(rows, n, dtype=torch.float16), config=GemvConfig(16, 64, convert=route))
-        assert torch.equal(ours, plain), route
+        for cfg in (GemvConfig(16, 64, convert=route), GemvConfig(32, 64, tma=True, convert=route)):  # (words by TMA)
+            ours = gemv(x, q, torch.empty(rows, n, dtype=torch.float16), config=cfg)
+            assert torch.equal(ours, plain), cfg
 
 
 @pytest.mark.parametrize("scheme", [Scheme("int4", 16), Scheme("int8", 16), Scheme("fp8", 32)],
