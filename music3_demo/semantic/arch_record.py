@@ -83,7 +83,7 @@ def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv
     # (quantized for the architecture: an int4 LM's depth decoder is fp8 or int8 by it, `precision.depth_mode`, and
     # sm_90's 1-byte weights take byte MMA order, `qweight.byte_order_for`)
     target = getattr(tuning, "target", None) if precision != "bf16" else None
-    capability = divmod(target.capability, 10) if target is not None else None
+    capability = target.version if target is not None else None
     if (model, precision, capability) not in _MODELS:
         lm, depth = (copy.deepcopy(m) for m in _MODELS[model, "bf16", None])
         quantize_model_(lm, depth, precision, "meta", capability=capability)
@@ -160,7 +160,7 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
     dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
     weight = QWeight(torch.empty(n, k, dtype=dtype, device=meta),
                      torch.empty((n, k // group) if group else (n,), device=meta), group, bf16,
-                     byte_order_for(divmod(tuning.target.capability, 10)))
+                     byte_order_for(tuning.target.version))
     out = torch.empty(2, n, device=meta)
     cfg = tuning.gemv(2, n, k, False, 2, 1, group, kind)
     for route in CONVERSIONS.values():
@@ -215,7 +215,7 @@ def _packed_tail_launch(tuning: Tuning, weights) -> None:
     def int8(n: int, k: int) -> QWeight:
         return QWeight(torch.empty(n, k, dtype=torch.int8, device="meta"),
                        torch.empty(n, k // group, device="meta"), group, torch.bfloat16,
-                       byte_order_for(divmod(tuning.target.capability, 10)))
+                       byte_order_for(tuning.target.version))
 
     cfg = _lm_tail_config(tuning, weights, group, "int8")
     _tail_launch(tuning, weights, int8, replace(tail_config.fp16_routes(cfg), halves=True))

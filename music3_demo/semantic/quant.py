@@ -91,6 +91,7 @@ def quantize_weight(weight: torch.Tensor, fmt: str, group: int = 0, ordered: boo
     if fmt in ("fp8", "int8"):
         data = scaled.to(torch.float8_e4m3fn) if fmt == "fp8" else scaled.round_().to(torch.int8)
         data = data.view(n, k)
+        del scaled  # (before the permuted copy: a load's peak is the float32 values, not two byte copies beside them)
         if ordered is None:
             ordered = weight.is_cuda and byte_order_for(torch.cuda.get_device_capability(weight.device))
         ordered = ordered and byte_mma_order(k, group)
@@ -263,8 +264,8 @@ class LayerQuantizer:
             raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer ({self.device} is older): "
                              "use int8.")
         scheme = scheme or DEFAULT_SCHEMES[mode]
-        depth_scheme = depth_scheme or (scheme if depth_mode(mode, capability) == mode
-                                        else DEFAULT_SCHEMES[depth_mode(mode, capability)])
+        depth = depth_mode(mode, capability)
+        depth_scheme = depth_scheme or (scheme if depth == mode else DEFAULT_SCHEMES[depth])
         if scheme.fmt != mode:
             raise ValueError(f"scheme {scheme.name} is not a {mode} scheme")
         names = {("language_model", id(module)): name for name, module in language_model.named_modules()}

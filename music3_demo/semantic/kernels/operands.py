@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRETED
-from .qweight import FP8_F16_PTX, INT8_BF16_PTX, INT8_F16_PTX, unpack_int4
+from .qweight import FP8_F16_PTX, INT8_BF16_PTX, INT8_F16_PTX, half_pair, unpack_int4
 
 
 @triton.jit
@@ -49,12 +49,6 @@ def convert_tile(w, CONV: tl.constexpr, DOT: tl.constexpr, MMA_ORDER: tl.constex
 
 
 @triton.jit
-def _half_pair(q, HALF: tl.constexpr):
-    """A 32-bit word of two HALF values as [.., 2] (its low half first)."""
-    return tl.join(q.to(tl.int16).to(HALF, bitcast=True), (q >> 16).to(tl.int16).to(HALF, bitcast=True))
-
-
-@triton.jit
 def _byte(w, i: tl.constexpr, FP8: tl.constexpr):
     """Byte i of each word as its 1-byte value (int8, or fp8 e4m3)."""
     b = ((w >> (8 * i)) & 0xFF).to(tl.uint8)
@@ -78,11 +72,11 @@ def unpack_bytes(w, CONV: tl.constexpr, DOT: tl.constexpr):
     if not FP8 and (HALF or (DOT == tl.bfloat16 and CONV <= 1)) and not INTERPRETED:
         PTX: tl.constexpr = INT8_F16_PTX if HALF else INT8_BF16_PTX
         lo, hi = tl.inline_asm_elementwise(PTX, "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-        t = tl.join(_half_pair(lo, DOT), _half_pair(hi, DOT))  # [n, j, b, h]
+        t = tl.join(half_pair(lo, DOT), half_pair(hi, DOT))  # [n, j, b, h]
     elif FP8 and HALF and CONV != 2 and not INTERPRETED:  # (BITS_F16 leaves 2^-8 in the values: its own formula)
         lo, hi = tl.inline_asm_elementwise(FP8_F16_PTX, "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True,
                                            pack=1)
-        t = tl.join(_half_pair(lo, tl.float16), _half_pair(hi, tl.float16))
+        t = tl.join(half_pair(lo, tl.float16), half_pair(hi, tl.float16))
     else:
         t = tl.join(tl.join(convert_bytes(_byte(w, 0, FP8), CONV, DOT), convert_bytes(_byte(w, 1, FP8), CONV, DOT)),
                     tl.join(convert_bytes(_byte(w, 2, FP8), CONV, DOT), convert_bytes(_byte(w, 3, FP8), CONV, DOT)))

@@ -281,15 +281,20 @@ INT4_BF16_PTX = tl.constexpr("{\n.reg .b32 m, one;\nmov.b32 m, 0xC308C308;\nmov.
 
 
 @triton.jit
+def half_pair(q, HALF: tl.constexpr):
+    """32-bit words of two HALF values each as [.., 2] (the low half first)."""
+    return tl.join(q.to(tl.int16).to(HALF, bitcast=True), (q >> 16).to(tl.int16).to(HALF, bitcast=True))
+
+
+@triton.jit
 def _nibble_pair(w, s: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr, OFFSET: tl.constexpr):
     """Nibbles s and s + 4 of each word as HALF values q, joined: [BN, BW, 2] (the new axis: bit 2 of the nibble
     within the word). bf16 on a GPU: one packed FMA a pair (INT4_BF16_PTX); the interpreter takes the formula."""
     pair = ((w >> (4 * s)) & 0x000F000F) | MAGIC
     if HALF == tl.bfloat16 and not INTERPRETED:
-        q = tl.inline_asm_elementwise(INT4_BF16_PTX, "=r,r", [pair], dtype=tl.int32, is_pure=True, pack=1)
-        return tl.join(q.to(tl.int16).to(HALF, bitcast=True), (q >> 16).to(tl.int16).to(HALF, bitcast=True))
-    return tl.join(pair.to(tl.int16).to(HALF, bitcast=True) - OFFSET,
-                   (pair >> 16).to(tl.int16).to(HALF, bitcast=True) - OFFSET)
+        return half_pair(tl.inline_asm_elementwise(INT4_BF16_PTX, "=r,r", [pair], dtype=tl.int32, is_pure=True,
+                                                   pack=1), HALF)
+    return half_pair(pair, HALF) - OFFSET
 
 
 @triton.jit

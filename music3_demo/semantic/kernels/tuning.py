@@ -66,6 +66,11 @@ class Target:
             object.__setattr__(self, "shared_per_block", SHARED_MEMORY.get(self.capability, (99 * KB, 0))[0])
 
     @property
+    def version(self) -> tuple[int, int]:
+        """The capability as torch reports it: (9, 0) for sm_90."""
+        return divmod(self.capability, 10)
+
+    @property
     def tma(self) -> bool:
         """Tensor-memory-accelerator tiles need Hopper or newer (and a Triton with host tensor descriptors)."""
         return self.capability >= 90 and linear.TensorDescriptor is not None
