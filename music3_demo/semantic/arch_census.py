@@ -5,9 +5,10 @@ The 1-byte and int4 tails are bound by issuing instructions, not by bytes (Nsigh
 the count of instructions in each product's k-loop per weight a thread converts is the figure a conversion change
 moves. For each tail of one frame of the engine in a weight precision (`arch_record`: the meta engine, the tuning
 table of a GPU that need not be here), the tail is compiled with Triton for the target and disassembled
-(`cuobjdump -sass`); its k-loops are the backward branches around an MMA (HGMMA on sm_90, HMMA elsewhere), one per
-product in launch order (o, gate|up, down, the next block's q|k|v). A loop's hot path leaves out the stretches a
-forward branch skips that hold no MMA: the row block's epilogue, run once per row block, not once per tile.
+(`cuobjdump -sass`); its k-loops are the backward branches around an MMA (`MMAS`: HGMMA on sm_90, HMMA elsewhere),
+one per product in launch order (o, gate|up, down, the next block's q|k|v). A loop's hot path leaves out the
+stretches a forward branch skips that hold no MMA: the row block's epilogue, run once per row block, not once per
+tile. `kernel_loops` does the same for any kernel (`kernels/planes.py`'s product).
 
 Per product: the hot path's instructions per tile, per weight a thread (tile rows x columns / threads), its count
 of each opcode (modifiers dropped), and the kernel's registers. A static count is not a time: ptxas's scheduling,
@@ -27,12 +28,14 @@ from collections import Counter
 from pathlib import Path
 
 from .arch_compile import TYPICAL, cuobjdump, registers
-from .arch_record import meta_engine, record_engine, stand_in
+from .arch_record import RECORDING, _patched, meta_engine, record_engine, recording, stand_in
 from .kernels.tail_config import PRODUCTS
 from .kernels.tuning import Target, tuning_for_target
 
 # What each product's tile is named by in the tail kernel's constants
 TILE = {"o": ("BN_O", "BK_O"), "gate_up": ("BN_GU", "BK_GU"), "down": ("BN_D", "BK_D"), "qkv": ("BN_Q", "BK_Q")}
+# The MMA opcodes: float (HGMMA: sm_90's wgmma, HMMA: mma.sync), integer (IGMMA, IMMA) and fp8 (QGMMA, QMMA)
+MMAS = ("HGMMA", "HMMA", "IGMMA", "IMMA", "QGMMA", "QMMA")
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*?)\s*;")
 
 
@@ -57,7 +60,7 @@ def _target(operands: str) -> int | None:
 
 
 def _is_mma(opcode: str) -> bool:
-    return opcode.startswith(("HGMMA", "HMMA"))
+    return opcode.startswith(MMAS)
 
 
 def mma_loops(code: list[tuple[int, str, str, bool]]) -> list[dict]:
@@ -90,17 +93,22 @@ def _loop(code: list[tuple[int, str, str, bool]], index: dict, start: int, end: 
                 cold.update(stretch)
     hot = [code[i][1].split(".")[0] for i in range(start, end + 1) if i not in cold]
     return {"start": start, "end": end, "body": end + 1 - start, "hot": len(hot),
-            "mma": sum(1 for op in hot if op in ("HGMMA", "HMMA")), "opcodes": Counter(hot)}
+            "mma": sum(1 for op in hot if _is_mma(op)), "opcodes": Counter(hot)}
+
+
+def compiled_loops(launch, capability: int) -> tuple[object, list[dict]]:
+    """One recorded launch compiled for `capability`: the kernel and its MMA loops (`mma_loops`)."""
+    with stand_in(capability):
+        kernel = launch.fn.preload(launch.spec)
+    return kernel, mma_loops(instructions(sass(kernel.asm["cubin"])))
 
 
 def tail_census(launch, capability: int) -> dict:
     """One tail launch compiled for `capability`: per product, its loop's figures (see the module docstring)."""
-    with stand_in(capability):
-        kernel = launch.fn.preload(launch.spec)
+    kernel, loops = compiled_loops(launch, capability)
     constants = launch.constants
     threads = kernel.metadata.num_warps * 32
     names = [name for name in PRODUCTS if name != "qkv" or constants.get("HAS_NEXT")]
-    loops = mma_loops(instructions(sass(kernel.asm["cubin"])))
     products = {}
     for name, loop in zip(names, loops):
         rows, columns = (constants[key] for key in TILE[name])
@@ -132,16 +140,73 @@ def census(capability: int, precision: str, table: str | None = None) -> dict:
     return {"capability": capability, "gpu": name, "precision": precision, "table": tuning.source, "tails": tails}
 
 
+def planes_census(capability: int, routes: tuple[str, ...] | None = None) -> list[dict]:
+    """The LM's 4096 x 4096 product on 1-byte weights (2 rows), one 64-row tile per warp group: `kernels/planes.py`'s
+    product (the weight as stored against activation planes) beside the GEMV's conversion routes, on the same tiles:
+    per launch, its k-loop's hot path per tile and per weight a thread. `routes`: those of the GEMV (default all)."""
+    import torch
+
+    from .kernels import linear, planes
+    from .kernels.qweight import CONVERSIONS, QWeight
+
+    rows, n, k = 2, 4096, 4096
+    tma = capability >= 90
+    results = []
+    for kind, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        if kind == "fp8" and capability < 89:
+            continue
+        with torch.device("meta"):
+            weight = QWeight(torch.empty(n, k, dtype=dtype), torch.empty(n, dtype=torch.float32))
+            x, out = torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(rows, n)
+            plane = torch.empty(rows, k, dtype=dtype)
+        for block_k in (256, 128):
+            runs = {"planes": lambda: planes.planes_product(
+                plane, plane, torch.empty(rows, k // block_k, device="meta"), weight, out,
+                planes.PlanesConfig(64, block_k, 4, 4, tma))}
+            for route, number in ((r, CONVERSIONS[r]) for r in routes or CONVERSIONS):
+                runs[route] = lambda number=number: linear.gemv(
+                    x, weight, out, config=linear.GemvConfig(64, block_k, 4, 4, 1, tma, number))
+            for route, run in runs.items():
+                launches: dict = {}
+                try:
+                    with recording(launches), _patched(linear, tma_supported=lambda device: tma), \
+                            _patched(planes, tma_supported=lambda device: tma), \
+                            stand_in(capability, RECORDING + capability):
+                        run()
+                    kernel, loops = compiled_loops(next(iter(launches.values())), capability)
+                except (ValueError, RuntimeError) as error:  # a route this format or GPU does not take
+                    results.append({"kind": kind, "route": route, "tile": [64, block_k], "skipped": str(error)[:120]})
+                    continue
+                hot = sum(loop["hot"] for loop in loops)
+                results.append({"kind": kind, "route": route, "tile": [64, block_k], "hot": hot,
+                                "per_weight": round(hot / (64 * block_k / (kernel.metadata.num_warps * 32)), 2),
+                                "opcodes": dict(sum((loop["opcodes"] for loop in loops), Counter()).most_common(12)),
+                                "registers": registers(kernel.asm["cubin"])})
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("capabilities", nargs="*", type=int, default=[90])
     parser.add_argument("--precisions", default="int4,int8,fp8,bf16")
     parser.add_argument("--table", help="a tuning table file to take the configs from (default: the packaged one)")
     parser.add_argument("--out", help="write the figures as JSON here too")
+    parser.add_argument("--planes", action="store_true",
+                        help="the activation planes' product against the GEMV's routes instead (`planes_census`)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("arch_census compiles for a GPU: unset TRITON_INTERPRET")
     results = []
+    if args.planes:
+        for capability in args.capabilities:
+            for row in planes_census(capability):
+                results.append({"capability": capability, **row})
+                print(f"sm_{capability} {row['kind']} {row['route']:10} tile {row['tile']}: " + (
+                    f"{row['hot']} a tile, {row['per_weight']} a weight, {row['registers']} registers, "
+                    f"{row['opcodes']}" if "hot" in row else f"skipped ({row['skipped']})"), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        return
     for capability in args.capabilities:
         for precision in (p.strip() for p in args.precisions.split(",") if p.strip()):
             if precision == "fp8" and capability < 89:

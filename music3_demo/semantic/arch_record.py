@@ -259,23 +259,30 @@ def record_engine(engine, target: Target, buckets: tuple[int, ...] = (1,)) -> li
     return list(launches.values())
 
 
-def _record(engine, target: Target, launches: dict, routes: str | None = None, buckets: tuple[int, ...] = (1,),
-            copies: bool = False) -> None:
-    """`engine`'s frame recorded into `launches`; `routes`: the conversion routes' (and int4's) extra launches of
-    that format; `copies`: each attention kernel also with an fp16 copy of its output (`_with_copy`)."""
+@contextlib.contextmanager
+def recording(launches: dict):
+    """Inside, a Triton launch is recorded into `launches` (one `Launch` per specialization) instead of run."""
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         if is_manual_warmup:
             return False  # a preload: compile it
         launches.setdefault(compile["specialization_data"], Launch(fn.jit_function, compile["specialization_data"]))
         return True  # recorded, not launched
 
+    with _patched(knobs.runtime, jit_cache_hook=hook):
+        yield
+
+
+def _record(engine, target: Target, launches: dict, routes: str | None = None, buckets: tuple[int, ...] = (1,),
+            copies: bool = False) -> None:
+    """`engine`'s frame recorded into `launches`; `routes`: the conversion routes' (and int4's) extra launches of
+    that format; `copies`: each attention kernel also with an fp16 copy of its output (`_with_copy`)."""
     from . import frame_graph
 
     tma = target.tma
     fused_tails = functools.partial(tail.block_tail, fused=True)  # as on a GPU (fused by default there)
     attentions = {name: _with_copy(getattr(frame_graph, name)) if copies else getattr(frame_graph, name)
                   for name in ("decode_attention", "depth_attention")}
-    with _patched(knobs.runtime, jit_cache_hook=hook), _patched(linear, tma_supported=lambda device: tma), \
+    with recording(launches), _patched(linear, tma_supported=lambda device: tma), \
             _patched(tail, tma_supported=lambda device: tma), _patched(frame_graph, block_tail=fused_tails), \
             _patched(frame_graph, **attentions), stand_in(target.capability, RECORDING + target.capability):
         engine.allocate(512)
