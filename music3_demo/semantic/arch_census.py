@@ -193,13 +193,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="write the figures as JSON here too")
     parser.add_argument("--planes", action="store_true",
                         help="the activation planes' product against the GEMV's routes instead (`planes_census`)")
+    parser.add_argument("--routes", help="with --planes: the GEMV's routes to compile (default all)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("arch_census compiles for a GPU: unset TRITON_INTERPRET")
     results = []
     if args.planes:
         for capability in args.capabilities:
-            for row in planes_census(capability):
+            for row in planes_census(capability, tuple(args.routes.split(",")) if args.routes else None):
                 results.append({"capability": capability, **row})
                 print(f"sm_{capability} {row['kind']} {row['route']:10} tile {row['tile']}: " + (
                     f"{row['hot']} a tile, {row['per_weight']} a weight, {row['registers']} registers, "

@@ -14,12 +14,13 @@ activations: a different model); two planes lose none that bf16 keeps:
   (`scales`, float32 [rows, K / CHUNK]) with one FMA per accumulator element, so each chunk has its own.
 - int8: v = round(x 2^e) with e = 14 - E (13 - E where the largest would round past INT8_LIMIT), hi = (v + 128) >> 8
   and lo = v - 256 hi, both in [-128, 127]; x = (256 hi + lo) 2^-e. A bf16 x within 2^7 of the chunk's largest (2^6
-  after the step down) is an integer times 2^-e, so it is exact; a smaller one is rounded to a multiple of 2^-e (at
-  most 2^-16 of the chunk's largest). The int32 products are exact: |256 W·hi + W·lo| <= 127 (256 · 128 + 128) CHUNK
+  after the step down) is an integer times 2^-e, so it is exact; a smaller one is rounded to a multiple of 2^-e (by
+  at most 2^-15 of the chunk's largest, 2^-14 after the step down). The int32 products are exact: |256 W·hi + W·lo| <= 127 (256 · 128 + 128) CHUNK
   stays below 2^31 for CHUNK <= MAX_CHUNK.
 - fp8 (e4m3): x1 = e4m3(x 2^e), x2 = e4m3(x 2^e - x1) with e = 7 - E (x 2^e below 256, inside e4m3's 448). x1
   keeps 4 of a bf16 value's 8 significant bits and x2 the other 4, so x1 + x2 is x exactly for every x within 2^9
-  of the chunk's largest (x2 then at least e4m3's smallest subnormal, 2^-9, in steps of it); below that x2 rounds.
+  of the chunk's largest (x2 then at least e4m3's smallest subnormal, 2^-9, in steps of it); below that x2 rounds
+  (by at most 2^-17 of the chunk's largest).
   The MMA's products of two e4m3 values are exact; Hopper's fp8 MMA adds them in a narrower accumulator, and the
   per-tile FMA into the float32 accumulator is where it is promoted (every CHUNK columns).
 
