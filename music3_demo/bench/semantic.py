@@ -197,8 +197,8 @@ def bench_semantic(
 
 def quantized_copy(lm, depth, mode: str, device: torch.device):
     """(lm, depth, QuantReport): a copy of the bf16 models with their Linear weights in `mode` ("int4+int8": an
-    int4 LM with the depth decoder in int8's default scheme instead of the mode's own; "-columns" after a 1-byte
-    mode: its bytes in column order where the GPU would take byte MMA order, `qweight.byte_order_for`). The copy is
+    int4 LM with the depth decoder in int8's default scheme instead of the mode's own; "-words" after a 1-byte
+    mode: its bytes in byte MMA order, which no GPU takes by default, `qweight.byte_order_for`). The copy is
     made module by module on the device (deepcopy), then quantized in place, which drops its bf16 weights as it
     goes."""
     import copy
@@ -206,11 +206,11 @@ def quantized_copy(lm, depth, mode: str, device: torch.device):
     from ..semantic.quant import DEFAULT_SCHEMES, quantize_model_
 
     lm_mode, _, depth_mode = mode.partition("+")
-    columns = lm_mode.endswith(COLUMNS)
+    words = lm_mode.endswith(WORDS)
     lm_copy, depth_copy = copy.deepcopy(lm), copy.deepcopy(depth)
-    report = quantize_model_(lm_copy, depth_copy, lm_mode.removesuffix(COLUMNS), device,
+    report = quantize_model_(lm_copy, depth_copy, lm_mode.removesuffix(WORDS), device,
                              depth_scheme=DEFAULT_SCHEMES[depth_mode] if depth_mode else None,
-                             byte_order=False if columns else None)
+                             byte_order=True if words else None)
     torch.cuda.empty_cache()
     return lm_copy, depth_copy, report
 
@@ -264,8 +264,8 @@ def bench_batch(components: dict, batches: list[int], prompt_tokens: int, frames
 
 
 COMPARE = "@compare"  # the suffix of an engine run with `--compare-tuning`'s table
-COLUMNS = "-columns"  # the suffix of a 1-byte precision with its bytes in column order (`quantized_copy`)
-PRECISION_NAMES = ("bf16", "fp8", "int8", "int4", "int4+int8", "int4+fp8", "fp8-columns", "int8-columns")
+WORDS = "-words"  # the suffix of a 1-byte precision with its bytes in byte MMA order (`quantized_copy`)
+PRECISION_NAMES = ("bf16", "fp8", "int8", "int4", "int4+int8", "int4+fp8", "fp8-words", "int8-words")
 
 
 def _parts(name: str) -> tuple[tuple[str, str], str]:
@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                         "aggregate frames/s with that many songs at once, at the first prompt length")
     parser.add_argument("--precision", default="bf16",
                         help="comma list of bf16, fp8, int8, int4 (its depth decoder 8-bit: fp8 on an fp8 GPU), "
-                        "int4+int8 / int4+fp8 (the depth decoder's format named), fp8-columns / int8-columns (bytes "
-                        "in column order where the GPU takes byte MMA order): each graph engine also runs on weights "
+                        "int4+int8 / int4+fp8 (the depth decoder's format named), fp8-words / int8-words (bytes "
+                        "in byte MMA order, which no GPU takes by default): each graph engine also runs on weights "
                         "quantized to these (named graph:fp8, ...), in the same call")
     parser.add_argument("--output", help="also write the JSON here")
     parser.add_argument("--tuning", help="kernel tuning table to use (a tuning script's output) instead of the "

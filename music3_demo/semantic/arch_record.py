@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
 from .kernels import linear, matmul, tail, tail_config
-from .kernels.qweight import QWeight, byte_order_for
+from .kernels.qweight import WORD_CANDIDATES, QWeight, byte_order_for
 from .kernels.tuning import Target, Tuning, tuning_for_target
 
 RECORDING = 1000  # device ids of the recording stand-ins: apart from the compiling ones
@@ -81,7 +81,7 @@ def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv
         _MODELS[model, "bf16", None] = (models["language_model"].to(torch.bfloat16),
                                         models["rvq_depth_decoder"].to(torch.bfloat16))
     # (quantized for the architecture: an int4 LM's depth decoder is fp8 or int8 by it, `precision.depth_mode`, and
-    # sm_90's 1-byte weights take byte MMA order, `qweight.byte_order_for`)
+    # 1-byte weights take byte MMA order where `qweight.byte_order_for` says so)
     target = getattr(tuning, "target", None) if precision != "bf16" else None
     capability = target.version if target is not None else None
     if (model, precision, capability) not in _MODELS:
@@ -158,15 +158,17 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
     meta, bf16 = torch.device("meta"), torch.bfloat16
     group, n, k = DEFAULT_SCHEMES[kind].group, 4096, 12288
     dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
-    weight = QWeight(torch.empty(n, k, dtype=dtype, device=meta),
-                     torch.empty((n, k // group) if group else (n,), device=meta), group, bf16,
-                     byte_order_for(tuning.target.version))
+    version = tuning.target.version
     out = torch.empty(2, n, device=meta)
     cfg = tuning.gemv(2, n, k, False, 2, 1, group, kind)
-    for route in CONVERSIONS.values():
-        if {NATIVE_F16: "fp8", PACKED_F16: "int8"}.get(route, kind) == kind:
-            linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
-                        config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
+    # every route on the weights as the engine stores them, and where a sweep may take byte MMA order, in it too
+    for ordered in {byte_order_for(version), version in WORD_CANDIDATES}:
+        weight = QWeight(torch.empty(n, k, dtype=dtype, device=meta),
+                         torch.empty((n, k // group) if group else (n,), device=meta), group, bf16, ordered)
+        for route in CONVERSIONS.values():
+            if {NATIVE_F16: "fp8", PACKED_F16: "int8"}.get(route, kind) == kind:
+                linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
+                            config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
 
 
 def _int4_launches(tuning: Tuning, weights) -> None:

@@ -247,7 +247,8 @@ class LayerQuantizer:
         self.mode, self.device = mode, torch.device(device)
         if capability is None and self.device.type == "cuda":
             capability = torch.cuda.get_device_capability(self.device)
-        # 1-byte weights in byte MMA order (`qweight.byte_order_for`; `byte_order` False: column order, to compare)
+        # 1-byte weights in byte MMA order where `qweight.byte_order_for` says so (`byte_order` True / False: in it /
+        # in column order anywhere, to compare)
         self.byte_order = byte_order_for(capability) if byte_order is None else byte_order
         # The modes that equalize the LM's columns first (None: `precision.EQUALIZED`): each decoder layer waits
         # in `gatherer` until whole, then is equalized and quantized.

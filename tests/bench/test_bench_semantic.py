@@ -30,7 +30,7 @@ def test_bench_engine_names_map_to_graph_engine_options():
 def test_bench_int4_engines_name_their_depth_decoders_format():
     """`--precision int4+int8` / `int4+fp8`: an int4 LM with the depth decoder in that format's default scheme,
     whatever the GPU's own choice (`precision.depth_mode`), so one call times both beside each other; so does a
-    1-byte mode with "-columns" against its bytes' order."""
+    1-byte mode with "-words" against column order."""
     import torch
 
     from music3_demo import random_models
@@ -41,9 +41,10 @@ def test_bench_int4_engines_name_their_depth_decoders_format():
                for mode in ("int4", "int4+int8", "int4+fp8")}
     assert schemes == {"int4": "int4/g16, depth int8/g16", "int4+int8": "int4/g16, depth int8/g16",
                        "int4+fp8": "int4/g16, depth fp8/channel"}
-    # "-columns": the 1-byte weights in column order, where the GPU would take byte MMA order (none on a CPU)
-    lm_q, depth_q, report = quantized_copy(lm, depth, "int8-columns", torch.device("cpu"))
-    assert report.scheme == "int8/g16" and not lm_q.model.layers[0].mlp.down_proj.ordered
+    # "-words": the 1-byte weights in byte MMA order, which no GPU takes by default
+    lm_q, depth_q, report = quantized_copy(lm, depth, "int8-words", torch.device("cpu"))
+    assert report.scheme == "int8/g16" and lm_q.model.layers[0].mlp.down_proj.ordered
+    assert not quantized_copy(lm, depth, "int8", torch.device("cpu"))[0].model.layers[0].mlp.down_proj.ordered
 
 
 def test_bench_bytes_model_counts_the_engines_weights_and_cache(one_block_models):

@@ -194,12 +194,12 @@ def test_block_tail_on_one_byte_weights_runs_the_products_as_the_gemvs_do(scheme
 
 @pytest.mark.parametrize("scheme", [Scheme("fp8", 0), Scheme("int8", 16)], ids=["fp8/channel", "int8/g16"])
 def test_byte_mma_order_changes_no_bit_of_the_tail_or_the_reference(scheme):
-    """The same weights quantized in byte MMA order (what an sm_90 GPU gets: `qweight.byte_order_for`) and in column
-    order: the same values and dequantized weight, and the chained tail (its products read 32-bit words, a word's four
-    bytes at a time) gives the same bits on every route the format takes."""
+    """The same weights quantized in byte MMA order (`ordered=True`, the bench's "-words"; no GPU takes it by default:
+    `qweight.byte_order_for`) and in column order: the same values and dequantized weight, and the chained tail (its
+    products read 32-bit words, a word's four bytes at a time) gives the same bits on every route the format takes."""
     from music3_demo.semantic.kernels.qweight import FP16_ROUTES, byte_order_for
 
-    assert byte_order_for((9, 0)) and not byte_order_for((8, 9)) and not byte_order_for(None)
+    assert not any(byte_order_for(capability) for capability in ((9, 0), (8, 9), (8, 6), (12, 0), None))
     d, a, i, q = 64, 48, 96, 80
     dense = [_outlier_weight(*shape, seed=seed).half() for seed, shape in enumerate([(d, a), (2 * i, d), (d, i),
                                                                                     (q, d)])]
@@ -460,10 +460,10 @@ def test_int4_bf16_magic_numbers_give_every_nibble_pair_its_value():
         assert torch.equal(high.float(), ((words >> (4 * s + 16)) & 0xF).float() - 8)
 
 
-def test_one_byte_weights_quantized_for_sm90_take_byte_mma_order():
-    """The 1-byte weights of a model quantized for an sm_90 GPU are in byte MMA order (every K of the tiny model is a
-    multiple of 16), for sm_89 or the CPU in column order, and `byte_order=False` keeps column order anywhere (the
-    bench's "-columns"); the reference reads the same weights either way."""
+def test_one_byte_weights_take_column_order_unless_byte_mma_order_is_asked_for():
+    """The 1-byte weights of a model quantized for any GPU are in column order (on an H200 byte MMA order decoded
+    slower with the packaged tables), and `byte_order=True` puts them in byte MMA order anywhere (every K of the tiny
+    model is a multiple of 16; the bench's "-words"); the reference reads the same weights either way."""
     from music3_demo import random_models
 
     def modules(capability, byte_order=None):
@@ -472,8 +472,9 @@ def test_one_byte_weights_quantized_for_sm90_take_byte_mma_order():
         quantize_model_(lm, depth, "int8", "cpu", capability=capability, byte_order=byte_order)
         return [m for model in (lm, depth) for m in model.modules() if isinstance(m, QuantizedLinear)]
 
-    ordered, columns = modules((9, 0)), modules((8, 9))
-    assert all(m.ordered for m in ordered) and not any(m.ordered for m in columns + modules((9, 0), False))
+    ordered, columns = modules((9, 0), True), modules((9, 0))
+    assert all(m.ordered for m in ordered + modules((8, 9), True)) and not any(m.ordered for m in columns +
+                                                                               modules((8, 9)) + modules(None))
     for a, b in zip(ordered, columns):
         assert torch.equal(a.qweight(torch.float32).dequantize(), b.qweight(torch.float32).dequantize())
 

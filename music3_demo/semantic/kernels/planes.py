@@ -3,7 +3,7 @@ split into two planes of that type that hold them exactly. A prototype product (
 conversion routes by `planes_probe`; the engine does not launch it yet.
 
 Why: every quantized product today converts each weight to fp16 or bf16 in registers before its MMA
-(`operands.convert_tile`). Those tails issue 2-4 instructions a weight from one warp per scheduler and stream 1-2.5
+(`operands.convert_tile`). Those tails spend 2-4 instructions a weight from one warp per scheduler and stream 1-2.5
 TB/s, where the bf16 tails, whose tiles go from shared memory to the MMA untouched, reach the copy bandwidth. The
 tensor cores also multiply int8 x int8 (exact, into int32) and fp8 x fp8 (into fp32), so a weight needs no
 conversion at all if the activations come in the weight's type. One plane of 8 bits would lose precision (8-bit
@@ -100,7 +100,7 @@ def plane_dot(w, hi, lo, xs, acc):
     """acc [BN, BM] += (W_tile · planesᵀ) · xs: the weight tile as stored (int8 or fp8 [BN, BK]) times both planes
     ([BM, BK] of the same type) by the MMA, the tile's result scaled by each row's power of two xs [BM]."""
     if w.dtype == tl.int8:
-        t = tl.dot(w, tl.trans(lo), tl.dot(w, tl.trans(hi)) * 256)
+        t = tl.dot(w, tl.trans(lo), tl.dot(w, tl.trans(hi), out_dtype=tl.int32) * 256, out_dtype=tl.int32)
         return acc + t.to(tl.float32) * xs[None, :]
     else:
         t = tl.dot(w, tl.trans(hi), tl.dot(w, tl.trans(lo)))

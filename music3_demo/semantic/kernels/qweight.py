@@ -19,17 +19,19 @@ column a nibble holds ("the order"):
   (`linear.fit_group`).
 - Column order otherwise (a small model's 16-column groups): nibble i of word j is column 8j + i.
 
-1-byte values (int8, fp8) quantized for an sm_90 GPU (`byte_order_for`) with K a multiple of 16 (and so the scale
-group: every model here) are stored in the MMA's operand order too ("byte MMA order", `QWeight.ordered`,
-`byte_mma_order`): in each run of 16 columns, bytes 4c .. 4c + 3 (word
+1-byte values (int8, fp8) with K a multiple of 16 (and so the scale group: every model here) can be stored in the
+MMA's operand order too ("byte MMA order", `QWeight.ordered`, `byte_mma_order`; `quantize_weight(ordered=True)`, the
+bench's "-words" precisions): in each run of 16 columns, bytes 4c .. 4c + 3 (word
 c, 0..3) hold columns 2c, 2c + 1, 2c + 8, 2c + 9 (byte 2h + b: column 8h + 2c + b), the four a thread of each quad
 feeds the MMA of one row. The kernels read them as 32-bit words (`kernel_args`: int32 for int8, uint32 for fp8, which
 is how a kernel tells the two apart) and convert a word at a time (`unpack_bytes`): int8's packed PTX or fp8's
 paired conversion gives two registers that are the MMA's as they are. In column order a thread's bytes are two
 2-byte pieces a row, loaded from shared memory two bytes an instruction and put together by byte permutes (an sm_90
 int8 64 x 128 tile: 41 loads and 96 PRMT of its 410 instructions; in this order 9 and 32 of 248, `arch_census`).
-Only sm_90 takes it: the other architectures' tiles (mma.sync, their heuristic routes: the cast) read the bytes of a
-word one plane at a time there, 40-50% more instructions a tile than in column order. Other K keep column order.
+No GPU takes it by default (`byte_order_for`): on an H200 the engine on it decoded slower than on column order with
+the packaged table, which was swept on column order (int8 122.9 against 130.6 frames/s, fp8 159.6 against 160.9),
+and the other architectures' tiles (mma.sync, their heuristic routes: the cast) read a word's bytes one plane at a
+time, 40-50% more instructions a tile than in column order. Other K keep column order.
 
 The kernels load the 1-byte tile, convert it to `dtype` (the model's dtype, which the weight stands in for) in
 registers, take the product with fp32 accumulation and apply the scales: per-channel once per output row in the
@@ -116,10 +118,15 @@ def byte_mma_order(k: int, group: int) -> bool:
     return k % BYTE_RUN == 0 and group % BYTE_RUN == 0
 
 
+# The GPUs (compute capabilities) whose 1-byte weights take byte MMA order by default: none, as measured (see the
+# module docstring); sm_90 is where it might, once its tiles are swept on it (`WORD_CANDIDATES`)
+BYTE_ORDER_CAPABILITIES: tuple[tuple[int, int], ...] = ()
+WORD_CANDIDATES = ((9, 0),)  # where the word kernels stay compiled and tested (arch_compile) for such a sweep
+
+
 def byte_order_for(capability: tuple[int, int] | None) -> bool:
-    """Whether 1-byte weights quantized for a GPU of `capability` (None: no GPU) take byte MMA order: sm_90's
-    (wgmma, and the tuned fp16 routes that convert a word at a time; see the module docstring)."""
-    return capability is not None and tuple(capability) == (9, 0)
+    """Whether 1-byte weights quantized for a GPU of `capability` (None: no GPU) take byte MMA order."""
+    return capability is not None and tuple(capability) in BYTE_ORDER_CAPABILITIES
 
 
 def byte_permute(values: torch.Tensor, to_columns: bool = False) -> torch.Tensor:
