@@ -4,8 +4,8 @@ defaults, and int8/channel), each in three ways, every one first checked against
 dequantized weights:
 - `gemv`: the GEMV as the engine launches it (this GPU's packaged table: its route and tile, its epilogue, the
   weights quantized here, so in byte MMA order on sm_90);
-- `planes`: the planes' product (a plain product, no epilogue) on the same values in column order, over a grid of
-  tiles (row block, K tile = the activations' chunk, stages, TMA), the fastest kept;
+- `planes`: the planes' product (a plain product, no epilogue, no split-K) on the same values in column order, over
+  a grid of tiles (row block, K tile = the activations' chunk, stages, TMA), the fastest kept;
 - `bf16`: the GEMV on the dequantized weights in bf16 (the bandwidth the engine's bf16 products reach).
 Each is timed in one CUDA graph over enough weight copies to defeat the L2 (`tune_gemv.time_graph`). Prints per
 product the three times and TB/s of the weight bytes and the LM block's sums, and writes every row as JSON.
@@ -32,7 +32,8 @@ from .tune_gemv import time_graph
 from .tune_onebyte import LAUNCHES, ROUTE_SHAPES, copies_for, gemv_case, gemv_error, run_gemv
 from .tuning import tuning_for
 
-GRID = [PlanesConfig(n, k, 4, s, t) for n in (64, 128) for k in (128, 256) for s in (4, 8) for t in (True, False)]
+# (32-row blocks give a 4096-row product 128 programs: the prototype has no split-K)
+GRID = [PlanesConfig(n, k, 4, s, t) for n in (32, 64, 128) for k in (128, 256) for s in (4, 8) for t in (True, False)]
 TOLERANCE = 2e-2  # what the GEMV sweep accepts (`tune_onebyte.measure`); the planes' product should be ~1e-5
 
 
