@@ -8,7 +8,7 @@ table of a GPU that need not be here), the tail is compiled with Triton for the 
 (`cuobjdump -sass`); its k-loops are the backward branches around an MMA (`MMAS`: HGMMA on sm_90, HMMA elsewhere),
 one per product in launch order (o, gate|up, down, the next block's q|k|v). A loop's hot path leaves out the
 stretches a forward branch skips that hold no MMA: the row block's epilogue, run once per row block, not once per
-tile. `kernel_loops` does the same for any kernel (`kernels/planes.py`'s product).
+tile. `compiled_loops` does the same for any recorded launch (`planes_census`: `kernels/planes.py`'s product).
 
 Per product: the hot path's instructions per tile, per weight a thread (tile rows x columns / threads), its count
 of each opcode (modifiers dropped), and the kernel's registers. A static count is not a time: ptxas's scheduling,
@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from .arch_compile import TYPICAL, cuobjdump, registers
-from .arch_record import RECORDING, _patched, meta_engine, record_engine, recording, stand_in
+from .arch_record import RECORDING, patched, meta_engine, record_engine, recording, stand_in
 from .kernels.tail_config import PRODUCTS
 from .kernels.tuning import Target, tuning_for_target
 
@@ -169,8 +169,8 @@ def planes_census(capability: int, routes: tuple[str, ...] | None = None) -> lis
             for route, run in runs.items():
                 launches: dict = {}
                 try:
-                    with recording(launches), _patched(linear, tma_supported=lambda device: tma), \
-                            _patched(planes, tma_supported=lambda device: tma), \
+                    with recording(launches), patched(linear, tma_supported=lambda device: tma), \
+                            patched(planes, tma_supported=lambda device: tma), \
                             stand_in(capability, RECORDING + capability):
                         run()
                     kernel, loops = compiled_loops(next(iter(launches.values())), capability)

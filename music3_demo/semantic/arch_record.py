@@ -89,13 +89,14 @@ def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv
         quantize_model_(lm, depth, precision, "meta", capability=capability)
         _MODELS[model, precision, capability] = (lm, depth)
     lm, depth = _MODELS[model, precision, capability]
-    with _patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
+    with patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
         return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=True, tuning=tuning,
                                  kv_format=kv_format, slots=slots)
 
 
 @contextlib.contextmanager
-def _patched(module, **values):
+def patched(module, **values):
+    """Inside, `module`'s attributes named in `values` are those values (a module function stood in for)."""
     saved = {name: getattr(module, name) for name in values}
     for name, value in values.items():
         setattr(module, name, value)
@@ -270,7 +271,7 @@ def recording(launches: dict):
         launches.setdefault(compile["specialization_data"], Launch(fn.jit_function, compile["specialization_data"]))
         return True  # recorded, not launched
 
-    with _patched(knobs.runtime, jit_cache_hook=hook):
+    with patched(knobs.runtime, jit_cache_hook=hook):
         yield
 
 
@@ -284,9 +285,9 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None, b
     fused_tails = functools.partial(tail.block_tail, fused=True)  # as on a GPU (fused by default there)
     attentions = {name: _with_copy(getattr(frame_graph, name)) if copies else getattr(frame_graph, name)
                   for name in ("decode_attention", "depth_attention")}
-    with recording(launches), _patched(linear, tma_supported=lambda device: tma), \
-            _patched(tail, tma_supported=lambda device: tma), _patched(frame_graph, block_tail=fused_tails), \
-            _patched(frame_graph, **attentions), stand_in(target.capability, RECORDING + target.capability):
+    with recording(launches), patched(linear, tma_supported=lambda device: tma), \
+            patched(tail, tma_supported=lambda device: tma), patched(frame_graph, block_tail=fused_tails), \
+            patched(frame_graph, **attentions), stand_in(target.capability, RECORDING + target.capability):
         engine.allocate(512)
         for bucket in buckets:
             for forced in (False, True) if bucket == 1 else (False,):  # (teacher forcing: one song at a time)

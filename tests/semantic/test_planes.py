@@ -92,3 +92,17 @@ def test_the_planes_product_refuses_a_weight_or_tile_it_cannot_take():
         wide = split_planes(torch.randn(2, 2 * MAX_CHUNK), "int8", 2 * MAX_CHUNK)
         planes_product(*wide, quantize_weight(torch.randn(64, 2 * MAX_CHUNK), "int8", 0, ordered=False), out,
                        PlanesConfig(64, 2 * MAX_CHUNK))
+
+
+def test_the_probe_keeps_k_tiles_within_a_group_and_sums_each_ways_fastest():
+    from music3_demo.semantic.kernels.planes_probe import candidates, summary
+
+    assert {c.block_k for c in candidates("int8/g128")} == {128} and {c.block_k for c in candidates("fp8/channel")} == {
+        128, 256}
+    rows = [dict(format="fp8/channel", shape=[2, n, 4096, "residual"], what=what, config={"block_n": us}, us=us,
+                 TBps=1.0, rel_err=1e-4 if what != "bf16" else None)
+            for n in (4096, 6144) for what, us in (("gemv", 20.0), ("bf16", 15.0), ("planes", 9.0), ("planes", 7.0))]
+    rows.append(dict(format="fp8/channel", shape=[2, 4096, 4096, "residual"], what="planes", config={}, rel_err=0.5))
+    lines = summary(rows)
+    assert "planes tile {'block_n': 7.0}" in lines[0]  # (the wrong one, without a time, is not a candidate)
+    assert lines[-1].endswith("gemv 40.0 us, bf16 30.0 us, planes 14.0 us")

@@ -122,9 +122,10 @@ def summary(rows: list[dict]) -> list[str]:
             for what, r in best.items():
                 block.setdefault((fmt, what), 0.0)
                 block[fmt, what] += r["us"]
+            tile = f"  planes tile {best['planes']['config']}" if "planes" in best else ""
             lines.append(f"{fmt:12} {str(list(shape)):26} " + "  ".join(
                 f"{what} {r['us']:7.1f} us {r['TBps']:4.2f} TB/s" + (f" err {r['rel_err']:.1e}" if r["rel_err"] else "")
-                for what, r in best.items()) + (f"  planes tile {best['planes']['config']}" if "planes" in best else ""))
+                for what, r in best.items()) + tile)
     for fmt in dict.fromkeys(f for f, _ in block):
         lines.append(f"{fmt:12} LM block's four products: " + ", ".join(
             f"{what} {us:.1f} us" for (f, what), us in block.items() if f == fmt))
