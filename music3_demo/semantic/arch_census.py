@@ -162,7 +162,7 @@ def planes_census(capability: int, routes: tuple[str, ...] | None = None) -> lis
         for block_k in (256, 128):
             runs = {"planes": lambda: planes.planes_product(
                 plane, plane, torch.empty(rows, k // block_k, device="meta"), weight, out,
-                planes.PlanesConfig(64, block_k, 4, 4, tma))}
+                linear.GemvConfig(64, block_k, 4, 4, 1, tma))}
             for route, number in ((r, CONVERSIONS[r]) for r in routes or CONVERSIONS):
                 runs[route] = lambda number=number: linear.gemv(
                     x, weight, out, config=linear.GemvConfig(64, block_k, 4, 4, 1, tma, number))

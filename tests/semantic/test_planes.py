@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from music3_demo.semantic.kernels.planes import MAX_CHUNK, PlanesConfig, join_planes, planes_product, split_planes
+from music3_demo.semantic.kernels.linear import GemvConfig
+from music3_demo.semantic.kernels.planes import MAX_CHUNK, join_planes, planes_product, split_planes
 from music3_demo.semantic.quant import quantize_weight
 
 # within this factor of its chunk's largest, a bf16 value is held exactly (the int8 planes' step down costs a bit)
@@ -68,7 +69,7 @@ def test_the_planes_product_is_the_float32_product_of_the_same_weights(kind, gro
     w[7] *= 30.0
     q = quantize_weight(w, kind, group, ordered=False)
     ref = x.double() @ q.dequantize(torch.float32).double().T
-    for cfg in (PlanesConfig(64, 128, 4, 2), PlanesConfig(32, 64, 4, 3)):
+    for cfg in (GemvConfig(64, 128, 4, 2), GemvConfig(32, 64, 4, 3)):
         out = torch.full((3, 96), float("nan"))
         planes_product(*split_planes(x, kind, cfg.block_k), q, out, cfg)
         error = ((out.double() - ref).norm() / ref.norm()).item()
@@ -80,18 +81,19 @@ def test_the_planes_product_refuses_a_weight_or_tile_it_cannot_take():
     out = torch.empty(2, 64)
     planes = split_planes(x, "int8", 128)
     w = torch.randn(64, 256)
-    cases = [(quantize_weight(w, "fp8", 0, ordered=False), PlanesConfig(64, 128), "need a 1-byte weight of that type"),
-             (quantize_weight(w, "int8", 0, ordered=True), PlanesConfig(64, 128), "column order"),
-             (quantize_weight(w, "int4", 64), PlanesConfig(64, 128), "column order"),
-             (quantize_weight(w, "int8", 64, ordered=False), PlanesConfig(64, 128), "scale group"),
-             (quantize_weight(w, "int8", 0, ordered=False), PlanesConfig(64, 64), "shapes")]
+    cases = [(quantize_weight(w, "fp8", 0, ordered=False), GemvConfig(64, 128), "need a 1-byte weight of that type"),
+             (quantize_weight(w, "int8", 0, ordered=True), GemvConfig(64, 128), "column order"),
+             (quantize_weight(w, "int4", 64), GemvConfig(64, 128), "column order"),
+             (quantize_weight(w, "int8", 64, ordered=False), GemvConfig(64, 128), "scale group"),
+             (quantize_weight(w, "int8", 0, ordered=False), GemvConfig(64, 64), "shapes"),
+             (quantize_weight(w, "int8", 0, ordered=False), GemvConfig(64, 128, 4, 4, 2), "does not split K")]
     for weight, cfg, message in cases:
         with pytest.raises(ValueError, match=message):
             planes_product(*planes, weight, out, cfg)
     with pytest.raises(ValueError, match="largest chunk"):
         wide = split_planes(torch.randn(2, 2 * MAX_CHUNK), "int8", 2 * MAX_CHUNK)
         planes_product(*wide, quantize_weight(torch.randn(64, 2 * MAX_CHUNK), "int8", 0, ordered=False), out,
-                       PlanesConfig(64, 2 * MAX_CHUNK))
+                       GemvConfig(64, 2 * MAX_CHUNK))
 
 
 def test_the_probe_keeps_k_tiles_within_a_group_and_sums_each_ways_fastest():

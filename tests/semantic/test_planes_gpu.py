@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from music3_demo.semantic.kernels.planes import PlanesConfig, planes_product, split_planes
+from music3_demo.semantic.kernels.linear import GemvConfig
+from music3_demo.semantic.kernels.planes import planes_product, split_planes
 from music3_demo.semantic.quant import fp8_supported, quantize_weight
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +25,7 @@ def test_the_planes_product_on_the_gpu_is_the_float32_product_of_the_same_weight
     w[:, 11] *= 30.0  # an outlier input column
     q = quantize_weight(w, kind, group, ordered=False)
     ref = x.double() @ q.dequantize(torch.float32).double().T
-    for cfg in (PlanesConfig(64, 128, 4, 8, tma), PlanesConfig(128, 256 if not group else 128, 4, 4, tma)):
+    for cfg in (GemvConfig(64, 128, 4, 8, 1, tma), GemvConfig(128, 256 if not group else 128, 4, 4, 1, tma)):
         out = torch.full((2, 6144), float("nan"), device=DEVICE)
         planes_product(*split_planes(x, kind, cfg.block_k), q, out, cfg)
         torch.cuda.synchronize()

@@ -33,13 +33,11 @@ epilogues know each chunk of their own rows: CHUNK would be the producer's row b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from .linear import TensorDescriptor, tma_supported
+from .linear import GemvConfig, TensorDescriptor, tma_supported
 from .operands import weight_ptrs, weight_tile
 from .qweight import QWeight
 
@@ -48,15 +46,6 @@ INT8_TOP = 14  # int8 planes: the chunk's largest scaled into [2^14, 2^15), at m
 INT8_LIMIT = 32639  # the largest v whose hi = (v + 128) >> 8 is an int8
 MAX_CHUNK = 512  # int8 planes: the int32 sum of a chunk's products stays exact
 FP8_TOP = 7  # fp8 planes: the chunk's largest scaled into [2^7, 2^8), below e4m3's largest finite value (448)
-
-
-@dataclass(frozen=True)
-class PlanesConfig:
-    block_n: int = 64
-    block_k: int = 256  # also the activations' chunk: one power of two per row and tile
-    num_warps: int = 4
-    num_stages: int = 4
-    tma: bool = False
 
 
 def split_planes(x: torch.Tensor, kind: str, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,9 +128,10 @@ def _planes_kernel(hi_ptr, lo_ptr, xs_ptr, w_ptr, w_desc, s_ptr, out_ptr, M, N, 
 
 
 def planes_product(hi: torch.Tensor, lo: torch.Tensor, scales: torch.Tensor, weight: QWeight, out: torch.Tensor,
-                   config: PlanesConfig = PlanesConfig()) -> torch.Tensor:
+                   config: GemvConfig = GemvConfig(64, 256, 4, 4)) -> torch.Tensor:
     """out [M, N] (float32) = x · Wᵀ for x given as planes (`split_planes` with chunk config.block_k) and a 1-byte
-    `QWeight` in column order whose type is the planes' (int8 with int8 planes, fp8 with fp8)."""
+    `QWeight` in column order whose type is the planes' (int8 with int8 planes, fp8 with fp8). The config is the
+    GEMV's tile (block_k is also the activations' chunk); its split_k must be 1 and its route is not read."""
     m, k = hi.shape
     n = weight.shape[0]
     if weight.int4 or weight.ordered or weight.data.dtype != hi.dtype or lo.dtype != hi.dtype:
@@ -150,11 +140,13 @@ def planes_product(hi: torch.Tensor, lo: torch.Tensor, scales: torch.Tensor, wei
     if m > 16 or weight.shape[1] != k or out.shape != (m, n) or scales.shape != (m, k // config.block_k):
         raise ValueError(f"planes_product shapes: planes {tuple(hi.shape)}, scales {tuple(scales.shape)}, weight "
                          f"{tuple(weight.shape)}, out {tuple(out.shape)}, block_k {config.block_k}")
+    if config.split_k != 1:
+        raise ValueError("the planes' product does not split K")
     if config.block_k > MAX_CHUNK:
         raise ValueError(f"block_k {config.block_k} is past the planes' largest chunk {MAX_CHUNK}")
     if weight.group and weight.group % config.block_k:
         raise ValueError(f"block_k {config.block_k} must lie within the weight's scale group {weight.group}")
-    tma = config.tma and tma_supported(hi.device) and TensorDescriptor is not None
+    tma = config.tma and tma_supported(hi.device)
     data = weight.data
     desc = TensorDescriptor.from_tensor(data, [config.block_n, config.block_k]) if tma else data
     _planes_kernel[(triton.cdiv(n, config.block_n),)](

@@ -27,17 +27,18 @@ from pathlib import Path
 import torch
 
 from .onebyte_space import FORMATS
-from .planes import PlanesConfig, planes_product, split_planes
+from .linear import GemvConfig
+from .planes import planes_product, split_planes
 from .tune_gemv import time_graph
 from .tune_onebyte import LAUNCHES, ROUTE_SHAPES, copies_for, gemv_case, gemv_error, run_gemv
 from .tuning import tuning_for
 
 # (32-row blocks give a 4096-row product 128 programs: the prototype has no split-K)
-GRID = [PlanesConfig(n, k, 4, s, t) for n in (32, 64, 128) for k in (128, 256) for s in (4, 8) for t in (True, False)]
+GRID = [GemvConfig(n, k, 4, s, 1, t) for n in (32, 64, 128) for k in (128, 256) for s in (4, 8) for t in (True, False)]
 TOLERANCE = 2e-2  # what the GEMV sweep accepts (`tune_onebyte.measure`); the planes' product should be ~1e-5
 
 
-def candidates(fmt: str) -> list[PlanesConfig]:
+def candidates(fmt: str) -> list[GemvConfig]:
     """The planes' tiles for a format: K tiles within a scale group."""
     group = FORMATS[fmt][1]
     return [c for c in GRID if not group or group % c.block_k == 0]
@@ -58,7 +59,7 @@ def planes_case(fmt: str, shape: tuple, copies: int = 1) -> dict:
     return dict(weights=weights, planes=planes, ref=ref, out=torch.empty(rows, n, device=x.device))
 
 
-def run_planes(case: dict, cfg: PlanesConfig, index: int = 0) -> None:
+def run_planes(case: dict, cfg: GemvConfig, index: int = 0) -> None:
     hi, lo, scales = case["planes"][cfg.block_k]
     planes_product(hi, lo, scales, case["weights"][index % len(case["weights"])], case["out"], cfg)
 
