@@ -33,8 +33,10 @@ from .tune_gemv import time_graph
 from .tune_onebyte import LAUNCHES, ROUTE_SHAPES, copies_for, gemv_case, gemv_error, run_gemv
 from .tuning import tuning_for
 
-# (32-row blocks give a 4096-row product 128 programs: the prototype has no split-K)
-GRID = [GemvConfig(n, k, 4, s, 1, t) for n in (32, 64, 128) for k in (128, 256) for s in (4, 8) for t in (True, False)]
+# (32-row blocks give a 4096-row product 128 programs: the prototype has no split-K; 64-column K tiles are the
+# chunks a chained tail's producers could write, whose row blocks are 32-64 rows)
+GRID = [GemvConfig(n, k, 4, s, 1, t) for n in (32, 64, 128) for k in (64, 128, 256) for s in ((4, 8, 12) if k == 64
+        else (4, 8)) for t in (True, False)]
 TOLERANCE = 2e-2  # what the GEMV sweep accepts (`tune_onebyte.measure`); the planes' product should be ~1e-5
 
 
