@@ -203,3 +203,55 @@ def test_balanced_products_sum_their_parts_in_a_fixed_order_to_the_unsplit_resul
     for first, again in zip(outputs[1], outputs[2]):
         assert torch.equal(first, again)
     assert outputs[1][2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("fp8", 0)], ids=["int8-g32", "fp8-channel"])
+def test_activation_planes_written_by_each_product_feed_the_next_ones_mma(kind, group):
+    """`qweight.PLANES` in a bf16 model: gate|up, down and the next q|k|v multiply their 1-byte weights as stored
+    against activation planes that o, gate|up and down write in their epilogues (o converts its tile: its input is
+    the attention's). The planes in the scratch are `split_planes`' of what was handed on, bit for bit; the block's
+    outputs are those of converting every tile to fp16 (exact there too), to float32 rounding; a reader's K tile that
+    does not divide its writer's row block, and o on planes, are refused in one sentence."""
+    from dataclasses import replace
+
+    from music3_demo.semantic.kernels.planes import split_planes
+    from music3_demo.semantic.kernels.qweight import BITS_F16, PLANES
+    from music3_demo.semantic.kernels.tail import block_tail
+    from music3_demo.semantic.kernels.tail_config import TailConfig, TailScratch
+    from music3_demo.semantic.quant import quantize_weight
+
+    rows, d, a, i, q = 2, 64, 64, 96, 80
+    weights = [quantize_weight(rand(*shape, seed=seed, scale=shape[1] ** -0.5).to(torch.bfloat16), kind, group,
+                               ordered=False)
+               for seed, shape in enumerate([(d, a), (2 * i, d), (d, i), (q, d)])]
+    ln1, ln2 = (rand(d, seed=seed, scale=0.1).to(torch.bfloat16) + 1 for seed in (5, 6))
+    attn, start = rand(rows, a, seed=7).to(torch.bfloat16), rand(rows, d, seed=8)
+    start[1, 3] = 300.0  # one large value: its chunk's planes round the others more finely than bf16 holds them
+    fp16 = GemvConfig(16, 16, convert=BITS_F16)
+    routes = TailConfig(fp16, replace(fp16, block_n=32), fp16, fp16)
+    planes = TailConfig(fp16, GemvConfig(32, 16, convert=PLANES), GemvConfig(16, 16, convert=PLANES),
+                        GemvConfig(16, 16, convert=PLANES))
+    outputs = []
+    for config in (routes, planes):
+        h, xn = start.clone(), start.to(torch.bfloat16)
+        act, qkv = torch.zeros(rows, i, dtype=torch.bfloat16), torch.zeros(rows, q, dtype=torch.bfloat16)
+        scratch = TailScratch("cpu", 3)
+        block_tail(attn, h, xn, act, *weights[:3], ln2, 1e-6, scratch, next_qkv=(weights[3], ln1, qkv),
+                   config=config)
+        outputs.append((h, act, qkv))
+    dtype = weights[0].data.dtype
+    for name, like in (("down", act), ("qkv", xn)):
+        buffer, scales = scratch.planes(name, like, dtype, 16)
+        hi, lo, expected = split_planes(like.float(), kind, 16)
+        assert torch.equal(buffer[0, :rows].float(), hi.float())  # (fp8: a zero's sign may differ)
+        assert torch.equal(buffer[1, :rows].float(), lo.float())
+        assert torch.equal(scales[:rows], expected)
+    for with_planes, converted in zip(outputs[1], outputs[0]):
+        assert_close(with_planes.float(), converted.float(), torch.float16)
+    assert outputs[1][2].abs().sum() > 0
+    h, xn = start.clone(), start.to(torch.bfloat16)
+    for config, match in ((replace(planes, down=GemvConfig(16, 32, convert=PLANES)), "must divide the row block"),
+                          (replace(planes, o=GemvConfig(16, 16, convert=PLANES)), "o cannot read activation planes")):
+        with pytest.raises(ValueError, match=match):
+            block_tail(attn, h, xn, act, *weights[:3], ln2, 1e-6, TailScratch("cpu", 3),
+                       next_qkv=(weights[3], ln1, qkv), config=config)

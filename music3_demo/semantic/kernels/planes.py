@@ -42,10 +42,13 @@ from .operands import weight_ptrs, weight_tile
 from .qweight import QWeight
 
 KINDS = ("int8", "fp8")
-INT8_TOP = 14  # int8 planes: the chunk's largest scaled into [2^14, 2^15), at most INT8_LIMIT after rounding
-INT8_LIMIT = 32639  # the largest v whose hi = (v + 128) >> 8 is an int8
+# (constexprs: the kernels read them as globals; the host takes .value)
+INT8_TOP = tl.constexpr(14)  # int8 planes: the chunk's largest scaled into [2^14, 2^15), <= INT8_LIMIT once rounded
+INT8_LIMIT = tl.constexpr(32639)  # the largest v whose hi = (v + 128) >> 8 is an int8
 MAX_CHUNK = 512  # int8 planes: the int32 sum of a chunk's products stays exact
-FP8_TOP = 7  # fp8 planes: the chunk's largest scaled into [2^7, 2^8), below e4m3's largest finite value (448)
+FP8_TOP = tl.constexpr(7)  # fp8 planes: the chunk's largest scaled into [2^7, 2^8), below e4m3's largest (448)
+MAX_EXPONENT = tl.constexpr(126)  # a chunk's power of two at most 2^126: a float32 (chunks under 2^-112 round more)
+ROUND = tl.constexpr(12582912.0)  # 1.5 x 2^23: (x + ROUND) - ROUND rounds |x| < 2^22 to the nearest even integer
 
 
 def split_planes(x: torch.Tensor, kind: str, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,10 +63,10 @@ def split_planes(x: torch.Tensor, kind: str, chunk: int) -> tuple[torch.Tensor, 
     blocks = x.float().reshape(m, k // chunk, chunk)
     largest = blocks.abs().amax(-1)
     _, exponent = torch.frexp(largest)  # largest = f 2^exponent with f in [0.5, 1): E = exponent - 1
-    top = INT8_TOP if kind == "int8" else FP8_TOP
-    e = torch.where(largest > 0, top + 1 - exponent, torch.zeros_like(exponent))
+    top = INT8_TOP.value if kind == "int8" else FP8_TOP.value
+    e = torch.where(largest > 0, (top + 1 - exponent).clamp(max=MAX_EXPONENT.value), torch.zeros_like(exponent))
     if kind == "int8":  # (a largest of 255 x 2^7 after scaling, bf16's widest mantissa, would round to hi = 128)
-        e = e - (torch.round(torch.ldexp(largest, e.to(torch.float32))) > INT8_LIMIT).to(e.dtype)
+        e = e - (torch.round(torch.ldexp(largest, e.to(torch.float32))) > INT8_LIMIT.value).to(e.dtype)
     scaled = torch.ldexp(blocks, e[..., None].to(torch.float32))
     if kind == "int8":
         v = torch.round(scaled).to(torch.int32)
@@ -98,11 +101,71 @@ def plane_dot(w, hi, lo, xs, acc):
 
 
 @triton.jit
+def _power_of_two(e):
+    """2^e as float32 for integer e in [-126, 127], built from its exponent bits (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_round(x):
+    """x (float32, |x| < 448) rounded to the nearest e4m3 value, ties to even, as float32: 3 mantissa bits from 2^-6
+    up (the bits below cleared with the carry), steps of 2^-9 below. The cast of the result is then exact, which
+    Triton's CPU interpreter's rounding cast is not (it drops a carry into the exponent: 126 became 64)."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    return tl.where(tl.abs(x) >= 0.015625, normal.to(tl.float32, bitcast=True), (x + 24576.0) - 24576.0)
+
+
+@triton.jit
+def write_planes(v, cols, offs_m, m_mask, p_ptr, s_ptr, stride, K, CHUNK: tl.constexpr):
+    """Store a tile of activations as planes (`split_planes`' planes, bit for bit, in the kernel that made them):
+    v [BN, BM] float32 (values the next product would read, so bf16 ones), its columns `cols` [BN] consecutive from
+    a multiple of CHUNK (BN a multiple of CHUNK) and rows offs_m of an activation [M, K] with row stride `stride`.
+    hi goes to p_ptr, lo to p_ptr + 16 stride (the planes' buffer: `TailScratch.planes`), each chunk's scale
+    2^-e to s_ptr [rows, K / CHUNK]."""
+    BN: tl.constexpr = v.shape[0]
+    BM: tl.constexpr = v.shape[1]
+    FP8: tl.constexpr = p_ptr.dtype.element_ty == tl.float8e4nv
+    largest = tl.max(tl.reshape(tl.abs(v), [BN // CHUNK, CHUNK, BM]), axis=1)  # [chunks, BM]
+    top = (largest.to(tl.int32, bitcast=True) >> 23) - 127  # E: 2^E <= largest < 2^(E + 1) (largest >= 0)
+    e = tl.where(largest > 0, tl.minimum((FP8_TOP if FP8 else INT8_TOP) - top, MAX_EXPONENT), 0)
+    if not FP8:  # bf16's widest mantissa at the top would round to hi = 128: one step down
+        e = tl.where((largest * _power_of_two(e) + ROUND) - ROUND > INT8_LIMIT, e - 1, e)
+    chunk = tl.min(tl.reshape(cols, [BN // CHUNK, CHUNK]), axis=1) // CHUNK
+    tl.store(s_ptr + offs_m[None, :] * (K // CHUNK) + chunk[:, None], _power_of_two(-e), mask=m_mask[None, :])
+    every = tl.reshape(tl.broadcast_to(tl.expand_dims(e, 1), [BN // CHUNK, CHUNK, BM]), [BN, BM])
+    scaled = v * _power_of_two(every)
+    if FP8:
+        first = _e4m3_round(scaled)
+        hi = first.to(tl.float8e4nv)
+        lo = _e4m3_round(scaled - first).to(tl.float8e4nv)
+    else:
+        whole = ((scaled + ROUND) - ROUND).to(tl.int32)
+        top_part = (whole + 128) >> 8
+        hi = top_part.to(tl.int8)
+        lo = (whole - 256 * top_part).to(tl.int8)
+    ptrs = p_ptr + offs_m[None, :] * stride + cols[:, None]
+    tl.store(ptrs, hi, mask=m_mask[None, :])
+    tl.store(ptrs + 16 * stride, lo, mask=m_mask[None, :])
+
+
+@triton.jit
+def planes_tile(w, hi, lo, xs, acc, s_ptr, offs_n, n_mask, k0, K, GROUP: tl.constexpr):
+    """acc += W_tile · xᵀ for x as planes (`plane_dot`), the weight's per-group scale (GROUP > 1, the K tile
+    within one group) applied to the tile's product; per-channel scales come after the k-loop
+    (`operands.channel_scale`)."""
+    if GROUP > 1:
+        ws = tl.load(s_ptr + offs_n.to(tl.int64) * (K // GROUP) + k0 // GROUP, mask=n_mask, other=0.0)
+        return acc + plane_dot(w, hi, lo, xs, tl.zeros(acc.shape, tl.float32)) * ws[:, None]
+    return plane_dot(w, hi, lo, xs, acc)
+
+
+@triton.jit
 def _planes_kernel(hi_ptr, lo_ptr, xs_ptr, w_ptr, w_desc, s_ptr, out_ptr, M, N, stride_o,
                    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    STAGES: tl.constexpr, TMA: tl.constexpr):
     """out[m, n] = Σ_k W[n, k] x[m, k] · scale: each program one row block of BLOCK_N rows of W (1-byte, column
-    order), the activations as planes (`split_planes` with chunk BLOCK_K). GROUP 0: per-channel scales after the
+    order), the activations as planes (`split_planes` with chunk BLOCK_K). GROUP 1: per-channel scales after the
     k-loop; otherwise per-group ones (BLOCK_K within a group) with each tile's."""
     BLOCK_M: tl.constexpr = 16
     row0 = tl.program_id(0) * BLOCK_N
@@ -117,12 +180,8 @@ def _planes_kernel(hi_ptr, lo_ptr, xs_ptr, w_ptr, w_desc, s_ptr, out_ptr, M, N, 
         hi = tl.load(hi_ptr + x_offs + k0)
         lo = tl.load(lo_ptr + x_offs + k0)
         xs = tl.load(xs_ptr + offs_m * (K // BLOCK_K) + k0 // BLOCK_K, mask=m_mask, other=0.0)
-        if GROUP > 0:
-            ws = tl.load(s_ptr + offs_n.to(tl.int64) * (K // GROUP) + k0 // GROUP, mask=n_mask, other=0.0)
-            acc += plane_dot(w, hi, lo, xs, tl.zeros([BLOCK_N, BLOCK_M], tl.float32)) * ws[:, None]
-        else:
-            acc = plane_dot(w, hi, lo, xs, acc)
-    if GROUP == 0:
+        acc = planes_tile(w, hi, lo, xs, acc, s_ptr, offs_n, n_mask, k0, K, GROUP)
+    if GROUP == 1:
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     tl.store(out_ptr + offs_m[None, :] * stride_o + offs_n[:, None], acc, mask=n_mask[:, None] & m_mask[None, :])
 
@@ -150,7 +209,7 @@ def planes_product(hi: torch.Tensor, lo: torch.Tensor, scales: torch.Tensor, wei
     data = weight.data
     desc = TensorDescriptor.from_tensor(data, [config.block_n, config.block_k]) if tma else data
     _planes_kernel[(triton.cdiv(n, config.block_n),)](
-        hi, lo, scales, data, desc, weight.scale, out, m, n, out.stride(0), K=k, GROUP=weight.group,
+        hi, lo, scales, data, desc, weight.scale, out, m, n, out.stride(0), K=k, GROUP=weight.group or 1,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, TMA=tma,
         num_warps=config.num_warps)
     return out
