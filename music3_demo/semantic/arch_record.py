@@ -224,6 +224,25 @@ def _packed_tail_launch(tuning: Tuning, weights) -> None:
     _tail_launch(tuning, weights, int8, replace(tail_config.fp16_routes(cfg), halves=True))
 
 
+def _planes_tail_launch(tuning: Tuning, weights, kind: str) -> None:
+    """On 1-byte weights of `kind` (its default scheme, column order), meta tensors: an LM block's chained tail with
+    gate|up, down and q|k|v on activation planes (`tune_tail_grid.planes_routes`, 64-column chunks, balanced),
+    whichever routes the tuning picks today."""
+    from .kernels.tune_tail_grid import planes_routes
+    from .quant import DEFAULT_SCHEMES
+
+    group = DEFAULT_SCHEMES[kind].group
+    dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+
+    def one_byte(n: int, k: int) -> QWeight:
+        return QWeight(torch.empty(n, k, dtype=dtype, device="meta"),
+                       torch.empty((n, k // group) if group else (n,), device="meta"), group, torch.bfloat16, False)
+
+    cfg = _lm_tail_config(tuning, weights, group, kind)
+    limit = tuning.target.shared_per_block
+    _tail_launch(tuning, weights, one_byte, replace(planes_routes(cfg, 64, limit), balance=True))
+
+
 def _lm_tail_config(tuning: Tuning, weights, group: int, kind: str):
     block = weights.blocks[0]
     return tuning.tail(weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0], 1, group, kind)
@@ -277,8 +296,8 @@ def recording(launches: dict):
 
 def _record(engine, target: Target, launches: dict, routes: str | None = None, buckets: tuple[int, ...] = (1,),
             copies: bool = False) -> None:
-    """`engine`'s frame recorded into `launches`; `routes`: the conversion routes' (and int4's) extra launches of
-    that format; `copies`: each attention kernel also with an fp16 copy of its output (`_with_copy`)."""
+    """`engine`'s frame recorded into `launches`; `routes`: the conversion routes' and the activation planes' (and
+    int4's) extra launches of that format; `copies`: each attention kernel also with an fp16 copy of its output (`_with_copy`)."""
     from . import frame_graph
 
     tma = target.tma
@@ -295,6 +314,7 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None, b
         _prefill_launches(engine.weights, target.capability)
         if routes is not None:
             _route_launches(engine.tuning, routes)
+            _planes_tail_launch(engine.tuning, engine.weights, routes)
         if routes == "int8":  # (int8 runs on every architecture)
             _int4_launches(engine.tuning, engine.weights)
             _packed_tail_launch(engine.tuning, engine.weights)

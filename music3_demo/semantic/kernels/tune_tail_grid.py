@@ -106,19 +106,19 @@ def widened(cfg: TailConfig, family: str, w_bytes: int, per_sm: int) -> TailConf
     return with_products(cfg, wide)
 
 
-def planes_routes(cfg: TailConfig, chunk: int) -> TailConfig:
+def planes_routes(cfg: TailConfig, chunk: int, shared_limit: int = SHARED_LIMIT) -> TailConfig:
     """`cfg` with gate|up, down and q|k|v reading activation planes (`qweight.PLANES`) in K tiles of `chunk` columns,
     their pipelines deepened to keep as many weight bytes in flight (at most MAX_STAGES), and the row blocks that
     write the planes widened to whole chunks (o and down at least `chunk` rows, gate|up twice that: SwiGLU halves
     it); o keeps its route (int8's packed PTX route becomes the fp16 bit route on a 64-row tile). Each pipeline is
-    cut until `per_sm` programs' shared memory fits an SM."""
+    cut until `per_sm` programs' shared memory fits `shared_limit` (sm_90's per block)."""
     def change(name: str, c):
         if name != "o":
             c = replace(c, convert=PLANES, block_k=chunk, num_stages=min(MAX_STAGES, c.num_stages * c.block_k // chunk))
         rows = max(c.block_n, {"o": chunk, "gate_up": 2 * chunk, "down": chunk}.get(name, 0))
         if rows != c.block_n:  # (a 64-row tile on wgmma: int8's packed PTX route suits mma.sync's, as in `widened`)
             c = replace(c, block_n=rows, convert=BITS_F16 if c.convert == PACKED_F16 and rows >= 64 else c.convert)
-        while c.num_stages > 2 and shared_bytes(c, 2, 1) * cfg.per_sm > SHARED_LIMIT:
+        while c.num_stages > 2 and shared_bytes(c, 2, 1) * cfg.per_sm > shared_limit:
             c = replace(c, num_stages=c.num_stages - 1)
         return c
 
