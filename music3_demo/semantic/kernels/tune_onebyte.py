@@ -161,6 +161,9 @@ def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
     def reset() -> None:
         h.copy_(start)
         h16.copy_(start.to(DTYPE))
+        # a launch without its barriers (timing only) lets the products' split parts bump each other's counters,
+        # which then hold a balanced product's next launch back or forward: zero between products, as a launch keeps
+        scratch.split_counts.zero_()
 
     def expected() -> tuple[torch.Tensor, torch.Tensor]:
         """Block 0 in torch on the dequantized weights (float32, the kernels' roundings of h to the model dtype)."""
