@@ -179,8 +179,8 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
 
 
 def test_the_tail_grid_sweep_offers_activation_planes_whose_chunks_divide_the_row_blocks_that_write_them():
-    """The 1-byte formats (not int4, not bf16) get four planes variants (`--planes-only`: those alone): 32- and
-    64-column chunks at 1 and 2 programs per SM, balanced. gate|up, down and q|k|v read planes in K tiles of the
+    """The 1-byte formats (not int4, not bf16) get six planes variants (`--planes-only`: those alone): 32-, 64- and
+    128-column chunks at 1 and 2 programs per SM, balanced. gate|up, down and q|k|v read planes in K tiles of the
     chunk (pipelines deepened to at most 16 stages, within one SM's shared memory); o keeps its route; every
     reader's K tile divides its writer's row block (gate|up's after SwiGLU), as `tail.block_tail` requires."""
     from music3_demo.semantic.kernels import tune_tail_grid
@@ -190,9 +190,9 @@ def test_the_tail_grid_sweep_offers_activation_planes_whose_chunks_divide_the_ro
     only = tune_tail_grid.plan(tuning, tune_tail_grid.DEFAULT_FORMATS.split(","), planes_only=True)
     for (fmt, family, tuned, variants), (*_, alone) in zip(jobs, only):
         planes = [v for v in variants if v.gate_up.convert == PLANES]
-        assert alone == planes and len(planes) == (4 if fmt in ("int8/g128", "fp8/channel") else 0)
+        assert alone == planes and len(planes) == (6 if fmt in ("int8/g128", "fp8/channel") else 0)
         assert [(v.down.block_k, v.per_sm, v.balance) for v in planes] == [
-            (chunk, n, True) for chunk in (32, 64) for n in (1, 2)][:len(planes)]
+            (chunk, n, True) for chunk in (32, 64, 128) for n in (1, 2)][:len(planes)]
         w_bytes = tune_tail_grid.format_of(fmt)[0]
         for v in planes:
             assert v.o.convert != PLANES and v.o.block_k == tuned.o.block_k
@@ -233,13 +233,13 @@ def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_
         mine = [r for r in rows if r["format"] == fmt]
         # (int8: also 2 warps a program, at 2 and 3 per SM, and its cheapest fp16 routes with copies at 1 and 2 per
         # SM, 2 also with 2 warps: `tail_config.fp16_routes`; then balanced at 1 and 2 per SM)
-        # (int8: then activation planes, 32- and 64-column chunks at 1 and 2 per SM, correct here too)
+        # (int8: then activation planes, 32-, 64- and 128-column chunks at 1 and 2 per SM, correct here too)
         int8 = fmt == "int8/g128"
         assert [(r["per_sm"], r["num_warps"]) for r in mine] == [(1, 4), (2, 4), (3, 4), (1, 8), (1, 4)] + [
-            (2, 2), (3, 2), (1, 4), (2, 4), (2, 2)] * int8 + [(1, 4), (2, 4)] * (2 + 2 * int8)
-        assert [r["routes"][1:] == [PLANES] * 3 for r in mine] == [False] * (len(mine) - 4 * int8) + [True] * 4 * int8
+            (2, 2), (3, 2), (1, 4), (2, 4), (2, 2)] * int8 + [(1, 4), (2, 4)] * (2 + 3 * int8)
+        assert [r["routes"][1:] == [PLANES] * 3 for r in mine] == [False] * (len(mine) - 6 * int8) + [True] * 6 * int8
         assert all("us_per_block" in r for r in mine), mine  # every grid computes the block within 2e-2
-        mine = mine[:len(mine) - 4 * int8]
+        mine = mine[:len(mine) - 6 * int8]
         assert [r["balance"] for r in mine][-5:] == [False, True, True, True, True]  # (the last two: 64-row tiles)
         assert [r for r in mine if "without_barriers_us" in r] == [mine[0]]
         cfg, _ = best[(fmt, "lm")]

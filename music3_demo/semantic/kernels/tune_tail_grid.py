@@ -56,7 +56,7 @@ from .tuning import Target, Tuning, shared_bytes, tuning_for, tuning_for_target
 
 DEFAULT_FORMATS = "int8/g128,int4/g64,fp8/channel,bf16"  # (the table is written after each: a timeout keeps those)
 MAX_STAGES = 16  # the deepest pipeline the sweep asks of a tail's product
-PLANE_CHUNKS = (32, 64)  # the planes' K tiles: they divide the row blocks (32-64 rows) of the products writing them
+PLANE_CHUNKS = (32, 64, 128)  # the planes' K tiles; each divides the row blocks of the products writing them
 
 
 def format_of(fmt: str) -> tuple[int, int, str]:
@@ -155,7 +155,7 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "", b
                 + [replace(widened(cfg, family, w_bytes, n), balance=True, per_sm=n) for n in grids])
     if w_bytes == 1 and any(getattr(cfg, name).convert in FP16_ROUTES for name in PRODUCTS):
         balanced.append(replace(cfg, balance=True, halves=not cfg.halves))  # (copies pay by what a tile converts)
-    # activation planes (1-byte weights multiplied as stored: `planes.py`), balanced, in 32- and 64-column chunks
+    # activation planes (1-byte weights multiplied as stored: `planes.py`), balanced, in 32-, 64- and 128-column chunks
     planes = [replace(planes_routes(replace(cfg, per_sm=n), chunk), balance=True)
               for chunk in PLANE_CHUNKS for n in (1, 2)] if kind in ("int8", "fp8") else []
     out = balanced if balance_only else planes if planes_only else out + balanced + planes
