@@ -1,6 +1,9 @@
 """Activation planes: a 1-byte weight multiplied as it is stored, by the MMA of its own type, against the activations
-split into two planes of that type that hold them exactly. A prototype product (`planes_product`), timed against the
-conversion routes by `planes_probe`; the engine does not launch it yet.
+split into two planes of that type that hold them exactly: the split (`split_planes` on the host, `write_planes` in
+a kernel's epilogue), the MMA of one tile (`plane_dot`, `planes_tile`) and a standalone product (`planes_product`,
+timed against the conversion routes by `planes_probe`). The chained tail reads and writes planes where a tuning
+table names the route `qweight.PLANES` for a product (`tail.py`); measured, the routes stay faster on every tail but
+one (docs/PERFORMANCE.md), so no packaged table does.
 
 Why: every quantized product today converts each weight to fp16 or bf16 in registers before its MMA
 (`operands.convert_tile`). Those tails spend 2-4 instructions a weight from one warp per scheduler and stream 1-2.5
@@ -27,8 +30,9 @@ activations: a different model); two planes keep every bf16 value within each ch
 
 A weight tile then goes from shared memory into the MMA as bytes (no registers, no conversion), as a bf16 tile does,
 and the k-loop's own instructions are the two MMAs, the activation planes' loads and one FMA an output element.
-What a real product needs beside this one: its input written as planes by the product before it (the chained tail's
-epilogues know each chunk of their own rows: CHUNK would be the producer's row block), which is not built.
+In the chained tail the product before writes the planes in its epilogue, so a chunk (the reader's K tile) must lie
+in one of the writer's row blocks: the tiles are short, which is what the measurement found costs more than the
+conversion saves.
 """
 
 from __future__ import annotations
