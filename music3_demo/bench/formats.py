@@ -49,9 +49,10 @@ MID = ModelSizes(
 SCHEMES = (Scheme("fp8", 0), Scheme("fp8", 128), Scheme("int8", 0), Scheme("int8", 128), Scheme("int4", 64),
            Scheme("int4", 128), (Scheme("int4", 64), Scheme("int4", 64)))
 # Measured again after column equalization of the LM (their names end in "+eq"); int4/g64 also with an fp8 depth
-# decoder (what fp8 GPUs could run beside an int4 LM: the faster 8-bit tail), and int8/g128 so too for comparison.
+# decoder (what fp8 GPUs run beside an int4 LM: the faster 8-bit tail) and with the int8 one named (what the other
+# GPUs run: on an fp8 GPU plain int4/g64 takes the fp8 one), and int8/g128 with an fp8 one for comparison.
 EQUALIZED = (Scheme("int8", 128), Scheme("int4", 64), Scheme("int4", 128), (Scheme("int4", 64), Scheme("fp8", 0)),
-             (Scheme("int8", 128), Scheme("fp8", 0)))
+             (Scheme("int4", 64), Scheme("int8", 128)), (Scheme("int8", 128), Scheme("fp8", 0)))
 # Measured with the int8 KV cache: the weights unquantized ("kv/int8"), and the 1-byte LMs auto pairs it with.
 KV_INT8 = (None, Scheme("fp8", 0), Scheme("int8", 128))
 OUTLIER_COLUMNS, OUTLIER_GAIN = 4, 30.0  # per 4,096 input columns (at least one per Linear)

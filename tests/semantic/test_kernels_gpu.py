@@ -274,7 +274,7 @@ def test_balanced_tuned_tails_equal_their_products_one_by_one_and_the_unbalanced
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("family", ["lm", "depth"])
-@pytest.mark.parametrize("chunk", [32, 64])
+@pytest.mark.parametrize("chunk", [32, 64, 128])
 def test_activation_planes_tails_equal_their_products_one_by_one_and_keep_the_routes_error(fmt, family, chunk):
     """This GPU's tuned 1-byte tail with gate|up, down and q|k|v on activation planes (`tune_tail_grid.planes_routes`,
     balanced): within 2x the tuned route's error against torch on the same dequantized weights, the fused launch
