@@ -297,7 +297,8 @@ def recording(launches: dict):
 def _record(engine, target: Target, launches: dict, routes: str | None = None, buckets: tuple[int, ...] = (1,),
             copies: bool = False) -> None:
     """`engine`'s frame recorded into `launches`; `routes`: the conversion routes' and the activation planes' (and
-    int4's) extra launches of that format; `copies`: each attention kernel also with an fp16 copy of its output (`_with_copy`)."""
+    int4's) extra launches of that format; `copies`: each attention kernel also with an fp16 copy of its output
+    (`_with_copy`)."""
     from . import frame_graph
 
     tma = target.tma

@@ -102,9 +102,10 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
     int8's tails also with 2 warps a program (2 and 3 per SM) and (cast route) with copies on their cheapest fp16
     routes (32-row tiles on the packed PTX route; at 2 per SM also with 2 warps), the LM tail also with its 64-row
     products alone moved; and balanced (`TailConfig.balance`) at 1 and 2 per SM (with copies switched too where it
-    multiplies in fp16), alone with `--balance-only`; what
-    it writes (programs per SM, copies and balance included) is what the engine's tuning reads back. From the table the first such sweep started from (every tail at 4 warps, 1 per SM, no copies; int8 on the
-    cast route), kept beside that call's raw files."""
+    multiplies in fp16), alone with `--balance-only` (the planes' variants come last: the next test); what it writes
+    (programs per SM, copies and balance included) is what the engine's tuning reads back. From the table the first
+    such sweep started from (every tail at 4 warps, 1 per SM, no copies; int8 on the cast route), kept beside that
+    call's raw files."""
     from dataclasses import replace
 
     from music3_demo.semantic.kernels import tune_tail_grid

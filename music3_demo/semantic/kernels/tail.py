@@ -301,7 +301,8 @@ def _planes(cfg: TailConfig, weights: dict, inputs: tuple, scratch: TailScratch,
             continue
         if writer % c.block_k or c.block_k > MAX_CHUNK:
             raise ValueError(f"{name} reads activation planes in K tiles of {c.block_k} columns, which must divide "
-                             f"the row block ({writer} columns) of the product that writes them (and be <= {MAX_CHUNK})")
+                             f"the row block ({writer} columns) of the product that writes them (and be <= "
+                             f"{MAX_CHUNK})")
         out[short] = scratch.planes(name, like, weights[name].data.dtype, c.block_k)
     return out
 

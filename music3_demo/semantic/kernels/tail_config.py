@@ -65,7 +65,8 @@ class TailScratch:
             self._halves[key] = torch.empty(16, like.stride(0), device=like.device, dtype=torch.float16)
         return self._halves[key][: like.shape[0], : like.shape[1]]
 
-    def planes(self, name: str, like: torch.Tensor, dtype: torch.dtype, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def planes(self, name: str, like: torch.Tensor, dtype: torch.dtype, chunk: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The activation planes of `name`'s input (`tail._product`'s PLANES; up to 16 rows shaped and strided as
         `like`): a buffer of `dtype` (int8 or fp8) [2, 16, row stride] (hi, then lo) and the float32 scales of its
         chunks of `chunk` columns [16, columns / chunk]; made at first use (as `half`), then the same tensors."""
