@@ -147,6 +147,17 @@ def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",), mod
     return tuning, list(launches.values())
 
 
+def _one_byte(kind: str, n: int, k: int, ordered: bool) -> QWeight:
+    """A 1-byte weight [n, k] of `kind` ("int8", "fp8") in its default scheme on meta tensors, in byte MMA order or
+    column order."""
+    from .quant import DEFAULT_SCHEMES
+
+    meta, group = torch.device("meta"), DEFAULT_SCHEMES[kind].group
+    dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    return QWeight(torch.empty(n, k, dtype=dtype, device=meta),
+                   torch.empty((n, k // group) if group else (n,), device=meta), group, torch.bfloat16, ordered)
+
+
 def _route_launches(tuning: Tuning, kind: str) -> None:
     """The down product's GEMV once per conversion route of 1-byte tiles (`qweight.CONVERSIONS`; the native fp16
     conversion only for fp8, the packed PTX one only for int8) in `kind`'s default scheme, on meta tensors: every
@@ -158,14 +169,12 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
         raise ValueError(f"conversion routes are the 1-byte formats', not {kind!r}")
     meta, bf16 = torch.device("meta"), torch.bfloat16
     group, n, k = DEFAULT_SCHEMES[kind].group, 4096, 12288
-    dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
     version = tuning.target.version
     out = torch.empty(2, n, device=meta)
     cfg = tuning.gemv(2, n, k, False, 2, 1, group, kind)
     # every route on the weights as the engine stores them, and where a sweep may take byte MMA order, in it too
     for ordered in {byte_order_for(version), version in WORD_CANDIDATES}:
-        weight = QWeight(torch.empty(n, k, dtype=dtype, device=meta),
-                         torch.empty((n, k // group) if group else (n,), device=meta), group, bf16, ordered)
+        weight = _one_byte(kind, n, k, ordered)
         for route in CONVERSIONS.values():
             if {NATIVE_F16: "fp8", PACKED_F16: "int8"}.get(route, kind) == kind:
                 linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
@@ -213,15 +222,10 @@ def _packed_tail_launch(tuning: Tuning, weights) -> None:
     its activations, whichever routes the tuning picks today."""
     from .quant import DEFAULT_SCHEMES
 
-    group = DEFAULT_SCHEMES["int8"].group
-
-    def int8(n: int, k: int) -> QWeight:
-        return QWeight(torch.empty(n, k, dtype=torch.int8, device="meta"),
-                       torch.empty(n, k // group, device="meta"), group, torch.bfloat16,
-                       byte_order_for(tuning.target.version))
-
-    cfg = _lm_tail_config(tuning, weights, group, "int8")
-    _tail_launch(tuning, weights, int8, replace(tail_config.fp16_routes(cfg), halves=True))
+    ordered = byte_order_for(tuning.target.version)
+    cfg = _lm_tail_config(tuning, weights, DEFAULT_SCHEMES["int8"].group, "int8")
+    _tail_launch(tuning, weights, lambda n, k: _one_byte("int8", n, k, ordered),
+                 replace(tail_config.fp16_routes(cfg), halves=True))
 
 
 def _planes_tail_launch(tuning: Tuning, weights, kind: str) -> None:
@@ -231,16 +235,10 @@ def _planes_tail_launch(tuning: Tuning, weights, kind: str) -> None:
     from .kernels.tune_tail_grid import planes_routes
     from .quant import DEFAULT_SCHEMES
 
-    group = DEFAULT_SCHEMES[kind].group
-    dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
-
-    def one_byte(n: int, k: int) -> QWeight:
-        return QWeight(torch.empty(n, k, dtype=dtype, device="meta"),
-                       torch.empty((n, k // group) if group else (n,), device="meta"), group, torch.bfloat16, False)
-
-    cfg = _lm_tail_config(tuning, weights, group, kind)
+    cfg = _lm_tail_config(tuning, weights, DEFAULT_SCHEMES[kind].group, kind)
     limit = tuning.target.shared_per_block
-    _tail_launch(tuning, weights, one_byte, replace(planes_routes(cfg, 64, limit), balance=True))
+    _tail_launch(tuning, weights, lambda n, k: _one_byte(kind, n, k, False),
+                 replace(planes_routes(cfg, 64, limit), balance=True))
 
 
 def _lm_tail_config(tuning: Tuning, weights, group: int, kind: str):
