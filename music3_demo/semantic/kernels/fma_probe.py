@@ -117,8 +117,11 @@ def _fma_kernel(xp_ptr, w_ptr, s_ptr, out_ptr, N, K: tl.constexpr, GROUP: tl.con
     acc1 = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
     for k0 in tl.range(0, W, BLOCK_W, num_stages=STAGES):
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * W + k0 + words[None, :], mask=r_mask[:, None], other=0)
-        scale = tl.load(s_ptr + rows[:, None] * (K // GROUP) + (k0 + words[None, :]) // (GROUP // 8),
-                        mask=r_mask[:, None], other=0.0)
+        if BLOCK_W * 8 <= GROUP:  # the tile within one group: a scale a row
+            scale = tl.load(s_ptr + rows * (K // GROUP) + k0 // (GROUP // 8), mask=r_mask, other=0.0)[:, None]
+        else:  # a scale a word (the loads of a group's words meet in L1)
+            scale = tl.load(s_ptr + rows[:, None] * (K // GROUP) + (k0 + words[None, :]) // (GROUP // 8),
+                            mask=r_mask[:, None], other=0.0)
         pairs = xp_ptr + (k0 + words) * 4
         a0 = tl.broadcast_to(tl.load(pairs)[None, :], [BLOCK_N, BLOCK_W])
         a1 = tl.broadcast_to(tl.load(pairs + 1)[None, :], [BLOCK_N, BLOCK_W])
@@ -162,7 +165,8 @@ def fma_product(pairs: torch.Tensor, weight: QWeight, out: torch.Tensor, cfg: Fm
                                                BLOCK_W=cfg.block_w, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
 
 
-GRID = [FmaConfig(n, w, 4, 4) for n in (32, 64, 128) for w in (16, 32, 64)] + [FmaConfig(128, 32, 8, 4)]
+GRID = ([FmaConfig(n, w, 4, 4) for n in (32, 64, 128) for w in (16, 32, 64)] + [FmaConfig(128, 32, 8, 4)]
+        + [FmaConfig(n, 8, 4, s) for n, s in ((64, 8), (128, 8), (256, 6))])
 TOLERANCE = 2e-2
 
 
