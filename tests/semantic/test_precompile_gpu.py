@@ -101,8 +101,12 @@ def child(precompiled: bool) -> dict:
     if compiled_here and compiling is not None:  # which launches the recording lacked, and how they differ
         done = subprocess.run([sys.executable, __file__, "record", json.dumps(compiling.args)], capture_output=True,
                               text=True, timeout=300, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
-        missed = _misses(launched, json.loads(done.stdout.strip().splitlines()[-1])) if done.returncode == 0 \
-            else done.stderr[-2000:]
+        missed = {"launches": _misses(launched, json.loads(done.stdout.strip().splitlines()[-1]))
+                  if done.returncode == 0 else done.stderr[-2000:],
+                  # the kernels the engine compiled beside those precompiled: the same launch under another cache
+                  # key shows as a kernel in both lists with no launch missed
+                  "compiled here": sorted(p.stem for f in compiled_here for p in (cache / f).glob("*.cubin")),
+                  "precompiled": sorted(p.stem for f in before for p in (cache / f).glob("*.cubin"))}
     again = precompile.start(device, plan) if precompiled else None  # a later start: the marker, nothing to do
     if again is not None:
         again.stop()
