@@ -39,14 +39,9 @@ def full():
     engine.release()
 
 
-def _float32_copies(lm, depth):
-    """float32 copies of both models for a reference, or a skip naming the memory they need where this card has too
-    little left (they were sized on an H200's 139 GiB; an 80 GB H100 runs out beside the module's bf16 model)."""
-    torch.cuda.empty_cache()
-    need = sum(p.numel() * 4 for model in (lm, depth) for p in model.parameters()) * 1.1  # (+ the reference's own)
-    free = torch.cuda.mem_get_info(DEVICE)[0]
-    if free < need:
-        pytest.skip(f"float32 copies of the full model need {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free")
+def _float32_copies(lm, depth, room):
+    """float32 copies of both models for a reference (`room`: the `float32_room` check, which may skip)."""
+    room(sum(p.numel() for model in (lm, depth) for p in model.parameters()))
     return copy.deepcopy(lm).float(), copy.deepcopy(depth).float()
 
 
@@ -56,7 +51,7 @@ def _song(engine: GraphEngine, text_ids: torch.Tensor, frames: int, seed: int, t
     return torch.cat(blocks) if blocks else torch.empty(0, device=DEVICE)
 
 
-def test_teacher_forced_logits_and_hiddens_match_reference(full):
+def test_teacher_forced_logits_and_hiddens_match_reference(full, float32_room):
     """Same codes fed to both. The oracle is the reference computation in float32 on the same (bf16) weights; the
     bf16 reference's own distance from it is printed beside ours: over 36 random layers bf16 rounding alone moves
     the logits by ~1.5e-2, so both bf16 implementations are compared with the exact computation."""
@@ -66,7 +61,7 @@ def test_teacher_forced_logits_and_hiddens_match_reference(full):
     codes = random_codes(201, torch.Generator().manual_seed(4))
     logits, frames = engine.teacher_forced(text_ids, codes)
     bf16 = reference_teacher_forced(lm, depth, text_ids, codes)
-    exact = reference_teacher_forced(*_float32_copies(lm, depth), text_ids, codes)
+    exact = reference_teacher_forced(*_float32_copies(lm, depth, float32_room), text_ids, codes)
     torch.cuda.empty_cache()
     hidden = lm.config.hidden_size
     errors = {}
@@ -85,7 +80,8 @@ def test_teacher_forced_logits_and_hiddens_match_reference(full):
     assert all(e.max() < 2e-2 for e in errors["graph"])
 
 
-def test_the_int8_kv_cache_engine_matches_the_reference_with_that_cache_and_changes_the_model_little(full):
+def test_the_int8_kv_cache_engine_matches_the_reference_with_that_cache_and_changes_the_model_little(
+        full, float32_room):
     """The int8 KV cache at full size: the engine against the float32 reference that rounds its cache the same way
     (the kernels' own error: within 2x the bf16 engine's bound above), and that reference against the plain
     float32 one (the format's own effect, printed; `bench formats --schemes kv/int8` has its sampling figures)."""
@@ -98,7 +94,7 @@ def test_the_int8_kv_cache_engine_matches_the_reference_with_that_cache_and_chan
         assert engine._state.kv.dtype == torch.int8
     finally:
         engine.release()
-    lm32, depth32 = _float32_copies(lm, depth)
+    lm32, depth32 = _float32_copies(lm, depth, float32_room)
     rounded = reference_teacher_forced(lm32, depth32, text_ids, codes, "int8")
     plain = reference_teacher_forced(lm32, depth32, text_ids, codes)
     del lm32, depth32

@@ -194,7 +194,8 @@ def full_models():
     return lm, depth
 
 
-def test_engine_in_each_mode_matches_the_float32_reference_on_the_same_weights_within_2x_bf16(full_models):
+def test_engine_in_each_mode_matches_the_float32_reference_on_the_same_weights_within_2x_bf16(
+        full_models, float32_room):
     """Teacher forcing at full size, 200 frames: the graph engine in fp8, int8 and int4 (default schemes; int4's depth
     decoder in int8) against the float32
     reference computation on the same dequantized weights; the bf16 engine against float32 on the bf16 weights sets
@@ -210,11 +211,7 @@ def test_engine_in_each_mode_matches_the_float32_reference_on_the_same_weights_w
         logits, frames = engine.teacher_forced(text_ids, codes)
         engine.release()
         del engine
-        torch.cuda.empty_cache()
-        need = dense * 4 * 1.1  # (+ the reference's own)
-        free = torch.cuda.mem_get_info(DEVICE)[0]
-        if free < need:
-            pytest.skip(f"float32 copies of the full model need {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free")
+        float32_room(dense)
         exact_lm, exact_depth = copy.deepcopy(models[0]).float(), copy.deepcopy(models[1]).float()
         ref_logits, ref_frames = reference_teacher_forced(exact_lm, exact_depth, text_ids, codes)
         del exact_lm, exact_depth
