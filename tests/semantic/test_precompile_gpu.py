@@ -20,6 +20,59 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Started in every process of a case (the app's and the precompile's workers) where MUSIC3_KEY_LOG names a file:
+# logs the parts of each Triton compile's cache key, so a kernel compiled on both sides under different keys names
+# the part that differs.
+KEY_LOGGER = """
+import json, os
+try:
+    import triton.compiler.compiler as _compiler
+
+    _original = _compiler.get_cache_key
+
+    def _logged(src, backend, options, *rest, **named):
+        key = _original(src, backend, options, *rest, **named)
+        try:
+            import hashlib
+            env = rest[0] if rest else named.get("env_vars")
+            fn = getattr(src, "fn", None)
+            parts = {"pid": os.getpid(), "name": getattr(fn, "__name__", "?"),
+                     "key": hashlib.sha256(key.encode()).hexdigest(), "triton": key.split("-", 1)[0][-16:],
+                     "fn": getattr(fn, "cache_key", "?"), "src": src.hash(), "attrs": str(getattr(src, "attrs", "")),
+                     "signature": str(getattr(src, "signature", "")), "constants": repr(getattr(src, "constants", "")),
+                     "backend": backend.hash(), "options": options.hash(),
+                     "option values": repr(sorted(options.__dict__.items())), "env": repr(sorted((env or {}).items()))}
+            with open(os.environ["MUSIC3_KEY_LOG"], "a") as log:
+                log.write(json.dumps(parts) + "\\n")
+        except Exception as error:  # a diagnosis only
+            with open(os.environ["MUSIC3_KEY_LOG"], "a") as log:
+                log.write(json.dumps({"error": repr(error)}) + "\\n")
+        return key
+
+    if os.environ.get("MUSIC3_KEY_LOG"):
+        _compiler.get_cache_key = _logged
+except ImportError:
+    pass
+"""
+
+
+def _key_differences(log: Path, app: int) -> list[dict]:
+    """For each key the app's process (pid `app`) compiled under that no other process did: the parts of it that
+    differ from the other processes' nearest key of the same kernel."""
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    theirs = [r for r in rows if r.get("pid") != app and "key" in r]
+    out = []
+    for mine in (r for r in rows if r.get("pid") == app and "key" in r):
+        if any(r["key"] == mine["key"] for r in theirs):
+            continue
+        near = None
+        for other in (r for r in theirs if r["name"] == mine["name"]):
+            differs = {k: (mine[k], other[k]) for k in mine if k not in ("pid", "key") and mine[k] != other.get(k)}
+            near = differs if near is None or len(differs) < len(near) else near
+        out.append({"kernel": mine["name"], "differs (app, precompile)": near})
+    return out + [r for r in rows if "error" in r][:3]
+
+
 def _compiled(cache: Path) -> set[str]:
     return {folder.name for folder in cache.iterdir() if any(folder.glob("*.cubin"))} if cache.exists() else set()
 
@@ -106,7 +159,8 @@ def child(precompiled: bool) -> dict:
                   # the kernels the engine compiled beside those precompiled: the same launch under another cache
                   # key shows as a kernel in both lists with no launch missed
                   "compiled here": sorted(p.stem for f in compiled_here for p in (cache / f).glob("*.cubin")),
-                  "precompiled": sorted(p.stem for f in before for p in (cache / f).glob("*.cubin"))}
+                  "precompiled": sorted(p.stem for f in before for p in (cache / f).glob("*.cubin")),
+                  "keys": _key_differences(Path(os.environ["MUSIC3_KEY_LOG"]), os.getpid())}
     again = precompile.start(device, plan) if precompiled else None  # a later start: the marker, nothing to do
     if again is not None:
         again.stop()
@@ -118,7 +172,10 @@ def child(precompiled: bool) -> dict:
 
 def _case(precompiled: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="music3_triton_") as cache:
-        env = os.environ | {"TRITON_CACHE_DIR": cache, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+        (Path(cache) / "site").mkdir()
+        (Path(cache) / "site" / "sitecustomize.py").write_text(KEY_LOGGER)
+        env = os.environ | {"TRITON_CACHE_DIR": f"{cache}/triton", "MUSIC3_KEY_LOG": f"{cache}/keys.jsonl",
+                            "PYTHONPATH": f"{cache}/site:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
         done = subprocess.run([sys.executable, __file__, "1" if precompiled else "0"], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
