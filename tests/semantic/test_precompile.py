@@ -81,3 +81,51 @@ def test_workers_follow_the_cpus_and_the_hosts_available_memory(monkeypatch):
     assert precompile.workers() == 5
     monkeypatch.setattr(memory, "host_available", lambda: 1 * GB)
     assert precompile.workers() == 1
+
+
+# In a fresh process: every JIT function of the kernel modules' cache key, computed in the order given (argv[1]:
+# "forward" by name, or "reverse"), as JSON.
+KEYS_IN_ORDER = """
+import importlib, json, sys
+from triton.runtime.jit import JITFunction
+modules = [importlib.import_module("music3_demo.semantic.kernels." + name)
+           for name in ("attention", "frame", "launch", "linear", "operands", "planes", "qweight", "tail")]
+functions = sorted((module.__name__ + "." + name, value) for module in modules for name, value in vars(module).items()
+                   if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__)
+if sys.argv[1] == "reverse":
+    functions.reverse()
+print(json.dumps({name: function.cache_key for name, function in functions}))
+"""
+
+
+def _keys(order: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", KEYS_IN_ORDER, order], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+                          | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_kernels_cache_key_does_not_depend_on_which_kernels_a_process_launched_first():
+    """The app's process and the precompile's workers launch the kernels in different orders; with Triton 3.6 a
+    key computed before its callees' left their constexpr globals out, so the app missed the workers' entries."""
+    forward, reverse = _keys("forward"), _keys("reverse")
+    assert len(forward) >= 30 and "music3_demo.semantic.kernels.tail._block_tail_kernel" in forward
+    assert forward == reverse, sorted(name for name in forward if forward[name] != reverse[name])
+
+
+def test_no_two_kernel_modules_give_a_constexpr_global_of_one_name_two_values():
+    """Triton 3.6 orders a key's constexpr globals by name, then by the address of the defining module's globals:
+    one name with two values would be listed in an order that changes from process to process, and with it the key."""
+    import triton.language as tl
+
+    from music3_demo.semantic.kernels import launch
+
+    values: dict[str, set[str]] = {}
+    for name, module in sorted(sys.modules.items()):
+        if name.startswith("music3_demo.semantic.kernels."):
+            for key, value in vars(module).items():
+                if isinstance(value, tl.constexpr):
+                    values.setdefault(key, set()).add(repr(value))
+    assert launch.INTERPRETED is not None and len(values) >= 5
+    assert not {key: found for key, found in values.items() if len(found) > 1}

@@ -9,12 +9,17 @@ holds them stays valid as a song advances. Under `TRITON_INTERPRET=1` they run o
 
 from __future__ import annotations
 
+import sys
+
 from .attention import AttentionScratch, decode_attention, depth_attention
 from .frame import cfg_sample, frame_tail, rmsnorm
-from .launch import interpreting, pdl_supported
+from .launch import interpreting, pdl_supported, settle_cache_keys
 from .linear import GemvConfig, GemvWorkspace, gemv, interleave_rows
 from .tail import block_tail
 from .tail_config import TailScratch
+
+# Every kernel's cache key computed once, callees first (`settle_cache_keys`): the same in every process.
+settle_cache_keys([module for name, module in sorted(sys.modules.items()) if name.startswith(__name__ + ".")])
 
 __all__ = [
     "AttentionScratch",

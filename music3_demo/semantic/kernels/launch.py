@@ -1,10 +1,13 @@
 """How the kernels are launched: whether Triton is interpreting on CPU, programmatic dependent launch (PDL) and the
-L2 prefetch of a launch's first weight tiles, the mask of a dimension padded to a power of two, and the check of an
-activation's fp16 copy."""
+L2 prefetch of a launch's first weight tiles, the mask of a dimension padded to a power of two, the check of an
+activation's fp16 copy, and kernel cache keys that do not depend on what a process compiled first."""
 
 from __future__ import annotations
 
+import ast
 import os
+import textwrap
+from types import ModuleType
 
 import torch
 import triton
@@ -76,3 +79,52 @@ def check_half_copy(t: torch.Tensor, copy: torch.Tensor | None, name: str) -> No
     activation."""
     if copy is not None and (copy.dtype != torch.float16 or copy.shape != t.shape or copy.stride() != t.stride()):
         raise ValueError(f"{name}'s fp16 copy must be fp16, with {name}'s shape and strides")
+
+
+def settle_cache_keys(modules: list[ModuleType]) -> int:
+    """Compute the Triton cache key of every JIT function defined in `modules`, each function's callees before it;
+    returns how many were computed.
+
+    A kernel's key covers the constexpr globals its callees read, but some Triton releases (3.6 among them) merge a
+    callee's globals before computing the callee's key: a key computed while a callee's is not yet known leaves
+    those globals out. A kernel's key then depends on which kernels the process launched first, so a process that
+    compiled a launch (the precompile's workers) and another making the same launch (the app) can miss each other's
+    cache entries. Callees first, every process gets the complete key, whatever it launches first."""
+    from triton.runtime import jit
+
+    kind = getattr(jit, "JITCallable", jit.JITFunction)  # (constexpr functions have keys too, where Triton has them)
+    settled: set[int] = set()
+
+    def settle(fn) -> None:
+        if id(fn) in settled:
+            return
+        settled.add(id(fn))
+        for callee in _jit_callees(fn, kind):
+            settle(callee)
+        fn.cache_key  # noqa: B018 - computed and kept by Triton
+
+    count = 0
+    for module in modules:
+        for value in list(vars(module).values()):
+            if isinstance(value, kind) and getattr(value.fn, "__module__", None) == module.__name__:
+                settle(value)
+                count += 1
+    return count
+
+
+def _jit_callees(fn, kind: type) -> list:
+    """The JIT functions `fn`'s source names: a global or a module attribute (`module.name`) that is one."""
+    scope = dict(fn.fn.__globals__)
+    if fn.fn.__closure__:
+        scope |= {name: cell.cell_contents for name, cell in zip(fn.fn.__code__.co_freevars, fn.fn.__closure__)}
+    found = []
+    for node in ast.walk(ast.parse(textwrap.dedent(fn.src))):
+        value = None
+        if isinstance(node, ast.Name):
+            value = scope.get(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            owner = scope.get(node.value.id)
+            value = getattr(owner, node.attr, None) if isinstance(owner, ModuleType) else None
+        if isinstance(value, kind) and value is not fn and all(value is not other for other in found):
+            found.append(value)
+    return found
