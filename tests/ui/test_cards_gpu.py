@@ -149,6 +149,9 @@ def test_the_app_gets_ready_with_auto_in_time_and_reports_its_own_memory(card_ap
     (figures,) = status["memory"].values()
     baseline = card_app.simulated.figures["baseline_used_bytes"]
     seen = figures["card_used_gb"] * 1e9 - baseline
+    print(f"\n{card_app.card.name}: app {figures['process_gb']} GB, the card above the holder's baseline "
+          f"{seen / 1e9:.2f} GB; the card's processes (pid, command, bytes): {_card_processes()}; the holder: "
+          f"{ {k: v for k, v in card_app.simulated.figures.items() if k != 'samples'} }")
     assert abs(figures["process_gb"] * 1e9 - seen) < 0.5e9, (figures, seen, _card_processes())
     assert figures["card_used_gb"] * 1e9 > baseline  # the holder's share is on the card, not in the app's figure
 
