@@ -151,6 +151,28 @@ def test_stop_is_not_an_error(context, app):
         page.close()
 
 
+def test_stop_then_generate_at_once_delivers_the_next_song(browser, app):
+    """Stop, then Generate as soon as the button is back: the page's one event stream per session must carry the
+    new song to the end, not close with the stopped one (gradio_client lost a song this way)."""
+    page = open_page(browser, app, DESKTOP)  # a fresh profile: its history starts empty
+    try:
+        fill_form(page, "slow ambient pad", "[verse]\nla la la")
+        set_number(page, "steps", 1)
+        set_number(page, "duration", 120)
+        page.locator("#generate").click()
+        wait_text(page, "#run-progress", "elapsed", timeout=30_000)
+        set_number(page, "duration", 2)  # what the next Generate makes
+        page.locator("#stop").click()
+        page.wait_for_function("() => !document.querySelector('#generate').disabled", timeout=5_000, polling=10)
+        page.locator("#generate").click()
+        wait_text(page, "#run-status", "Finished", timeout=900_000)
+        player_holds_the_whole_song(page, 2.0)
+        page.wait_for_function("() => document.querySelectorAll('.m3-reuse').length === 1")
+        assert error_badges(page) == 0
+    finally:
+        page.close()
+
+
 def player_holds_the_whole_song(page, seconds: float) -> None:
     """The page's player (#result-audio) holds the whole song: its metadata says `seconds`. Its preload is a hint,
     which a busy browser may leave unserved (nothing fetched: readyState 0, network not loading); the check then asks
