@@ -129,3 +129,20 @@ def test_no_two_kernel_modules_give_a_constexpr_global_of_one_name_two_values():
                     values.setdefault(key, set()).add(repr(value))
     assert launch.INTERPRETED is not None and len(values) >= 5
     assert not {key: found for key, found in values.items() if len(found) > 1}
+
+
+def test_settling_the_keys_on_a_triton_it_does_not_fit_only_logs(monkeypatch, caplog):
+    """A Triton whose JIT functions lack what the settling reads: the kernels still import, the log says so."""
+    from music3_demo.semantic.kernels import launch
+
+    class Odd:  # a JIT function as a Triton without `src` and `cache_key` would have it
+        fn = type("Python", (), {"__module__": "music3_demo.semantic.kernels.odd"})()
+
+    module = type(sys)("music3_demo.semantic.kernels.odd")
+    module.kernel = Odd()
+    from triton.runtime import jit
+
+    monkeypatch.setattr(jit, "JITCallable", Odd, raising=False)
+    with caplog.at_level("WARNING", logger="music3_demo.engine"):
+        assert launch.settle_cache_keys([module]) == 0
+    assert "could not compute the kernels' cache keys in order" in caplog.text

@@ -5,6 +5,7 @@ activation's fp16 copy, and kernel cache keys that do not depend on what a proce
 from __future__ import annotations
 
 import ast
+import logging
 import os
 import textwrap
 from types import ModuleType
@@ -89,7 +90,8 @@ def settle_cache_keys(modules: list[ModuleType]) -> int:
     callee's globals before computing the callee's key: a key computed while a callee's is not yet known leaves
     those globals out. A kernel's key then depends on which kernels the process launched first, so a process that
     compiled a launch (the precompile's workers) and another making the same launch (the app) can miss each other's
-    cache entries. Callees first, every process gets the complete key, whatever it launches first."""
+    cache entries. Callees first, every process gets the complete key, whatever it launches first. Where that fails
+    (a Triton without these attributes), it says so in the log and the keys come as before: at worst a cache miss."""
     from triton.runtime import jit
 
     kind = getattr(jit, "JITCallable", jit.JITFunction)  # (constexpr functions have keys too, where Triton has them)
@@ -104,11 +106,15 @@ def settle_cache_keys(modules: list[ModuleType]) -> int:
         fn.cache_key  # noqa: B018 - computed and kept by Triton
 
     count = 0
-    for module in modules:
-        for value in list(vars(module).values()):
-            if isinstance(value, kind) and getattr(value.fn, "__module__", None) == module.__name__:
-                settle(value)
-                count += 1
+    try:
+        for module in modules:
+            for value in list(vars(module).values()):
+                if isinstance(value, kind) and getattr(value.fn, "__module__", None) == module.__name__:
+                    settle(value)
+                    count += 1
+    except Exception as error:  # noqa: BLE001 - only the keys' order is at stake
+        logging.getLogger("music3_demo.engine").warning("could not compute the kernels' cache keys in order (%s): a "
+                                                        "precompiled kernel may be compiled again", error)
     return count
 
 
