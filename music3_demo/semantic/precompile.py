@@ -43,8 +43,8 @@ WORKER_HOST_BYTES = 2_000_000_000  # host memory available per worker: four time
 class Precompile:
     """A running precompile process."""
 
-    def __init__(self, process: subprocess.Popen, started: float, args: dict) -> None:
-        self.process, self.started, self.args = process, started, args  # args: what `record` takes
+    def __init__(self, process: subprocess.Popen, started: float) -> None:
+        self.process, self.started = process, started
 
     def wait(self, timeout: float = WAIT_S) -> dict | None:
         """Its report ({"kernels", "workers", "seconds", ...}) once it is done; None (logged) if it failed or ran past
@@ -96,7 +96,7 @@ def start(device, plan) -> Precompile | None:
     process = subprocess.Popen([sys.executable, "-m", "music3_demo.semantic.precompile", json.dumps(args)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
                                start_new_session=True)
-    return Precompile(process, time.perf_counter(), args)
+    return Precompile(process, time.perf_counter())
 
 
 def marker(args: dict) -> Path:

@@ -77,44 +77,6 @@ def _compiled(cache: Path) -> set[str]:
     return {folder.name for folder in cache.iterdir() if any(folder.glob("*.cubin"))} if cache.exists() else set()
 
 
-def _flat(spec: str) -> dict:
-    """A launch's specialisation (Triton's JSON) as one flat {field: value} dict: argument types, constants,
-    argument attributes (alignment) and compile options, each by name."""
-    data = json.loads(spec)
-    names = list(data["signature"])
-    flat = {f"type {name}": kind for name, kind in data["signature"].items()}
-    for part in ("constant", "attrs"):
-        for key, value in zip(data[f"{part}_keys"], data[f"{part}_vals"]):
-            flat[f"{part} " + "/".join(names[i] if isinstance(i, int) and i < len(names) else str(i) for i in key)] = \
-                json.dumps(value)
-    flat |= {f"option {k}": json.dumps(v) for k, v in data["options"].items()}
-    return flat
-
-
-def _misses(launched: dict, recorded: list[str]) -> list[dict]:
-    """The launches (spec -> name) the recording lacks, each with the fields where it differs from the nearest
-    recorded launch of the same kernel."""
-    out = []
-    for spec, name in launched.items():
-        if spec in recorded:
-            continue
-        mine, near = _flat(spec), None
-        for other in (r for r in recorded if json.loads(r)["name"] == json.loads(spec)["name"]):
-            theirs = _flat(other)
-            differs = {k: (mine.get(k), theirs.get(k)) for k in sorted(mine.keys() | theirs.keys())
-                       if mine.get(k) != theirs.get(k)}
-            near = differs if near is None or len(differs) < len(near) else near
-        out.append({"kernel": name, "differs (engine, recorded)": near})
-    return out
-
-
-def recorded_specs(args: dict) -> list[str]:
-    """In a process without the GPU (as the precompile runs): the launches the precompile records for `args`."""
-    from music3_demo.semantic import precompile
-
-    return [launch.spec for launch in precompile.record(args, precompile.model_of(args["figures"]))]
-
-
 def child(precompiled: bool) -> dict:
     import torch
 
@@ -122,9 +84,7 @@ def child(precompiled: bool) -> dict:
     from music3_demo.memory_plan import plan_memory
     from music3_demo.semantic import precompile
     from music3_demo.semantic.graph import GraphEngine
-    from music3_demo.semantic.arch_record import patched
     from music3_demo.semantic.select import self_check
-    from triton import knobs
 
     cache, device = Path(os.environ["TRITON_CACHE_DIR"]), torch.device("cuda:0")
     began = time.perf_counter()
@@ -136,31 +96,17 @@ def child(precompiled: bool) -> dict:
     waited = time.perf_counter() - began
     before = _compiled(cache)
     started = time.perf_counter()
-    launched: dict[str, str] = {}  # every distinct launch of the engine's (spec -> kernel name)
-
-    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-        launched.setdefault(compile["specialization_data"], fn.jit_function.__name__)
-        return False  # compiled (or taken from the cache) and run as usual
-
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
-    with patched(knobs.runtime, jit_cache_hook=hook):
-        engine = GraphEngine(lm, depth, device, slots=2)
-        self_check(engine, lm, depth)
-        engine.reserve(512, 256)
-        torch.cuda.synchronize(device)
+    engine = GraphEngine(lm, depth, device, slots=2)
+    self_check(engine, lm, depth)
+    engine.reserve(512, 256)
+    torch.cuda.synchronize(device)
     built = time.perf_counter() - started
     compiled_here = sorted(_compiled(cache) - before)
-    missed = None
-    if compiled_here and compiling is not None:  # which launches the recording lacked, and how they differ
-        done = subprocess.run([sys.executable, __file__, "record", json.dumps(compiling.args)], capture_output=True,
-                              text=True, timeout=300, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
-        missed = {"launches": _misses(launched, json.loads(done.stdout.strip().splitlines()[-1]))
-                  if done.returncode == 0 else done.stderr[-2000:],
-                  # the kernels the engine compiled beside those precompiled: the same launch under another cache
-                  # key shows as a kernel in both lists with no launch missed
-                  "compiled here": sorted(p.stem for f in compiled_here for p in (cache / f).glob("*.cubin")),
-                  "precompiled": sorted(p.stem for f in before for p in (cache / f).glob("*.cubin")),
-                  "keys": _key_differences(Path(os.environ["MUSIC3_KEY_LOG"]), os.getpid())}
+    # each key the engine compiled under that the workers did not, with the parts (launch constants, attributes,
+    # the function's hash, options, ...) where it differs from their nearest key of the same kernel
+    missed = (_key_differences(Path(os.environ["MUSIC3_KEY_LOG"]), os.getpid())
+              if compiled_here and compiling is not None else None)
     again = precompile.start(device, plan) if precompiled else None  # a later start: the marker, nothing to do
     if again is not None:
         again.stop()
@@ -188,8 +134,7 @@ def test_after_the_precompile_the_engine_compiles_nothing_and_gets_ready_sooner(
     cold, warm = _case(False), _case(True)
     assert cold["compiled_by_the_engine"] > 20  # the cold engine compiled its kernels itself
     assert warm["precompile"] is not None and warm["precompile"]["kernels"] >= cold["compiled_by_the_engine"] * 0.8
-    # every launch of the self-check and the captures hit the cache ("missed": the kernels that did not, beside the
-    # precompiled ones of the same name)
+    # every launch of the self-check and the captures hit the cache ("missed": the keys that did not, and why)
     assert warm["compiled_by_the_engine"] == 0, json.dumps(warm["missed"], indent=1)
     assert warm["a_later_start_skips"]
     assert (warm["load_and_wait_s"] + warm["check_and_captures_s"]
@@ -197,7 +142,4 @@ def test_after_the_precompile_the_engine_compiles_nothing_and_gets_ready_sooner(
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "record":
-        print(json.dumps(recorded_specs(json.loads(sys.argv[2]))))
-    else:
-        print(json.dumps(child(sys.argv[1] == "1")))
+    print(json.dumps(child(sys.argv[1] == "1")))
