@@ -1,0 +1,272 @@
+"""Probe: a hand-written CUDA int4 GEMV (2 rows, the stored int4/g64 weights in MMA order) against the engine's
+Triton GEMV on the LM block's four products, each checked against float32 on the same dequantized weights.
+
+What it asks: whether a kernel that owns its instruction stream (NVRTC through `torch.cuda._compile_kernel`) streams
+int4 weights near the memory's bandwidth where the Triton products reach ~1 TB/s.
+
+The kernel: a 16-row tile per block, its warps splitting K; each warp's mma.sync m16n8k16 (bf16) takes the weights
+as the A operand straight from the words a thread loads (lane c of each quad: words 2c and 2c + 1 of a 64-column
+scale group, 8 bytes a row; nibbles s and s + 4 of a word are the adjacent columns of one operand register, made
+bf16 by a mask, the magic number 128 and one packed FMA), and the two activation rows as B (columns 0 and 1 of
+n8), from a copy in shared memory permuted so each lane's operands are one 16-byte load. One MMA's K is one scale
+group, so each group's product is scaled once in float32. The warps' partial sums meet in shared memory and are
+added in warp order (deterministic).
+
+Run on a GPU:  python scripts/int4_cuda_probe.py OUT.json
+On a CPU (compile only, needs libnvrtc):  python scripts/int4_cuda_probe.py --compile-only [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+SOURCE = r"""
+#define WARPS %(warps)d
+#define D %(depth)d
+#define MINB %(minb)d
+
+__device__ __forceinline__ unsigned bf16_pair(unsigned w, int shift) {
+    unsigned t = ((w >> shift) & 0x000F000Fu) | 0x43004300u;  // two bf16 128 + u
+    unsigned q;
+    asm("fma.rn.bf16x2 %%0, %%1, %%2, %%3;" : "=r"(q) : "r"(t), "r"(0x3F803F80u), "r"(0xC308C308u));
+    return q;  // u - 8, exact
+}
+
+__device__ __forceinline__ void mma(float* t, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                    unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%%0,%%1,%%2,%%3}, {%%4,%%5,%%6,%%7}, {%%8,%%9}, "
+        "{%%0,%%1,%%2,%%3};"
+        : "+f"(t[0]), "+f"(t[1]), "+f"(t[2]), "+f"(t[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+struct Chunk { uint2 a[D]; uint2 b[D]; float sa[D]; float sb[D]; };
+
+__device__ __forceinline__ void load(Chunk& ch, const unsigned* w0, const unsigned* w8, const float* s0,
+                                     const float* s8, int G, int c) {
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+        ch.a[d] = __ldg((const uint2*)(w0 + 8 * (G + d) + 2 * c));
+        ch.b[d] = __ldg((const uint2*)(w8 + 8 * (G + d) + 2 * c));
+        ch.sa[d] = __ldg(s0 + G + d);
+        ch.sb[d] = __ldg(s8 + G + d);
+    }
+}
+
+__device__ __forceinline__ void compute(const Chunk& ch, float* acc, const uint4* xs, int G, int c, int m) {
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+        float t[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            unsigned wa = p ? ch.a[d].y : ch.a[d].x;
+            unsigned wb = p ? ch.b[d].y : ch.b[d].x;
+            uint4 xv = xs[(((G + d) * 2 + p) * 4 + c) * 2 + m];
+            mma(t, bf16_pair(wa, 0), bf16_pair(wb, 0), bf16_pair(wa, 4), bf16_pair(wb, 4), xv.x, xv.y);
+            mma(t, bf16_pair(wa, 8), bf16_pair(wb, 8), bf16_pair(wa, 12), bf16_pair(wb, 12), xv.z, xv.w);
+        }
+        acc[0] += t[0] * ch.sa[d];
+        acc[1] += t[1] * ch.sa[d];
+        acc[2] += t[2] * ch.sb[d];
+        acc[3] += t[3] * ch.sb[d];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
+int4_gemv(const unsigned short* __restrict__ x, const unsigned* __restrict__ w, const float* __restrict__ s,
+          unsigned short* __restrict__ y, int N, int K, int tiles) {
+    extern __shared__ uint4 smem[];
+    unsigned short* xs = (unsigned short*)smem;
+    float* red = (float*)(xs + 2 * K);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    // x, permuted: element (G, p, c, m, v) is x[m, column of value v of word 2c + p of group G]
+    for (int i = tid; i < 2 * K; i += WARPS * 32) {
+        int v = i & 7, m = (i >> 3) & 1, cc = (i >> 4) & 3, p = (i >> 6) & 1, G = i >> 7;
+        int word = 2 * cc + p;
+        int col = G * 64 + 32 * (word >> 2) + 16 * (v >> 2) + 8 * ((v >> 1) & 1) + 2 * (word & 3) + (v & 1);
+        xs[i] = x[m * K + col];
+    }
+    __syncthreads();
+    const int groups = K >> 6, per_warp = groups / WARPS, words = K >> 3;
+    const int gbeg = warp * per_warp, gend = gbeg + per_warp;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int r0 = tile * 16;
+        const unsigned* w0 = w + (size_t)(r0 + g) * words;
+        const unsigned* w8 = w0 + (size_t)8 * words;
+        const float* s0 = s + (size_t)(r0 + g) * groups;
+        const float* s8 = s0 + (size_t)8 * groups;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        Chunk A, B;
+        load(A, w0, w8, s0, s8, gbeg, c);
+        for (int G = gbeg; G < gend; G += 2 * D) {
+            if (G + D < gend) load(B, w0, w8, s0, s8, G + D, c);
+            compute(A, acc, smem, G, c, g & 1);
+            if (G + 2 * D < gend) load(A, w0, w8, s0, s8, G + 2 * D, c);
+            if (G + D < gend) compute(B, acc, smem, G + D, c, g & 1);
+        }
+        if (c == 0) {
+            red[(warp * 16 + g) * 2] = acc[0];
+            red[(warp * 16 + g) * 2 + 1] = acc[1];
+            red[(warp * 16 + g + 8) * 2] = acc[2];
+            red[(warp * 16 + g + 8) * 2 + 1] = acc[3];
+        }
+        __syncthreads();
+        if (tid < 32) {
+            int r = tid >> 1, m = tid & 1;
+            float sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < WARPS; k++) sum += red[(k * 16 + r) * 2 + m];
+            unsigned short o;
+            asm("cvt.rn.bf16.f32 %%0, %%1;" : "=h"(o) : "f"(sum));
+            y[m * N + r0 + r] = o;
+        }
+        __syncthreads();
+    }
+}
+"""
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+CONFIGS = [dict(warps=w, depth=d, minb=b) for w in (4, 8) for d in (2, 4) for b in (1, 2, 3)]
+
+
+def source(cfg: dict) -> str:
+    return SOURCE % cfg
+
+
+def shared_bytes(k: int, warps: int) -> int:
+    return 2 * k * 2 + warps * 16 * 2 * 4
+
+
+def compile_only(arch: str) -> dict:
+    from torch.cuda._utils import _nvrtc_compile
+
+    out = {}
+    for cfg in CONFIGS:
+        cubin, _ = _nvrtc_compile(source(cfg), "int4_gemv", arch)
+        out[json.dumps(cfg)] = len(cubin)
+    return out
+
+
+def timed(fn, copies: int, reps: int = 20) -> float:
+    """us per launch: `copies` launches (over weight copies, past the L2) captured once, replayed `reps` times."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(copies):
+            fn(i)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(copies):
+                fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / copies)
+    return statistics.median(times)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def run(path: str) -> None:
+    from music3_demo.semantic.kernels import linear
+    from music3_demo.semantic.kernels.tuning import tuning_for
+    from music3_demo.semantic.quant import quantize_weight
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    tuning = tuning_for(dev)
+    kernels = {}
+    for cfg in CONFIGS:
+        t = time.perf_counter()
+        kern = torch.cuda._compile_kernel(source(cfg), "int4_gemv")
+        kern.set_shared_memory_config(shared_bytes(12288, cfg["warps"]))
+        kernels[json.dumps(cfg)] = kern
+    report = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "sms": sms, "shapes": {}}
+    torch.manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        weight_bytes = n * k // 2 + n * (k // 64) * 4
+        copies = max(2, -(-400_000_000 // weight_bytes))
+        qws = [quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02, "int4", 64)
+               for _ in range(copies)]
+        x = torch.randn(2, k, device=dev, dtype=torch.bfloat16)
+        ref = x.float() @ qws[0].dequantize(torch.float32).T
+        words = [q.data.view(torch.int32) for q in qws]
+        y = torch.empty(2, n, device=dev, dtype=torch.bfloat16)
+        row = {"n": n, "k": k, "weight_MB": weight_bytes / 1e6, "copies": copies, "cuda": {}}
+        for key, kern in kernels.items():
+            cfg = json.loads(key)
+            if (k // 64) % (cfg["warps"] * cfg["depth"]):
+                continue
+            tiles = n // 16
+            grid = min(tiles, cfg["minb"] * sms)
+
+            def launch(i, kern=kern, cfg=cfg, grid=grid, tiles=tiles):
+                kern(grid=(grid, 1, 1), block=(cfg["warps"] * 32, 1, 1),
+                     args=[x, words[i], qws[i].scale, y, n, k, tiles], shared_mem=shared_bytes(k, cfg["warps"]))
+
+            y.zero_()
+            launch(0)
+            torch.cuda.synchronize()
+            err = rel(y, ref)
+            us = timed(launch, copies)
+            row["cuda"][key] = {"us": us, "TBps": weight_bytes / us / 1e6, "rel_err": err}
+        best = min(row["cuda"].items(), key=lambda kv: kv[1]["us"])
+        row["cuda_best"] = {"config": json.loads(best[0]), **best[1]}
+        workspace = linear.GemvWorkspace(dev)
+        cfg = tuning.gemv(2, n, k, w_bytes=1, group=64, kind="int4")
+        yt = torch.empty(2, n, device=dev, dtype=torch.bfloat16)
+        linear.gemv(x, qws[0], yt, config=cfg, workspace=workspace)
+        torch.cuda.synchronize()
+        us = timed(lambda i: linear.gemv(x, qws[i], yt, config=cfg, workspace=workspace), copies)
+        row["triton"] = {"us": us, "TBps": weight_bytes / us / 1e6, "rel_err": rel(yt, ref), "config": str(cfg)}
+        if name == "gate_up":  # the engine's form: the same bytes as an interleaved gate|up with its SwiGLU epilogue
+            cfg = tuning.gemv(2, n, k, True, w_bytes=1, group=64, kind="int4")
+            half = torch.empty(2, n // 2, device=dev, dtype=torch.bfloat16)
+            linear.gemv(x, qws[0], half, config=cfg, workspace=workspace, swiglu=True)
+            us = timed(lambda i: linear.gemv(x, qws[i], half, config=cfg, workspace=workspace, swiglu=True), copies)
+            row["triton_swiglu"] = {"us": us, "TBps": weight_bytes / us / 1e6, "config": str(cfg)}
+        dense = qws[0].dequantize()
+        ybf = torch.empty(2, n, device=dev, dtype=torch.bfloat16)
+        linear.gemv(x, dense, ybf, config=tuning.gemv(2, n, k))
+        torch.cuda.synchronize()
+        row["bf16_rel_err"] = rel(ybf, ref)
+        report["shapes"][name] = row
+        print(name, json.dumps({"cuda": row["cuda_best"], "triton": row["triton"], "bf16_err": row["bf16_rel_err"]}),
+              flush=True)
+        del qws, words, dense
+        torch.cuda.empty_cache()
+    block = {side: sum(r[side if side == "triton" else "cuda_best"]["us"] for r in report["shapes"].values())
+             for side in ("triton", "cuda")}
+    report["lm_block_us"] = block
+    print("LM block's four products:", block)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output", nargs="?", default="int4_cuda_probe.json")
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--arch", default="90")
+    args = parser.parse_args()
+    if args.compile_only:
+        print(json.dumps(compile_only(args.arch), indent=1))
+    else:
+        run(args.output)
+
+
+if __name__ == "__main__":
+    main()
