@@ -129,6 +129,130 @@ int4_gemv(const unsigned short* __restrict__ x, const unsigned* __restrict__ w, 
 }
 """
 
+# The first kernel with fp16 operands: one mask-and-or a nibble pair (no shift for the high nibbles), the
+# activations rounded to fp16 in shared memory.
+SOURCE3 = r"""
+#define WARPS %(warps)d
+#define D %(depth)d
+#define MINB %(minb)d
+
+__device__ __forceinline__ unsigned lop3_and_or(unsigned a, unsigned b, unsigned c) {
+    unsigned d;
+    asm("lop3.b32 %%0, %%1, %%2, %%3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));  // (a & b) | c
+    return d;
+}
+
+// the four fp16 operand pairs of one word: nibbles (0, 4), (1, 5), (2, 6), (3, 7) as q = u - 8 (exact): the low
+// nibble of each byte by 1024 + u minus 1032; the high one in place, 1024 + 16u, times 1/16 minus 72
+__device__ __forceinline__ void f16_pairs(unsigned w, unsigned* q) {
+    const unsigned hw = w >> 8;
+    unsigned lo = lop3_and_or(w, 0x000F000Fu, 0x64006400u), hi = lop3_and_or(w, 0x00F000F0u, 0x64006400u);
+    unsigned lo2 = lop3_and_or(hw, 0x000F000Fu, 0x64006400u), hi2 = lop3_and_or(hw, 0x00F000F0u, 0x64006400u);
+    asm("sub.f16x2 %%0, %%1, %%2;" : "=r"(q[0]) : "r"(lo), "r"(0x64086408u));
+    asm("fma.rn.f16x2 %%0, %%1, %%2, %%3;" : "=r"(q[1]) : "r"(hi), "r"(0x2C002C00u), "r"(0xD480D480u));
+    asm("sub.f16x2 %%0, %%1, %%2;" : "=r"(q[2]) : "r"(lo2), "r"(0x64086408u));
+    asm("fma.rn.f16x2 %%0, %%1, %%2, %%3;" : "=r"(q[3]) : "r"(hi2), "r"(0x2C002C00u), "r"(0xD480D480u));
+}
+
+__device__ __forceinline__ void mma(float* t, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                    unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%%0,%%1,%%2,%%3}, {%%4,%%5,%%6,%%7}, {%%8,%%9}, "
+        "{%%0,%%1,%%2,%%3};"
+        : "+f"(t[0]), "+f"(t[1]), "+f"(t[2]), "+f"(t[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+struct Chunk { uint2 a[D]; uint2 b[D]; float sa[D]; float sb[D]; };
+
+__device__ __forceinline__ void load(Chunk& ch, const unsigned* w0, const unsigned* w8, const float* s0,
+                                     const float* s8, int G, int c) {
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+        ch.a[d] = __ldg((const uint2*)(w0 + 8 * (G + d) + 2 * c));
+        ch.b[d] = __ldg((const uint2*)(w8 + 8 * (G + d) + 2 * c));
+        ch.sa[d] = __ldg(s0 + G + d);
+        ch.sb[d] = __ldg(s8 + G + d);
+    }
+}
+
+__device__ __forceinline__ void compute(const Chunk& ch, float* acc, const uint4* xs, int G, int c, int m) {
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+        float t[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            unsigned wa = p ? ch.a[d].y : ch.a[d].x;
+            unsigned wb = p ? ch.b[d].y : ch.b[d].x;
+            uint4 xv = xs[(((G + d) * 2 + p) * 4 + c) * 2 + m];
+            unsigned qa[4], qb[4];
+            f16_pairs(wa, qa);
+            f16_pairs(wb, qb);
+            mma(t, qa[0], qb[0], qa[1], qb[1], xv.x, xv.y);
+            mma(t, qa[2], qb[2], qa[3], qb[3], xv.z, xv.w);
+        }
+        acc[0] += t[0] * ch.sa[d];
+        acc[1] += t[1] * ch.sa[d];
+        acc[2] += t[2] * ch.sb[d];
+        acc[3] += t[3] * ch.sb[d];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
+int4_gemv3(const unsigned short* __restrict__ x, const unsigned* __restrict__ w, const float* __restrict__ s,
+          unsigned short* __restrict__ y, int N, int K, int tiles) {
+    extern __shared__ uint4 smem[];
+    unsigned short* xs = (unsigned short*)smem;
+    float* red = (float*)(xs + 2 * K);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    // x, permuted: element (G, p, c, m, v) is x[m, column of value v of word 2c + p of group G]
+    for (int i = tid; i < 2 * K; i += WARPS * 32) {
+        int v = i & 7, m = (i >> 3) & 1, cc = (i >> 4) & 3, p = (i >> 6) & 1, G = i >> 7;
+        int word = 2 * cc + p;
+        int col = G * 64 + 32 * (word >> 2) + 16 * (v >> 2) + 8 * ((v >> 1) & 1) + 2 * (word & 3) + (v & 1);
+        float f = __uint_as_float((unsigned)x[m * K + col] << 16);
+        unsigned short hv;
+        asm("cvt.rn.f16.f32 %%0, %%1;" : "=h"(hv) : "f"(f));
+        xs[i] = hv;  // fp16: the activations must stay under 65504
+    }
+    __syncthreads();
+    const int groups = K >> 6, per_warp = groups / WARPS, words = K >> 3;
+    const int gbeg = warp * per_warp, gend = gbeg + per_warp;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int r0 = tile * 16;
+        const unsigned* w0 = w + (size_t)(r0 + g) * words;
+        const unsigned* w8 = w0 + (size_t)8 * words;
+        const float* s0 = s + (size_t)(r0 + g) * groups;
+        const float* s8 = s0 + (size_t)8 * groups;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        Chunk A, B;
+        load(A, w0, w8, s0, s8, gbeg, c);
+        for (int G = gbeg; G < gend; G += 2 * D) {
+            if (G + D < gend) load(B, w0, w8, s0, s8, G + D, c);
+            compute(A, acc, smem, G, c, g & 1);
+            if (G + 2 * D < gend) load(A, w0, w8, s0, s8, G + 2 * D, c);
+            if (G + D < gend) compute(B, acc, smem, G + D, c, g & 1);
+        }
+        if (c == 0) {
+            red[(warp * 16 + g) * 2] = acc[0];
+            red[(warp * 16 + g) * 2 + 1] = acc[1];
+            red[(warp * 16 + g + 8) * 2] = acc[2];
+            red[(warp * 16 + g + 8) * 2 + 1] = acc[3];
+        }
+        __syncthreads();
+        if (tid < 32) {
+            int r = tid >> 1, m = tid & 1;
+            float sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < WARPS; k++) sum += red[(k * 16 + r) * 2 + m];
+            unsigned short o;
+            asm("cvt.rn.bf16.f32 %%0, %%1;" : "=h"(o) : "f"(sum));
+            y[m * N + r0 + r] = o;
+        }
+        __syncthreads();
+    }
+}
+"""
+
 SOURCE2 = r"""
 #define WARPS %(warps)d
 #define S %(stages)d
@@ -275,6 +399,9 @@ def compile_only(arch: str) -> dict:
     for cfg in CONFIGS:
         cubin, _ = _nvrtc_compile(source(cfg), "int4_gemv", arch)
         out["v1 " + json.dumps(cfg)] = len(cubin)
+    for cfg in CONFIGS:
+        cubin, _ = _nvrtc_compile(SOURCE3 % cfg, "int4_gemv3", arch)
+        out["v3 " + json.dumps(cfg)] = len(cubin)
     for cfg in CONFIGS2:
         cubin, _ = _nvrtc_compile(SOURCE2 % cfg, "int4_gemv2", arch)
         out["v2 " + json.dumps(cfg)] = len(cubin)
@@ -322,6 +449,10 @@ def run(path: str) -> None:
         kern = torch.cuda._compile_kernel(source(cfg), "int4_gemv")
         kern.set_shared_memory_config(shared_bytes(12288, cfg["warps"]))
         kernels["v1 " + json.dumps(cfg)] = (kern, cfg, lambda k, cfg=cfg: shared_bytes(k, cfg["warps"]), 1)
+    for cfg in CONFIGS:
+        kern = torch.cuda._compile_kernel(SOURCE3 % cfg, "int4_gemv3")
+        kern.set_shared_memory_config(shared_bytes(12288, cfg["warps"]))
+        kernels["v3 " + json.dumps(cfg)] = (kern, cfg, lambda k, cfg=cfg: shared_bytes(k, cfg["warps"]), 3)
     for cfg in CONFIGS2:
         kern = torch.cuda._compile_kernel(SOURCE2 % cfg, "int4_gemv2")
         kern.set_shared_memory_config(shared_bytes2(12288, cfg))
