@@ -520,13 +520,46 @@ def run(path: str) -> None:
         json.dump(report, f, indent=1)
 
 
+def once(shapes: list[str]) -> None:
+    """One launch of the third kernel's best config and of the engine's Triton GEMV per shape, after a warm-up:
+    what Nsight Compute profiles (`ncu -k regex:'int4_gemv3|_gemv_kernel' ...`)."""
+    from music3_demo.semantic.kernels import linear
+    from music3_demo.semantic.kernels.tuning import tuning_for
+    from music3_demo.semantic.quant import quantize_weight
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    best = {"gate_up": dict(warps=8, depth=4, minb=2), "down": dict(warps=8, depth=2, minb=2),
+            "qkv": dict(warps=8, depth=2, minb=3), "o": dict(warps=8, depth=2, minb=2)}
+    for name in shapes:
+        n, k = SHAPES[name]
+        cfg = best[name]
+        kern = torch.cuda._compile_kernel(SOURCE3 % cfg, "int4_gemv3")
+        kern.set_shared_memory_config(shared_bytes(12288, cfg["warps"]))
+        qw = quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02, "int4", 64)
+        x = torch.randn(2, k, device=dev, dtype=torch.bfloat16)
+        y = torch.empty(2, n, device=dev, dtype=torch.bfloat16)
+        tiles = n // 16
+        tcfg = tuning_for(dev).gemv(2, n, k, name == "gate_up", w_bytes=1, group=64, kind="int4")
+        workspace = linear.GemvWorkspace(dev)
+        yt = torch.empty(2, n // 2 if name == "gate_up" else n, device=dev, dtype=torch.bfloat16)
+        for _ in range(3):
+            kern(grid=(min(tiles, cfg["minb"] * sms), 1, 1), block=(cfg["warps"] * 32, 1, 1),
+                 args=[x, qw.data.view(torch.int32), qw.scale, y, n, k, tiles], shared_mem=shared_bytes(k, cfg["warps"]))
+            linear.gemv(x, qw, yt, config=tcfg, workspace=workspace, swiglu=name == "gate_up")
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", nargs="?", default="int4_cuda_probe.json")
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--arch", default="90")
+    parser.add_argument("--once", help="comma-separated shapes: launch each a few times for a profiler")
     args = parser.parse_args()
-    if args.compile_only:
+    if args.once:
+        once(args.once.split(","))
+    elif args.compile_only:
         print(json.dumps(compile_only(args.arch), indent=1))
     else:
         run(args.output)
