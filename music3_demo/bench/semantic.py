@@ -276,14 +276,16 @@ def _parts(name: str) -> tuple[tuple[str, str], str]:
 
 
 def graph_variant(name: str) -> dict:
-    """GraphEngine options of a bench engine name: graph[-pdl|-chain|-unchained][-s<attention splits>][-kv8]; plain
-    `graph` is the engine's default (chained block tails on a GPU), `graph-unchained` one launch per product,
-    `-kv8` the int8 KV cache."""
-    match = re.fullmatch(r"graph(-pdl|-chain|-unchained)?(?:-s(\d+))?(-kv8)?", name)
+    """GraphEngine options of a bench engine name: graph[-pdl|-chain|-unchained|-chain-lm|-chain-depth][-s<attention
+    splits>][-kv8]; plain `graph` is the engine's default (chained block tails on a GPU), `graph-unchained` one
+    launch per product, `-chain-lm` / `-chain-depth` the one stack's tails chained and the other's unchained, `-kv8`
+    the int8 KV cache."""
+    match = re.fullmatch(r"graph(-pdl|-chain-lm|-chain-depth|-chain|-unchained)?(?:-s(\d+))?(-kv8)?", name)
     if match is None:
         raise ValueError(f"unknown engine {name!r}: choose reference or "
-                         "graph[-pdl|-chain|-unchained][-s<splits>][-kv8]")
-    options: dict = {"pdl": match[1] == "-pdl", "chain": {"-chain": True, "-unchained": False}.get(match[1])}
+                         "graph[-pdl|-chain|-unchained|-chain-lm|-chain-depth][-s<splits>][-kv8]")
+    chain = {"-chain": True, "-unchained": False, "-chain-lm": "lm", "-chain-depth": "depth"}.get(match[1])
+    options: dict = {"pdl": match[1] == "-pdl", "chain": chain}
     if match[2]:
         options["attention_splits"] = int(match[2])
     if match[3]:

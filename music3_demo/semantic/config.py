@@ -8,6 +8,16 @@ from dataclasses import dataclass, replace
 from ..precision import check_kv_format
 
 
+STACKS = ("lm", "depth")  # the frame's two stacks of decoder blocks: the language model's, the depth decoder's
+
+
+def chained_stacks(chain: bool | str | None) -> frozenset[str]:
+    """The stacks whose block tails run chained for a `GraphConfig.chain` value already resolved (None: neither)."""
+    if isinstance(chain, str):
+        return frozenset((chain,))
+    return frozenset(STACKS) if chain else frozenset()
+
+
 @dataclass(frozen=True)
 class GraphConfig:
     replay_block: int = 8  # frames replayed between two looks at the end flag (and the yield granularity)
@@ -18,9 +28,10 @@ class GraphConfig:
     # only, kept for the bench's A/B and its no-bit-changes test. Ignored where the device or Triton cannot do it.
     pdl: bool = False
     # Each block's products after attention (and the next block's q|k|v) in one persistent launch with grid barriers
-    # (`kernels/tail.py`), a small gain at every prompt length. None: on a GPU without PDL; on the CPU interpreter
-    # (tests) True runs one launch per product of the same kernel.
-    chain: bool | None = None
+    # (`kernels/tail.py`), a small gain at every prompt length in bf16. None: on a GPU without PDL; on the CPU
+    # interpreter (tests) True runs one launch per product of the same kernel. "lm" or "depth" chains that stack's
+    # blocks only (the other's run one launch per product): which stack gains from it may depend on the format.
+    chain: bool | str | None = None
     # Songs advanced together by one replay (2 rows each; a product takes at most 16 rows, so 8 at most). Graphs are
     # captured per bucket of 1, 2, 4, 8 songs up to this; `engine.slots` is this number. The default is the maximum:
     # a batch of 8 is bit-identical to each song alone on the H200 (`tests/semantic/test_batch_gpu.py`). It is an
@@ -47,6 +58,8 @@ class GraphConfig:
             raise ValueError("replay_block and attention_splits must be at least 1, in_flight at least 0")
         if self.frame_ring < (self.in_flight + 2) * self.replay_block:
             raise ValueError("frame_ring must hold the blocks in flight plus the one being copied out")
+        if self.chain not in (None, True, False) + STACKS:
+            raise ValueError(f"chain must be True, False, None or one of {', '.join(STACKS)}")
         if self.chain and self.pdl:
             raise ValueError("the chained block tails take no PDL")
 

@@ -34,7 +34,8 @@ class FrameGraph:
     the teacher-forcing variant, which also writes each step's LM audio logits into `state.record`."""
 
     def __init__(self, weights: EngineWeights, state: DeviceState, stream: EngineStream, tuning: Tuning, *,
-                 pdl: bool, chain: bool, use_graphs: bool) -> None:
+                 pdl: bool, chain: frozenset[str], use_graphs: bool) -> None:
+        """`chain`: the stacks ("lm", "depth") whose block tails run as one chained launch each."""
         self.weights, self.state, self.stream, self.tuning = weights, state, stream, tuning
         self.pdl, self.chain, self.use_graphs = pdl, chain, use_graphs
         self.captures = 0
@@ -145,11 +146,13 @@ class FrameGraph:
         # 4. One LM decode step at each song's position, attending over its live context only.
         scale = w.head_dim**-0.5
         for index, block in enumerate(w.blocks):
-            if index == 0 or not self.chain:  # layer 0 reads the feedback embedding frame_tail wrote (float32 only)
+            # layer 0 reads the feedback embedding frame_tail wrote (float32 only); chained, each later block's
+            # q|k|v comes from the tail before it
+            if index == 0 or "lm" not in self.chain:
                 self._gemv(s, lm_h16 if index else lm_h, block.qkv, qkv, norm_weight=block.ln1, eps=w.eps)
             k_cache, v_cache, k_scale, v_scale = s.layer_caches(index)
             following = w.blocks[index + 1] if index + 1 < len(w.blocks) else None
-            config, attn16 = self._tail_config(block, following, attn, lm_h, s)
+            config, attn16 = self._tail_config("lm", block, following, attn, lm_h, s)
             decode_attention(qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, attn,
                              s.attention, scale, w.eps, pdl=self.pdl, base=s.base[:songs], k_scale=k_scale,
                              v_scale=v_scale, out16=attn16)
@@ -171,20 +174,20 @@ class FrameGraph:
         for index, block in enumerate(w.depth_blocks):
             # Block 0 of pass 1 reads what the projection and the sampler wrote (float32); unchained, every later
             # block starts with its q|k|v (chained, the tail before it wrote it).
-            if (index == 0 and not qkv_ready) or (index > 0 and not self.chain):
+            if (index == 0 and not qkv_ready) or (index > 0 and "depth" not in self.chain):
                 self._gemv(s, h16 if index else h, block.qkv, qkv, norm_weight=block.ln1, eps=w.depth_eps,
                            per_song=per_song)
             following = w.depth_blocks[index + 1] if index + 1 < len(w.depth_blocks) else None
-            config, out16 = self._tail_config(block, following, out, h, s)
+            config, out16 = self._tail_config("depth", block, following, out, h, s)
             depth_attention(qkv, out, s.dcache[index, 0, : rows // new], s.dcache[index, 1, : rows // new], base,
                             new, scale, pdl=self.pdl, out16=out16)
             self._block_tail(block, following, out, h, h16, act, qkv, w.depth_eps, s, per_song, config, out16)
 
-    def _tail_config(self, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor,
+    def _tail_config(self, stack: str, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor,
                      s: DeviceState) -> tuple[TailConfig | None, torch.Tensor | None]:
-        """The chained tail's config for `block` (None unchained) and, where its o product reads one
+        """The chained tail's config for `block` of `stack` (None unchained) and, where its o product reads one
         (`tail_config.reads_copy`), the fp16 copy of attn that the attention kernel before it writes."""
-        if not self.chain:
+        if stack not in self.chain:
             return None, None
         qkv_rows = following.qkv.shape[0] if following is not None else 16
         config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows,

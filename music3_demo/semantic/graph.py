@@ -30,7 +30,7 @@ import torch
 from .. import contract as c
 from ..devices import check_launch_device, normalize, on_device
 from ..events import check_cancel
-from .config import GraphConfig
+from .config import GraphConfig, chained_stacks
 from .engine import SamplingSettings, check_prefix
 from .engine_stream import EngineStream
 from .frame_graph import FrameGraph
@@ -69,7 +69,7 @@ class GraphEngine:
     separate_flow_rng = True
 
     def __init__(self, language_model, depth_decoder, device: torch.device | str, *, use_graphs: bool | None = None,
-                 pdl: bool | None = None, attention_splits: int | None = None, chain: bool | None = None,
+                 pdl: bool | None = None, attention_splits: int | None = None, chain: bool | str | None = None,
                  slots: int | None = None, kv_pool_positions: int | None = None, config: GraphConfig | None = None,
                  tuning: Tuning | None = None, kv_format: str | None = None,
                  tables_on_host: bool | None = None) -> None:
@@ -93,7 +93,8 @@ class GraphEngine:
         self.buckets = tuple(sorted({min(bucket, self.slots) for bucket in BUCKETS}))
         self.pdl = config.pdl and pdl_supported(device)
         self.attention_splits = config.attention_splits
-        self.chain = (device.type == "cuda" and not self.pdl) if config.chain is None else config.chain
+        # the stacks whose block tails run chained (empty: one launch per product everywhere)
+        self.chain = chained_stacks((device.type == "cuda" and not self.pdl) if config.chain is None else config.chain)
         self.kv_pool_positions = kv_pool_positions
         with on_device(device):  # the stream, graph pool and pinned flags belong to this device's context
             self.weights = prepare_weights(language_model, depth_decoder, config.tables_on_host)

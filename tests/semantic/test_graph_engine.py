@@ -13,18 +13,26 @@ from music3_demo.semantic.kernels import GemvConfig
 from music3_demo.semantic.teacher_forcing import random_codes, reference_teacher_forced, relative_error
 
 
-@pytest.mark.parametrize("variant", ["plain", "text_embeddings_on_host", "split_k", "chain", "int8_kv"])
+@pytest.mark.parametrize("variant", ["plain", "text_embeddings_on_host", "split_k", "chain", "chain_lm", "chain_depth",
+                                     "int8_kv"])
 def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, one_block_models, variant,
                                                                   monkeypatch):
+    from music3_demo.semantic import frame_graph
     from music3_demo.semantic.graph import GraphEngine
     from music3_demo.semantic.kernels import linear
 
     # two blocks where the blocks' chaining is what is tested; one where it is not (half the interpreter's time)
-    lm, depth = tiny_models if variant in ("plain", "chain") else one_block_models
+    lm, depth = tiny_models if variant.startswith(("plain", "chain")) else one_block_models
     kv = "int8" if variant == "int8_kv" else "bf16"
     # int8_kv: the prompt prefilled in chunks of 4, each attending to the int8 K/V before it, as frames do
     config = GraphConfig(prefill_chunk=4 if variant == "int8_kv" else 512, kv_format=kv)
-    engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=variant == "chain", config=config)
+    chain = {"chain": True, "chain_lm": "lm", "chain_depth": "depth"}.get(variant, False)
+    engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=chain, config=config)
+    # one stack chained: its tails run and the other's products launch one at a time
+    assert engine.chain == {True: {"lm", "depth"}, False: set()}.get(chain, {chain})
+    tails = []  # the o weight of every chained tail launched
+    real_tail = frame_graph.block_tail
+    monkeypatch.setattr(frame_graph, "block_tail", lambda *args, **kw: (tails.append(args[4]), real_tail(*args, **kw)))
     if variant == "split_k":  # every product split (K is 32, 48 or 64 here), through the engine's workspace
         monkeypatch.setattr(linear, "default_config",
                             lambda m, n, k, swiglu=False: GemvConfig(256, 16, split_k=2 if k % 32 == 0 else 3))
@@ -45,6 +53,9 @@ def test_graph_engine_matches_the_reference_under_teacher_forcing(tiny_models, o
         plain_logits, _ = reference_teacher_forced(lm, depth, text_ids, codes)
         assert relative_error(logits, plain_logits).max() > 1e-4
     assert torch.equal(engine._state.codes[0, :3].long(), codes)
+    stacks = {"lm": engine.weights.blocks, "depth": engine.weights.depth_blocks}
+    chained = {stack for stack, blocks in stacks.items() if any(t is b.o for t in tails for b in blocks)}
+    assert chained == engine.chain
     if variant == "split_k":
         assert engine._state.gemv_workspace.counters.numel() > 0 and not engine._state.gemv_workspace.counters.any()
 
@@ -82,3 +93,11 @@ def test_graph_engine_needs_cuda(tiny_models, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         GraphEngine(*tiny_models, "cpu")
+
+
+def test_graph_config_refuses_an_unknown_stack_to_chain_and_chained_tails_with_pdl():
+    assert GraphConfig(chain="depth").chain == "depth"
+    with pytest.raises(ValueError, match="chain must be True, False, None or one of lm, depth"):
+        GraphConfig(chain="both")
+    with pytest.raises(ValueError, match="take no PDL"):
+        GraphConfig(chain="lm", pdl=True)
