@@ -4,6 +4,7 @@ on random weights with injected outlier input channels (a few columns of every q
 checkpoints have: 4 per 4,096 columns, the same density on a smaller model).
 
     python -m music3_demo.bench formats --size mid --frames 200                  # CPU, the 1/8-width model
+    python -m music3_demo.bench formats --size deep --frames 100 --schemes ...   # CPU, 1/8 width, all 36 LM layers
     python -m music3_demo.bench formats --size full --frames 200 --device cuda   # the real shapes, on a GPU (~40 GB)
 
 Figures per scheme, over every forced step's LM audio logits (the CFG pair), in one JSON object:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 
 import torch
@@ -43,6 +45,7 @@ MID = ModelSizes(
     depth_heads=8, depth_intermediate=768, dit_channels=8, dit_condition_dim=16, dit_layers=2, dit_heads=2,
     dit_head_dim=8, dit_ff=32, dit_rotary_dim=4, dit_fourier_dim=16, vocoder_input_dim=16, vocoder_hidden_dim=16,
 )
+DEEP = dataclasses.replace(MID, lm_layers=random_models.FULL.lm_layers)  # how int4's error grows with depth
 # int4 runs with its mode's 8-bit depth decoder (`precision.depth_mode`: int8 on the CPU, fp8 on an fp8 GPU; the
 # result's name says which); the last pair, an int4 depth decoder too, is
 # what that choice avoids.
@@ -51,8 +54,12 @@ SCHEMES = (Scheme("fp8", 0), Scheme("fp8", 128), Scheme("int8", 0), Scheme("int8
 # Measured again after column equalization of the LM (their names end in "+eq"); int4/g64 also with an fp8 depth
 # decoder (what fp8 GPUs run beside an int4 LM: the faster 8-bit tail) and with the int8 one named (what the other
 # GPUs run: on an fp8 GPU plain int4/g64 takes the fp8 one), and int8/g128 with an fp8 one for comparison.
+# int4/g64 with its first 2 or 4 LM layers in the depth decoder's 8 bits ("-first2"): an error made early in the
+# residual stream grows through every layer after it, so those layers weigh most (measure on `--size deep`: MID's 4
+# layers make one layer a quarter of the model).
 EQUALIZED = (Scheme("int8", 128), Scheme("int4", 64), Scheme("int4", 128), (Scheme("int4", 64), Scheme("fp8", 0)),
-             (Scheme("int4", 64), Scheme("int8", 128)), (Scheme("int8", 128), Scheme("fp8", 0)))
+             (Scheme("int4", 64), Scheme("int8", 128)), (Scheme("int8", 128), Scheme("fp8", 0)),
+             Scheme("int4", 64, first_layers=2), Scheme("int4", 64, first_layers=4))
 # Measured with the int8 KV cache: the weights unquantized ("kv/int8"), and the 1-byte LMs auto pairs it with.
 KV_INT8 = (None, Scheme("fp8", 0), Scheme("int8", 128))
 OUTLIER_COLUMNS, OUTLIER_GAIN = 4, 30.0  # per 4,096 input columns (at least one per Linear)
@@ -166,7 +173,8 @@ def _name(scheme: Scheme | tuple[Scheme, Scheme]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m music3_demo.bench formats",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=("mid", "full"), default="mid")
+    parser.add_argument("--size", choices=("mid", "deep", "full"), default="mid",
+                        help="mid: 1/8 width, 4 LM layers; deep: 1/8 width, the full model's 36 LM layers")
     parser.add_argument("--frames", type=int, default=200)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    sizes = MID if args.size == "mid" else random_models.FULL
+    sizes = {"mid": MID, "deep": DEEP, "full": random_models.FULL}[args.size]
     components = random_models.build_components(sizes, seed=args.seed, device=args.device)
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
     for name in ("condition_encoder", "transformer", "vocoder"):

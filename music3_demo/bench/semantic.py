@@ -198,17 +198,20 @@ def bench_semantic(
 def quantized_copy(lm, depth, mode: str, device: torch.device):
     """(lm, depth, QuantReport): a copy of the bf16 models with their Linear weights in `mode` ("int4+int8": an
     int4 LM with the depth decoder in int8's default scheme instead of the mode's own; "-words" after a 1-byte
-    mode: its bytes in byte MMA order, which no GPU takes by default, `qweight.byte_order_for`). The copy is
-    made module by module on the device (deepcopy), then quantized in place, which drops its bf16 weights as it
-    goes."""
+    mode: its bytes in byte MMA order, which no GPU takes by default, `qweight.byte_order_for`; "int4-firstN": its
+    first N LM layers in the depth decoder's 8 bits, `quant.Scheme.first_layers`). The copy is made module by
+    module on the device (deepcopy), then quantized in place, which drops its bf16 weights as it goes."""
     import copy
+    import dataclasses
 
     from ..semantic.quant import DEFAULT_SCHEMES, quantize_model_
 
     lm_mode, _, depth_mode = mode.partition("+")
     words = lm_mode.endswith(WORDS)
+    lm_mode, _, first = lm_mode.removesuffix(WORDS).partition("-first")
+    scheme = dataclasses.replace(DEFAULT_SCHEMES[lm_mode], first_layers=int(first)) if first else None
     lm_copy, depth_copy = copy.deepcopy(lm), copy.deepcopy(depth)
-    report = quantize_model_(lm_copy, depth_copy, lm_mode.removesuffix(WORDS), device,
+    report = quantize_model_(lm_copy, depth_copy, lm_mode, device, scheme,
                              depth_scheme=DEFAULT_SCHEMES[depth_mode] if depth_mode else None,
                              byte_order=True if words else None)
     torch.cuda.empty_cache()
@@ -265,7 +268,8 @@ def bench_batch(components: dict, batches: list[int], prompt_tokens: int, frames
 
 COMPARE = "@compare"  # the suffix of an engine run with `--compare-tuning`'s table
 WORDS = "-words"  # the suffix of a 1-byte precision with its bytes in byte MMA order (`quantized_copy`)
-PRECISION_NAMES = ("bf16", "fp8", "int8", "int4", "int4+int8", "int4+fp8", "fp8-words", "int8-words")
+PRECISION_NAMES = ("bf16", "fp8", "int8", "int4", "int4+int8", "int4+fp8", "fp8-words", "int8-words", "int4-first2",
+                   "int4-first4")
 
 
 def _parts(name: str) -> tuple[tuple[str, str], str]:

@@ -145,13 +145,16 @@ class FrameGraph:
                    w.audio_embed, lm_h, w.audio_vocab)
         # 4. One LM decode step at each song's position, attending over its live context only.
         scale = w.head_dim**-0.5
+        config = None  # the tail config of the block before (None: unchained)
         for index, block in enumerate(w.blocks):
-            # layer 0 reads the feedback embedding frame_tail wrote (float32 only); chained, each later block's
-            # q|k|v comes from the tail before it
-            if index == 0 or "lm" not in self.chain:
-                self._gemv(s, lm_h16 if index else lm_h, block.qkv, qkv, norm_weight=block.ln1, eps=w.eps)
+            # Layer 0 reads the feedback embedding frame_tail wrote (float32 only); after a chained tail that did not
+            # write this block's q|k|v (`_next`), h (the tail's h16 is its scratch); after products launched one at
+            # a time, their bf16 copy of h.
+            if index == 0 or not (config is not None and self._next("lm", w.blocks[index - 1], block)):
+                self._gemv(s, lm_h16 if index and config is None else lm_h, block.qkv, qkv, norm_weight=block.ln1,
+                           eps=w.eps)
             k_cache, v_cache, k_scale, v_scale = s.layer_caches(index)
-            following = w.blocks[index + 1] if index + 1 < len(w.blocks) else None
+            following = self._next("lm", block, w.blocks[index + 1] if index + 1 < len(w.blocks) else None)
             config, attn16 = self._tail_config("lm", block, following, attn, lm_h, s)
             decode_attention(qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, attn,
                              s.attention, scale, w.eps, pdl=self.pdl, base=s.base[:songs], k_scale=k_scale,
@@ -182,6 +185,13 @@ class FrameGraph:
             depth_attention(qkv, out, s.dcache[index, 0, : rows // new], s.dcache[index, 1, : rows // new], base,
                             new, scale, pdl=self.pdl, out16=out16)
             self._block_tail(block, following, out, h, h16, act, qkv, w.depth_eps, s, per_song, config, out16)
+
+    def _next(self, stack: str, block: Block, following: Block | None) -> Block | None:
+        """`following` where `block`'s chained tail also runs its q|k|v: in the same stack, chained, and in the same
+        weight format (one tail launch reads one format: an int4 LM's 8-bit first layers hand over unchained)."""
+        if following is None or stack not in self.chain:
+            return None
+        return following if weight_format(following.qkv) == weight_format(block.o) else None
 
     def _tail_config(self, stack: str, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor,
                      s: DeviceState) -> tuple[TailConfig | None, torch.Tensor | None]:

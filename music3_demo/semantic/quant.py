@@ -22,6 +22,7 @@ What is left as it is, and why:
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -38,6 +39,7 @@ from .kernels.qweight import (
 )
 
 SUPPORTED = ("bf16", "fp8", "int8", "int4")
+_LM_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 FP8_MAX, INT8_MAX, INT4_MAX = 448.0, 127.0, 7.0
 QMAX = {"fp8": FP8_MAX, "int8": INT8_MAX, "int4": INT4_MAX}
 
@@ -46,14 +48,17 @@ QMAX = {"fp8": FP8_MAX, "int8": INT8_MAX, "int4": INT4_MAX}
 class Scheme:
     """A weight format: `fmt` "fp8", "int8" or "int4", `group` 0 for one scale per output channel (not int4), else
     one per output channel and `group` input columns (the model-wide group is the largest divisor of every K up to
-    this)."""
+    this). `first_layers` (an LM's scheme): its first decoder layers in the depth decoder's scheme instead (an int4
+    LM's first layers at 8 bits: an error made early in the residual stream grows through every layer after it)."""
 
     fmt: str
     group: int = 0
+    first_layers: int = 0
 
     @property
     def name(self) -> str:
-        return f"{self.fmt}/{'channel' if not self.group else f'g{self.group}'}"
+        first = f"-first{self.first_layers}" if self.first_layers else ""
+        return f"{self.fmt}/{'channel' if not self.group else f'g{self.group}'}{first}"
 
 
 # The scheme of each mode: the one with the smallest effect on the model for its bytes (`bench formats`,
@@ -198,12 +203,12 @@ class QuantReport:
 
 
 def precision_of(language_model, depth_decoder=None) -> str:
-    """"bf16" (or the model's float dtype), "fp8", "int8" or "int4" (the LM's: an int4 LM's depth decoder is int8):
-    what the modules hold."""
+    """"bf16" (or the model's float dtype), "fp8", "int8" or "int4" (the LM's: an int4 LM's depth decoder, and the
+    first layers of a `Scheme.first_layers` one, are 8-bit): what the modules hold."""
     for model in (language_model, depth_decoder):
-        for module in ([] if model is None else model.modules()):
-            if isinstance(module, QuantizedLinear):
-                return module.fmt
+        formats = {m.fmt for m in ([] if model is None else model.modules()) if isinstance(m, QuantizedLinear)}
+        if formats:
+            return "int4" if "int4" in formats else formats.pop()
     dtype = language_model.model.embed_tokens.weight.dtype
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
 
@@ -285,8 +290,11 @@ class LayerQuantizer:
                 self.report.notes.append(note)
             self.formats[component] = (chosen.fmt, group)
         self.group = self.formats["language_model"][1]
+        self.first_layers = scheme.first_layers  # LM layers in the depth decoder's format
         names_used = [Scheme(*self.formats[c]).name for c in self.formats]
         self.report.scheme = names_used[0] + (f", depth {names_used[1]}" if names_used[1] != names_used[0] else "")
+        if self.first_layers:
+            self.report.scheme += f", LM layers 0-{self.first_layers - 1} {names_used[1]}"
         self.report.group = self.group
 
     def place(self, component: str, name: str, tensor: torch.Tensor) -> bool:
@@ -300,18 +308,28 @@ class LayerQuantizer:
         parent, child, linear = target
         started = time.perf_counter()
         linear.weight = nn.Parameter(tensor, requires_grad=False)
-        parent._modules[child] = _swap(linear, *self.formats[component], self.device, self.report, self.byte_order)
+        parent._modules[child] = _swap(linear, *self._format(component, name), self.device, self.report,
+                                       self.byte_order)
         self.seconds += time.perf_counter() - started
         return True
 
     def _quantize_layer(self, index: int) -> None:
         """The equalized LM layer `index`, its weights in its Linear modules: each quantized into its place."""
         for part in LINEARS:
-            parent, child, linear = self.targets.pop(("language_model", f"model.layers.{index}.{part}.weight"))
+            name = f"model.layers.{index}.{part}.weight"
+            parent, child, linear = self.targets.pop(("language_model", name))
             started = time.perf_counter()
-            parent._modules[child] = _swap(linear, *self.formats["language_model"], self.device, self.report,
+            parent._modules[child] = _swap(linear, *self._format("language_model", name), self.device, self.report,
                                            self.byte_order)
             self.seconds += time.perf_counter() - started
+
+    def _format(self, component: str, name: str) -> tuple[str, int]:
+        """(fmt, group) of a block weight: its component's, but the depth decoder's for the LM's first layers."""
+        if component == "language_model" and self.first_layers:
+            match = _LM_LAYER.match(name)
+            if match and int(match[1]) < self.first_layers:
+                return self.formats["rvq_depth_decoder"]
+        return self.formats[component]
 
     def swap_all(self) -> None:
         """Quantize every block weight still waiting (the modules already hold their weights: quantize_model_),

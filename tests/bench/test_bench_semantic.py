@@ -32,7 +32,8 @@ def test_bench_engine_names_map_to_graph_engine_options():
 def test_bench_int4_engines_name_their_depth_decoders_format():
     """`--precision int4+int8` / `int4+fp8`: an int4 LM with the depth decoder in that format's default scheme,
     whatever the GPU's own choice (`precision.depth_mode`), so one call times both beside each other; so does a
-    1-byte mode with "-words" against column order."""
+    1-byte mode with "-words" against column order, and "int4-firstN" (its first N LM layers at the depth
+    decoder's 8 bits) against plain int4."""
     import torch
 
     from music3_demo import random_models
@@ -40,9 +41,10 @@ def test_bench_int4_engines_name_their_depth_decoders_format():
     components = random_models.build_components(random_models.TINY, seed=0)
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
     schemes = {mode: quantized_copy(lm, depth, mode, torch.device("cpu"))[2].scheme
-               for mode in ("int4", "int4+int8", "int4+fp8")}
+               for mode in ("int4", "int4+int8", "int4+fp8", "int4-first2+fp8")}
     assert schemes == {"int4": "int4/g16, depth int8/g16", "int4+int8": "int4/g16, depth int8/g16",
-                       "int4+fp8": "int4/g16, depth fp8/channel"}
+                       "int4+fp8": "int4/g16, depth fp8/channel",
+                       "int4-first2+fp8": "int4/g16, depth fp8/channel, LM layers 0-1 fp8/channel"}
     # "-words": the 1-byte weights in byte MMA order, which no GPU takes by default
     lm_q, depth_q, report = quantized_copy(lm, depth, "int8-words", torch.device("cpu"))
     assert report.scheme == "int8/g16" and lm_q.model.layers[0].mlp.down_proj.ordered

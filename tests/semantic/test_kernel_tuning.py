@@ -56,10 +56,11 @@ def engine_requests(tuning: Tuning, chain: bool, model: str = "full", precision:
     """What the full-size (or tiny) graph engine asks its tuning for over one sampled and one teacher-forced frame
     (weights on the meta device, kernel launches skipped)."""
     from music3_demo.semantic import frame_graph
+    from music3_demo.semantic.config import chained_stacks
 
     recording = _Recording(tuning)
     engine = meta_engine(recording, precision, model)  # the full-size modules are built once per process
-    engine.chain = chain
+    engine.chain = chained_stacks(chain)
     skipped = {name: (lambda *a, **k: None) for name in ("gemv", "block_tail", "decode_attention", "depth_attention",
                                                          "cfg_sample", "frame_tail", "rmsnorm")}
     saved = {name: getattr(frame_graph, name) for name in skipped}

@@ -273,8 +273,9 @@ def test_fp8_needs_capability_8_9_and_bad_modes_get_one_sentence(monkeypatch):
 
 @pytest.mark.parametrize("scheme,chain,capability", [
     (Scheme("int8", 16), False, None), (Scheme("fp8", 0), True, None), (Scheme("int4", 16), True, None),
-    (Scheme("int4", 16), True, (9, 0))],
-                         ids=["int8-g16-gemv", "fp8-channel-tail", "int4-g16-tail", "int4-g16-fp8-depth"])
+    (Scheme("int4", 16), True, (9, 0)), (Scheme("int4", 16, first_layers=1), True, None)],
+                         ids=["int8-g16-gemv", "fp8-channel-tail", "int4-g16-tail", "int4-g16-fp8-depth",
+                              "int4-g16-first-layer-int8"])
 def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weights(scheme, chain, capability):
     """Teacher forcing on the tiny model (float32 activations, interpreter): the engine built from the swapped
     modules (fused q|k|v and gate|up rows with their scales, the audio head, depth heads and tables) computes what
@@ -289,6 +290,9 @@ def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weig
     assert report.scheme.endswith("depth fp8/channel") == (capability is not None)
     engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=chain)
     assert engine.precision == scheme.fmt and isinstance(engine.weights.blocks[0].qkv, QWeight)
+    kinds = [block.o.kind for block in engine.weights.blocks]
+    # first_layers: layer 0 in the depth decoder's 8 bits, its tail handing layer 1's q|k|v (int4) over unchained
+    assert kinds == ["int8"] * scheme.first_layers + [scheme.fmt] * (len(kinds) - scheme.first_layers)
     generator = torch.Generator().manual_seed(20)
     text_ids = torch.randint(0, 250, (2, 10), generator=generator)
     codes = random_codes(2, generator)
