@@ -93,7 +93,6 @@ class GraphEngine:
         self.buckets = tuple(sorted({min(bucket, self.slots) for bucket in BUCKETS}))
         self.pdl = config.pdl and pdl_supported(device)
         self.attention_splits = config.attention_splits
-        # the stacks whose block tails run chained (empty: one launch per product everywhere)
         self.chain = chained_stacks((device.type == "cuda" and not self.pdl) if config.chain is None else config.chain)
         self.kv_pool_positions = kv_pool_positions
         with on_device(device):  # the stream, graph pool and pinned flags belong to this device's context
