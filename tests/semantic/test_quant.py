@@ -273,14 +273,16 @@ def test_fp8_needs_capability_8_9_and_bad_modes_get_one_sentence(monkeypatch):
 
 @pytest.mark.parametrize("scheme,chain,capability", [
     (Scheme("int8", 16), False, None), (Scheme("fp8", 0), True, None), (Scheme("int4", 16), True, None),
-    (Scheme("int4", 16), True, (9, 0)), (Scheme("int4", 16, first_layers=1), True, None)],
+    (Scheme("int4", 16), True, (9, 0)), (Scheme("int4", 16, first_layers=1), True, None),
+    (Scheme("int4", 16), "depth", None)],
                          ids=["int8-g16-gemv", "fp8-channel-tail", "int4-g16-tail", "int4-g16-fp8-depth",
-                              "int4-g16-first-layer-int8"])
+                              "int4-g16-first-layer-int8", "int4-g16-lm-gemv"])
 def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weights(scheme, chain, capability):
     """Teacher forcing on the tiny model (float32 activations, interpreter): the engine built from the swapped
     modules (fused q|k|v and gate|up rows with their scales, the audio head, depth heads and tables) computes what
     the HF modules compute on the dequantized weights; int4: the int4 mode (an int8 depth decoder, or on an fp8 GPU
-    an fp8 one), whose LM blocks run their chained tails on packed int4 words."""
+    an fp8 one), whose LM blocks run their chained tails on packed int4 words, or one GEMV a product (the depth
+    decoder's tails alone chained), or with its first layer at 8 bits."""
     from music3_demo import random_models
     from music3_demo.semantic.graph import GraphEngine
 
