@@ -145,12 +145,12 @@ class FrameGraph:
                    w.audio_embed, lm_h, w.audio_vocab)
         # 4. One LM decode step at each song's position, attending over its live context only.
         scale = w.head_dim**-0.5
-        config = None  # the tail config of the block before (None: unchained)
+        config, following = None, None  # the block before's tail config (None: unchained) and its `_next`
         for index, block in enumerate(w.blocks):
-            # Layer 0 reads the feedback embedding frame_tail wrote (float32 only); after a chained tail that did not
-            # write this block's q|k|v (`_next`), h (the tail's h16 is its scratch); after products launched one at
-            # a time, their bf16 copy of h.
-            if index == 0 or not (config is not None and self._next("lm", w.blocks[index - 1], block)):
+            # Unless the tail before wrote this block's q|k|v: layer 0 reads the feedback embedding frame_tail wrote
+            # (float32 only); after a chained tail, h (the tail's h16 is its scratch); after products launched one
+            # at a time, their bf16 copy of h.
+            if config is None or following is None:
                 self._gemv(s, lm_h16 if index and config is None else lm_h, block.qkv, qkv, norm_weight=block.ln1,
                            eps=w.eps)
             k_cache, v_cache, k_scale, v_scale = s.layer_caches(index)
