@@ -92,7 +92,7 @@ def equalize_(language_model, alpha: float = ALPHA) -> None:
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 NORMS = ("input_layernorm", "post_attention_layernorm")
-_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")  # a decoder layer's weight: (index, part)
 
 
 class LayerGatherer:
@@ -108,7 +108,7 @@ class LayerGatherer:
         self.waiting: dict[int, set[str]] = {}  # layer -> parts still to come
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
-        match = _LAYER_TENSOR.fullmatch(name)
+        match = LAYER_TENSOR.fullmatch(name)
         if match is None or match[2] not in LINEARS + NORMS:
             return False
         index = int(match[1])

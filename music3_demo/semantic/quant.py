@@ -22,7 +22,6 @@ What is left as it is, and why:
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -33,13 +32,12 @@ from torch import nn
 from .. import contract as c
 from ..precision import EQUALIZED, depth_mode
 from ..weights_stream import buffers_to
-from .equalize import LINEARS, LayerGatherer, equalize_
+from .equalize import LAYER_TENSOR, LINEARS, LayerGatherer, equalize_
 from .kernels.qweight import (
     INT4_ZERO, QWeight, byte_mma_order, byte_order_for, byte_permute, int4_mma_order, int4_permute,
 )
 
 SUPPORTED = ("bf16", "fp8", "int8", "int4")
-_LM_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 FP8_MAX, INT8_MAX, INT4_MAX = 448.0, 127.0, 7.0
 QMAX = {"fp8": FP8_MAX, "int8": INT8_MAX, "int4": INT4_MAX}
 
@@ -326,7 +324,7 @@ class LayerQuantizer:
     def _format(self, component: str, name: str) -> tuple[str, int]:
         """(fmt, group) of a block weight: its component's, but the depth decoder's for the LM's first layers."""
         if component == "language_model" and self.first_layers:
-            match = _LM_LAYER.match(name)
+            match = LAYER_TENSOR.fullmatch(name)
             if match and int(match[1]) < self.first_layers:
                 return self.formats["rvq_depth_decoder"]
         return self.formats[component]
