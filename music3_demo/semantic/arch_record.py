@@ -23,6 +23,7 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
+from .config import chain_setting, resolve_chain
 from .kernels import linear, matmul, tail, tail_config
 from .kernels.qweight import WORD_CANDIDATES, QWeight, byte_order_for
 from .kernels.tuning import Target, Tuning, tuning_for_target
@@ -65,15 +66,16 @@ class _StandInDriver:
 
 
 def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv_format: str = "bf16",
-                slots: int | None = None):
+                slots: int | None = None, chain: bool | str | None = None):
     """The graph engine over the random-full (or tiny) model's language model and depth decoder, on the meta device,
-    with its weights in `precision` (bf16, or fp8/int8/int4 in their default schemes), its KV cache in `kv_format`
-    and `slots` batch places (None: the engine's default)."""
+    with its weights in `precision` (bf16, or fp8/int8/int4 in their default schemes), its KV cache in `kv_format`,
+    `slots` batch places (None: the engine's default) and the block tails of `chain` chained (None: those a GPU
+    engine chains on these weights, `config.resolve_chain`)."""
     import copy
 
     from .. import random_models
     from . import graph
-    from .quant import quantize_model_
+    from .quant import quantize_model_, quantized_stacks
 
     if (model, "bf16", None) not in _MODELS:  # built once per process (the engine fuses their weights again per target)
         with torch.device("meta"):
@@ -90,7 +92,8 @@ def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv
         _MODELS[model, precision, capability] = (lm, depth)
     lm, depth = _MODELS[model, precision, capability]
     with patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
-        return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=True, tuning=tuning,
+        chain = chain_setting(resolve_chain(chain, True, quantized_stacks(lm, depth)))
+        return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=chain, tuning=tuning,
                                  kv_format=kv_format, slots=slots)
 
 
@@ -142,6 +145,8 @@ def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",), mod
     for precision in precisions:
         _record(meta_engine(tuning, precision, model), target, launches,
                 routes=precision if precision in ("fp8", "int8") and model == "full" else None, copies=True)
+        if precision != "bf16":  # quantized stacks run unchained by default; their chained tails stay an option
+            _record(meta_engine(tuning, precision, model, chain=True), target, launches)
     if model == "full":  # the int8 KV cache: its decode attention (every other launch is the bf16 engine's)
         _record(meta_engine(tuning, "bf16", model, kv_format="int8"), target, launches)
     return tuning, list(launches.values())

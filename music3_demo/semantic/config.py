@@ -18,6 +18,22 @@ def chained_stacks(chain: bool | str | None) -> frozenset[str]:
     return frozenset(STACKS) if chain else frozenset()
 
 
+def chain_setting(stacks: frozenset[str]) -> bool | str:
+    """The `GraphConfig.chain` value that chains exactly `stacks` (`chained_stacks`'s inverse)."""
+    return stacks == frozenset(STACKS) or (next(iter(stacks)) if stacks else False)
+
+
+def resolve_chain(chain: bool | str | None, on_gpu: bool, quantized: frozenset[str]) -> frozenset[str]:
+    """The stacks an engine chains: `chain`'s, or where it is None, on a GPU (without PDL) the stacks whose weights
+    are bf16 (`quantized`: the others). On 1-byte and int4 weights one launch per product is faster: the chained
+    tails run one or two programs an SM where the separate GEMVs run many (docs/PERFORMANCE.md: on an H100 every
+    quantized format gained 6-16% frames/s unchained, each stack unchained on its own gaining part of it; bf16 lost
+    3%)."""
+    if chain is not None:
+        return chained_stacks(chain)
+    return frozenset(STACKS) - quantized if on_gpu else frozenset()
+
+
 @dataclass(frozen=True)
 class GraphConfig:
     replay_block: int = 8  # frames replayed between two looks at the end flag (and the yield granularity)
@@ -28,9 +44,10 @@ class GraphConfig:
     # only, kept for the bench's A/B and its no-bit-changes test. Ignored where the device or Triton cannot do it.
     pdl: bool = False
     # Each block's products after attention (and the next block's q|k|v) in one persistent launch with grid barriers
-    # (`kernels/tail.py`), a small gain at every prompt length in bf16. None: on a GPU without PDL; on the CPU
-    # interpreter (tests) True runs one launch per product of the same kernel. "lm" or "depth" chains that stack's
-    # blocks only (the other's run one launch per product): which stack gains from it may depend on the format.
+    # (`kernels/tail.py`), a small gain at every prompt length in bf16 and a loss on quantized weights. None: on a
+    # GPU without PDL, the stacks on bf16 weights (`resolve_chain`); on the CPU interpreter (tests) True runs one launch
+    # per product of the same kernel. "lm" or "depth" chains that stack's blocks only (the other's run one launch
+    # per product).
     chain: bool | str | None = None
     # Songs advanced together by one replay (2 rows each; a product takes at most 16 rows, so 8 at most). Graphs are
     # captured per bucket of 1, 2, 4, 8 songs up to this; `engine.slots` is this number. The default is the maximum:

@@ -30,13 +30,14 @@ import torch
 from .. import contract as c
 from ..devices import check_launch_device, normalize, on_device
 from ..events import check_cancel
-from .config import GraphConfig, chained_stacks
+from .config import GraphConfig, resolve_chain
 from .engine import SamplingSettings, check_prefix
 from .engine_stream import EngineStream
 from .frame_graph import FrameGraph
 from .kernels import interpreting, pdl_supported
 from .kernels.tuning import Tuning, tuning_for
 from .prefill import copy_prompt, prefill
+from .quant import quantized_stacks
 from .run import FrameRun, Occupancy, SongStats
 from .scheduler import BatchScheduler, Block, RoundPlan, ScheduledSong, pool_positions, song_positions
 from .state import DeviceState
@@ -93,7 +94,8 @@ class GraphEngine:
         self.buckets = tuple(sorted({min(bucket, self.slots) for bucket in BUCKETS}))
         self.pdl = config.pdl and pdl_supported(device)
         self.attention_splits = config.attention_splits
-        self.chain = chained_stacks((device.type == "cuda" and not self.pdl) if config.chain is None else config.chain)
+        self.chain = resolve_chain(config.chain, device.type == "cuda" and not self.pdl,
+                                   quantized_stacks(language_model, depth_decoder))
         self.kv_pool_positions = kv_pool_positions
         with on_device(device):  # the stream, graph pool and pinned flags belong to this device's context
             self.weights = prepare_weights(language_model, depth_decoder, config.tables_on_host)
@@ -140,13 +142,11 @@ class GraphEngine:
         return FrameRun(lambda run: sing(run, text_ids, max_frames, sampling, seed, prefix, cancel, urgent_frames))
 
     @torch.no_grad()
-    def teacher_forced(
-        self, text_ids: torch.Tensor, codes: torch.Tensor, cfg_scale: float = c.AR_CFG_SCALE
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def teacher_forced(self, text_ids: torch.Tensor, codes: torch.Tensor,
+                       cfg_scale: float = c.AR_CFG_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the frame graph with `codes` ([steps, 8]: code0 < 16384, residuals < 1024) in place of the sampled
-        ones. Returns the LM audio logits of every step ([steps, 2, 16385]) and the emitted frames
-        ([steps - 1, 8·hidden]); the reference computation on the same codes must agree within bf16 rounding.
-        The engine must be idle (no song on it)."""
+        ones. Returns the LM audio logits of every step ([steps, 2, 16385]) and the emitted frames ([steps - 1,
+        8·hidden]); the reference computation on the same codes must agree within bf16 rounding. Idle engine only."""
         steps = codes.shape[0]
         with self._exclusive(), on_device(self.device):
             check_launch_device(self.device, "The graph engine")

@@ -211,6 +211,12 @@ def precision_of(language_model, depth_decoder=None) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
 
 
+def quantized_stacks(language_model, depth_decoder) -> frozenset[str]:
+    """The stacks ("lm": the decoder layers, "depth": the depth decoder) whose Linear weights are quantized."""
+    stacks = (("lm", language_model.model.layers), ("depth", depth_decoder))
+    return frozenset(name for name, root in stacks if any(isinstance(m, QuantizedLinear) for m in root.modules()))
+
+
 def linear_targets(language_model, depth_decoder) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, name, module) of every Linear to quantize: the LM's decoder layers and all of the depth decoder's
     (projection, attention, MLP, audio heads)."""

@@ -252,7 +252,7 @@ def test_a_tail_with_fp16_copies_reads_the_copy_its_attention_kernel_wrote(halve
             cfg = self.tuning.tail(*key)
             return replace(with_products(cfg, lambda _, c: replace(c, convert=BITS_F16)), halves=halves)
 
-    engine = meta_engine(Copies(tuning_for_target(H200)), "int8")
+    engine = meta_engine(Copies(tuning_for_target(H200)), "int8", chain=True)
     calls = []
     stubs = {name: (lambda *a, **k: None) for name in ("gemv", "cfg_sample", "frame_tail", "rmsnorm")}
     stubs.update(decode_attention=lambda *a, **k: calls.append(("attention", a[8], k.get("out16"))),
