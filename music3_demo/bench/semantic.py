@@ -281,9 +281,9 @@ def _parts(name: str) -> tuple[tuple[str, str], str]:
 
 def graph_variant(name: str) -> dict:
     """GraphEngine options of a bench engine name: graph[-pdl|-chain|-unchained|-chain-lm|-chain-depth][-s<attention
-    splits>][-kv8]; plain `graph` is the engine's default (chained block tails on a GPU), `graph-unchained` one
-    launch per product, `-chain-lm` / `-chain-depth` the one stack's tails chained and the other's unchained, `-kv8`
-    the int8 KV cache."""
+    splits>][-kv8]; plain `graph` is the engine's default (on a GPU the bf16 stacks' block tails chained),
+    `graph-chain` both stacks chained, `graph-unchained` one launch per product, `-chain-lm` / `-chain-depth` the one
+    stack's tails chained and the other's unchained, `-kv8` the int8 KV cache."""
     match = re.fullmatch(r"graph(-pdl|-chain-lm|-chain-depth|-chain|-unchained)?(?:-s(\d+))?(-kv8)?", name)
     if match is None:
         raise ValueError(f"unknown engine {name!r}: choose reference or "
