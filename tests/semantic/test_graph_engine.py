@@ -109,11 +109,12 @@ def test_a_gpu_engine_chains_the_block_tails_of_bf16_stacks_only(precision, chai
     launch per product (measured faster); the meta engine that precompile and the compile test record is that
     engine, and asked for, the chained tails stay on quantized weights."""
     from music3_demo.semantic.arch_record import meta_engine
-    from music3_demo.semantic.config import resolve_chain
     from music3_demo.semantic.kernels.tuning import Target, tuning_for_target
 
     tuning = tuning_for_target(Target("NVIDIA H200", 90, 132))
     assert meta_engine(tuning, precision, "tiny").chain == chained
     assert meta_engine(tuning, precision, "tiny", chain=True).chain == {"lm", "depth"}
+    from music3_demo.semantic.config import resolve_chain
+
     assert resolve_chain(None, True, frozenset({"lm"})) == {"depth"}  # (an int4 LM beside a bf16 depth decoder)
     assert resolve_chain(None, False, frozenset()) == frozenset()  # (the interpreter: one launch per product)
