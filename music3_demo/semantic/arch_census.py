@@ -122,12 +122,13 @@ def tail_census(launch, capability: int) -> dict:
 
 
 def census(capability: int, precision: str, table: str | None = None) -> dict:
-    """The tails of one frame of the full-size engine in `precision` on a typical GPU of `capability`: the LM's
-    tail (with the next block) and the depth decoder's, each the first launched."""
+    """The tails of one frame of the full-size engine in `precision`, both stacks chained (quantized ones run one
+    launch per product by default), on a typical GPU of `capability`: the LM's tail (with the next block) and the
+    depth decoder's, each the first launched."""
     name, sms = TYPICAL.get(capability, (f"sm_{capability}", 128))
     target = Target(name, capability, sms)
     tuning = tuning_for_target(target, table)
-    engine = meta_engine(tuning, precision)
+    engine = meta_engine(tuning, precision, chain=True)
     hidden = engine.weights.blocks[0].gate_up.shape[0]
     tails = {}
     for launch in record_engine(engine, target):
