@@ -22,6 +22,12 @@ MULTI_GROUP = [_G(64, 256, 4, 4, 1, True), _G(32, 512, 4, 4), _G(64, 256, 8, 4, 
 MULTI_GROUP_INT4 = [_G(64, 256, 4, 6, 1, True), _G(128, 256, 8, 4, 1, True), _G(64, 512, 4, 4, 1, True),
                     _G(32, 512, 4, 6), _G(128, 128, 4, 8, 1, True), _G(64, 128, 4, 8, 1, True),
                     _G(16, 512, 4, 6), _G(64, 256, 4, 4, 2, True), _G(256, 128, 8, 4, 1, True)]
+# K split 4 and 8 ways: a quantized GEMV converts its weights in registers, so one program of 4 warps per SM (the
+# 4096-row products at split 2: 128 programs) leaves each scheduler one warp to hide the conversion's latency;
+# more programs a row block give each SM two or more. Where the products now carry the whole frame (the tails are
+# opt-in), the sweep offers them for every format.
+DEEP_SPLIT = [_G(64, 256, 4, 4, 4, True), _G(32, 256, 4, 4, 4, True), _G(64, 256, 4, 3, 8, True),
+              _G(32, 256, 4, 6, 4), _G(64, 128, 4, 6, 4, True)]
 
 
 def tiles(group: int, kind: str = "") -> list[GemvConfig]:
@@ -30,8 +36,9 @@ def tiles(group: int, kind: str = "") -> list[GemvConfig]:
     Packed int4 carries half a 1-byte tile's bytes: K tiles within its group (64 columns: 32 or 64), wider rows and
     deeper pipelines; a TMA block row is 16 bytes at least (K tiles of 32 columns and more). A 32-row tile of 2
     warps (mma.sync's [2, 1]) converts each weight once, where 4 warps ([2, 2]) convert it twice. Then, for both, tiles
-    spanning several groups (MULTI_GROUP*: fp16 routes only; `fits_shape` leaves them out of the others). The first,
-    fourth and eighth tile of a grid (the routes' ranking: `route_tiles`) lie within one group."""
+    spanning several groups (MULTI_GROUP*: fp16 routes only; `fits_shape` leaves them out of the others), and K split
+    4 and 8 ways (DEEP_SPLIT). The first, fourth and eighth tile of a grid (the routes' ranking: `route_tiles`) lie
+    within one group."""
     G = GemvConfig
     if kind == "int4":
         grid = [G(32, 64, 4, 8), G(64, 64, 4, 8), G(64, 64, 4, 12, 1, True), G(128, 64, 4, 8, 1, True),
@@ -39,18 +46,18 @@ def tiles(group: int, kind: str = "") -> list[GemvConfig]:
                 G(64, 32, 4, 16, 1, True), G(128, 32, 4, 12, 1, True), G(32, 64, 4, 8, 2), G(64, 64, 4, 8, 2, True)]
         if group >= 128:
             grid += [G(64, 128, 4, 8, 1, True), G(128, 128, 4, 6, 1, True), G(128, 128, 8, 6, 1, True)]
-        grid = [c for c in grid if not group % c.block_k] + MULTI_GROUP_INT4
+        grid = [c for c in grid if not group % c.block_k] + MULTI_GROUP_INT4 + DEEP_SPLIT
     elif group:
         grid = [G(16, 128, 4, 8), G(32, 128, 4, 8), G(64, 128, 4, 6), G(64, 128, 8, 6), G(32, 128, 4, 8, 1, True),
                 G(32, 128, 4, 12, 1, True), G(64, 128, 4, 8, 1, True), G(128, 128, 4, 4, 1, True),
                 G(128, 128, 8, 6, 1, True), G(64, 64, 4, 12, 1, True), G(32, 128, 4, 8, 2), G(64, 128, 4, 6, 2),
-                G(32, 128, 4, 8, 2, True), G(32, 128, 2, 8, 1, True)] + [c for c in MULTI_GROUP if c.block_k > group]
+                G(32, 128, 4, 8, 2, True), G(32, 128, 2, 8, 1, True)] + [c for c in MULTI_GROUP if c.block_k > group] + DEEP_SPLIT
     else:
         grid = [G(16, 512, 4, 4), G(16, 512, 4, 6), G(32, 512, 4, 4), G(32, 256, 4, 6), G(64, 256, 4, 4),
                 G(64, 256, 8, 4), G(16, 1024, 4, 3), G(32, 512, 4, 4, 1, True), G(32, 256, 4, 8, 1, True),
                 G(64, 256, 4, 4, 1, True), G(64, 256, 4, 6, 1, True), G(128, 128, 4, 6, 1, True),
                 G(128, 256, 8, 3, 1, True), G(32, 512, 4, 4, 2), G(16, 512, 4, 6, 2), G(64, 256, 4, 4, 2, True),
-                G(32, 256, 2, 8, 1, True)]
+                G(32, 256, 2, 8, 1, True)] + DEEP_SPLIT
     return [c for c in grid if shared_bytes(c, 2, 1) <= SHARED_LIMIT]
 
 

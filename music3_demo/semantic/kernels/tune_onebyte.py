@@ -17,7 +17,7 @@ Writes the table file given (default tuning-onebyte.json): this GPU's packaged t
 keys ending ("w1", kind, group), which `--tuning` of the bench takes. Prints per shape the best 1-byte time against
 bf16's tuned config and the bandwidth reached, then the routes' totals.
 Run: python -m music3_demo.semantic.kernels.tune_onebyte [out.json] [--formats fp8/channel,int8/g128,int4/g64]
-[--budget 300] [--dry]
+[--budget 300] [--gemvs-only] [--dry]
 """
 
 from __future__ import annotations
@@ -231,6 +231,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; later stages/formats are cut")
     parser.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     parser.add_argument("--dry", action="store_true", help="list the candidates only (no GPU)")
+    parser.add_argument("--gemvs-only", action="store_true",
+                        help="no chained tails (a GPU engine runs quantized stacks one launch per product)")
     args = parser.parse_args()
     formats = args.formats.split(",")
     started = time.perf_counter()
@@ -278,6 +280,8 @@ def main() -> None:
               f"{time.perf_counter() - started:.0f} s", flush=True)
 
     def tune_tails(fmt: str, which: str) -> None:
+        if args.gemvs_only:
+            return
         # an int4 LM keeps its depth decoder at 8 bits (`precision.depth_mode`): no int4 depth tail runs
         for family in [f for f in FAMILIES if not (FORMATS[fmt][0] == "int4" and f == "depth")]:
             if left() < 25:
