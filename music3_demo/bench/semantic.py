@@ -134,13 +134,17 @@ def bench_semantic(
     bandwidth = measure_copy_bandwidth(device)
     tuning = tuning_for(device, tuning_path)
     tunings = {"": tuning, COMPARE: tuning_for(device, compare_path) if compare_path is not None else None}
-    graph = GraphEngine(lm, depth, device, tuning=tuning)
+    # Every engine's KV pool holds this run's longest song and no more: sized from the free memory, as an engine
+    # outside a pipeline is, the first engines would take most of the card from the ones built after them.
+    pool = bench_pool_positions(prompt_tokens, frames)
+    graph = GraphEngine(lm, depth, device, tuning=tuning, kv_pool_positions=pool)
     byte_models = {"graph": bytes_model(graph)}
     built = {"graph": graph, "reference": ReferenceEngine(lm, depth)}
     for name in engines:  # variants of the graph engine on the same weights, timed in the same process
         if name not in built:
             (base, mode), table = _parts(name)
-            built[name] = GraphEngine(*models[mode][:2], device, tuning=tunings[table], **graph_variant(base))
+            built[name] = GraphEngine(*models[mode][:2], device, tuning=tunings[table], kv_pool_positions=pool,
+                                      **graph_variant(base))
             byte_models.setdefault(name, bytes_model(built[name]))
     runs = []
     for tokens in prompt_tokens:
@@ -193,6 +197,14 @@ def bench_semantic(
         "teacher_forced_check": checks,
         **({"quantized": quantized, "frames_per_s_by_engine": precision_rates} if quantized else {}),
     }
+
+
+def bench_pool_positions(prompt_tokens: list[int], frames: int) -> int:
+    """KV pool positions of one bench engine: its longest song (the timed one or the warm-up), with the empty
+    places' parking positions."""
+    from ..semantic.scheduler import PARKING, song_positions
+
+    return song_positions(max(prompt_tokens), max(frames, WARMUP_FRAMES)) + PARKING
 
 
 def quantized_copy(lm, depth, mode: str, device: torch.device):

@@ -66,3 +66,19 @@ def test_bench_bytes_model_counts_the_engines_weights_and_cache(one_block_models
     assert model.lm > sum(p.numel() for p in lm.model.layers.parameters()) * 4
     weights = engine.weights
     assert model.depth > (weights.num_codebooks - 1) * sum(b.qkv.numel() for b in weights.depth_blocks) * 4
+
+
+def test_bench_engines_hold_their_longest_song_and_no_more(one_block_models):
+    """Each bench engine's KV pool is fixed at the run's longest song (the timed one or the warm-up), not a share of
+    the free memory: five engines sized from the free memory took an 80 GB card, so twelve did not fit."""
+    from music3_demo.bench.semantic import WARMUP_FRAMES, bench_pool_positions
+    from music3_demo.semantic.graph import GraphEngine
+    from music3_demo.semantic.scheduler import PARKING, song_positions
+
+    pool = bench_pool_positions([40, 24], 30)
+    assert pool == song_positions(40, 30) + PARKING
+    assert bench_pool_positions([40], 3) == song_positions(40, WARMUP_FRAMES) + PARKING
+    lm, depth = one_block_models
+    engine = GraphEngine(lm, depth, "cpu", attention_splits=2, kv_pool_positions=pool)
+    engine.reserve(40, 30)
+    assert engine._state.pool_positions == pool  # as given: a longer pool would take memory from the next engine
