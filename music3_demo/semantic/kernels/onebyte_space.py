@@ -33,7 +33,8 @@ DEEP_SPLIT = [_G(64, 256, 4, 4, 4, True), _G(32, 256, 4, 4, 4, True), _G(64, 256
 def tiles(group: int, kind: str = "") -> list[GemvConfig]:
     """The tile grid: a 1-byte tile carries half the bytes of a bf16 tile of its shape, so longer K tiles
     (per-channel) or more stages (per-group: K tiles within a 128-column group) keep as many bytes in flight.
-    Packed int4 carries half a 1-byte tile's bytes: K tiles within its group (64 columns: 32 or 64), wider rows and
+    Per channel also the depth decoder's bf16 winners' bytes a stage (64 rows, 8 KB, deep TMA pipelines). Packed
+    int4 carries half a 1-byte tile's bytes: K tiles within its group (64 columns: 32 or 64), wider rows and
     deeper pipelines; a TMA block row is 16 bytes at least (K tiles of 32 columns and more). A 32-row tile of 2
     warps (mma.sync's [2, 1]) converts each weight once, where 4 warps ([2, 2]) convert it twice. Then, for both, tiles
     spanning several groups (MULTI_GROUP*: fp16 routes only; `fits_shape` leaves them out of the others), and K split
@@ -57,7 +58,8 @@ def tiles(group: int, kind: str = "") -> list[GemvConfig]:
                 G(64, 256, 8, 4), G(16, 1024, 4, 3), G(32, 512, 4, 4, 1, True), G(32, 256, 4, 8, 1, True),
                 G(64, 256, 4, 4, 1, True), G(64, 256, 4, 6, 1, True), G(128, 128, 4, 6, 1, True),
                 G(128, 256, 8, 3, 1, True), G(32, 512, 4, 4, 2), G(16, 512, 4, 6, 2), G(64, 256, 4, 4, 2, True),
-                G(32, 256, 2, 8, 1, True)] + DEEP_SPLIT
+                G(32, 256, 2, 8, 1, True), G(64, 128, 4, 8, 1, True), G(64, 64, 4, 12, 1, True),
+                G(64, 128, 4, 6, 2, True)] + DEEP_SPLIT
     return [c for c in grid if shared_bytes(c, 2, 1) <= SHARED_LIMIT]
 
 
