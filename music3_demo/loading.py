@@ -185,9 +185,12 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, ch
     quantizers = []
 
     def quantizing(skeletons: dict):
-        from .semantic.quant import LayerQuantizer
+        from .semantic.quant import DEFAULT_SCHEMES, LayerQuantizer
 
-        quantizer = LayerQuantizer(skeletons["language_model"], skeletons["rvq_depth_decoder"], choice.mode, device)
+        first = choice.first_layers  # (an int4 LM's first layers in its depth decoder's 8 bits: the memory plan's)
+        scheme = replace(DEFAULT_SCHEMES[choice.mode], first_layers=first) if first else None
+        quantizer = LayerQuantizer(skeletons["language_model"], skeletons["rvq_depth_decoder"], choice.mode, device,
+                                   scheme=scheme)
         quantizers.append(quantizer)
         return lambda component, name, tensor: component in QUANTIZED_COMPONENTS and quantizer.place(component,
                                                                                                      name, tensor)

@@ -150,7 +150,7 @@ class MemoryPlan:
         if not self.on_gpu or self.figures is None:
             return replace(self, engine=engine)
         plan = layout(self.figures, self.free_bytes, self.capability, self.lm.mode, self.dit.mode, engine,
-                      self.stages, self.kv, self.headroom, self.swap)
+                      self.stages, self.kv, self.headroom, self.swap, self.lm.first_layers)
         return replace(plan, lm=self.lm, dit=self.dit, why=self.why)
 
     on_gpu = property(lambda self: self.free_bytes is not None)
@@ -200,7 +200,10 @@ class MemoryPlan:
         return self.longest_s(songs=self.slots or 1)
 
     def modes(self) -> str:
-        return (f"{self.lm.mode} LM, {self.dit.mode} DiT" + (", int8 KV cache" if self.kv == "int8" else "")
+        first = self.lm.first_layers
+        lm = f"{self.lm.mode} LM" + (
+            f" (layers 0-{first - 1} {depth_mode(self.lm.mode, self.capability)})" if first else "")
+        return (f"{lm}, {self.dit.mode} DiT" + (", int8 KV cache" if self.kv == "int8" else "")
                 + (", the stages in turn" if self.swap else ""))
 
     def too_long(self, prompt_tokens: int, frames: int) -> str | None:
@@ -286,15 +289,18 @@ def _merges(dit_bucket: int, vocoder_bucket: int) -> int:
 
 def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engine: str,
            stages: tuple[str, ...] = STAGES, kv: str = "bf16", headroom: int | None = None,
-           swap: bool = False) -> MemoryPlan:
+           swap: bool = False, first_layers: int = 0) -> MemoryPlan:
     """The plan for one set of modes on `free` bytes (`kv`: the graph engine's KV format; the reference's: bf16;
-    `headroom`: the desktop's share, headroom_for(free) unless given; `swap`: the stages take turns)."""
+    `headroom`: the desktop's share, headroom_for(free) unless given; `swap`: the stages take turns;
+    `first_layers`: an int4 LM's first decoder layers in the depth decoder's 8 bits)."""
     f, semantic, flow = figures, "semantic" in stages, "flow" in stages
     swap = swap and semantic and flow
     kv = kv if engine == "graph" and semantic else "bf16"
     weights: dict[str, int] = {}
     if semantic:
-        weights["language_model"] = _stored(f.lm_blocks, lm, 2) + 2 * f.lm_other
+        first = f.lm_blocks // f.lm_layers * first_layers if lm == "int4" else 0  # (every layer the same size)
+        weights["language_model"] = (_stored(f.lm_blocks - first, lm, 2) + _stored(first, depth_mode(lm, capability), 2)
+                                     + 2 * f.lm_other)
         weights["depth_decoder"] = _stored(f.depth_blocks, depth_mode(lm, capability), 2) + 2 * f.depth_other
         if engine == "graph":
             weights["audio_head"] = _stored(f.audio_head, lm, 2)
@@ -345,7 +351,8 @@ def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engi
     base_flow = (DIT_CALL_BYTES + max(vocoder, DIT_CALL_BYTES)) if flow else 0
     room = room_beside(base_flow)
     plan = MemoryPlan(
-        lm=PrecisionChoice(lm, lm, ""), dit=PrecisionChoice(dit, dit, ""), engine=engine, stages=stages, kv=kv,
+        lm=PrecisionChoice(lm, lm, "", first_layers if lm == "int4" else 0), dit=PrecisionChoice(dit, dit, ""),
+        engine=engine, stages=stages, kv=kv,
         free_bytes=free, capability=capability, weights=weights, load_peak=load_peak,
         flow_working=base_flow, runtime=runtime, headroom=headroom, kv_bytes_per_position=per_position,
         vocoder_tile=tile, swap=swap, figures=figures,

@@ -5,9 +5,11 @@ turns) and why. The figures of one set of modes are memory_layout.py's.
 bf16 then an int8 KV cache, whose plan holds a 6-minute song alone and two 2-minute songs at once
 (REFERENCE_PROMPT_TOKENS each); fp8 needs sm_89+ (int8 is the LM's 1-byte mode before it; the DiT stays bf16 there).
 Where none does, the first that does with less of the desktop's share; else the one holding the longest song. An
-int4 LM only where no 8-bit one fits. Where no such plan fits and holds a 2-minute song alone, the stages take turns
-on the device (memory_layout's `swap`), chosen the same way, if that holds a 2-minute song (or streaming does not
-fit at all); where nothing fits, the plan that does not is returned (its load then says so in one sentence).
+int4 LM only where no 8-bit one fits, its first layers at 8 bits (`precision.int4_first_layers`) where that holds
+what auto asks with the desktop's whole share (never at the cost of the share). Where no such plan fits and holds a
+2-minute song alone, the stages take turns on the device (memory_layout's `swap`), chosen the same way, if that
+holds a 2-minute song (or streaming does not fit at all); where nothing fits, the plan that does not is returned (its
+load then says so in one sentence).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from .memory_layout import FULL_SLOT_SONG_S, GB, HEADROOM_FIXED, HEADROOM_FLOOR,
 from .memory_layout import headroom_for, layout
 from .model_figures import ModelFigures
 from .precision import PrecisionChoice, check_dit_precision, check_kv_precision, check_precision
-from .precision import fp8_capable, refuse_unsupported, sm_name
+from .precision import fp8_capable, int4_first_layers, refuse_unsupported, sm_name
 
 USEFUL_ALONE_S = c.MAX_DURATION_S  # auto's test: the longest song alone ...
 USEFUL_TOGETHER = (2, 120.0)  # ... and two 2-minute songs at once
@@ -38,12 +40,14 @@ def check_swap(requested: str) -> str:
 def _with_share(plan: MemoryPlan, share: int) -> MemoryPlan:
     """`plan`'s modes on the same card with `share` bytes kept for the desktop."""
     return layout(plan.figures, plan.free_bytes, plan.capability, plan.lm.mode, plan.dit.mode, plan.engine,
-                  plan.stages, plan.kv, share, plan.swap)
+                  plan.stages, plan.kv, share, plan.swap, plan.lm.first_layers)
 
 
 def _giving_way(plan: MemoryPlan, enough=None, floor: int = HEADROOM_FIXED) -> MemoryPlan | None:
     """`plan`'s modes with the desktop's share cut, HEADROOM_STEP at a time down to `floor`, to the largest share at
     which `enough(plan)` (default: `_useful`, what auto asks of a card); None where even the floor's does not."""
+    if plan.lm.first_layers:  # (8-bit first layers are worth song length, not the desktop's share)
+        return None
     enough = enough or _useful
     headroom = plan.headroom - HEADROOM_STEP
     while headroom > floor - HEADROOM_STEP:
@@ -154,9 +158,12 @@ def plan_memory(
     pairs = [(lm, dit) for lm in lms for dit in dits if not (lm_auto and dit_auto and lm == "bf16" and dit != "bf16")]
     kvs = ["bf16", "int8"] if kv_auto and engine == "graph" and "semantic" in stages else [kv_asked]
 
+    # An int4 LM with its first layers at 8 bits (precision.int4_first_layers) before one without, for each DiT
+    firsts = {"int4": sorted({int4_first_layers(figures.lm_layers), 0}, reverse=True)}
+
     def plans(turns: bool) -> list[MemoryPlan]:
-        return [layout(figures, free_bytes, capability, lm, dit, engine, stages, kv, swap=turns)
-                for lm, dit in pairs for kv in kvs]
+        return [layout(figures, free_bytes, capability, lm, dit, engine, stages, kv, swap=turns, first_layers=first)
+                for lm, dit in pairs for first in firsts.get(lm, [0]) for kv in kvs]
 
     chosen, useful = (None, False) if swap == "on" and both else _choose(plans(False), lm_auto)
     why = ("the first that holds a 6-minute song alone and two 2-minute songs at once" if useful else
@@ -181,5 +188,5 @@ def plan_memory(
               + (f"; songs up to {duration_text(chosen.longest_alone_s)} alone" if chosen.slots else "") + ".")
     lm_reason = reason if lm_auto else f"{chosen.lm.mode} as asked (--precision {precision}); {reason}"
     dit_reason = reason if dit_auto else f"{chosen.dit.mode} as asked (--dit-precision {dit_precision}); {reason}"
-    return replace(chosen, lm=PrecisionChoice(chosen.lm.mode, precision, lm_reason),
+    return replace(chosen, lm=PrecisionChoice(chosen.lm.mode, precision, lm_reason, chosen.lm.first_layers),
                    dit=PrecisionChoice(chosen.dit.mode, dit_precision, dit_reason), why=why)

@@ -37,7 +37,7 @@ CARDS = (16, 24, 48, 80, 141)
 SM86, SM89 = (8, 6), (8, 9)
 # (free GB, fp8 GPU) -> (LM, DiT, slots, longest song at full slots, alone in s); None: nothing fits that card.
 EXPECTED = {
-    (16, False): ("int4", "bf16", 3, 144.0, 360.0), (16, True): ("fp8", "fp8", 2, 164.4, 360.0),
+    (16, False): ("int4", "bf16", 2, 200.24, 360.0), (16, True): ("fp8", "fp8", 2, 164.4, 360.0),
     (24, False): ("int8", "bf16", 4, 133.84, 360.0), (24, True): ("fp8", "bf16", 4, 138.96, 360.0),
     (48, False): ("bf16", "bf16", 8, 284.96, 360.0), (48, True): ("bf16", "bf16", 8, 284.96, 360.0),
     (80, False): ("bf16", "bf16", 8, 360.0, 360.0), (80, True): ("bf16", "bf16", 8, 360.0, 360.0),
@@ -127,8 +127,10 @@ def test_a_16_gb_card_loads_with_1_byte_weights_an_int8_kv_cache_and_a_tiled_voc
     assert four.longest_s() == c.MAX_DURATION_S and process_bytes(four) <= 14.5 * GiB
     assert four.headroom == headroom_for(four.free_bytes)
     # without fp8 the DiT stays bf16 (2.4 GB more) and no 8-bit LM fits: auto takes int4 there, with an int8 cache
+    # (its first 4 layers at int8: precision.int4_first_layers)
     older = plan(16, SM86)
-    assert older.fits and (older.lm.mode, older.dit.mode, older.kv, older.slots) == ("int4", "bf16", "int8", 3)
+    assert older.fits and (older.lm.mode, older.dit.mode, older.kv, older.slots) == ("int4", "bf16", "int8", 2)
+    assert older.lm.first_layers == 4
     assert older.why.startswith("no 8-bit language model fits") and older.longest_s() == c.MAX_DURATION_S
 
 
@@ -341,7 +343,8 @@ def test_the_fp8_dit_arrives_after_the_self_check_so_the_load_peak_is_the_larger
 def test_auto_takes_an_int4_lm_only_where_no_8_bit_one_fits():
     """auto's last resort is an int4 LM (its depth decoder at 8 bits: 0.5625 and 1.03 bytes per weight on sm_86,
     its int8; fp8's 1.004 where the GPU converts fp8): a 16 GB sm_86 card, where int8 does not fit, runs it (with a
-    bf16 cache two slots and a 5 min 38 s song; auto's int8 cache gives three slots and 6 minutes); a 20 GB one
+    bf16 cache two slots and a 5 min 38 s song; auto's int8 cache gives two slots, 6 minutes and its first 4 layers
+    at int8); a 20 GB one
     keeps int8, as a 16 GB sm_89 card keeps fp8 (two slots, 6 minutes alone with an int8 cache), though int4 would
     hold more there: it costs accuracy (and on a fast card speed). `--precision int4` asks for it anywhere."""
     from music3_demo.memory_layout import BYTES_PER_WEIGHT
@@ -357,7 +360,7 @@ def test_auto_takes_an_int4_lm_only_where_no_8_bit_one_fits():
     assert not plan(16, SM86, precision="int8", swap="off").fits
     p = plan(16, SM86, kv_precision="bf16")
     assert p.fits and (p.lm.mode, p.dit.mode, p.slots) == ("int4", "bf16", 2) and 338 <= p.longest_alone_s < 339
-    assert (plan(16, SM86).kv, plan(16, SM86).slots, plan(16, SM86).longest_alone_s) == ("int8", 3, 360.0)
+    assert (plan(16, SM86).kv, plan(16, SM86).slots, plan(16, SM86).longest_alone_s) == ("int8", 2, 360.0)
     int8 = plan(24, SM86)
     assert int8.lm.mode == "int8"
     assert p.weights["language_model"] < 0.55 * int8.weights["language_model"]
@@ -368,6 +371,31 @@ def test_auto_takes_an_int4_lm_only_where_no_8_bit_one_fits():
     assert small.fits and (small.lm.mode, small.dit.mode) == ("int4", "fp8")
     asked = plan(141, precision="int4")
     assert (asked.lm.mode, asked.lm.requested, asked.slots) == ("int4", "int4", 8) and "as asked" in asked.lm.reason
+
+
+def test_an_int4_lm_keeps_its_first_layers_at_8_bits_where_the_card_holds_them_with_the_desktops_whole_share():
+    """`precision.int4_first_layers` (a ninth: 4 of the full model's 36 layers, none of the small models'): the plan
+    stores them in the depth decoder's 8 bits where that plan does what auto asks without cutting the desktop's
+    share (a 10 GB card, a 16 GB sm_86 one, `--precision int4` on a 12 GB one), else plain int4 (the 8 GB card's
+    2-minute song needs the share cut); the banner names them."""
+    from music3_demo.memory_layout import BYTES_PER_WEIGHT
+    from music3_demo.precision import int4_first_layers
+
+    assert [int4_first_layers(n) for n in (36, 18, 8, 4, 2)] == [4, 2, 0, 0, 0]
+    ten = plan(9 * GiB / GB)
+    plain = plan_memory(FULL, int(9 * GiB), SM89, precision="int4", swap="on")
+    layers = FULL.lm_blocks // FULL.lm_layers * 4
+    assert (ten.lm.mode, ten.lm.first_layers, ten.swap, ten.longest_alone_s) == ("int4", 4, True, 360.0)
+    assert ten.headroom == headroom_for(ten.free_bytes) and "int4 LM (layers 0-3 fp8), fp8 DiT" in ten.lm.reason
+    assert ten.weights["language_model"] - int(FULL.lm_blocks * BYTES_PER_WEIGHT["int4"]) - 2 * FULL.lm_other in (
+        int(layers * BYTES_PER_WEIGHT["fp8"]) - int(layers * BYTES_PER_WEIGHT["int4"]) + d for d in (-1, 0, 1))
+    assert plain.lm.first_layers == 4  # (asked for, int4 takes them too where they fit)
+    eight = plan((7 * GiB - CONTEXT) / GB)
+    assert (eight.lm.mode, eight.lm.first_layers) == ("int4", 0) and eight.headroom < HEADROOM_FIXED
+    assert "layers 0-" not in eight.lm.reason
+    assert "int4 LM (layers 0-3 int8)" in plan(16, SM86).modes()
+    assert plan(16).lm.first_layers == 0  # (an fp8 LM)
+    assert plan_memory(FULL, None, None, precision="int4").lm.first_layers == 0  # (off a GPU: nothing planned)
 
 
 def test_where_both_stages_do_not_fit_they_take_turns_and_streaming_stays_where_it_holds_two_minutes():

@@ -289,3 +289,14 @@ def test_a_per_code_table_is_built_block_by_block_into_its_own_rows():
     assert table.shape == (30, 3) and torch.equal(table[:, 0], torch.arange(6.0).repeat_interleave(5))
     with pytest.raises(ValueError, match="29 rows"):
         _table(iter([torch.zeros(29, 3)]), 30, on_host=False)
+
+
+def test_a_plans_int4_choice_with_8_bit_first_layers_loads_them_at_8_bits():
+    """The plan's int4 LM with its first layers at the depth decoder's 8 bits (`PrecisionChoice.first_layers`,
+    memory_plan): the streamed load quantizes those layers so, the rest at int4, and the report names them."""
+    from music3_demo.semantic.quant import QuantizedLinear
+
+    lm = loading.load_model(resolve("tiny"), torch.device("cpu"), torch.float32,
+                            PrecisionChoice("int4", "auto", "test", first_layers=1))["language_model"]
+    kinds = [{m.fmt for m in layer.modules() if isinstance(m, QuantizedLinear)} for layer in lm.model.layers]
+    assert kinds == [{"int8"}] + [{"int4"}] * (len(kinds) - 1) and len(kinds) >= 2

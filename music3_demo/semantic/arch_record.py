@@ -66,31 +66,35 @@ class _StandInDriver:
 
 
 def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv_format: str = "bf16",
-                slots: int | None = None, chain: bool | str | None = None):
+                slots: int | None = None, chain: bool | str | None = None, first_layers: int = 0):
     """The graph engine over the random-full (or tiny) model's language model and depth decoder, on the meta device,
-    with its weights in `precision` (bf16, or fp8/int8/int4 in their default schemes), its KV cache in `kv_format`,
-    `slots` batch places (None: the engine's default) and the block tails of `chain` chained (None: those a GPU
-    engine chains on these weights, `config.resolve_chain`)."""
+    with its weights in `precision` (bf16, or fp8/int8/int4 in their default schemes; an int4 LM's `first_layers`
+    in its depth decoder's 8 bits), its KV cache in `kv_format`, `slots` batch places (None: the engine's default)
+    and the block tails of `chain` chained (None: those a GPU engine chains on these weights,
+    `config.resolve_chain`)."""
     import copy
+    import dataclasses
 
     from .. import random_models
     from . import graph
-    from .quant import quantize_model_, quantized_stacks
+    from .quant import DEFAULT_SCHEMES, quantize_model_, quantized_stacks
 
-    if (model, "bf16", None) not in _MODELS:  # built once per process (the engine fuses their weights again per target)
+    base = (model, "bf16", None, 0)
+    if base not in _MODELS:  # built once per process (the engine fuses their weights again per target)
         with torch.device("meta"):
             models = random_models._make_models(random_models.FULL if model == "full" else random_models.TINY)
-        _MODELS[model, "bf16", None] = (models["language_model"].to(torch.bfloat16),
-                                        models["rvq_depth_decoder"].to(torch.bfloat16))
+        _MODELS[base] = (models["language_model"].to(torch.bfloat16), models["rvq_depth_decoder"].to(torch.bfloat16))
     # (quantized for the architecture: an int4 LM's depth decoder is fp8 or int8 by it, `precision.depth_mode`, and
     # 1-byte weights take byte MMA order where `qweight.byte_order_for` says so)
     target = getattr(tuning, "target", None) if precision != "bf16" else None
     capability = target.version if target is not None else None
-    if (model, precision, capability) not in _MODELS:
-        lm, depth = (copy.deepcopy(m) for m in _MODELS[model, "bf16", None])
-        quantize_model_(lm, depth, precision, "meta", capability=capability)
-        _MODELS[model, precision, capability] = (lm, depth)
-    lm, depth = _MODELS[model, precision, capability]
+    key = (model, precision, capability, first_layers)
+    if key not in _MODELS:
+        lm, depth = (copy.deepcopy(m) for m in _MODELS[base])
+        scheme = dataclasses.replace(DEFAULT_SCHEMES[precision], first_layers=first_layers) if first_layers else None
+        quantize_model_(lm, depth, precision, "meta", scheme, capability=capability)
+        _MODELS[key] = (lm, depth)
+    lm, depth = _MODELS[key]
     with patched(graph, interpreting=lambda: True):  # lets the engine stand on a non-CUDA device
         chain = chain_setting(resolve_chain(chain, True, quantized_stacks(lm, depth)))
         return graph.GraphEngine(lm, depth, "meta", use_graphs=False, pdl=False, chain=chain, tuning=tuning,

@@ -86,7 +86,8 @@ def start(device, plan) -> Precompile | None:
 
     target = Target.of(device)
     args = {"name": target.name, "capability": target.capability, "sms": target.sms,
-            "shared": target.shared_per_block, "precision": plan.lm.mode, "kv": plan.kv, "slots": plan.slots,
+            "shared": target.shared_per_block, "precision": plan.lm.mode, "first_layers": plan.lm.first_layers,
+            "kv": plan.kv, "slots": plan.slots,
             "figures": dataclasses.asdict(plan.figures), "workers": workers()}
     if marker(args).exists():  # compiled into this cache before, from the same code: nothing to wait for
         return None
@@ -144,7 +145,8 @@ def record(args: dict, model: str) -> list:
 
     target = Target(args["name"], args["capability"], args["sms"], args["shared"])
     tuning = tuning_for_target(target)
-    engine = meta_engine(tuning, args["precision"], model, args["kv"], slots=args["slots"])
+    engine = meta_engine(tuning, args["precision"], model, args["kv"], slots=args["slots"],
+                         first_layers=args.get("first_layers", 0))
     return record_engine(engine, target, engine.buckets)
 
 

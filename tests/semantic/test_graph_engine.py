@@ -118,3 +118,15 @@ def test_a_gpu_engine_chains_the_block_tails_of_bf16_stacks_only(precision, chai
 
     assert resolve_chain(None, True, frozenset({"lm"})) == {"depth"}  # (an int4 LM beside a bf16 depth decoder)
     assert resolve_chain(None, False, frozenset()) == frozenset()  # (the interpreter: one launch per product)
+
+
+def test_the_precompile_records_an_int4_lm_with_its_first_layers_at_8_bits_as_the_plan_loads_it():
+    """The meta engine the precompile records for a plan's int4 LM with 8-bit first layers (`first_layers`) holds
+    them in the depth decoder's format for the target (fp8 on sm_90), as the card's load quantizes them."""
+    from music3_demo.semantic.arch_record import meta_engine
+    from music3_demo.semantic.kernels.tuning import Target, tuning_for_target
+
+    tuning = tuning_for_target(Target("NVIDIA H200", 90, 132))
+    engine = meta_engine(tuning, "int4", "tiny", first_layers=1)
+    assert [block.o.kind for block in engine.weights.blocks] == ["fp8"] + ["int4"] * (len(engine.weights.blocks) - 1)
+    assert {block.o.kind for block in meta_engine(tuning, "int4", "tiny").weights.blocks} == {"int4"}

@@ -14,10 +14,11 @@ muted so every song runs to its full length. Through the API (gradio_client), as
   handed to the flow stage in turns during the song, first audio <= 3 s (after its first chunk's frames
   and one round trip of the weights), the turns in its report, <= 10.5 GiB throughout. Again with `--precision
   int4` (`-k 11GiB-int4`): its 6 minutes, first audio <= 3 s, the same memory.
-- 9 GiB free (a 10 GB card): auto takes the int4 LM (no 8-bit one fits) with the stages in turn: a 6-minute song,
-  first audio <= 3 s, <= 8.5 GiB throughout.
-- 7 GiB free (an 8 GB card): the same modes, the desktop's share cut below its fixed 0.5 GiB to what holds a
-  2-minute song (memory_layout.HEADROOM_FLOOR at least): a 120-s song, first audio <= 3.5 s, <= 6.8 GiB throughout.
+- 9 GiB free (a 10 GB card): auto takes the int4 LM (no 8-bit one fits), its first 4 layers at 8 bits, with the
+  stages in turn: a 6-minute song, first audio <= 3 s, <= 8.5 GiB throughout.
+- 7 GiB free (an 8 GB card): the same modes but all int4 (the 8-bit layers would need the desktop's share), the
+  share cut below its fixed 0.5 GiB to what holds a 2-minute song (memory_layout.HEADROOM_FLOOR at least): a 120-s
+  song, first audio <= 3.5 s, <= 6.8 GiB throughout.
 
 About 8 minutes for the first two on an H200 (random-full loads in ~60 s, a 6-minute song takes ~90 s), the 12 GB
 card ~2 more, each int4 card ~3.5 (the 8 GB card ~3). The pytest process itself never touches CUDA (its context would
@@ -72,9 +73,10 @@ CARDS = [Card("24GB", 23.5, 22.5, 2.5, True, True), Card("16GB", 15.0, 14.5, 3.0
          # chunk's 200 frames take 1.6 s at int4's 125 frames/s (fp8's 145: 1.4 s), its turns move 4.9 GB: ~2.9 s
          Card("11GiB-int4", 11.0, 10.5, 3.0, False, True, ready_s=180.0, in_turn=True,
               app_args=("--precision", "int4")),
-         # a 10 GB card: no 8-bit LM fits beside a song, so auto takes int4 and the stages in turn (6 minutes)
+         # a 10 GB card: no 8-bit LM fits beside a song, so auto takes int4 (its first 4 layers at fp8) and the
+         # stages in turn (6 minutes)
          Card("10GB", 9.0, 8.5, 3.0, False, True, ready_s=180.0, in_turn=True),
-         # an 8 GB card: the same, a 2-minute song (its plan's figure for a 1,000-token prompt is ~2 min 3 s)
+         # an 8 GB card: the same but all int4, a 2-minute song (its plan's figure for a 1,000-token prompt: ~2 min 3 s)
          Card("8GB", 7.0, 6.8, 3.5, False, False, ready_s=180.0, in_turn=True, least_song_s=120.0)]
 
 
