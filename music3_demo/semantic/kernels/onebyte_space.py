@@ -22,12 +22,13 @@ MULTI_GROUP = [_G(64, 256, 4, 4, 1, True), _G(32, 512, 4, 4), _G(64, 256, 8, 4, 
 MULTI_GROUP_INT4 = [_G(64, 256, 4, 6, 1, True), _G(128, 256, 8, 4, 1, True), _G(64, 512, 4, 4, 1, True),
                     _G(32, 512, 4, 6), _G(128, 128, 4, 8, 1, True), _G(64, 128, 4, 8, 1, True),
                     _G(16, 512, 4, 6), _G(64, 256, 4, 4, 2, True), _G(256, 128, 8, 4, 1, True)]
-# K split 4 and 8 ways: a quantized GEMV converts its weights in registers, so one program of 4 warps per SM (the
+# K split 4, 8 and 16 ways: a quantized GEMV converts its weights in registers, so one program of 4 warps per SM (the
 # 4096-row products at split 2: 128 programs) leaves each scheduler one warp to hide the conversion's latency;
 # more programs a row block give each SM two or more. Where the products now carry the whole frame (the tails are
 # opt-in), the sweep offers them for every format.
 DEEP_SPLIT = [_G(64, 256, 4, 4, 4, True), _G(32, 256, 4, 4, 4, True), _G(64, 256, 4, 3, 8, True),
-              _G(32, 256, 4, 6, 4), _G(64, 128, 4, 6, 4, True)]
+              _G(32, 256, 4, 6, 4), _G(64, 128, 4, 6, 4, True), _G(32, 256, 4, 3, 8, True),
+              _G(64, 256, 4, 2, 16, True)]
 
 
 def tiles(group: int, kind: str = "") -> list[GemvConfig]:
@@ -38,7 +39,7 @@ def tiles(group: int, kind: str = "") -> list[GemvConfig]:
     deeper pipelines; a TMA block row is 16 bytes at least (K tiles of 32 columns and more). A 32-row tile of 2
     warps (mma.sync's [2, 1]) converts each weight once, where 4 warps ([2, 2]) convert it twice. Then, for both, tiles
     spanning several groups (MULTI_GROUP*: fp16 routes only; `fits_shape` leaves them out of the others), and K split
-    4 and 8 ways (DEEP_SPLIT). The first, fourth and eighth tile of a grid (the routes' ranking: `route_tiles`) lie
+    4 to 16 ways (DEEP_SPLIT). The first, fourth and eighth tile of a grid (the routes' ranking: `route_tiles`) lie
     within one group."""
     G = GemvConfig
     if kind == "int4":
