@@ -52,7 +52,9 @@ def boundary(ranked: torch.Tensor, kept: torch.Tensor, each_side: int = 6) -> li
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the 16-round search on 16-bit keys
 @pytest.mark.parametrize("top_k", [7, 5])  # 7: the conditional top-k holds 9 tied codes; 5: exactly 5 (no 2nd search)
-@pytest.mark.parametrize("vocab", [64, 50])  # 50: lanes past the vocabulary in the kernel's block are masked
+# 50: lanes past the vocabulary in the kernel's block are masked; 65: the last code on a lane of its own (the LM's
+# end token past its 16,384 audio codes: `sample_block`)
+@pytest.mark.parametrize("vocab", [64, 50, 65])
 def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it(vocab, top_k, dtype):
     scale = 1.5
     logits = rand(2, vocab, seed=14).round(decimals=1)  # coarse values: ties at the thresholds happen
@@ -77,8 +79,9 @@ def test_cfg_sample_keeps_exactly_the_reference_top_k_set_and_races_within_it(vo
 
 
 @pytest.mark.parametrize("top_k", [3, 45])  # 47 codes over the top-k: the bisection; 5: dropped one by one
-def test_cfg_sample_when_every_conditional_logit_ties(top_k):
-    vocab, scale = 50, 1.5
+@pytest.mark.parametrize("vocab", [50, 65])
+def test_cfg_sample_when_every_conditional_logit_ties(top_k, vocab):
+    scale = 1.5
     logits = torch.stack([torch.zeros(vocab), torch.randperm(vocab, generator=torch.Generator().manual_seed(3)) / 8.0])
     logits = logits.to(torch.bfloat16)  # the conditional top-k keeps all 50; the guided logits all differ
     guided = guide(logits[0].float(), logits[1].float(), scale)
@@ -109,8 +112,8 @@ def test_cfg_sample_treats_minus_zero_as_zero_at_the_conditional_threshold(dtype
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("conditional", [True, False])
-def test_cfg_sample_with_top_k_beyond_the_vocabulary_keeps_every_code(conditional, dtype):
-    vocab = 50
+@pytest.mark.parametrize("vocab", [50, 65])
+def test_cfg_sample_with_top_k_beyond_the_vocabulary_keeps_every_code(conditional, dtype, vocab):
     logits = rand(2, vocab, seed=15).to(dtype)
     ranked = guide(logits[0].float(), logits[1].float(), 1.5)
     draws = boundary(ranked, torch.ones(vocab, dtype=torch.bool), each_side=10)  # the ten lowest-ranked codes
@@ -173,3 +176,36 @@ def test_frame_tail_emits_the_frame_and_the_reference_feedback(tiny_models):
         assert written == ([] if row is None else [row])
         if row is not None:
             assert torch.equal(frames[row], emitted)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("conditional", [True, False])
+def test_cfg_sample_with_the_last_code_on_a_lane_of_its_own_draws_what_the_whole_block_draws(
+        conditional, dtype, monkeypatch):
+    """`sample_block`: 65 codes on 64 lanes and a tail lane (the LM's 16,385 on 16,384 and one) draw, seed for
+    seed, the codes that 128 lanes draw, the last code among them (far ahead in some draws, level with code 0 in
+    the selection of the others)."""
+    from music3_demo.semantic.kernels import frame
+
+    vocab, draws = 65, 24
+    assert frame.sample_block(vocab) == 64 and frame.sample_block(64) == 64 and frame.sample_block(50) == 64
+    logits = rand(draws, 2, vocab, seed=16).round(decimals=1)
+    logits[: draws // 2, :, vocab - 1] += 8.0  # the last code far ahead in half the draws ...
+    logits[draws // 2:, :, vocab - 1] = logits[draws // 2:, :, 0]  # ... level with code 0 in the others
+    logits = logits.to(dtype)
+    seeds = torch.arange(draws, dtype=torch.int64) * 7919
+
+    def sample() -> torch.Tensor:
+        codes = torch.full((draws,), -1, dtype=torch.int32)
+        cfg_sample(logits, None, torch.tensor([1.5]), torch.tensor([5], dtype=torch.int32), codes,
+                   torch.zeros(1, dtype=torch.int32), conditional_top_k=conditional, seeds=(seeds, 3))
+        return codes
+
+    with_tail = sample()
+    monkeypatch.setattr(frame, "sample_block", triton_next_power_of_2)
+    assert torch.equal(with_tail, sample())
+    assert (with_tail == vocab - 1).sum() >= draws // 4 and (with_tail != vocab - 1).any()
+
+
+def triton_next_power_of_2(vocab: int) -> int:
+    return 1 << (vocab - 1).bit_length()

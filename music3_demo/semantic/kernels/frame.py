@@ -54,34 +54,49 @@ def _ordered_key(values, valid, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(key, valid, top_k, BITS: tl.constexpr):
-    """The k-th largest valid key (all valid ones count when top_k exceeds them): the largest t with
-    count(key >= t) >= top_k, by bisection between the smallest and the largest valid key (< 2^BITS apart)."""
-    lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
-    hi = tl.max(key, axis=0).to(tl.int64)
+def _kth_largest(key, valid, tkey, tvalid, top_k, BITS: tl.constexpr):
+    """The k-th largest valid key of the block and its tail (`tkey`: the lanes past the block's power of two; all
+    valid ones count when top_k exceeds them): the largest t with count(key >= t) >= top_k, by bisection between the
+    smallest and the largest valid key (< 2^BITS apart)."""
+    lo = tl.minimum(tl.min(tl.where(valid, key, 2147483647), axis=0),
+                    tl.min(tl.where(tvalid, tkey, 2147483647), axis=0)).to(tl.int64)
+    hi = tl.maximum(tl.max(key, axis=0), tl.max(tkey, axis=0)).to(tl.int64)
     for _ in range(BITS):
         mid = (lo + hi + 1) >> 1
-        ok = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0) >= top_k
+        above = (tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+                 + tl.sum((tkey >= mid.to(tl.int32)).to(tl.int32), axis=0))
+        ok = above >= top_k
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
     return lo.to(tl.int32)
 
 
 @triton.jit
-def _kth_largest_of_few_surplus(key, keep, top_k, SURPLUS: tl.constexpr = 16):
+def _count(flags, tflags):
+    return tl.sum(flags.to(tl.int32), axis=0) + tl.sum(tflags.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _least(key, keep, tkey, tkeep):
+    return tl.minimum(tl.min(tl.where(keep, key, 2147483647), axis=0),
+                      tl.min(tl.where(tkeep, tkey, 2147483647), axis=0))
+
+
+@triton.jit
+def _kth_largest_of_few_surplus(key, keep, tkey, tkeep, top_k, SURPLUS: tl.constexpr = 16):
     """`_kth_largest` for a set that holds top_k keys plus a few (the conditional top-k's ties): with at most
     SURPLUS keys over top_k, drop whole groups of equal smallest keys while they fit in the surplus (each drop
     removes at least one key, so at most SURPLUS rounds of two reductions, against the bisection's 32)."""
-    surplus = tl.sum(keep.to(tl.int32), axis=0) - top_k
+    surplus = _count(keep, tkeep) - top_k
     if surplus > SURPLUS:
-        threshold = _kth_largest(key, keep, top_k, 32)
+        threshold = _kth_largest(key, keep, tkey, tkeep, top_k, 32)
     else:
-        threshold = tl.min(tl.where(keep, key, 2147483647), axis=0)
-        at = tl.sum((keep & (key == threshold)).to(tl.int32), axis=0)
+        threshold = _least(key, keep, tkey, tkeep)
+        at = _count(keep & (key == threshold), tkeep & (tkey == threshold))
         while (at <= surplus) & (at > 0):  # at == 0 only past the largest key (top_k < 1): stop there
             surplus -= at
-            threshold = tl.min(tl.where(keep & (key > threshold), key, 2147483647), axis=0)
-            at = tl.sum((keep & (key == threshold)).to(tl.int32), axis=0)
+            threshold = _least(key, keep & (key > threshold), tkey, tkeep & (tkey > threshold))
+            at = _count(keep & (key == threshold), tkeep & (tkey == threshold))
     return threshold
 
 
@@ -100,46 +115,60 @@ def _cfg_sample_kernel(
     end_ptr, stride_end, end_index, seeds_ptr, draw,
     table_rows, table_ptr, stride_t, copy_ptr, stride_copy, stride_cp, table2_ptr, stride_t2, copy2_ptr, stride_copy2,
     stride_cp2,
-    BLOCK_V: tl.constexpr, COND_TOPK: tl.constexpr, FORCED: tl.constexpr, HAS_END: tl.constexpr,
+    BLOCK_V: tl.constexpr, TAIL: tl.constexpr, COND_TOPK: tl.constexpr, FORCED: tl.constexpr, HAS_END: tl.constexpr,
     COPIES: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, PARTS: tl.constexpr, CHUNK2: tl.constexpr,
     CHUNKS2: tl.constexpr, PARTS2: tl.constexpr, SHIFT: tl.constexpr, PHILOX: tl.constexpr,
 ):
     """Program (sample r, copy slice c). Every copy slice repeats the (cheap) selection so no program waits for
     another; they all reach the same code. Each per-draw value (scale, top_k, step, forced steps, end flag, seed)
-    is read at r times its stride (stride 0: one value shared by every draw)."""
+    is read at r times its stride (stride 0: one value shared by every draw). The codes lie on BLOCK_V lanes and,
+    with TAIL, the last one (the LM's end token, past the 16,384 audio codes' power of two) on a lane of its own:
+    every round of the selection then reduces over half the lanes the next power of two would take."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     step = tl.load(step_ptr + r * stride_step)
     offs = tl.arange(0, BLOCK_V)
     valid = offs < V
+    toffs = BLOCK_V + tl.arange(0, 1)
+    tvalid = (toffs < V) & (TAIL > 0)
     base = logits_ptr + r * stride_lr
     scale = tl.load(scale_ptr + r * stride_scale)
     top_k = tl.load(top_k_ptr + r * stride_top_k)
     cond = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
-    keep = valid
+    tcond = tl.load(base + toffs, mask=tvalid, other=0.0).to(tl.float32)
+    keep, tkeep = valid, tvalid
     if COND_TOPK:
         # The reference keeps the conditional row's top-k (ties included) ...
-        cond_key = _ordered_key(cond, valid, SHIFT)
-        keep = valid & (cond_key >= _kth_largest(cond_key, valid, top_k, 32 - SHIFT))
+        cond_key, tcond_key = _ordered_key(cond, valid, SHIFT), _ordered_key(tcond, tvalid, SHIFT)
+        kth = _kth_largest(cond_key, valid, tcond_key, tvalid, top_k, 32 - SHIFT)
+        keep, tkeep = valid & (cond_key >= kth), tvalid & (tcond_key >= kth)
     # ... then (and for the depth codes, only) the top-k of the guided logits among those kept.
     uncond = tl.load(base + stride_lc + offs, mask=valid, other=0.0).to(tl.float32)
+    tuncond = tl.load(base + stride_lc + toffs, mask=tvalid, other=0.0).to(tl.float32)
     guided = uncond + (cond - uncond) * scale
-    key = _ordered_key(guided, keep, 0)
+    tguided = tuncond + (tcond - tuncond) * scale
+    key, tkey = _ordered_key(guided, keep, 0), _ordered_key(tguided, tkeep, 0)
     if COND_TOPK:
-        threshold = _kth_largest_of_few_surplus(key, keep, top_k)
+        threshold = _kth_largest_of_few_surplus(key, keep, tkey, tkeep, top_k)
     else:
-        threshold = _kth_largest(key, keep, top_k, 32)
-    keep = keep & (key >= threshold)
+        threshold = _kth_largest(key, keep, tkey, tkeep, top_k, 32)
+    keep, tkeep = keep & (key >= threshold), tkeep & (tkey >= threshold)
     if PHILOX:
         # Exp(1) noise as a pure function of (the draw's seed, step, which draw of the step, code): a song's draws
         # depend on nothing else (not on the songs sharing its batch, nor on its slot).
-        counter = offs * 0
-        bits, _, _, _ = tl.philox(tl.load(seeds_ptr + r), offs, counter + step, counter + draw, counter)
-        noise = -tl.log(tl.uint_to_uniform_float(bits))
+        seed = tl.load(seeds_ptr + r)
+        counter, tcounter = offs * 0, toffs * 0
+        bits, _, _, _ = tl.philox(seed, offs, counter + step, counter + draw, counter)
+        tbits, _, _, _ = tl.philox(seed, toffs, tcounter + step, tcounter + draw, tcounter)
+        noise, tnoise = -tl.log(tl.uint_to_uniform_float(bits)), -tl.log(tl.uint_to_uniform_float(tbits))
     else:
         noise = tl.load(noise_ptr + r * stride_nr + offs, mask=valid, other=1.0)
+        tnoise = tl.load(noise_ptr + r * stride_nr + toffs, mask=tvalid, other=1.0)
     score = tl.where(keep, guided - tl.log(noise), float("-inf"))
-    code = tl.argmax(score, axis=0).to(tl.int32)
+    tscore = tl.where(tkeep, tguided - tl.log(tnoise), float("-inf"))
+    # (the first of equal scores wins, as one argmax over every lane would have it: the tail only when greater)
+    code = tl.where(tl.max(tscore, axis=0) > tl.max(score, axis=0), BLOCK_V,
+                    tl.argmax(score, axis=0).to(tl.int32)).to(tl.int32)
     codes = codes_ptr + r * stride_cr + step * stride_cs
     if FORCED:  # steps below forced_steps take the given code (the draw above is made either way)
         forced = tl.load(forced_ptr + r * stride_fr + step * stride_cs)
@@ -165,6 +194,13 @@ def _cfg_sample_kernel(
         dest2 = copy2_ptr + r * stride_cp2
         tl.store(dest2 + cols2, vals2, mask=real2)
         tl.store(dest2 + stride_copy2 + cols2, vals2, mask=real2)
+
+
+def sample_block(vocab: int) -> int:
+    """The sampler's lanes for `vocab` codes: a power of two, with one code past it on a lane of its own where that
+    is all there is beyond one (the LM's 16,384 audio codes and its end token)."""
+    below = triton.next_power_of_2(vocab) // 2
+    return below if vocab == below + 1 and below >= 2 else triton.next_power_of_2(vocab)
 
 
 def sample_warps(vocab: int) -> int:
@@ -249,6 +285,7 @@ def cfg_sample(
         forced = (forced, torch.full((1,), 2**31 - 1, dtype=torch.int32, device=forced.device))
     forced_codes, forced_steps = forced if forced is not None else (codes, step)
     seed_values, draw = seeds if seeds is not None else (step, 0)
+    block = sample_block(vocab)
     _cfg_sample_kernel[(draws, programs)](
         pairs, pairs.stride(0), pairs.stride(1), noise2, noise2.stride(0) if draws > 1 else 0, scale, per(scale),
         top_k, per(top_k), vocab, codes, stride_cr, step, per(step), stride_cs,
@@ -256,7 +293,7 @@ def cfg_sample(
         end_flag, per(end_flag) if end is not None else 0, end_index, seed_values, draw,
         copies[0][0].shape[0] if copies else 1, table, stride_t, dest, stride_d, per_draw, table2, stride_t2, dest2,
         stride_d2, per_draw2,
-        BLOCK_V=triton.next_power_of_2(vocab), COND_TOPK=conditional_top_k, FORCED=forced is not None,
+        BLOCK_V=block, TAIL=vocab - block, COND_TOPK=conditional_top_k, FORCED=forced is not None,
         HAS_END=end is not None, COPIES=len(copies), CHUNK=chunk, CHUNKS=chunks, PARTS=triton.next_power_of_2(chunks),
         CHUNK2=chunk2, CHUNKS2=chunks2, PARTS2=triton.next_power_of_2(chunks2),
         SHIFT=16 if pairs.dtype == torch.bfloat16 else 0, PHILOX=noise is None,
