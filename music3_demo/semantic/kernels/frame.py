@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import padded_lanes
+from .launch import interpreting, padded_lanes
 
 NO_END = 2**31 - 1  # value of the end flag until the end token is sampled
 
@@ -54,17 +54,21 @@ def _ordered_key(values, valid, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(key, valid, tkey, tvalid, top_k, BITS: tl.constexpr):
-    """The k-th largest valid key of the block and its tail (`tkey`: the lanes past the block's power of two; all
-    valid ones count when top_k exceeds them): the largest t with count(key >= t) >= top_k, by bisection between the
-    smallest and the largest valid key (< 2^BITS apart)."""
-    lo = tl.minimum(tl.min(tl.where(valid, key, 2147483647), axis=0),
-                    tl.min(tl.where(tvalid, tkey, 2147483647), axis=0)).to(tl.int64)
-    hi = tl.maximum(tl.max(key, axis=0), tl.max(tkey, axis=0)).to(tl.int64)
+def _kth_largest(key, valid, tkey, tvalid, top_k, BITS: tl.constexpr, TAIL: tl.constexpr):
+    """The k-th largest valid key (all valid ones count when top_k exceeds them), with TAIL of the lane past the
+    block (`tkey`): the largest t with count(key >= t) >= top_k, by bisection between the smallest and the largest
+    valid key (< 2^BITS apart)."""
+    lo = tl.min(tl.where(valid, key, 2147483647), axis=0)
+    hi = tl.max(key, axis=0)
+    if TAIL:
+        lo = tl.minimum(lo, tl.min(tl.where(tvalid, tkey, 2147483647), axis=0))
+        hi = tl.maximum(hi, tl.max(tkey, axis=0))
+    lo, hi = lo.to(tl.int64), hi.to(tl.int64)
     for _ in range(BITS):
         mid = (lo + hi + 1) >> 1
-        above = (tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-                 + tl.sum((tkey >= mid.to(tl.int32)).to(tl.int32), axis=0))
+        above = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+        if TAIL:
+            above += tl.sum((tkey >= mid.to(tl.int32)).to(tl.int32), axis=0)
         ok = above >= top_k
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
@@ -72,31 +76,32 @@ def _kth_largest(key, valid, tkey, tvalid, top_k, BITS: tl.constexpr):
 
 
 @triton.jit
-def _count(flags, tflags):
-    return tl.sum(flags.to(tl.int32), axis=0) + tl.sum(tflags.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _least(key, keep, tkey, tkeep):
-    return tl.minimum(tl.min(tl.where(keep, key, 2147483647), axis=0),
-                      tl.min(tl.where(tkeep, tkey, 2147483647), axis=0))
-
-
-@triton.jit
-def _kth_largest_of_few_surplus(key, keep, tkey, tkeep, top_k, SURPLUS: tl.constexpr = 16):
+def _kth_largest_of_few_surplus(key, keep, tkey, tkeep, top_k, TAIL: tl.constexpr, SURPLUS: tl.constexpr = 16):
     """`_kth_largest` for a set that holds top_k keys plus a few (the conditional top-k's ties): with at most
     SURPLUS keys over top_k, drop whole groups of equal smallest keys while they fit in the surplus (each drop
-    removes at least one key, so at most SURPLUS rounds of two reductions, against the bisection's 32)."""
-    surplus = _count(keep, tkeep) - top_k
+    removes at least one key, so at most SURPLUS rounds of two reductions, against the bisection's 32). (Written
+    out, not through helpers: Triton's interpreter, which the CPU tests run every frame, pays per call.)"""
+    surplus = tl.sum(keep.to(tl.int32), axis=0) - top_k
+    if TAIL:
+        surplus += tl.sum(tkeep.to(tl.int32), axis=0)
     if surplus > SURPLUS:
-        threshold = _kth_largest(key, keep, tkey, tkeep, top_k, 32)
+        threshold = _kth_largest(key, keep, tkey, tkeep, top_k, 32, TAIL)
     else:
-        threshold = _least(key, keep, tkey, tkeep)
-        at = _count(keep & (key == threshold), tkeep & (tkey == threshold))
+        threshold = tl.min(tl.where(keep, key, 2147483647), axis=0)
+        if TAIL:
+            threshold = tl.minimum(threshold, tl.min(tl.where(tkeep, tkey, 2147483647), axis=0))
+        at = tl.sum((keep & (key == threshold)).to(tl.int32), axis=0)
+        if TAIL:
+            at += tl.sum((tkeep & (tkey == threshold)).to(tl.int32), axis=0)
         while (at <= surplus) & (at > 0):  # at == 0 only past the largest key (top_k < 1): stop there
             surplus -= at
-            threshold = _least(key, keep & (key > threshold), tkey, tkeep & (tkey > threshold))
-            at = _count(keep & (key == threshold), tkeep & (tkey == threshold))
+            floor = threshold
+            threshold = tl.min(tl.where(keep & (key > floor), key, 2147483647), axis=0)
+            if TAIL:
+                threshold = tl.minimum(threshold, tl.min(tl.where(tkeep & (tkey > floor), tkey, 2147483647), axis=0))
+            at = tl.sum((keep & (key == threshold)).to(tl.int32), axis=0)
+            if TAIL:
+                at += tl.sum((tkeep & (tkey == threshold)).to(tl.int32), axis=0)
     return threshold
 
 
@@ -129,46 +134,62 @@ def _cfg_sample_kernel(
     step = tl.load(step_ptr + r * stride_step)
     offs = tl.arange(0, BLOCK_V)
     valid = offs < V
-    toffs = BLOCK_V + tl.arange(0, 1)
-    tvalid = (toffs < V) & (TAIL > 0)
     base = logits_ptr + r * stride_lr
     scale = tl.load(scale_ptr + r * stride_scale)
     top_k = tl.load(top_k_ptr + r * stride_top_k)
     cond = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32)
-    tcond = tl.load(base + toffs, mask=tvalid, other=0.0).to(tl.float32)
+    uncond = tl.load(base + stride_lc + offs, mask=valid, other=0.0).to(tl.float32)
+    # The tail lane (its values; where TAIL is 0 the block's stand in, never read)
+    toffs, tvalid, tcond, tuncond = offs, valid, cond, uncond
+    if TAIL:
+        toffs = BLOCK_V + tl.arange(0, 1)
+        tvalid = toffs < V
+        tcond = tl.load(base + toffs, mask=tvalid, other=0.0).to(tl.float32)
+        tuncond = tl.load(base + stride_lc + toffs, mask=tvalid, other=0.0).to(tl.float32)
     keep, tkeep = valid, tvalid
     if COND_TOPK:
         # The reference keeps the conditional row's top-k (ties included) ...
-        cond_key, tcond_key = _ordered_key(cond, valid, SHIFT), _ordered_key(tcond, tvalid, SHIFT)
-        kth = _kth_largest(cond_key, valid, tcond_key, tvalid, top_k, 32 - SHIFT)
-        keep, tkeep = valid & (cond_key >= kth), tvalid & (tcond_key >= kth)
+        cond_key = _ordered_key(cond, valid, SHIFT)
+        tcond_key = cond_key
+        if TAIL:
+            tcond_key = _ordered_key(tcond, tvalid, SHIFT)
+        kth = _kth_largest(cond_key, valid, tcond_key, tvalid, top_k, 32 - SHIFT, TAIL)
+        keep = valid & (cond_key >= kth)
+        if TAIL:
+            tkeep = tvalid & (tcond_key >= kth)
     # ... then (and for the depth codes, only) the top-k of the guided logits among those kept.
-    uncond = tl.load(base + stride_lc + offs, mask=valid, other=0.0).to(tl.float32)
-    tuncond = tl.load(base + stride_lc + toffs, mask=tvalid, other=0.0).to(tl.float32)
     guided = uncond + (cond - uncond) * scale
-    tguided = tuncond + (tcond - tuncond) * scale
-    key, tkey = _ordered_key(guided, keep, 0), _ordered_key(tguided, tkeep, 0)
+    key = _ordered_key(guided, keep, 0)
+    tguided, tkey = guided, key
+    if TAIL:
+        tguided = tuncond + (tcond - tuncond) * scale
+        tkey = _ordered_key(tguided, tkeep, 0)
     if COND_TOPK:
-        threshold = _kth_largest_of_few_surplus(key, keep, tkey, tkeep, top_k)
+        threshold = _kth_largest_of_few_surplus(key, keep, tkey, tkeep, top_k, TAIL)
     else:
-        threshold = _kth_largest(key, keep, tkey, tkeep, top_k, 32)
-    keep, tkeep = keep & (key >= threshold), tkeep & (tkey >= threshold)
+        threshold = _kth_largest(key, keep, tkey, tkeep, top_k, 32, TAIL)
+    keep = keep & (key >= threshold)
     if PHILOX:
         # Exp(1) noise as a pure function of (the draw's seed, step, which draw of the step, code): a song's draws
         # depend on nothing else (not on the songs sharing its batch, nor on its slot).
         seed = tl.load(seeds_ptr + r)
-        counter, tcounter = offs * 0, toffs * 0
+        counter = offs * 0
         bits, _, _, _ = tl.philox(seed, offs, counter + step, counter + draw, counter)
-        tbits, _, _, _ = tl.philox(seed, toffs, tcounter + step, tcounter + draw, tcounter)
-        noise, tnoise = -tl.log(tl.uint_to_uniform_float(bits)), -tl.log(tl.uint_to_uniform_float(tbits))
+        noise = -tl.log(tl.uint_to_uniform_float(bits))
     else:
         noise = tl.load(noise_ptr + r * stride_nr + offs, mask=valid, other=1.0)
-        tnoise = tl.load(noise_ptr + r * stride_nr + toffs, mask=tvalid, other=1.0)
     score = tl.where(keep, guided - tl.log(noise), float("-inf"))
-    tscore = tl.where(tkeep, tguided - tl.log(tnoise), float("-inf"))
-    # (the first of equal scores wins, as one argmax over every lane would have it: the tail only when greater)
-    code = tl.where(tl.max(tscore, axis=0) > tl.max(score, axis=0), BLOCK_V,
-                    tl.argmax(score, axis=0).to(tl.int32)).to(tl.int32)
+    code = tl.argmax(score, axis=0).to(tl.int32)
+    if TAIL:  # the tail's code wins only when strictly ahead: the first of equal scores wins, as over every lane
+        tkeep = tkeep & (tkey >= threshold)
+        if PHILOX:
+            tcounter = toffs * 0
+            tbits, _, _, _ = tl.philox(seed, toffs, tcounter + step, tcounter + draw, tcounter)
+            tnoise = -tl.log(tl.uint_to_uniform_float(tbits))
+        else:
+            tnoise = tl.load(noise_ptr + r * stride_nr + toffs, mask=tvalid, other=1.0)
+        tscore = tl.where(tkeep, tguided - tl.log(tnoise), float("-inf"))
+        code = tl.where(tl.max(tscore, axis=0) > tl.max(score, axis=0), BLOCK_V, code).to(tl.int32)
     codes = codes_ptr + r * stride_cr + step * stride_cs
     if FORCED:  # steps below forced_steps take the given code (the draw above is made either way)
         forced = tl.load(forced_ptr + r * stride_fr + step * stride_cs)
@@ -196,11 +217,17 @@ def _cfg_sample_kernel(
         tl.store(dest2 + stride_copy2 + cols2, vals2, mask=real2)
 
 
+# Whether a code past a power of two takes a lane of its own (`sample_block`). Not in Triton's interpreter: its
+# cost is per operation, not per lane, and the tail lane's operations made its sampler ~1.25x slower (the CPU tests
+# run it every frame); the kernel tests set it to test the GPU's path, which draws the same codes.
+TAIL_LANE = not interpreting()
+
+
 def sample_block(vocab: int) -> int:
     """The sampler's lanes for `vocab` codes: a power of two, with one code past it on a lane of its own where that
-    is all there is beyond one (the LM's 16,384 audio codes and its end token)."""
+    is all there is beyond one (the LM's 16,384 audio codes and its end token) and `TAIL_LANE` allows it."""
     below = triton.next_power_of_2(vocab) // 2
-    return below if vocab == below + 1 and below >= 2 else triton.next_power_of_2(vocab)
+    return below if TAIL_LANE and vocab == below + 1 and below >= 2 else triton.next_power_of_2(vocab)
 
 
 def sample_warps(vocab: int) -> int:
@@ -293,7 +320,7 @@ def cfg_sample(
         end_flag, per(end_flag) if end is not None else 0, end_index, seed_values, draw,
         copies[0][0].shape[0] if copies else 1, table, stride_t, dest, stride_d, per_draw, table2, stride_t2, dest2,
         stride_d2, per_draw2,
-        BLOCK_V=block, TAIL=vocab - block, COND_TOPK=conditional_top_k, FORCED=forced is not None,
+        BLOCK_V=block, TAIL=int(vocab > block), COND_TOPK=conditional_top_k, FORCED=forced is not None,
         HAS_END=end is not None, COPIES=len(copies), CHUNK=chunk, CHUNKS=chunks, PARTS=triton.next_power_of_2(chunks),
         CHUNK2=chunk2, CHUNKS2=chunks2, PARTS2=triton.next_power_of_2(chunks2),
         SHIFT=16 if pairs.dtype == torch.bfloat16 else 0, PHILOX=noise is None,
