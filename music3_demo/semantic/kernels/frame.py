@@ -106,6 +106,20 @@ def _kth_largest_of_few_surplus(key, keep, tkey, tkeep, top_k, TAIL: tl.constexp
 
 
 @triton.jit
+def _exp_noise(seeds_ptr, noise_ptr, r, lanes, real, step, draw, PHILOX: tl.constexpr):
+    """Exp(1) noise for the codes on `lanes`: with PHILOX a pure function of (draw r's seed, step, which draw of the
+    step, code), so a song's draws depend on nothing else (not on the songs sharing its batch, nor on its slot);
+    else read from the draw's row at `noise_ptr`."""
+    if PHILOX:
+        counter = lanes * 0
+        bits, _, _, _ = tl.philox(tl.load(seeds_ptr + r), lanes, counter + step, counter + draw, counter)
+        noise = -tl.log(tl.uint_to_uniform_float(bits))
+    else:
+        noise = tl.load(noise_ptr + lanes, mask=real, other=1.0)
+    return noise
+
+
+@triton.jit
 def _row_slice(c, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, PARTS: tl.constexpr):
     """Program c's columns of a table row, CHUNKS chunks of CHUNK (as PARTS >= CHUNKS rows: a power of two), and the
     mask of the real chunks."""
@@ -169,25 +183,12 @@ def _cfg_sample_kernel(
     else:
         threshold = _kth_largest(key, keep, tkey, tkeep, top_k, 32, TAIL)
     keep = keep & (key >= threshold)
-    if PHILOX:
-        # Exp(1) noise as a pure function of (the draw's seed, step, which draw of the step, code): a song's draws
-        # depend on nothing else (not on the songs sharing its batch, nor on its slot).
-        seed = tl.load(seeds_ptr + r)
-        counter = offs * 0
-        bits, _, _, _ = tl.philox(seed, offs, counter + step, counter + draw, counter)
-        noise = -tl.log(tl.uint_to_uniform_float(bits))
-    else:
-        noise = tl.load(noise_ptr + r * stride_nr + offs, mask=valid, other=1.0)
+    noise = _exp_noise(seeds_ptr, noise_ptr + r * stride_nr, r, offs, valid, step, draw, PHILOX)
     score = tl.where(keep, guided - tl.log(noise), float("-inf"))
     code = tl.argmax(score, axis=0).to(tl.int32)
     if TAIL:  # the tail's code wins only when strictly ahead: the first of equal scores wins, as over every lane
         tkeep = tkeep & (tkey >= threshold)
-        if PHILOX:
-            tcounter = toffs * 0
-            tbits, _, _, _ = tl.philox(seed, toffs, tcounter + step, tcounter + draw, tcounter)
-            tnoise = -tl.log(tl.uint_to_uniform_float(tbits))
-        else:
-            tnoise = tl.load(noise_ptr + r * stride_nr + toffs, mask=tvalid, other=1.0)
+        tnoise = _exp_noise(seeds_ptr, noise_ptr + r * stride_nr, r, toffs, tvalid, step, draw, PHILOX)
         tscore = tl.where(tkeep, tguided - tl.log(tnoise), float("-inf"))
         code = tl.where(tl.max(tscore, axis=0) > tl.max(score, axis=0), BLOCK_V, code).to(tl.int32)
     codes = codes_ptr + r * stride_cr + step * stride_cs
