@@ -295,10 +295,11 @@ def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engi
     `first_layers`: an int4 LM's first decoder layers in the depth decoder's 8 bits)."""
     f, semantic, flow = figures, "semantic" in stages, "flow" in stages
     swap = swap and semantic and flow
+    first_layers = first_layers if lm == "int4" else 0
     kv = kv if engine == "graph" and semantic else "bf16"
     weights: dict[str, int] = {}
     if semantic:
-        first = f.lm_blocks // f.lm_layers * first_layers if lm == "int4" else 0  # (every layer the same size)
+        first = f.lm_blocks // f.lm_layers * first_layers  # (every layer the same size)
         weights["language_model"] = (_stored(f.lm_blocks - first, lm, 2) + _stored(first, depth_mode(lm, capability), 2)
                                      + 2 * f.lm_other)
         weights["depth_decoder"] = _stored(f.depth_blocks, depth_mode(lm, capability), 2) + 2 * f.depth_other
@@ -351,9 +352,8 @@ def layout(figures: ModelFigures, free: int, capability, lm: str, dit: str, engi
     base_flow = (DIT_CALL_BYTES + max(vocoder, DIT_CALL_BYTES)) if flow else 0
     room = room_beside(base_flow)
     plan = MemoryPlan(
-        lm=PrecisionChoice(lm, lm, "", first_layers if lm == "int4" else 0), dit=PrecisionChoice(dit, dit, ""),
-        engine=engine, stages=stages, kv=kv,
-        free_bytes=free, capability=capability, weights=weights, load_peak=load_peak,
+        lm=PrecisionChoice(lm, lm, "", first_layers), dit=PrecisionChoice(dit, dit, ""), engine=engine, stages=stages,
+        kv=kv, free_bytes=free, capability=capability, weights=weights, load_peak=load_peak,
         flow_working=base_flow, runtime=runtime, headroom=headroom, kv_bytes_per_position=per_position,
         vocoder_tile=tile, swap=swap, figures=figures,
         host_bytes=(total + (f.engine_tables_bytes() if engine == "graph" else 0)) if swap else 0,

@@ -48,20 +48,20 @@ def tiles(group: int, kind: str = "") -> list[GemvConfig]:
                 G(64, 32, 4, 16, 1, True), G(128, 32, 4, 12, 1, True), G(32, 64, 4, 8, 2), G(64, 64, 4, 8, 2, True)]
         if group >= 128:
             grid += [G(64, 128, 4, 8, 1, True), G(128, 128, 4, 6, 1, True), G(128, 128, 8, 6, 1, True)]
-        grid = [c for c in grid if not group % c.block_k] + MULTI_GROUP_INT4 + DEEP_SPLIT
+        grid = [c for c in grid if not group % c.block_k] + MULTI_GROUP_INT4
     elif group:
         grid = [G(16, 128, 4, 8), G(32, 128, 4, 8), G(64, 128, 4, 6), G(64, 128, 8, 6), G(32, 128, 4, 8, 1, True),
                 G(32, 128, 4, 12, 1, True), G(64, 128, 4, 8, 1, True), G(128, 128, 4, 4, 1, True),
                 G(128, 128, 8, 6, 1, True), G(64, 64, 4, 12, 1, True), G(32, 128, 4, 8, 2), G(64, 128, 4, 6, 2),
-                G(32, 128, 4, 8, 2, True), G(32, 128, 2, 8, 1, True)] + [c for c in MULTI_GROUP if c.block_k > group] + DEEP_SPLIT
+                G(32, 128, 4, 8, 2, True), G(32, 128, 2, 8, 1, True)] + [c for c in MULTI_GROUP if c.block_k > group]
     else:
         grid = [G(16, 512, 4, 4), G(16, 512, 4, 6), G(32, 512, 4, 4), G(32, 256, 4, 6), G(64, 256, 4, 4),
                 G(64, 256, 8, 4), G(16, 1024, 4, 3), G(32, 512, 4, 4, 1, True), G(32, 256, 4, 8, 1, True),
                 G(64, 256, 4, 4, 1, True), G(64, 256, 4, 6, 1, True), G(128, 128, 4, 6, 1, True),
                 G(128, 256, 8, 3, 1, True), G(32, 512, 4, 4, 2), G(16, 512, 4, 6, 2), G(64, 256, 4, 4, 2, True),
                 G(32, 256, 2, 8, 1, True), G(64, 128, 4, 8, 1, True), G(64, 64, 4, 12, 1, True),
-                G(64, 128, 4, 6, 2, True)] + DEEP_SPLIT
-    return [c for c in grid if shared_bytes(c, 2, 1) <= SHARED_LIMIT]
+                G(64, 128, 4, 6, 2, True)]
+    return [c for c in grid + DEEP_SPLIT if shared_bytes(c, 2, 1) <= SHARED_LIMIT]
 
 
 def route_tiles(group: int, kind: str = "") -> list[GemvConfig]:
