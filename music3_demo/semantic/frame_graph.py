@@ -15,10 +15,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import triton.language as tl
 
 from .engine_stream import EngineStream
 from .kernels import block_tail, cfg_sample, decode_attention, depth_attention, frame_tail, gemv, rmsnorm
-from .kernels.qweight import Weight, weight_format
+from .kernels.qweight import Weight, kernel_args, weight_format
 from .kernels.tail_config import TailConfig, reads_copy
 from .kernels.tuning import Tuning
 from .state import DeviceState, round_up
@@ -150,16 +151,19 @@ class FrameGraph:
             # Unless the tail before wrote this block's q|k|v: layer 0 reads the feedback embedding frame_tail wrote
             # (float32 only); after a chained tail, h (the tail's h16 is its scratch); after products launched one
             # at a time, their bf16 copy of h.
-            if config is None or following is None:
-                self._gemv(s, lm_h16 if index and config is None else lm_h, block.qkv, qkv, norm_weight=block.ln1,
-                           eps=w.eps)
+            if index and config is None:  # the block before handed its norm over (`_block_tail`)
+                self._gemv(s, self._handed(lm_h16, block.qkv), block.qkv, qkv, prenormed=s.norm_sums, eps=w.eps)
+            elif following is None:
+                self._gemv(s, lm_h, block.qkv, qkv, norm_weight=block.ln1, eps=w.eps)
             k_cache, v_cache, k_scale, v_scale = s.layer_caches(index)
             following = self._next("lm", block, w.blocks[index + 1] if index + 1 < len(w.blocks) else None)
             config, attn16 = self._tail_config("lm", block, following, attn, lm_h, s)
             decode_attention(qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, attn,
                              s.attention, scale, w.eps, pdl=self.pdl, base=s.base[:songs], k_scale=k_scale,
                              v_scale=v_scale, out16=attn16)
-            self._block_tail(block, following, attn, lm_h, lm_h16, act, qkv, w.eps, s, config=config, attn16=attn16)
+            after = w.blocks[index + 1] if index + 1 < len(w.blocks) else None
+            self._block_tail(block, following, attn, lm_h, lm_h16, act, qkv, w.eps, s, config=config, attn16=attn16,
+                             after=after)
         rmsnorm(lm_h, w.final_norm, lm_hidden, w.eps)
         counters = s.counters[:songs]
         torch.minimum(counters + 1, s.limits[:songs], out=counters)
@@ -177,14 +181,17 @@ class FrameGraph:
         for index, block in enumerate(w.depth_blocks):
             # Block 0 of pass 1 reads what the projection and the sampler wrote (float32); unchained, every later
             # block starts with its q|k|v (chained, the tail before it wrote it).
-            if (index == 0 and not qkv_ready) or (index > 0 and "depth" not in self.chain):
-                self._gemv(s, h16 if index else h, block.qkv, qkv, norm_weight=block.ln1, eps=w.depth_eps,
-                           per_song=per_song)
+            if index == 0 and not qkv_ready:
+                self._gemv(s, h, block.qkv, qkv, norm_weight=block.ln1, eps=w.depth_eps, per_song=per_song)
+            elif index > 0 and "depth" not in self.chain:  # the block before handed its norm over
+                self._gemv(s, self._handed(h16, block.qkv, per_song), block.qkv, qkv, prenormed=s.norm_sums,
+                           eps=w.depth_eps, per_song=per_song)
             following = w.depth_blocks[index + 1] if index + 1 < len(w.depth_blocks) else None
             config, out16 = self._tail_config("depth", block, following, out, h, s)
             depth_attention(qkv, out, s.dcache[index, 0, : rows // new], s.dcache[index, 1, : rows // new], base,
                             new, scale, pdl=self.pdl, out16=out16)
-            self._block_tail(block, following, out, h, h16, act, qkv, w.depth_eps, s, per_song, config, out16)
+            self._block_tail(block, following, out, h, h16, act, qkv, w.depth_eps, s, per_song, config, out16,
+                             after=following)
 
     def _next(self, stack: str, block: Block, following: Block | None) -> Block | None:
         """`following` where `block`'s chained tail also runs its q|k|v: in the same stack, chained, and in the same
@@ -208,19 +215,33 @@ class FrameGraph:
     def _block_tail(
         self, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor, h16: torch.Tensor,
         act: torch.Tensor, qkv: torch.Tensor, eps: float, s: DeviceState, per_song: int = 2,
-        config: TailConfig | None = None, attn16: torch.Tensor | None = None,
+        config: TailConfig | None = None, attn16: torch.Tensor | None = None, after: Block | None = None,
     ) -> None:
         """h += o·attn, the SwiGLU MLP on h, and when chained (`config`) also the following block's q|k|v (which the
         unchained loop runs at the top of the next block). Chained, h16 is the tail's scratch for normalised inputs
-        (no later kernel reads a bf16 copy of h: each stack's first q|k|v and its final norm read h)."""
+        (no later kernel reads a bf16 copy of h: each stack's first q|k|v and its final norm read h). Unchained, each
+        residual product hands the RMSNorm product after it its input times the norm's gain (in h16) and its sums of
+        squares (`NormSums`): gate|up after o, and the next block's (`after`) q|k|v after down."""
         if config is not None:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
                        s.tail_scratch, next_qkv=next_qkv, config=config, attn16=attn16)
             return
-        self._gemv(s, attn, block.o, h, residual=h, out_copy=h16, per_song=per_song)
-        self._gemv(s, h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True, per_song=per_song)
-        self._gemv(s, act, block.down, h, residual=h, out_copy=h16, per_song=per_song)
+        normed = self._handed(h16, block.gate_up, per_song, swiglu=True)
+        self._gemv(s, attn, block.o, h, residual=h, out_copy=normed, gain=(block.ln2, s.norm_sums), per_song=per_song)
+        self._gemv(s, normed, block.gate_up, act, prenormed=s.norm_sums, eps=eps, swiglu=True, per_song=per_song)
+        if after is None:  # the stack's last block: its final norm reads h
+            self._gemv(s, act, block.down, h, residual=h, out_copy=h16, per_song=per_song)
+        else:
+            self._gemv(s, act, block.down, h, residual=h, out_copy=self._handed(h16, after.qkv, per_song),
+                       gain=(after.ln1, s.norm_sums), per_song=per_song)
+
+    def _handed(self, h16: torch.Tensor, weight: Weight, per_song: int = 2, swiglu: bool = False) -> torch.Tensor:
+        """h16 as the input of the RMSNorm product on `weight` (its dtype: that product's MMA dtype, fp16 on the
+        quantized weights' fp16 routes), which the residual product before writes times the norm's gain."""
+        config = self.tuning.gemv(per_song, *weight.shape, swiglu, h16.element_size(), *weight_format(weight))
+        dot = kernel_args(weight, config.convert)[4]
+        return h16.view(torch.float16) if dot == tl.float16 and h16.dtype != torch.float16 else h16
 
     def _gemv(self, s: DeviceState, x: torch.Tensor, weight: Weight, out: torch.Tensor, per_song: int = 2,
               **epilogue) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from ..precision import check_kv_format
 from . import kv_format
-from .kernels import AttentionScratch, GemvWorkspace, TailScratch
+from .kernels import AttentionScratch, GemvWorkspace, NormSums, TailScratch
 from .kernels.frame import NO_END
 from .weights import AUDIO_CODES, EngineWeights
 
@@ -64,7 +64,9 @@ class DeviceState:
         # Per-frame scratch. Residual streams are float32: over 36 layers bf16 adds are the largest rounding error
         # (the fp32 reference is the oracle; the bf16 HF model is itself ~1.5e-2 away from it).
         # Each residual product also writes the stream rounded to the model dtype (`gemv`'s out_copy): the next
-        # RMSNorm product reads that copy, since a float32 activation tile per pipeline stage slows it 10-15%.
+        # RMSNorm product reads that copy, since a float32 activation tile per pipeline stage slows it 10-15%. With
+        # the products launched one at a time, the copy is already times the next norm's gain, in the next product's
+        # MMA dtype (`NormSums`, `frame_graph.FrameGraph._handed`).
         self.lm_h = torch.zeros(rows, hid, device=dev, dtype=torch.float32)  # LM residual stream (feedback lands here)
         self.lm_h16 = torch.zeros(rows, hid, device=dev, dtype=dt)
         self.lm_hidden = torch.zeros(rows, hid, device=dev, dtype=dt)  # final-normed LM state
@@ -99,8 +101,11 @@ class DeviceState:
             self.gemv_workspace = GemvWorkspace(dev)  # sized by the warm-up step that precedes every capture
             # chained block tails: grid barrier and RMSNorm partial sums, one program per SM at most
             self.tail_scratch = TailScratch(dev, tail_programs)
+            # products one launch each: the RMSNorm hand-over from a residual product to the next (`NormSums`)
+            self.norm_sums = NormSums.for_rows(max(hid, depth_hid), dev)
         else:
             self.gemv_workspace, self.tail_scratch = shared.gemv_workspace, shared.tail_scratch
+            self.norm_sums = shared.norm_sums
 
     def scratch(self, places: int) -> "DeviceState":
         """A small throw-away state for `places` songs that shares this one's workspace and scratch (a capture's

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, gemv, interleave_rows
+from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, NormSums, gemv, interleave_rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,6 +88,52 @@ def test_residual_gemv_writes_the_rounded_copy_of_a_float32_stream(split):
     assert torch.equal(copy, stream.half())
     with pytest.raises(ValueError, match="out_copy needs out's shape"):
         gemv(x, w, stream, residual=stream, out_copy=copy[:1], config=config)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("swiglu", [False, True], ids=["qkv", "gate-up"])
+def test_a_residual_product_hands_the_next_rmsnorm_product_its_gained_input_and_row_sums(split, swiglu):
+    """Products launched one at a time: the residual product writes x ⊙ g for the next RMSNorm product in that
+    product's MMA dtype, with its row blocks' sums of squares (`NormSums`), and the next product streams that copy as
+    it is. The copy is what that product's own NORM made of the model-dtype copy, value for value; the sums are the
+    rounded stream's; the product matches the one normalising the copy itself (only the sums' order differs)."""
+    rows, k, n, out_n = 2, 64, 96, 64  # 3 row blocks of 32: the consumer adds a non-power-of-two count of sums
+    x = rand(rows, k, dtype=torch.float16, seed=20)
+    w = rand(n, k, dtype=torch.float16, seed=21, scale=k**-0.5)
+    g = rand(n, dtype=torch.float16, seed=22, scale=0.1) + 1
+    stream = rand(rows, n, dtype=torch.float32, seed=23) * 30
+    nxt = rand(2 * out_n if swiglu else out_n, n, dtype=torch.float16, seed=24, scale=n**-0.5)
+    workspace, sums = GemvWorkspace("cpu"), NormSums.for_rows(n, "cpu")
+    producer, consumer = GemvConfig(block_n=32, block_k=32), GemvConfig(block_n=16, block_k=32, split_k=split)
+    cols = out_n
+
+    classic_stream, classic_copy = stream.clone(), torch.empty(rows, n, dtype=torch.float16)
+    gemv(x, w, classic_stream, residual=classic_stream, out_copy=classic_copy, config=producer)
+    classic = gemv(classic_copy, nxt, torch.empty(rows, cols, dtype=torch.float16), norm_weight=g, config=consumer,
+                   workspace=workspace, swiglu=swiglu)
+
+    handed_stream, handed_copy = stream.clone(), torch.full((rows, n), float("nan"), dtype=torch.float16)
+    gemv(x, w, handed_stream, residual=handed_stream, out_copy=handed_copy, gain=(g, sums), config=producer)
+    assert torch.equal(handed_stream, classic_stream) and sums.blocks == 3
+    rounded = classic_copy.float()
+    assert torch.equal(handed_copy, (rounded * g.float()).clamp(-65504, 65504).half())
+    expected_sums = rounded.pow(2).unflatten(1, (3, 32)).sum(-1).T  # [block, row]
+    assert torch.allclose(sums.sums.view(-1, 16)[:3, :rows], expected_sums, rtol=1e-6)
+    handed = gemv(handed_copy, nxt, torch.empty(rows, cols, dtype=torch.float16), prenormed=sums, eps=1e-6,
+                  config=consumer, workspace=workspace, swiglu=swiglu)
+    again = gemv(handed_copy, nxt, torch.empty(rows, cols, dtype=torch.float16), prenormed=sums, eps=1e-6,
+                 config=consumer, workspace=workspace, swiglu=swiglu)
+    assert_close(handed, classic, torch.float16)
+    assert torch.equal(handed, again)
+    assert not workspace.counters.any()
+    with pytest.raises(ValueError, match="takes no norm_weight"):
+        gemv(handed_copy, nxt, torch.empty(rows, cols, dtype=torch.float16), prenormed=sums, norm_weight=g,
+             swiglu=swiglu)
+    with pytest.raises(ValueError, match="needs out_copy and a residual"):
+        gemv(x, w, handed_stream, gain=(g, sums))
+    with pytest.raises(ValueError, match="no product before it wrote"):
+        gemv(handed_copy, nxt, torch.empty(rows, cols, dtype=torch.float16), prenormed=NormSums.for_rows(n, "cpu"),
+             swiglu=swiglu)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

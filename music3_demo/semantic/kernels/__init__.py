@@ -14,7 +14,7 @@ import sys
 from .attention import AttentionScratch, decode_attention, depth_attention
 from .frame import cfg_sample, frame_tail, rmsnorm
 from .launch import interpreting, pdl_supported, settle_cache_keys
-from .linear import GemvConfig, GemvWorkspace, gemv, interleave_rows
+from .linear import GemvConfig, GemvWorkspace, NormSums, gemv, interleave_rows
 from .tail import block_tail
 from .tail_config import TailScratch
 
@@ -25,6 +25,7 @@ __all__ = [
     "AttentionScratch",
     "GemvConfig",
     "GemvWorkspace",
+    "NormSums",
     "TailScratch",
     "block_tail",
     "cfg_sample",

@@ -6,7 +6,12 @@ its N side ("swap AB"): the weight stream then goes through Triton's multi-stage
 (num_stages tiles in flight per program) and the tensor cores' spare throughput absorbs the padding.
 Fused on the way:
 - NORM: RMSNorm of x folded in as y = rstd · W(x ⊙ g): rstd is a per-row scalar, so it is accumulated alongside the
-  product and no normalised copy of x is written or re-read.
+  product and no normalised copy of x is written or re-read. Where the product before is a residual GEMV (one launch
+  per product), it hands over instead (`NormSums`): its epilogue writes x ⊙ g already in this product's MMA dtype
+  (`gain`) and each row block's sums of squares, and this product (`prenormed`) streams that copy into the MMA as it
+  is and adds the sums in a fixed order after its k-loop. A quantized product's k-loop then converts its weights
+  only: the 16-row activation tile's norm, gain and fp16 saturation were a third of its instructions, redone by
+  every row block.
 - SWIGLU: out = silu(gate) · up from a gate|up weight whose rows are interleaved (gate row j at 2j, up row j at
   2j+1), so each tile's accumulator holds matching gate and up rows and one weight tile per stage suffices. (With
   the halves stacked, a program needed two weight tiles per stage: 2.0-2.6 TB/s; formed on the down product's
@@ -61,6 +66,21 @@ class GemvConfig:
     convert: int = 0  # 1-byte weights only: how a tile becomes MMA operands (qweight.CAST, BITS_BF16, ...)
 
 
+@dataclass
+class NormSums:
+    """The RMSNorm hand-over between a residual product and the normalised product after it: fp32 sums of squares,
+    one row of 16 (a tile's rows) per row block of the first, and how many row blocks it wrote (set when it is
+    queued; Python's order is the stream's). Fixed size (`for_rows`): graphs keep its address."""
+
+    sums: torch.Tensor
+    blocks: int = 0
+
+    @staticmethod
+    def for_rows(n: int, device: torch.device | str) -> "NormSums":
+        """Room for a product of up to `n` output columns in row blocks of 16 or more."""
+        return NormSums(torch.zeros(triton.cdiv(n, 16) * 16, device=device, dtype=torch.float32))
+
+
 class GemvWorkspace:
     """Split-K scratch: fp32 partials and per-row-block arrival counters (zero between launches). Grows on demand
     outside CUDA-graph capture; an engine makes one per set of captured graphs and warms every product up before
@@ -84,7 +104,11 @@ class GemvWorkspace:
 def gemv_epilogue(
     acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm, eps, K,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr,
+    gain_ptr=None, sums_ptr=None, row_block=0, GAIN: tl.constexpr = False,
 ):
+    """`GAIN` (`NormSums`, with COPY): the copy is the model's rounding of what was written times the next RMSNorm's
+    gain (`gain_ptr`), in the copy's dtype as `activation_tile` makes it, and this row block's sums of squares of
+    that rounding go to `sums_ptr`: what the next product's NORM computed from a model-dtype copy, tile by tile."""
     y = acc
     if NORM:
         y = acc * (1.0 / tl.sqrt(sumsq / K + eps))[None, :]
@@ -107,7 +131,13 @@ def gemv_epilogue(
             res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
             y = res.to(tl.float32) + y.to(res_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=mask)
-        if COPY:
+        if GAIN:
+            rounded = tl.where(mask, y.to(out_ptr.dtype.element_ty).to(gain_ptr.dtype.element_ty).to(tl.float32), 0.0)
+            gain = tl.load(gain_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(copy_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
+                     activation_tile(rounded * gain[:, None], copy_ptr.dtype.element_ty), mask=mask)
+            tl.store(sums_ptr + row_block * 16 + offs_m, tl.sum(rounded * rounded, axis=0), mask=m_mask)
+        elif COPY:
             tl.store(copy_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(copy_ptr.dtype.element_ty),
                      mask=mask)
         stored, columns = y.to(out_ptr.dtype.element_ty).to(tl.float32), offs_n
@@ -115,15 +145,26 @@ def gemv_epilogue(
 
 
 @triton.jit
+def handed_sums(sums_ptr, blocks, offs_m, m_mask, BLOCKS: tl.constexpr):
+    """Each row's sum of squares from the `blocks` row blocks of the product before (`NormSums`; BLOCKS: a power of
+    two at least as large), added in one fixed order."""
+    b = tl.arange(0, BLOCKS)
+    parts = tl.load(sums_ptr + b[:, None] * 16 + offs_m[None, :], mask=(b < blocks)[:, None] & m_mask[None, :],
+                    other=0.0)
+    return tl.sum(parts, axis=0)
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, w_desc, s_ptr, out_ptr, res_ptr, copy_ptr, g_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, w_desc, s_ptr, out_ptr, res_ptr, copy_ptr, g_ptr, part_ptr, count_ptr, sums_ptr, sum_blocks,
     N, K, stride_xm, stride_om, stride_rm, eps,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr,
     TMA: tl.constexpr, QUANT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
     CONV: tl.constexpr,
-    WSCALE: tl.constexpr,
+    WSCALE: tl.constexpr, GAIN: tl.constexpr, SUM_BLOCKS: tl.constexpr,
 ):
+    """NORM: 0 none, 1 RMSNorm of x here, 2 x normalised but for its rows' scale (`NormSums`: `handed_sums`)."""
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -144,15 +185,17 @@ def _gemv_kernel(
     for k0 in range(0, k_len, BLOCK_K):
         w = weight_tile(w_ptrs + k0 // PACK, w_desc, n_mask, pid * BLOCK_N, split * k_len + k0, TMA, PACK)
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-        if NORM:
+        if NORM == 1:
             xf = x.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
             x = xf * tl.load(g_ptr + offs_k + k0).to(tl.float32)[None, :]
         acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, split * k_len + k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
     if SPLIT_K == 1:
         acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
+        if NORM == 2:
+            sumsq = handed_sums(sums_ptr, sum_blocks, offs_m, m_mask, SUM_BLOCKS)
         gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om, stride_rm,
-                       eps, K, NORM, RESIDUAL, SWIGLU, COPY)
+                       eps, K, NORM, RESIDUAL, SWIGLU, COPY, g_ptr, sums_ptr, pid, GAIN)
     else:
         # Partials of row block `pid`: [SPLIT_K, BLOCK_N, BLOCK_M] fp32, then [SPLIT_K, BLOCK_M] sums of squares.
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
@@ -173,8 +216,10 @@ def _gemv_kernel(
                                  cache_modifier=".cg")
                 total_sq += tl.load(squares + part * BLOCK_M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg")
             total = channel_scale(total, s_ptr, offs_n, n_mask, QUANT, WSCALE)
+            if NORM == 2:
+                total_sq = handed_sums(sums_ptr, sum_blocks, offs_m, m_mask, SUM_BLOCKS)
             gemv_epilogue(total, total_sq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om,
-                           stride_rm, eps, K, NORM, RESIDUAL, SWIGLU, COPY)
+                           stride_rm, eps, K, NORM, RESIDUAL, SWIGLU, COPY, g_ptr, sums_ptr, pid, GAIN)
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (or graph replay)
 
 
@@ -257,6 +302,8 @@ def gemv(
     workspace: GemvWorkspace | None = None,
     swiglu: bool = False,
     out_copy: torch.Tensor | None = None,
+    gain: tuple[torch.Tensor, NormSums] | None = None,
+    prenormed: NormSums | None = None,
 ) -> torch.Tensor:
     """out[m] = epilogue(W · prologue(x[m])) for each of the M <= 16 rows of x ([M, K], unit stride along K).
 
@@ -267,6 +314,9 @@ def gemv(
     `out_copy` (out's shape and strides, another dtype) receives out rounded to its dtype: the graph engine keeps a
     bf16 copy of each float32 residual stream, which the next RMSNorm product reads (a float32 activation tile per
     pipeline stage cost those products 10-15%).
+    `gain` (g, sums), with `out_copy` in the next product's MMA dtype and a residual: out_copy is x ⊙ g for the next
+    RMSNorm product, whose row sums of squares go to `sums`; that product then runs with `prenormed=sums` (and no
+    `norm_weight`: its x is out_copy, already times g).
     """
     m = x.shape[0]
     n, k = weight.shape
@@ -290,6 +340,10 @@ def gemv(
         raise ValueError("split-K GEMVs share a workspace in stream order: they cannot run with PDL")
     if out_copy is not None and (swiglu or out_copy.shape != out.shape or out_copy.stride() != out.stride()):
         raise ValueError("out_copy needs out's shape and strides (and no SwiGLU epilogue)")
+    if gain is not None and (out_copy is None or residual is None):
+        raise ValueError("a gain hand-over writes the next product's input: it needs out_copy and a residual")
+    if prenormed is not None and norm_weight is not None:
+        raise ValueError("a prenormed product's x is already times its gain: it takes no norm_weight")
     res = out if residual is None else residual
     stride_rm = res.stride(0) if res.shape[0] > 1 else 0
     blocks = triton.cdiv(n, cfg.block_n)
@@ -298,17 +352,26 @@ def gemv(
         partials, counters = workspace.partials, workspace.counters
     else:
         partials, counters = x, x  # never read
+    sums = gain[1] if gain is not None else prenormed
+    if gain is not None:
+        if sums.sums.numel() < blocks * 16:
+            raise ValueError(f"NormSums holds {sums.sums.numel() // 16} row blocks, the product writes {blocks}")
+        sums.blocks = blocks
+    elif prenormed is not None and not prenormed.blocks:
+        raise ValueError("prenormed: no product before it wrote these NormSums")
     data, scales, quant, group, dot, conv, wscale = kernel_args(weight, cfg.convert)
     pack = k // data.shape[1]  # weights per element of data: 8 for packed int4's words
     w_desc = TensorDescriptor.from_tensor(data, [cfg.block_n, cfg.block_k // pack]) if cfg.tma else data
     _gemv_kernel[(blocks, split)](
         x, data, w_desc, scales, out, res, out if out_copy is None else out_copy,
-        x if norm_weight is None else norm_weight,
-        partials, counters,
+        gain[0] if gain is not None else x if norm_weight is None else norm_weight,
+        partials, counters, x if sums is None else sums.sums, sums.blocks if prenormed is not None else 0,
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl,
-        TMA=cfg.tma, QUANT=quant, PACK=pack, GROUP=group, DOT=dot, CONV=conv, WSCALE=wscale,
+        NORM=1 if norm_weight is not None else 2 if prenormed is not None else 0, RESIDUAL=residual is not None,
+        SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl,
+        TMA=cfg.tma, QUANT=quant, PACK=pack, GROUP=group, DOT=dot, CONV=conv, WSCALE=wscale, GAIN=gain is not None,
+        SUM_BLOCKS=triton.next_power_of_2(prenormed.blocks) if prenormed is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out
