@@ -49,6 +49,11 @@ class GraphConfig:
     # per product of the same kernel. "lm" or "depth" chains that stack's blocks only (the other's run one launch
     # per product).
     chain: bool | str | None = None
+    # Where the products run one launch each: each product's input arrives in its MMA dtype from the kernel before,
+    # the RMSNorm products' already times the norm's gain with the rows' sums of squares beside it (`NormSums`), so a
+    # quantized product's k-loop converts its weights only. False: each product converts (and normalises) its own
+    # input tile by tile, for the bench's A/B (`graph-own-input`) and the test that the two agree.
+    hand_over: bool = True
     # Songs advanced together by one replay (2 rows each; a product takes at most 16 rows, so 8 at most). Graphs are
     # captured per bucket of 1, 2, 4, 8 songs up to this; `engine.slots` is this number. The default is the maximum:
     # a batch of 8 is bit-identical to each song alone on the H200 (`tests/semantic/test_batch_gpu.py`). It is an

@@ -35,10 +35,11 @@ class FrameGraph:
     the teacher-forcing variant, which also writes each step's LM audio logits into `state.record`."""
 
     def __init__(self, weights: EngineWeights, state: DeviceState, stream: EngineStream, tuning: Tuning, *,
-                 pdl: bool, chain: frozenset[str], use_graphs: bool) -> None:
-        """`chain`: the stacks ("lm", "depth") whose block tails run as one chained launch each."""
+                 pdl: bool, chain: frozenset[str], use_graphs: bool, hand_over: bool = True) -> None:
+        """`chain`: the stacks ("lm", "depth") whose block tails run as one chained launch each. `hand_over`: in the
+        others, each product's input arrives in its MMA dtype from the kernel before (`GraphConfig.hand_over`)."""
         self.weights, self.state, self.stream, self.tuning = weights, state, stream, tuning
-        self.pdl, self.chain, self.use_graphs = pdl, chain, use_graphs
+        self.pdl, self.chain, self.use_graphs, self.hand_over = pdl, chain, use_graphs, hand_over
         self.captures = 0
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, record)
 
@@ -151,13 +152,15 @@ class FrameGraph:
             # Unless the tail before wrote this block's q|k|v: layer 0 reads the feedback embedding frame_tail wrote
             # (float32 only); after a chained tail, h (the tail's h16 is its scratch); after products launched one
             # at a time, their bf16 copy of h.
-            if index and config is None:  # the block before handed its norm over (`_block_tail`)
-                self._gemv(s, self._handed(lm_h16, block.qkv), block.qkv, qkv, prenormed=s.norm_sums, eps=w.eps)
-            elif following is None:
-                self._gemv(s, lm_h, block.qkv, qkv, norm_weight=block.ln1, eps=w.eps)
+            if index and config is None and self.hand_over:  # the block before handed its norm over
+                self._gemv(s, self._input(lm_h16, block.qkv, s), block.qkv, qkv, prenormed=s.norm_sums, eps=w.eps)
+            elif config is None or following is None:
+                self._gemv(s, lm_h16 if index and config is None else lm_h, block.qkv, qkv, norm_weight=block.ln1,
+                           eps=w.eps)
             k_cache, v_cache, k_scale, v_scale = s.layer_caches(index)
             following = self._next("lm", block, w.blocks[index + 1] if index + 1 < len(w.blocks) else None)
             config, attn16 = self._tail_config("lm", block, following, attn, lm_h, s)
+            attn16 = attn16 if config is not None else self._handed_copy("attn", attn, block.o, s)
             decode_attention(qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, attn,
                              s.attention, scale, w.eps, pdl=self.pdl, base=s.base[:songs], k_scale=k_scale,
                              v_scale=v_scale, out16=attn16)
@@ -183,11 +186,14 @@ class FrameGraph:
             # block starts with its q|k|v (chained, the tail before it wrote it).
             if index == 0 and not qkv_ready:
                 self._gemv(s, h, block.qkv, qkv, norm_weight=block.ln1, eps=w.depth_eps, per_song=per_song)
-            elif index > 0 and "depth" not in self.chain:  # the block before handed its norm over
-                self._gemv(s, self._handed(h16, block.qkv, per_song), block.qkv, qkv, prenormed=s.norm_sums,
+            elif index > 0 and "depth" not in self.chain and self.hand_over:  # the block before handed its norm over
+                self._gemv(s, self._input(h16, block.qkv, s, per_song), block.qkv, qkv, prenormed=s.norm_sums,
                            eps=w.depth_eps, per_song=per_song)
+            elif index > 0 and "depth" not in self.chain:
+                self._gemv(s, h16, block.qkv, qkv, norm_weight=block.ln1, eps=w.depth_eps, per_song=per_song)
             following = w.depth_blocks[index + 1] if index + 1 < len(w.depth_blocks) else None
             config, out16 = self._tail_config("depth", block, following, out, h, s)
+            out16 = out16 if config is not None else self._handed_copy("depth_attn", out, block.o, s, per_song)
             depth_attention(qkv, out, s.dcache[index, 0, : rows // new], s.dcache[index, 1, : rows // new], base,
                             new, scale, pdl=self.pdl, out16=out16)
             self._block_tail(block, following, out, h, h16, act, qkv, w.depth_eps, s, per_song, config, out16,
@@ -221,27 +227,50 @@ class FrameGraph:
         unchained loop runs at the top of the next block). Chained, h16 is the tail's scratch for normalised inputs
         (no later kernel reads a bf16 copy of h: each stack's first q|k|v and its final norm read h). Unchained, each
         residual product hands the RMSNorm product after it its input times the norm's gain (in h16) and its sums of
-        squares (`NormSums`): gate|up after o, and the next block's (`after`) q|k|v after down."""
+        squares (`NormSums`): gate|up after o, and the next block's (`after`) q|k|v after down; o reads attention's
+        fp16 copy (`attn16`) and down gate|up's, where those products multiply in fp16 (`GraphConfig.hand_over`)."""
         if config is not None:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
                        s.tail_scratch, next_qkv=next_qkv, config=config, attn16=attn16)
             return
-        normed = self._handed(h16, block.gate_up, per_song, swiglu=True)
-        self._gemv(s, attn, block.o, h, residual=h, out_copy=normed, gain=(block.ln2, s.norm_sums), per_song=per_song)
-        self._gemv(s, normed, block.gate_up, act, prenormed=s.norm_sums, eps=eps, swiglu=True, per_song=per_song)
-        if after is None:  # the stack's last block: its final norm reads h
+        if not self.hand_over:
+            self._gemv(s, attn, block.o, h, residual=h, out_copy=h16, per_song=per_song)
+            self._gemv(s, h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True, per_song=per_song)
             self._gemv(s, act, block.down, h, residual=h, out_copy=h16, per_song=per_song)
+            return
+        normed = self._input(h16, block.gate_up, s, per_song, swiglu=True)
+        self._gemv(s, attn if attn16 is None else attn16, block.o, h, residual=h, out_copy=normed,
+                   gain=(block.ln2, s.norm_sums), per_song=per_song)
+        act16 = self._handed_copy("act", act, block.down, s, per_song)
+        self._gemv(s, normed, block.gate_up, act, prenormed=s.norm_sums, eps=eps, swiglu=True, out_copy=act16,
+                   per_song=per_song)
+        if after is None:  # the stack's last block: its final norm reads h
+            self._gemv(s, act if act16 is None else act16, block.down, h, residual=h, out_copy=h16, per_song=per_song)
         else:
-            self._gemv(s, act, block.down, h, residual=h, out_copy=self._handed(h16, after.qkv, per_song),
-                       gain=(after.ln1, s.norm_sums), per_song=per_song)
+            self._gemv(s, act if act16 is None else act16, block.down, h, residual=h,
+                       out_copy=self._input(h16, after.qkv, s, per_song), gain=(after.ln1, s.norm_sums),
+                       per_song=per_song)
 
-    def _handed(self, h16: torch.Tensor, weight: Weight, per_song: int = 2, swiglu: bool = False) -> torch.Tensor:
-        """h16 as the input of the RMSNorm product on `weight` (its dtype: that product's MMA dtype, fp16 on the
-        quantized weights' fp16 routes), which the residual product before writes times the norm's gain."""
-        config = self.tuning.gemv(per_song, *weight.shape, swiglu, h16.element_size(), *weight_format(weight))
-        dot = kernel_args(weight, config.convert)[4]
-        return h16.view(torch.float16) if dot == tl.float16 and h16.dtype != torch.float16 else h16
+    def _in_fp16(self, weight: Weight, per_song: int, swiglu: bool = False) -> bool:
+        """Whether the product on `weight` multiplies in fp16 (the quantized weights' fp16 routes) in a model of
+        another dtype: its input tiles are then converted, and saturated, on their way to the MMA."""
+        config = self.tuning.gemv(per_song, *weight.shape, swiglu, 2, *weight_format(weight))
+        return kernel_args(weight, config.convert)[4] == tl.float16 and self.weights.dtype != torch.float16
+
+    def _input(self, h16: torch.Tensor, weight: Weight, s: DeviceState, per_song: int = 2, swiglu: bool = False
+               ) -> torch.Tensor:
+        """Where the residual product writes the input of the RMSNorm product on `weight` times the norm's gain: h16,
+        or where that product multiplies in fp16, an fp16 buffer of h16's shape."""
+        return s.tail_scratch.half("normed", h16) if self._in_fp16(weight, per_song, swiglu) else h16
+
+    def _handed_copy(self, name: str, x: torch.Tensor, weight: Weight, s: DeviceState, per_song: int = 2
+                     ) -> torch.Tensor | None:
+        """Unchained, the saturated fp16 copy of activation `name` that the kernel writing `x` also writes, where the
+        product on `weight` reading it multiplies in fp16 (None: it reads `x` as it is)."""
+        if not self.hand_over or not self._in_fp16(weight, per_song):
+            return None
+        return s.tail_scratch.half(name, x)
 
     def _gemv(self, s: DeviceState, x: torch.Tensor, weight: Weight, out: torch.Tensor, per_song: int = 2,
               **epilogue) -> None:

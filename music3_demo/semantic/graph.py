@@ -73,9 +73,9 @@ class GraphEngine:
                  pdl: bool | None = None, attention_splits: int | None = None, chain: bool | str | None = None,
                  slots: int | None = None, kv_pool_positions: int | None = None, config: GraphConfig | None = None,
                  tuning: Tuning | None = None, kv_format: str | None = None,
-                 tables_on_host: bool | None = None) -> None:
+                 tables_on_host: bool | None = None, hand_over: bool | None = None) -> None:
         """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits`, `chain`, `slots`,
-        `kv_format` and `tables_on_host`, when given, override its fields. `kv_pool_positions` fixes the KV pool's
+        `kv_format`, `tables_on_host` and `hand_over`, when given, override its fields. `kv_pool_positions` fixes the KV pool's
         size (positions per CFG row) instead of sizing it from free memory (an engine outside a pipeline; a
         pipeline's comes from its card's memory plan)."""
         device = normalize(device)
@@ -89,7 +89,7 @@ class GraphEngine:
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.config = config = (config or GraphConfig()).with_overrides(
             pdl=pdl, attention_splits=attention_splits, chain=chain, slots=slots, kv_format=kv_format,
-            tables_on_host=tables_on_host)
+            tables_on_host=tables_on_host, hand_over=hand_over)
         self.slots = config.slots  # songs at once: the batch's places
         self.buckets = tuple(sorted({min(bucket, self.slots) for bucket in BUCKETS}))
         self.pdl = config.pdl and pdl_supported(device)
@@ -217,7 +217,7 @@ class GraphEngine:
 
     def _new_frame_graph(self) -> None:
         self.frame_graph = FrameGraph(self.weights, self._state, self.stream, self.tuning, pdl=self.pdl,
-                                      chain=self.chain, use_graphs=self.use_graphs)
+                                      chain=self.chain, use_graphs=self.use_graphs, hand_over=self.config.hand_over)
 
     def drop_graphs(self) -> None:
         """Forget the captured graphs (the state stays): they read the weights' addresses, which change as they leave

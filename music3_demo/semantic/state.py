@@ -66,7 +66,7 @@ class DeviceState:
         # Each residual product also writes the stream rounded to the model dtype (`gemv`'s out_copy): the next
         # RMSNorm product reads that copy, since a float32 activation tile per pipeline stage slows it 10-15%. With
         # the products launched one at a time, the copy is already times the next norm's gain, in the next product's
-        # MMA dtype (`NormSums`, `frame_graph.FrameGraph._handed`).
+        # MMA dtype (`NormSums`, `frame_graph.FrameGraph._input`).
         self.lm_h = torch.zeros(rows, hid, device=dev, dtype=torch.float32)  # LM residual stream (feedback lands here)
         self.lm_h16 = torch.zeros(rows, hid, device=dev, dtype=dt)
         self.lm_hidden = torch.zeros(rows, hid, device=dev, dtype=dt)  # final-normed LM state

@@ -15,6 +15,7 @@ def test_bench_engine_names_map_to_graph_engine_options():
     assert graph_variant("graph-chain-lm") == {"pdl": False, "chain": "lm"}  # the depth decoder's tails unchained
     assert graph_variant("graph-chain-depth-s8") == {"pdl": False, "chain": "depth", "attention_splits": 8}
     assert graph_variant("graph-s8-kv8") == {"pdl": False, "chain": None, "attention_splits": 8, "kv_format": "int8"}
+    assert graph_variant("graph-own-input") == {"pdl": False, "chain": None, "hand_over": False}
     with pytest.raises(ValueError, match="unknown engine 'graph-pdl-chain'"):
         graph_variant("graph-pdl-chain")
     with pytest.raises(ValueError, match="unknown engine 'graph-fast'"):

@@ -304,6 +304,46 @@ def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weig
     assert relative_error(frames, ref_frames).max() < 1e-5
 
 
+@pytest.mark.parametrize("scheme", [Scheme("int8", 16), Scheme("int4", 16)], ids=["int8-g16", "int4-g16"])
+def test_products_launched_alone_take_their_input_handed_over_in_fp16_as_they_would_make_it(scheme, monkeypatch):
+    """One launch per product on an fp16 route (the tuned routes of every quantized format): each product's input
+    arrives from the kernel before in fp16, the RMSNorm products' already times the gain with the rows' sums of
+    squares (`GraphConfig.hand_over`). The engine then computes what it computes with each product converting and
+    normalising its own input, but for the order the sums of squares are added in."""
+    from music3_demo import random_models
+    from music3_demo.semantic import frame_graph
+    from music3_demo.semantic.graph import GraphEngine
+    from music3_demo.semantic.kernels.tuning import Tuning
+
+    real_gemv, real_tuned = frame_graph.gemv, Tuning.gemv
+    monkeypatch.setattr(Tuning, "gemv", lambda self, *a, **kw: replace(real_tuned(self, *a, **kw), convert=BITS_F16))
+    calls = []
+    monkeypatch.setattr(frame_graph, "gemv", lambda x, w, out, **kw: (calls.append((x.dtype, kw)),
+                                                                      real_gemv(x, w, out, **kw))[1])
+    components = random_models.build_components(random_models.TINY, seed=0)
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    quantize_model_(lm, depth, scheme.fmt, "cpu", scheme)
+    generator = torch.Generator().manual_seed(20)
+    text_ids = torch.randint(0, 250, (2, 10), generator=generator)
+    codes = random_codes(2, generator)
+    results = {}
+    for hand_over in (True, False):
+        engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=False, hand_over=hand_over)
+        calls.clear()
+        results[hand_over] = engine.teacher_forced(text_ids, codes)
+        handed = [kw for dtype, kw in calls if kw.get("prenormed") is not None]
+        fp16_inputs = [kw for dtype, kw in calls if dtype == torch.float16]
+        # every block's gate|up and every q|k|v after a block's down take the hand-over (the stacks' first do not)
+        assert bool(handed) == hand_over and all("norm_weight" not in kw for kw in handed)
+        assert bool(fp16_inputs) == hand_over  # o, gate|up, down and the handed q|k|v read fp16
+        assert all(kw.get("gain") is None for dtype, kw in calls) != hand_over
+    (logits, frames), (own_logits, own_frames) = results[True], results[False]
+    assert relative_error(logits, own_logits).max() < 1e-4
+    assert relative_error(frames, own_frames).max() < 1e-4
+    ref_logits, _ = reference_teacher_forced(lm, depth, text_ids, codes)
+    assert relative_error(logits, ref_logits).max() < 2e-2  # fp16 activations against float32 ones
+
+
 def test_tuning_gives_one_byte_weights_the_same_bytes_in_flight_within_shared_memory():
     from music3_demo.semantic.kernels.tuning import Target, shared_bytes, tuning_for_target
 

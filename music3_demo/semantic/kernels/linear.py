@@ -338,8 +338,8 @@ def gemv(
         raise ValueError(f"K={k} must be a multiple of block_k={cfg.block_k} x split_k={split}")
     if split > 1 and pdl:
         raise ValueError("split-K GEMVs share a workspace in stream order: they cannot run with PDL")
-    if out_copy is not None and (swiglu or out_copy.shape != out.shape or out_copy.stride() != out.stride()):
-        raise ValueError("out_copy needs out's shape and strides (and no SwiGLU epilogue)")
+    if out_copy is not None and (out_copy.shape != out.shape or out_copy.stride() != out.stride()):
+        raise ValueError("out_copy needs out's shape and strides")
     if gain is not None and (out_copy is None or residual is None):
         raise ValueError("a gain hand-over writes the next product's input: it needs out_copy and a residual")
     if prenormed is not None and norm_weight is not None:
