@@ -151,7 +151,7 @@ class FrameGraph:
         for index, block in enumerate(w.blocks):
             # Unless the tail before wrote this block's q|k|v: layer 0 reads the feedback embedding frame_tail wrote
             # (float32 only); after a chained tail, h (the tail's h16 is its scratch); after products launched one
-            # at a time, their bf16 copy of h.
+            # at a time, what the block before's down handed over (`_block_tail`), or its bf16 copy of h.
             if index and config is None and self.hand_over:  # the block before handed its norm over
                 self._gemv(s, self._input(lm_h16, block.qkv, s), block.qkv, qkv, prenormed=s.norm_sums, eps=w.eps)
             elif config is None or following is None:
