@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from music3_demo.semantic.kernels import onebyte_space, tune_gemv, tune_onebyte, tune_tail
 from music3_demo.semantic.kernels.linear import GemvConfig as G
 from music3_demo.semantic.kernels.qweight import PLANES
@@ -246,3 +248,28 @@ def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_
         cfg, _ = best[(fmt, "lm")]
         assert cfg.per_sm == 1
     assert (1, 4, False) in timed and sum(1 for t in timed if not t[2]) == 2
+
+
+@pytest.mark.parametrize("epilogue", ["norm", "swiglu", "residual", "plain"])
+def test_the_gemv_sweep_times_quantized_products_as_the_engine_launches_them_alone(epilogue, monkeypatch):
+    """`tune_onebyte`'s GEMV case (Triton's interpreter, fp16): the quantized product takes its input handed over in
+    its MMA dtype, as the engine's products launched one at a time do (`GraphConfig.hand_over`): an RMSNorm product
+    prenormed, a residual product writing the next product's gained input; each route and the bf16 baseline stay
+    within the sweep's bar against torch."""
+    import torch
+
+    from music3_demo.semantic.kernels.qweight import BITS_F16, CAST
+
+    monkeypatch.setattr(tune_onebyte, "DEVICE", torch.device("cpu"))
+    monkeypatch.setattr(tune_onebyte, "DTYPE", torch.float16)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    shape = (2, 64, 128, epilogue)
+    case = tune_onebyte.gemv_case("int8/g128", shape)
+    assert ("prenormed" in case["handed"]) == (epilogue in ("norm", "swiglu"))
+    assert ("gain" in case["handed"]) == (epilogue == "residual")
+    for convert in (CAST, BITS_F16):
+        cfg = G(16, 64, convert=convert)
+        assert tune_onebyte.gemv_error(case, cfg) < 2e-2, (epilogue, convert)
+    tune_onebyte.run_gemv(case, G(16, 64), dense=True)
+    if epilogue == "residual":
+        assert case["handed"]["gain"][1].blocks == 4 and case["handed"]["out_copy"].dtype == torch.float16

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .linear import GemvConfig, GemvWorkspace, gemv, tile_fits_groups
+from .linear import GemvConfig, GemvWorkspace, NormSums, gemv, tile_fits_groups
 from .onebyte_space import FORMATS, ROUTES, fits_shape, route_tiles, tiles
 from .qweight import CONVERSIONS, FP16_ROUTES
 from .tail import block_tail
@@ -55,7 +55,10 @@ _CACHE: dict = {}
 
 def gemv_case(fmt: str, shape: tuple, copies: int = 1) -> dict:
     """Tensors of one product (cached per process): `copies` 1-byte weights (to defeat the L2), the input, the
-    torch reference on the dequantized first copy, bf16 copies for the bf16 baseline."""
+    torch reference on the dequantized first copy, bf16 copies for the bf16 baseline. The quantized product runs as
+    the engine launches it alone (`GraphConfig.hand_over`): its input handed over in its MMA dtype, an RMSNorm
+    product's already times the gain with the rows' sums of squares beside it, and a residual product writing that
+    for the product after it; the bf16 baseline normalises its own input, as its chained tails do."""
     from ..quant import quantize_weight
 
     key = (fmt, shape, copies)
@@ -83,15 +86,32 @@ def gemv_case(fmt: str, shape: tuple, copies: int = 1) -> dict:
         ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
     kw = {"norm_weight": gain if normed else None, "swiglu": swiglu,
           "residual": res if epilogue == "residual" else None}
-    case = dict(weights=weights, dense=dense, x=x, out=out, ref=ref, kw=kw, workspace=GemvWorkspace(device),
-                nbytes=sum(w.nbytes() for w in weights) / copies, bf16_bytes=n * k * 2)
+    handed = {"swiglu": swiglu, "residual": kw["residual"], "eps": 1e-6}
+    gained = x.float() * gain.float()  # x ⊙ g, as the residual product before hands it over (with x's sums)
+    inputs = {torch.bfloat16: gained.to(torch.bfloat16) if normed else x,
+              torch.float16: (gained if normed else x.float()).clamp(-65504, 65504).half()}
+    if normed:
+        sums = NormSums.for_rows(k, device)
+        sums.sums.view(-1, 16)[0, :rows] = x.float().pow(2).sum(-1)
+        sums.blocks = 1
+        handed["prenormed"] = sums
+    elif epilogue == "residual":  # the gained copy and the sums for the next product, in its MMA dtype
+        handed.update(out_copy=torch.empty(rows, n, device=device, dtype=torch.float16),
+                      gain=(torch.rand(n, device=device, dtype=DTYPE) + 0.5, NormSums.for_rows(n, device)))
+    case = dict(weights=weights, dense=dense, x=x, out=out, ref=ref, kw=kw, handed=handed, inputs=inputs,
+                workspace=GemvWorkspace(device), nbytes=sum(w.nbytes() for w in weights) / copies,
+                bf16_bytes=n * k * 2)
     _CACHE[key] = case
     return case
 
 
 def run_gemv(case: dict, cfg: GemvConfig, index: int = 0, dense: bool = False) -> None:
     weight = (case["dense"] if dense else case["weights"])[index % len(case["weights"])]
-    gemv(case["x"], weight, case["out"], config=cfg, workspace=case["workspace"], **case["kw"])
+    if dense:
+        gemv(case["x"], weight, case["out"], config=cfg, workspace=case["workspace"], **case["kw"])
+        return
+    x = case["inputs"][torch.float16 if cfg.convert in FP16_ROUTES else torch.bfloat16]
+    gemv(x, weight, case["out"], config=cfg, workspace=case["workspace"], **case["handed"])
 
 
 def gemv_error(case: dict, cfg: GemvConfig) -> float:
