@@ -313,7 +313,7 @@ def gemv(
     (`interleave_rows`) and `out` is [M, N/2].
     `out_copy` (out's shape and strides, another dtype) receives out rounded to its dtype: the graph engine keeps a
     bf16 copy of each float32 residual stream, which the next RMSNorm product reads (a float32 activation tile per
-    pipeline stage cost those products 10-15%).
+    pipeline stage cost those products 10-15%); after a SwiGLU epilogue, the saturated fp16 copy an fp16 route reads.
     `gain` (g, sums), with `out_copy` in the next product's MMA dtype and a residual: out_copy is x ⊙ g for the next
     RMSNorm product, whose row sums of squares go to `sums`; that product then runs with `prenormed=sums` (and no
     `norm_weight`: its x is out_copy, already times g).
@@ -340,8 +340,9 @@ def gemv(
         raise ValueError("split-K GEMVs share a workspace in stream order: they cannot run with PDL")
     if out_copy is not None and (out_copy.shape != out.shape or out_copy.stride() != out.stride()):
         raise ValueError("out_copy needs out's shape and strides")
-    if gain is not None and (out_copy is None or residual is None):
-        raise ValueError("a gain hand-over writes the next product's input: it needs out_copy and a residual")
+    if gain is not None and (out_copy is None or residual is None or norm_weight is not None):
+        raise ValueError("a gain hand-over writes the next product's input: it needs out_copy and a residual "
+                         "(and no norm_weight of its own)")
     if prenormed is not None and norm_weight is not None:
         raise ValueError("a prenormed product's x is already times its gain: it takes no norm_weight")
     res = out if residual is None else residual
