@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -39,7 +38,7 @@ from .qweight import CONVERSIONS, FP16_ROUTES
 from .tail import block_tail
 from .tail_config import TailConfig, TailScratch, with_products
 from .tune_gemv import SHAPES, time_graph
-from .tuning import Target, Tuning, load_table, tuning_for
+from .tuning import Target, Tuning, tuning_for, write_table
 
 # The four products of a chained LM block (2 rows): what decides the route.
 ROUTE_SHAPES = [(2, 6144, 4096, "norm"), (2, 4096, 4096, "residual"), (2, 24576, 4096, "swiglu"),
@@ -423,22 +422,6 @@ def measure(fmt: str, shape: tuple, cfg: GemvConfig) -> float | None:
         print(f"WRONG {fmt} {list(shape)} {cfg}: rel err {err:.2e}", flush=True)
         return None
     return time_graph(lambda i: run_gemv(case, cfg, i), LAUNCHES)
-
-
-def write_table(path: Path, tuning: Tuning, gemv_table: dict, tail_table: dict, target: Target) -> Path:
-    """This GPU's packaged table (its bf16 entries) plus the 1-byte winners, in kernels/tuning.py's format."""
-    from .tuning import write_section
-
-    packaged = Path(tuning.source) if tuning.source != "heuristic" else None
-    if packaged is not None and packaged.resolve() == path.resolve():
-        raise SystemExit(f"write the 1-byte table to a file of its own, not {path}")
-    path.unlink(missing_ok=True)  # rewritten after each format, from the packaged table
-    old_gemv, old_tail = {}, {}
-    if packaged is not None:
-        shutil.copyfile(packaged, path)
-        old_gemv, old_tail = load_table(path)
-    write_section(path, "gemv", {**old_gemv, **gemv_table}, target=target)
-    return write_section(path, "tail", {**old_tail, **tail_table}, target=target)
 
 
 if __name__ == "__main__":

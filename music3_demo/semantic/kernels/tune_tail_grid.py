@@ -51,8 +51,8 @@ from .onebyte_space import FORMATS, SHARED_LIMIT
 from .qweight import BITS_F16, FP16_ROUTES, PACKED_F16, PLANES
 from .tail_config import PRODUCTS, TailConfig, fp16_routes, with_products
 from .tune_gemv import time_graph
-from .tune_onebyte import FAMILIES, tail_family, write_table
-from .tuning import Target, Tuning, shared_bytes, tuning_for, tuning_for_target
+from .tune_onebyte import FAMILIES, tail_family
+from .tuning import Target, Tuning, shared_bytes, tuning_for, tuning_for_target, write_table
 
 DEFAULT_FORMATS = "int8/g128,int4/g64,fp8/channel,bf16"  # (the table is written after each: a timeout keeps those)
 MAX_STAGES = 16  # the deepest pipeline the sweep asks of a tail's product

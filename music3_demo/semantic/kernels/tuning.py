@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import re
+import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -296,3 +297,18 @@ def write_section(path: str | Path, section: str, table: dict, notes: dict | Non
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(lines) + "}\n")
     return path
+
+
+def write_table(path: Path, tuning: Tuning, gemv_table: dict, tail_table: dict, target: Target) -> Path:
+    """What a sweep writes: this GPU's packaged table (`tuning`'s source) with the sweep's winners over its entries, in
+    a file of its own (one per sweep, compared in the engine with `bench semantic --compare-tuning`)."""
+    packaged = Path(tuning.source) if tuning.source != "heuristic" else None
+    if packaged is not None and packaged.resolve() == path.resolve():
+        raise SystemExit(f"write the 1-byte table to a file of its own, not {path}")
+    path.unlink(missing_ok=True)  # rewritten after each format, from the packaged table
+    old_gemv, old_tail = {}, {}
+    if packaged is not None:
+        shutil.copyfile(packaged, path)
+        old_gemv, old_tail = load_table(path)
+    write_section(path, "gemv", {**old_gemv, **gemv_table}, target=target)
+    return write_section(path, "tail", {**old_tail, **tail_table}, target=target)
