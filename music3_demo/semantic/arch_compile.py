@@ -59,6 +59,7 @@ GENERATION = {86: 80, 89: 80}
 # sample) or shift offsets and masks (rows, cached depth positions): variants that differ only in them need no
 # separate compile in the CI set (the full set, --all, compiles them all).
 MINOR = {"_block_tail_kernel": {"M", "HAS_NEXT", "RUN_Q", "Q", "BN_Q", "BK_Q", "ST_Q", "TMA_Q", "PF_Q"},
+         "_gemv_kernel": {"M", "SUM_BLOCKS"},  # (the rows a product masks; the handed sums' count, 64 at full size)
          "_cfg_sample_kernel": {"FORCED", "COPIES"}, "_depth_attn_kernel": {"BASE"}}
 # The tiny model's CI set: one compile per tile configuration (and weight format) of each kernel. Its epilogues and
 # the stacks' variants are the full-size model's code paths, compiled there; what a small model adds is tiles of
