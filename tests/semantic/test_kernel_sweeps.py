@@ -250,7 +250,7 @@ def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_
     assert (1, 4, False) in timed and sum(1 for t in timed if not t[2]) == 2
 
 
-@pytest.mark.parametrize("epilogue", ["norm", "swiglu", "residual", "plain"])
+@pytest.mark.parametrize("epilogue", ["norm", "swiglu", "residual"])
 def test_the_gemv_sweep_times_quantized_products_as_the_engine_launches_them_alone(epilogue, monkeypatch):
     """`tune_onebyte`'s GEMV case (Triton's interpreter, fp16): the quantized product takes its input handed over in
     its MMA dtype, as the engine's products launched one at a time do (`GraphConfig.hand_over`): an RMSNorm product
