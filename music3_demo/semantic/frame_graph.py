@@ -15,11 +15,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import triton.language as tl
 
 from .engine_stream import EngineStream
 from .kernels import block_tail, cfg_sample, decode_attention, depth_attention, frame_tail, gemv, rmsnorm
-from .kernels.qweight import Weight, kernel_args, weight_format
+from .kernels.qweight import Weight, fp16_input, weight_format
 from .kernels.tail_config import TailConfig, reads_copy
 from .kernels.tuning import Tuning
 from .state import DeviceState, round_up
@@ -256,7 +255,7 @@ class FrameGraph:
         """Whether the product on `weight` multiplies in fp16 (the quantized weights' fp16 routes) in a model of
         another dtype: its input tiles are then converted, and saturated, on their way to the MMA."""
         config = self.tuning.gemv(per_song, *weight.shape, swiglu, 2, *weight_format(weight))
-        return kernel_args(weight, config.convert)[4] == tl.float16 and self.weights.dtype != torch.float16
+        return fp16_input(weight, config.convert, self.weights.dtype)
 
     def _input(self, h16: torch.Tensor, weight: Weight, s: DeviceState, per_song: int = 2, swiglu: bool = False
                ) -> torch.Tensor:

@@ -288,6 +288,13 @@ def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torc
     return weight, weight, 0, 1, TL_DTYPES.get(weight.dtype, tl.float32), CAST, 1.0
 
 
+
+def fp16_input(weight: Weight, convert: int, dtype: torch.dtype) -> bool:
+    """Whether a product on `weight` by route `convert` multiplies in fp16 an input held in another `dtype`: each of
+    its programs then converts (and saturates: `operands.activation_tile`) the input tile by tile, which an fp16 copy
+    written once by the kernel before spares them."""
+    return dtype != torch.float16 and kernel_args(weight, convert)[4] == tl.float16
+
 # q = u - 8 from a 32-bit word of two bf16 magic-number halves 128 + u (`unpack_int4`), in one packed operation: times
 # 1.0 (0x3F80) minus 136 (0xC308 is -136), an FMA because bf16x2 subtraction is sm_90's only. Triton's own bf16
 # subtraction on sm_80 goes half by half, with byte permutes around it (`arch_census`: 182 -> 153 instructions a

@@ -26,11 +26,10 @@ from dataclasses import dataclass, replace
 
 import torch
 import triton
-import triton.language as tl
 
 from .launch import interpreting
 from .linear import GemvConfig, fit_shape
-from .qweight import BITS_F16, PACKED_F16, Weight, kernel_args
+from .qweight import BITS_F16, PACKED_F16, Weight, fp16_input
 
 MAX_PER_SM = 4  # programs per SM a tail config may ask for (`TailConfig.per_sm`)
 MAX_SPLIT = 4  # K parts a balanced product may take (`balanced_splits`)
@@ -201,5 +200,4 @@ def reads_copy(config: TailConfig, name: str, weight: Weight, dtype: torch.dtype
     input: with `halves`, where it multiplies in fp16 and its input is not fp16 already. The product before it writes
     the copy; for o, the attention kernel before the tail (`attention`'s out16), once, instead of every o program
     converting the whole input."""
-    return (config.halves and dtype != torch.float16
-            and kernel_args(weight, getattr(config, name).convert)[4] == tl.float16)
+    return config.halves and fp16_input(weight, getattr(config, name).convert, dtype)
