@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from .. import contract as c
 from .report import needs_cuda
-from .semantic import load_for_bench, quantized_copy, random_prompt, run_song
+from .semantic import graph_variant, load_for_bench, quantized_copy, random_prompt, run_song
 
 PROMPT_TOKENS, FRAMES = 400, 200
 
@@ -63,7 +63,8 @@ def report(groups: dict[str, list[float]], units: int, unit: str, wall_ms: float
     return {**summary, "groups": rows}
 
 
-def profile_semantic(precision: str = "bf16") -> dict:
+def profile_semantic(precision: str = "bf16", engine_name: str = "graph") -> dict:
+    """One frame of the graph engine variant `engine_name` (`bench semantic`'s names) on `precision` weights."""
     from ..semantic.graph import GraphEngine
 
     components = load_for_bench("random-full")
@@ -71,7 +72,7 @@ def profile_semantic(precision: str = "bf16") -> dict:
     if precision != "bf16":
         models = quantized_copy(*models, precision, torch.device("cuda"))[:2]
         del components
-    engine = GraphEngine(*models, torch.device("cuda"))
+    engine = GraphEngine(*models, torch.device("cuda"), **graph_variant(engine_name))
     text_ids = random_prompt(PROMPT_TOKENS, 0, torch.device("cuda"))
     engine.reserve(PROMPT_TOKENS, FRAMES)
     run_song(engine, text_ids, 32, 1)  # compile + capture
@@ -79,7 +80,7 @@ def profile_semantic(precision: str = "bf16") -> dict:
     profiled: dict = {}
     groups = kernel_times(lambda: profiled.update(run_song(engine, text_ids, FRAMES, 2)))
     result = report(groups, profiled["frames"], "frame", 1e3 / unprofiled["frames_per_s"])
-    return {"precision": precision, "prompt_tokens": PROMPT_TOKENS, "frames": profiled["frames"],
+    return {"precision": precision, "engine": engine_name, "prompt_tokens": PROMPT_TOKENS, "frames": profiled["frames"],
             "frames_per_s": unprofiled["frames_per_s"], **result}
 
 
@@ -113,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output", nargs="?", help="also write the JSON here")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "int8", "int4"),
                         help="semantic: the weights' format")
+    parser.add_argument("--engine", default="graph", help="semantic: a graph engine variant, as `bench semantic` "
+                        "names them (graph-own-input, graph-unchained, ...)")
     args = parser.parse_args(argv)
     if not needs_cuda():
         return 2
-    result = profile_semantic(args.precision) if args.mode == "semantic" else profile_flow()
+    result = profile_semantic(args.precision, args.engine) if args.mode == "semantic" else profile_flow()
     if args.output:
         Path(args.output).write_text(json.dumps({"mode": args.mode, **result}, indent=1))
     return 0
