@@ -34,9 +34,10 @@ class FrameGraph:
     the teacher-forcing variant, which also writes each step's LM audio logits into `state.record`."""
 
     def __init__(self, weights: EngineWeights, state: DeviceState, stream: EngineStream, tuning: Tuning, *,
-                 pdl: bool, chain: frozenset[str], use_graphs: bool, hand_over: bool = True) -> None:
-        """`chain`: the stacks ("lm", "depth") whose block tails run as one chained launch each. `hand_over`: in the
-        others, each product's input arrives in its MMA dtype from the kernel before (`GraphConfig.hand_over`)."""
+                 pdl: bool, chain: frozenset[str], use_graphs: bool, hand_over: frozenset[str] = frozenset()) -> None:
+        """`chain`: the stacks ("lm", "depth") whose block tails run as one chained launch each. `hand_over`: the
+        unchained stacks whose products each take their input in its MMA dtype from the kernel before
+        (`GraphConfig.hand_over`)."""
         self.weights, self.state, self.stream, self.tuning = weights, state, stream, tuning
         self.pdl, self.chain, self.use_graphs, self.hand_over = pdl, chain, use_graphs, hand_over
         self.captures = 0
@@ -151,7 +152,7 @@ class FrameGraph:
             # Unless the tail before wrote this block's q|k|v: layer 0 reads the feedback embedding frame_tail wrote
             # (float32 only); after a chained tail, h (the tail's h16 is its scratch); after products launched one
             # at a time, what the block before's down handed over (`_block_tail`), or its bf16 copy of h.
-            if index and config is None and self.hand_over:  # the block before handed its norm over
+            if index and config is None and "lm" in self.hand_over:  # the block before handed its norm over
                 self._gemv(s, self._input(lm_h16, block.qkv, s), block.qkv, qkv, prenormed=s.norm_sums, eps=w.eps)
             elif config is None or following is None:
                 self._gemv(s, lm_h16 if index and config is None else lm_h, block.qkv, qkv, norm_weight=block.ln1,
@@ -159,13 +160,13 @@ class FrameGraph:
             k_cache, v_cache, k_scale, v_scale = s.layer_caches(index)
             following = self._next("lm", block, w.blocks[index + 1] if index + 1 < len(w.blocks) else None)
             config, attn16 = self._tail_config("lm", block, following, attn, lm_h, s)
-            attn16 = attn16 if config is not None else self._handed_copy("attn", attn, block.o, s)
+            attn16 = attn16 if config is not None else self._handed_copy("lm", "attn", attn, block.o, s)
             decode_attention(qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, attn,
                              s.attention, scale, w.eps, pdl=self.pdl, base=s.base[:songs], k_scale=k_scale,
                              v_scale=v_scale, out16=attn16)
             after = w.blocks[index + 1] if index + 1 < len(w.blocks) else None
-            self._block_tail(block, following, attn, lm_h, lm_h16, act, qkv, w.eps, s, config=config, attn16=attn16,
-                             after=after)
+            self._block_tail("lm", block, following, attn, lm_h, lm_h16, act, qkv, w.eps, s, config=config,
+                             attn16=attn16, after=after)
         rmsnorm(lm_h, w.final_norm, lm_hidden, w.eps)
         counters = s.counters[:songs]
         torch.minimum(counters + 1, s.limits[:songs], out=counters)
@@ -185,18 +186,18 @@ class FrameGraph:
             # block starts with its q|k|v (chained, the tail before it wrote it).
             if index == 0 and not qkv_ready:
                 self._gemv(s, h, block.qkv, qkv, norm_weight=block.ln1, eps=w.depth_eps, per_song=per_song)
-            elif index > 0 and "depth" not in self.chain and self.hand_over:  # the block before handed its norm over
+            elif index > 0 and "depth" not in self.chain and "depth" in self.hand_over:  # the norm handed over
                 self._gemv(s, self._input(h16, block.qkv, s, per_song), block.qkv, qkv, prenormed=s.norm_sums,
                            eps=w.depth_eps, per_song=per_song)
             elif index > 0 and "depth" not in self.chain:
                 self._gemv(s, h16, block.qkv, qkv, norm_weight=block.ln1, eps=w.depth_eps, per_song=per_song)
             following = w.depth_blocks[index + 1] if index + 1 < len(w.depth_blocks) else None
             config, out16 = self._tail_config("depth", block, following, out, h, s)
-            out16 = out16 if config is not None else self._handed_copy("depth_attn", out, block.o, s, per_song)
+            out16 = out16 if config is not None else self._handed_copy("depth", "depth_attn", out, block.o, s, per_song)
             depth_attention(qkv, out, s.dcache[index, 0, : rows // new], s.dcache[index, 1, : rows // new], base,
                             new, scale, pdl=self.pdl, out16=out16)
-            self._block_tail(block, following, out, h, h16, act, qkv, w.depth_eps, s, per_song, config, out16,
-                             after=following)
+            self._block_tail("depth", block, following, out, h, h16, act, qkv, w.depth_eps, s, per_song, config,
+                             out16, after=following)
 
     def _next(self, stack: str, block: Block, following: Block | None) -> Block | None:
         """`following` where `block`'s chained tail also runs its q|k|v: in the same stack, chained, and in the same
@@ -218,7 +219,7 @@ class FrameGraph:
         return config, copy
 
     def _block_tail(
-        self, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor, h16: torch.Tensor,
+        self, stack: str, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor, h16: torch.Tensor,
         act: torch.Tensor, qkv: torch.Tensor, eps: float, s: DeviceState, per_song: int = 2,
         config: TailConfig | None = None, attn16: torch.Tensor | None = None, after: Block | None = None,
     ) -> None:
@@ -233,7 +234,7 @@ class FrameGraph:
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
                        s.tail_scratch, next_qkv=next_qkv, config=config, attn16=attn16)
             return
-        if not self.hand_over:
+        if stack not in self.hand_over:
             self._gemv(s, attn, block.o, h, residual=h, out_copy=h16, per_song=per_song)
             self._gemv(s, h16, block.gate_up, act, norm_weight=block.ln2, eps=eps, swiglu=True, per_song=per_song)
             self._gemv(s, act, block.down, h, residual=h, out_copy=h16, per_song=per_song)
@@ -241,7 +242,7 @@ class FrameGraph:
         normed = self._input(h16, block.gate_up, s, per_song, swiglu=True)
         self._gemv(s, attn if attn16 is None else attn16, block.o, h, residual=h, out_copy=normed,
                    gain=(block.ln2, s.norm_sums), per_song=per_song)
-        act16 = self._handed_copy("act", act, block.down, s, per_song)
+        act16 = self._handed_copy(stack, "act", act, block.down, s, per_song)
         self._gemv(s, normed, block.gate_up, act, prenormed=s.norm_sums, eps=eps, swiglu=True, out_copy=act16,
                    per_song=per_song)
         if after is None:  # the stack's last block: its final norm reads h
@@ -263,11 +264,11 @@ class FrameGraph:
         or where that product multiplies in fp16, an fp16 buffer of h16's shape."""
         return s.tail_scratch.half("normed", h16) if self._in_fp16(weight, per_song, swiglu) else h16
 
-    def _handed_copy(self, name: str, x: torch.Tensor, weight: Weight, s: DeviceState, per_song: int = 2
+    def _handed_copy(self, stack: str, name: str, x: torch.Tensor, weight: Weight, s: DeviceState, per_song: int = 2
                      ) -> torch.Tensor | None:
         """Unchained, the saturated fp16 copy of activation `name` that the kernel writing `x` also writes, where the
-        product on `weight` reading it multiplies in fp16 (None: it reads `x` as it is)."""
-        if not self.hand_over or not self._in_fp16(weight, per_song):
+        product on `weight` of `stack` reading it multiplies in fp16 (None: it reads `x` as it is)."""
+        if stack not in self.hand_over or not self._in_fp16(weight, per_song):
             return None
         return s.tail_scratch.half(name, x)
 

@@ -30,11 +30,12 @@ import torch
 from .. import contract as c
 from ..devices import check_launch_device, normalize, on_device
 from ..events import check_cancel
-from .config import GraphConfig, resolve_chain
+from .config import GraphConfig, resolve_chain, resolve_hand_over
 from .engine import SamplingSettings, check_prefix
 from .engine_stream import EngineStream
 from .frame_graph import FrameGraph
 from .kernels import interpreting, pdl_supported
+from .kernels.qweight import weight_format
 from .kernels.tuning import Tuning, tuning_for
 from .prefill import copy_prompt, prefill
 from .quant import quantized_stacks
@@ -101,6 +102,8 @@ class GraphEngine:
             self.weights = prepare_weights(language_model, depth_decoder, config.tables_on_host)
             self.stream = EngineStream(device, config.in_flight + 1, self.slots)
         self.precision, self.kv_format = self.weights.precision, config.kv_format
+        lm_kind = (weight_format(self.weights.blocks[-1].qkv) or (0, 0, ""))[2]
+        self.hand_over = resolve_hand_over(config.hand_over, lm_kind)
         self.scheduler = BatchScheduler(self.slots, self.buckets, config.prefill_chunk, config.replay_block,
                                         config.in_flight, pool_limit=kv_pool_positions)
         self.occupancy = Occupancy(self.slots, self.name)
@@ -217,7 +220,7 @@ class GraphEngine:
 
     def _new_frame_graph(self) -> None:
         self.frame_graph = FrameGraph(self.weights, self._state, self.stream, self.tuning, pdl=self.pdl,
-                                      chain=self.chain, use_graphs=self.use_graphs, hand_over=self.config.hand_over)
+                                      chain=self.chain, use_graphs=self.use_graphs, hand_over=self.hand_over)
 
     def drop_graphs(self) -> None:
         """Forget the captured graphs (the state stays): they read the weights' addresses, which change as they leave

@@ -120,6 +120,20 @@ def test_a_gpu_engine_chains_the_block_tails_of_bf16_stacks_only(precision, chai
     assert resolve_chain(None, False, frozenset()) == frozenset()  # (the interpreter: one launch per product)
 
 
+@pytest.mark.parametrize("precision, handed", [("int4", {"lm", "depth"}), ("fp8", {"lm", "depth"}),
+                                               ("int8", {"depth"})])
+def test_products_launched_alone_take_their_input_handed_over_but_an_int8_lms(precision, handed):
+    """Where `GraphConfig.hand_over` is None every stack hands its products their inputs but an int8 LM (measured
+    slower there, faster on int4 and fp8); True and False ask for every stack and none, as the bench's A/B does."""
+    from music3_demo.semantic.arch_record import meta_engine
+    from music3_demo.semantic.config import resolve_hand_over
+    from music3_demo.semantic.kernels.tuning import Target, tuning_for_target
+
+    tuning = tuning_for_target(Target("NVIDIA H200", 90, 132))
+    assert meta_engine(tuning, precision, "tiny").hand_over == handed
+    assert resolve_hand_over(True, "int8") == {"lm", "depth"} and resolve_hand_over(False, "int4") == frozenset()
+
+
 def test_the_precompile_records_an_int4_lm_with_its_first_layers_at_8_bits_as_the_plan_loads_it():
     """The meta engine the precompile records for a plan's int4 LM with 8-bit first layers (`first_layers`) holds
     them in the depth decoder's format for the target (fp8 on sm_90), as the card's load quantizes them."""
