@@ -1,10 +1,10 @@
 """CUDA-graph semantic engine: one graph replay per frame for every song it runs, nothing on the host per frame.
 
 `GraphEngine` composes parts that call down only: the weights prepared as a value (weights.py), the batch's device
-state (state.py; a prompt's prefill in prefill.py), the frame and its captured graph per bucket of 1, 2, 4 or 8
-songs over them (frame_graph.py), and the batch scheduler (scheduler.py), which decides on plain values who is
-admitted, which prefill chunks run, which bucket replays and who leaves. engine_stream.py is its CUDA stream and
-the events to and from its callers; config.py its knobs.
+state (state.py; a prompt's prefill in prefill.py), the frame and its captured graph per bucket of 1, 2, 4 or 8 songs
+over them (frame_graph.py), and the batch scheduler (scheduler.py), which decides on plain values who is admitted,
+which prefill chunks run, which bucket replays and who leaves. engine_stream.py is its CUDA stream and the events to
+and from its callers; config.py its knobs.
 
 Each song's caller iterates its own `FrameRun` on its own thread. There is no scheduler thread: a caller whose queue
 is empty takes the drive lock and runs one round (the scheduler's plan, carried out on the engine's stream), which
@@ -35,7 +35,6 @@ from .engine import SamplingSettings, check_prefix
 from .engine_stream import EngineStream
 from .frame_graph import FrameGraph
 from .kernels import interpreting, pdl_supported
-from .kernels.qweight import weight_format
 from .kernels.tuning import Tuning, tuning_for
 from .prefill import copy_prompt, prefill
 from .quant import quantized_stacks
@@ -73,11 +72,11 @@ class GraphEngine:
     def __init__(self, language_model, depth_decoder, device: torch.device | str, *, use_graphs: bool | None = None,
                  pdl: bool | None = None, attention_splits: int | None = None, chain: bool | str | None = None,
                  slots: int | None = None, kv_pool_positions: int | None = None, config: GraphConfig | None = None,
-                 tuning: Tuning | None = None, kv_format: str | None = None,
-                 tables_on_host: bool | None = None, hand_over: bool | None = None) -> None:
+                 tuning: Tuning | None = None, kv_format: str | None = None, tables_on_host: bool | None = None,
+                 hand_over: bool | None = None) -> None:
         """The knobs come from `config` (defaults: GraphConfig()); `pdl`, `attention_splits`, `chain`, `slots`,
-        `kv_format`, `tables_on_host` and `hand_over`, when given, override its fields. `kv_pool_positions` fixes the KV pool's
-        size (positions per CFG row) instead of sizing it from free memory (an engine outside a pipeline; a
+        `kv_format`, `tables_on_host` and `hand_over`, when given, override its fields. `kv_pool_positions` fixes the
+        KV pool's size (positions per CFG row) instead of sizing it from free memory (an engine outside a pipeline; a
         pipeline's comes from its card's memory plan)."""
         device = normalize(device)
         if device.type != "cuda" and not interpreting():
@@ -102,8 +101,7 @@ class GraphEngine:
             self.weights = prepare_weights(language_model, depth_decoder, config.tables_on_host)
             self.stream = EngineStream(device, config.in_flight + 1, self.slots)
         self.precision, self.kv_format = self.weights.precision, config.kv_format
-        lm_kind = (weight_format(self.weights.blocks[-1].qkv) or (0, 0, ""))[2]
-        self.hand_over = resolve_hand_over(config.hand_over, lm_kind)
+        self.hand_over = resolve_hand_over(config.hand_over, self.precision)
         self.scheduler = BatchScheduler(self.slots, self.buckets, config.prefill_chunk, config.replay_block,
                                         config.in_flight, pool_limit=kv_pool_positions)
         self.occupancy = Occupancy(self.slots, self.name)
@@ -166,8 +164,7 @@ class GraphEngine:
                     self._prefill(0, text_ids, start, begin, min(text_ids.shape[1], begin + chunk))
                 state.start_song(0, start, text_ids.shape[1], steps)
                 with self.stream.scope():  # allocated on the stream that writes it
-                    frames = torch.empty(steps - 1, state.frames.shape[2], device=self.device,
-                                         dtype=self.weights.dtype)
+                    frames = torch.empty(steps - 1, state.frames.shape[2], device=self.device, dtype=self.weights.dtype)
                     for step in range(steps):
                         self.frame_graph.replay(1, 1, record=True)
                         if step:  # step s wrote frame s-1 into the ring
