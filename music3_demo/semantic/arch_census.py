@@ -8,7 +8,7 @@ table of a GPU that need not be here), the tail is compiled with Triton for the 
 (`cuobjdump -sass`); its k-loops are the backward branches around an MMA (`MMAS`: HGMMA on sm_90, HMMA elsewhere),
 one per product in launch order (o, gate|up, down, the next block's q|k|v). A loop's hot path leaves out the
 stretches a forward branch skips that hold no MMA: the row block's epilogue, run once per row block, not once per
-tile. `compiled_loops` does the same for any recorded launch (`planes_census`: `kernels/planes.py`'s product).
+tile. `compiled_loops` does the same for any recorded launch (a GEMV's, say).
 
 Per product: the hot path's instructions per tile, per weight a thread (tile rows x columns / threads), its count
 of each opcode (modifiers dropped), and the kernel's registers. A static count is not a time: ptxas's scheduling,
@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from .arch_compile import TYPICAL, cuobjdump, registers
-from .arch_record import RECORDING, patched, meta_engine, record_engine, recording, stand_in
+from .arch_record import meta_engine, record_engine, stand_in
 from .kernels.tail_config import PRODUCTS
 from .kernels.tuning import Target, tuning_for_target
 
@@ -141,74 +141,16 @@ def census(capability: int, precision: str, table: str | None = None) -> dict:
     return {"capability": capability, "gpu": name, "precision": precision, "table": tuning.source, "tails": tails}
 
 
-def planes_census(capability: int, routes: tuple[str, ...] | None = None) -> list[dict]:
-    """The LM's 4096 x 4096 product on 1-byte weights (2 rows), one 64-row tile per warp group: `kernels/planes.py`'s
-    product (the weight as stored against activation planes) beside the GEMV's conversion routes, on the same tiles:
-    per launch, its k-loop's hot path per tile and per weight a thread. `routes`: those of the GEMV (default all)."""
-    import torch
-
-    from .kernels import linear, planes
-    from .kernels.qweight import CONVERSIONS, QWeight
-
-    rows, n, k = 2, 4096, 4096
-    tma = capability >= 90
-    results = []
-    for kind, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
-        if kind == "fp8" and capability < 89:
-            continue
-        with torch.device("meta"):
-            weight = QWeight(torch.empty(n, k, dtype=dtype), torch.empty(n, dtype=torch.float32))
-            x, out = torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(rows, n)
-            plane = torch.empty(rows, k, dtype=dtype)
-        for block_k in (256, 128):
-            runs = {"planes": lambda: planes.planes_product(
-                plane, plane, torch.empty(rows, k // block_k, device="meta"), weight, out,
-                linear.GemvConfig(64, block_k, 4, 4, 1, tma))}
-            for route, number in ((r, CONVERSIONS[r]) for r in routes or CONVERSIONS):
-                runs[route] = lambda number=number: linear.gemv(
-                    x, weight, out, config=linear.GemvConfig(64, block_k, 4, 4, 1, tma, number))
-            for route, run in runs.items():
-                launches: dict = {}
-                try:
-                    with recording(launches), patched(linear, tma_supported=lambda device: tma), \
-                            patched(planes, tma_supported=lambda device: tma), \
-                            stand_in(capability, RECORDING + capability):
-                        run()
-                    kernel, loops = compiled_loops(next(iter(launches.values())), capability)
-                except (ValueError, RuntimeError) as error:  # a route this format or GPU does not take
-                    results.append({"kind": kind, "route": route, "tile": [64, block_k], "skipped": str(error)[:120]})
-                    continue
-                hot = sum(loop["hot"] for loop in loops)
-                results.append({"kind": kind, "route": route, "tile": [64, block_k], "hot": hot,
-                                "per_weight": round(hot / (64 * block_k / (kernel.metadata.num_warps * 32)), 2),
-                                "opcodes": dict(sum((loop["opcodes"] for loop in loops), Counter()).most_common(12)),
-                                "registers": registers(kernel.asm["cubin"])})
-    return results
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("capabilities", nargs="*", type=int, default=[90])
     parser.add_argument("--precisions", default="int4,int8,fp8,bf16")
     parser.add_argument("--table", help="a tuning table file to take the configs from (default: the packaged one)")
     parser.add_argument("--out", help="write the figures as JSON here too")
-    parser.add_argument("--planes", action="store_true",
-                        help="the activation planes' product against the GEMV's routes instead (`planes_census`)")
-    parser.add_argument("--routes", help="with --planes: the GEMV's routes to compile (default all)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("arch_census compiles for a GPU: unset TRITON_INTERPRET")
     results = []
-    if args.planes:
-        for capability in args.capabilities:
-            for row in planes_census(capability, tuple(args.routes.split(",")) if args.routes else None):
-                results.append({"capability": capability, **row})
-                print(f"sm_{capability} {row['kind']} {row['route']:10} tile {row['tile']}: " + (
-                    f"{row['hot']} a tile, {row['per_weight']} a weight, {row['registers']} registers, "
-                    f"{row['opcodes']}" if "hot" in row else f"skipped ({row['skipped']})"), flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-        return
     for capability in args.capabilities:
         for precision in (p.strip() for p in args.precisions.split(",") if p.strip()):
             if precision == "fp8" and capability < 89:

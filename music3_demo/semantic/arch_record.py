@@ -237,19 +237,6 @@ def _packed_tail_launch(tuning: Tuning, weights) -> None:
                  replace(tail_config.fp16_routes(cfg), halves=True))
 
 
-def _planes_tail_launch(tuning: Tuning, weights, kind: str) -> None:
-    """On 1-byte weights of `kind` (its default scheme, column order), meta tensors: an LM block's chained tail with
-    gate|up, down and q|k|v on activation planes (`tune_tail_grid.planes_routes`, 64-column chunks, balanced),
-    whichever routes the tuning picks today."""
-    from .kernels.tune_tail_grid import planes_routes
-    from .quant import DEFAULT_SCHEMES
-
-    cfg = _lm_tail_config(tuning, weights, DEFAULT_SCHEMES[kind].group, kind)
-    limit = tuning.target.shared_per_block
-    _tail_launch(tuning, weights, lambda n, k: _one_byte(kind, n, k, False),
-                 replace(planes_routes(cfg, 64, limit), balance=True))
-
-
 def _lm_tail_config(tuning: Tuning, weights, group: int, kind: str):
     block = weights.blocks[0]
     return tuning.tail(weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0], 1, group, kind)
@@ -303,8 +290,8 @@ def recording(launches: dict):
 
 def _record(engine, target: Target, launches: dict, routes: str | None = None, buckets: tuple[int, ...] = (1,),
             copies: bool = False) -> None:
-    """`engine`'s frame recorded into `launches`; `routes`: the conversion routes' and the activation planes' (and
-    int4's) extra launches of that format; `copies`: each attention kernel also with an fp16 copy of its output
+    """`engine`'s frame recorded into `launches`; `routes`: the conversion routes' (and int4's) extra launches of
+    that format; `copies`: each attention kernel also with an fp16 copy of its output
     (`_with_copy`)."""
     from . import frame_graph
 
@@ -322,7 +309,6 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None, b
         _prefill_launches(engine.weights, target.capability)
         if routes is not None:
             _route_launches(engine.tuning, routes)
-            _planes_tail_launch(engine.tuning, engine.weights, routes)
         if routes == "int8":  # (int8 runs on every architecture)
             _int4_launches(engine.tuning, engine.weights)
             _packed_tail_launch(engine.tuning, engine.weights)

@@ -3,8 +3,7 @@ weights of semantic/quant.py where the architecture runs them) compiles for sm_8
 configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
 tail's spin-barrier grid is resident all at once (semantic/arch_compile.py does the compiling, in two processes);
 so do the GEMV and the chained tail on packed int4 weights, in the configs the int4 LM takes (~8 CPU s per
-architecture), an LM tail reading activation planes (int8 everywhere, fp8 from sm_89), decode attention on an int8
-KV cache, and the prefill's products on every quantized format.
+architecture), decode attention on an int8 KV cache, and the prefill's products on every quantized format.
 The tiny model's kernels (small shapes: their own tiles) compile too, for sm_90 in every weight format."""
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import pytest
 
 from music3_demo.semantic.kernels import onebyte_space, tune_gemv, tune_onebyte, tune_tail
 from music3_demo.semantic.kernels.linear import GemvConfig as G
-from music3_demo.semantic.kernels.qweight import PLANES
 from music3_demo.semantic.kernels.tail_config import TailConfig
 from music3_demo.semantic.kernels.tuning import TABLES, Target, load_table, shared_bytes, tuning_for_target
 
@@ -104,7 +103,7 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
     int8's tails also with 2 warps a program (2 and 3 per SM) and (cast route) with copies on their cheapest fp16
     routes (32-row tiles on the packed PTX route; at 2 per SM also with 2 warps), the LM tail also with its 64-row
     products alone moved; and balanced (`TailConfig.balance`) at 1 and 2 per SM (with copies switched too where it
-    multiplies in fp16), alone with `--balance-only` (the planes' variants come last: the next test); what it writes
+    multiplies in fp16), alone with `--balance-only`; what it writes
     (programs per SM, copies and balance included) is what the engine's tuning reads back. From the table the first
     such sweep started from (every tail at 4 warps, 1 per SM, no copies; int8 on the cast route), kept beside that
     call's raw files."""
@@ -122,9 +121,6 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
     for fmt, family, tuned, variants in jobs:
         d, a, g, q, _ = tune_tail_grid.FAMILIES[family]
         w_bytes = tune_tail_grid.format_of(fmt)[0]
-        planes = [v for v in variants if v.gate_up.convert == PLANES]  # (last: the next test)
-        assert variants[len(variants) - len(planes):] == planes
-        variants = variants[:len(variants) - len(planes)]
         deep = (fmt, family) != ("bf16", "lm")
         # products on an fp16 route, or int8's on the cast route that can move to fp16 ones: every product (both
         # tails), and in the LM tail the 64-row ones only (its depth tail has 32-row tiles only)
@@ -172,39 +168,12 @@ def test_the_tail_grid_sweep_offers_wider_grids_of_every_tuned_tail_and_writes_t
             for c, rows in zip((v.o, v.gate_up, v.down, v.qkv), (d, g, d, q)):
                 assert c.block_n >= 16 and rows % c.block_n == 0
     only = tune_tail_grid.plan(tuning, tune_tail_grid.DEFAULT_FORMATS.split(","), balance_only=True)
-    assert [variants for *_, variants in only] == [[v for v in variants if v.balance and v.gate_up.convert != PLANES]
-                                                   for *_, variants in jobs]
+    assert [variants for *_, variants in only] == [[v for v in variants if v.balance] for *_, variants in jobs]
     fmt, family, tuned, variants = jobs[2]
     wide = replace(tuned, per_sm=2, halves=True, balance=True)
     path = tmp_path / "grid.json"
     write_section(path, "tail", {tune_tail_grid.table_key(fmt, family): wide}, target=H200)
     assert tuning_for_target(H200, path).tail(*tune_tail_grid.FAMILIES[family][:4], 1, 64, "int4") == wide
-
-
-def test_the_tail_grid_sweep_offers_activation_planes_whose_chunks_divide_the_row_blocks_that_write_them():
-    """The 1-byte formats (not int4, not bf16) get six planes variants (`--planes-only`: those alone): 32-, 64- and
-    128-column chunks at 1 and 2 programs per SM, balanced. gate|up, down and q|k|v read planes in K tiles of the
-    chunk (pipelines deepened to at most 16 stages, within one SM's shared memory); o keeps its route; every
-    reader's K tile divides its writer's row block (gate|up's after SwiGLU), as `tail.block_tail` requires."""
-    from music3_demo.semantic.kernels import tune_tail_grid
-
-    tuning = tuning_for_target(H200, ROOT / "docs/runs/2026-12-05/call23-048ab6f-tail-grid/table_before.json")
-    jobs = tune_tail_grid.plan(tuning, tune_tail_grid.DEFAULT_FORMATS.split(","))
-    only = tune_tail_grid.plan(tuning, tune_tail_grid.DEFAULT_FORMATS.split(","), planes_only=True)
-    for (fmt, family, tuned, variants), (*_, alone) in zip(jobs, only):
-        planes = [v for v in variants if v.gate_up.convert == PLANES]
-        assert alone == planes and len(planes) == (6 if fmt in ("int8/g128", "fp8/channel") else 0)
-        assert [(v.down.block_k, v.per_sm, v.balance) for v in planes] == [
-            (chunk, n, True) for chunk in (32, 64, 128) for n in (1, 2)][:len(planes)]
-        w_bytes = tune_tail_grid.format_of(fmt)[0]
-        for v in planes:
-            assert v.o.convert != PLANES and v.o.block_k == tuned.o.block_k
-            chunk = v.down.block_k
-            assert v.gate_up.block_k == v.qkv.block_k == chunk
-            assert v.o.block_n % chunk == 0 and (v.gate_up.block_n // 2) % chunk == 0 and v.down.block_n % chunk == 0
-            for c in (v.o, v.gate_up, v.down, v.qkv):
-                assert c.num_stages <= 16
-                assert shared_bytes(c, 2, w_bytes) * v.per_sm <= onebyte_space.SHARED_LIMIT or c.num_stages == 2
 
 
 def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_a_small_model(monkeypatch):
@@ -236,13 +205,10 @@ def test_the_tail_grid_sweep_checks_times_and_keeps_the_fastest_correct_grid_on_
         mine = [r for r in rows if r["format"] == fmt]
         # (int8: also 2 warps a program, at 2 and 3 per SM, and its cheapest fp16 routes with copies at 1 and 2 per
         # SM, 2 also with 2 warps: `tail_config.fp16_routes`; then balanced at 1 and 2 per SM)
-        # (int8: then activation planes, 32-, 64- and 128-column chunks at 1 and 2 per SM, correct here too)
         int8 = fmt == "int8/g128"
         assert [(r["per_sm"], r["num_warps"]) for r in mine] == [(1, 4), (2, 4), (3, 4), (1, 8), (1, 4)] + [
-            (2, 2), (3, 2), (1, 4), (2, 4), (2, 2)] * int8 + [(1, 4), (2, 4)] * (2 + 3 * int8)
-        assert [r["routes"][1:] == [PLANES] * 3 for r in mine] == [False] * (len(mine) - 6 * int8) + [True] * 6 * int8
+            (2, 2), (3, 2), (1, 4), (2, 4), (2, 2)] * int8 + [(1, 4), (2, 4)] * 2
         assert all("us_per_block" in r for r in mine), mine  # every grid computes the block within 2e-2
-        mine = mine[:len(mine) - 6 * int8]
         assert [r["balance"] for r in mine][-5:] == [False, True, True, True, True]  # (the last two: 64-row tiles)
         assert [r for r in mine if "without_barriers_us" in r] == [mine[0]]
         cfg, _ = best[(fmt, "lm")]

@@ -124,7 +124,6 @@ def gemv_epilogue(
         if COPY:  # the copy in the next product's MMA dtype, as its k-loop would convert each tile
             tl.store(copy_ptr + offs_m[None, :] * stride_om + cols[:, None],
                      activation_tile(act.to(dtype), copy_ptr.dtype.element_ty), mask=m_mask[None, :])
-        stored, columns = act.to(dtype).to(tl.float32), cols
     else:
         mask = n_mask[:, None] & m_mask[None, :]
         if RESIDUAL:
@@ -140,8 +139,6 @@ def gemv_epilogue(
         elif COPY:
             tl.store(copy_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(copy_ptr.dtype.element_ty),
                      mask=mask)
-        stored, columns = y.to(out_ptr.dtype.element_ty).to(tl.float32), offs_n
-    return stored, columns  # what was written, and its columns (a chained tail's planes for the next product)
 
 
 @triton.jit

@@ -81,10 +81,6 @@ PER_CHANNEL, PER_GROUP, PACKED_INT4 = 1, 2, 3
 # (`unpack_int4`); the route only picks that dtype: BITS_F16 / NATIVE_F16 fp16, else the model's (PACKED_F16 is
 # refused: it reads four bytes, not nibbles).
 CAST, BITS_BF16, BITS_F16, NATIVE_F16, PACKED_F16 = 0, 1, 2, 3, 4
-# PLANES (a chained tail's products only, not the GEMV's: `tail.py`): no conversion; the 1-byte tile goes to the MMA
-# of its own type as stored, against the activations as two planes of that type that the product before wrote
-# (`planes.py`), so it is not among CONVERSIONS (the GEMV's routes).
-PLANES = 5
 CONVERSIONS = {"cast": CAST, "bits_bf16": BITS_BF16, "bits_f16": BITS_F16, "native_f16": NATIVE_F16,
                "packed_f16": PACKED_F16}
 FP16_ROUTES = (BITS_F16, NATIVE_F16, PACKED_F16)  # the routes whose MMA takes fp16 operands
@@ -270,11 +266,6 @@ def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torc
     if isinstance(weight, QWeight):
         dot = tl.float16 if convert in FP16_ROUTES else TL_DTYPES[weight.dtype]
         fp8 = weight.data.dtype == torch.float8_e4m3fn
-        if convert == PLANES:
-            if weight.int4 or weight.ordered:
-                raise ValueError(f"activation planes multiply 1-byte weights in column order, not {weight.kind}"
-                                 f"{' in byte MMA order' if weight.ordered else ''}")
-            dot = tl.float8e4nv if fp8 else tl.int8
         if convert == PACKED_F16 and weight.data.dtype != torch.int8:
             raise ValueError(f"the packed PTX route converts int8 weights, not {weight.kind}")
         if fp8 and convert == BITS_BF16 and weight.dtype != torch.bfloat16:

@@ -40,8 +40,7 @@ import triton.language as tl
 from .launch import INTERPRETED, check_half_copy, interpreting, prefetch_rows_l2
 from .linear import GemvConfig, TensorDescriptor, fit_group, gemv_epilogue, tma_supported
 from .operands import activation_tile, channel_scale, dot_tile, weight_ptrs, weight_tile
-from .planes import MAX_CHUNK, planes_tile, write_planes
-from .qweight import PLANES, Weight, kernel_args
+from .qweight import Weight, kernel_args
 from .tail_config import (
     PRODUCTS, TailConfig, TailScratch, balanced_splits, default_tail_config, reads_copy, with_products,
 )
@@ -93,7 +92,6 @@ def _product(
     NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr, GRID: tl.constexpr,
     QUANT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr,
     WSCALE: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, split_ptr, cnt_ptr,
-    xs_ptr, np_ptr, ns_ptr, PLANES: tl.constexpr, NEXT_CHUNK: tl.constexpr,
 ):
     """This program's row blocks of out = epilogue(W · x). FRESH: x and out were written earlier in this launch
     (by other programs), so they are read through L2 only (`.cg`; L1 is not coherent).
@@ -117,11 +115,6 @@ def _product(
     epilogue: `linear._gemv_kernel`'s split-K, inside the flattened k-loop. Its sum of squares for the next NORM
     product goes to the row block's own row of part_ptr (not the program's), so that the NORM product's sum in
     program order is again the same whoever came last; the programs past the row blocks write zeros there.
-    PLANES (the route `qweight.PLANES`): x_ptr holds this product's input as activation planes (`planes.py`: hi,
-    then lo 16 rows further, x's strides) with each row's K tile's power of two at xs_ptr, written by the product
-    before; the 1-byte weight tile goes to the MMA of its type as stored. NEXT_CHUNK (> 0): what this product hands
-    on (next, or the SwiGLU output) is also written as planes of chunks of NEXT_CHUNK columns (the next product's K
-    tile; it divides this one's row block, so each chunk lies in one tile) to np_ptr, their scales to ns_ptr.
     """
     BLOCK_M: tl.constexpr = 16
     K_TILES: tl.constexpr = K // BLOCK_K // SPLIT  # K tiles of one work item
@@ -132,7 +125,6 @@ def _product(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     x_ptrs = x_ptr + offs_m[:, None] * stride_x + offs_k[None, :]
-    p_ptrs = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_x + offs_k[None, :]
     blocks = tl.cdiv(ROWS * SPLIT - pid, programs)  # this program's work items
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     if NORM:  # every program's partial, in program order (deterministic)
@@ -150,23 +142,11 @@ def _product(
         offs_n = row0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         w = weight_tile(weight_ptrs(w_ptr, offs_n, k0, K, BLOCK_K, PACK), w_desc, n_mask, row0, k0, TMA, PACK)
-        if PLANES:  # (rows past M read row M - 1's planes, times a zero scale)
-            xs_ptrs = xs_ptr + offs_m * (K // BLOCK_K) + k0 // BLOCK_K
-            if FRESH:
-                hi = tl.load(p_ptrs + k0, cache_modifier=".cg")
-                lo = tl.load(p_ptrs + 16 * stride_x + k0, cache_modifier=".cg")
-                xs = tl.load(xs_ptrs, mask=m_mask, other=0.0, cache_modifier=".cg")
-            else:
-                hi = tl.load(p_ptrs + k0)
-                lo = tl.load(p_ptrs + 16 * stride_x + k0)
-                xs = tl.load(xs_ptrs, mask=m_mask, other=0.0)
-            acc = planes_tile(w, hi, lo, xs, acc, s_ptr, offs_n, n_mask, k0, K, GROUP)
+        if FRESH:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
         else:
-            if FRESH:
-                x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
-            else:
-                x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-            acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
         if t % K_TILES == K_TILES - 1:
             last = True
             if SPLIT > 1:  # every part's partial, then the last to arrive sums them in part order
@@ -204,14 +184,9 @@ def _product(
                         if HALF:
                             tl.store(half_ptr + offs_m[None, :] * stride_o + offs_n[:, None],
                                      activation_tile(normed, half_ptr.dtype.element_ty), mask=mask)
-                        if NEXT_CHUNK > 0:
-                            write_planes(normed.to(tl.float32), offs_n, offs_m, m_mask, np_ptr, ns_ptr, stride_o, N,
-                                         NEXT_CHUNK)
                 else:
-                    stored, cols = gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, out_ptr,
-                                                 half_ptr, stride_o, stride_o, eps, K, NORM, False, SWIGLU, HALF)
-                    if NEXT_CHUNK > 0:  # (SwiGLU's output: N / 2 columns)
-                        write_planes(stored, cols, offs_m, m_mask, np_ptr, ns_ptr, stride_o, N // 2, NEXT_CHUNK)
+                    gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, out_ptr, half_ptr, stride_o,
+                                  stride_o, eps, K, NORM, False, SWIGLU, HALF)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if NEXT:
         if SPLIT == 1:
@@ -225,7 +200,6 @@ def _block_tail_kernel(
     attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr, attn16_ptr, xn16_ptr, act16_ptr,
     wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, so_ptr, sgu_ptr, sd_ptr, sq_ptr,
     ln2_ptr, ln1_ptr, part_ptr, bar_ptr, split_ptr, cnt_ptr,
-    pgu_ptr, xgu_ptr, pd_ptr, xd_ptr, pq_ptr, xq_ptr,
     s_attn, s_h, s_act, s_qkv, eps,
     M: tl.constexpr, D: tl.constexpr, A: tl.constexpr, G: tl.constexpr, Q: tl.constexpr,
     RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr, HAS_NEXT: tl.constexpr,
@@ -240,7 +214,6 @@ def _block_tail_kernel(
     WS_GU: tl.constexpr, DT_D: tl.constexpr, CV_D: tl.constexpr, WS_D: tl.constexpr, DT_Q: tl.constexpr,
     CV_Q: tl.constexpr, WS_Q: tl.constexpr, HALF_O: tl.constexpr, HALF_GU: tl.constexpr, HALF_D: tl.constexpr,
     HALF_Q: tl.constexpr, SP_O: tl.constexpr, SP_GU: tl.constexpr, SP_D: tl.constexpr, SP_Q: tl.constexpr,
-    PL_GU: tl.constexpr, PL_D: tl.constexpr, PL_Q: tl.constexpr,
 ):
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
     input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/PACK/GROUP: the weights' format (one for all four
@@ -249,62 +222,35 @@ def _block_tail_kernel(
     for all products (FRESH reads), with grid barriers between them unless BARRIERS is off (timing only).
     HALF_GU, HALF_D, HALF_Q: that product multiplies in fp16 and reads its input from the fp16 copy (xn16, act16,
     same strides as xn and act) that the product before it writes (`_product`'s HALF); HALF_O: o reads attn16, the
-    copy the attention kernel wrote.
-    PL_GU, PL_D, PL_Q: that product reads its input as activation planes (pgu/pd/pq, their scales xgu/xd/xq) that
-    the product before it writes (`_product`'s PLANES and NEXT_CHUNK); o reads attn as it came."""
+    copy the attention kernel wrote."""
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
         _product(attn16_ptr if HALF_O else attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, xn16_ptr,
                  ln2_ptr, part_ptr, eps, M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, GRID,
-                 QUANT, PACK, GROUP, DT_O, CV_O, WS_O, HALF_GU, SP_O, split_ptr, cnt_ptr, xgu_ptr, pgu_ptr, xgu_ptr,
-                 False, BK_GU if PL_GU else 0)
+                 QUANT, PACK, GROUP, DT_O, CV_O, WS_O, HALF_GU, SP_O, split_ptr, cnt_ptr)
     if SYNC and BARRIERS:
         _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU, PACK)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
-        _product(pgu_ptr if PL_GU else xn16_ptr if HALF_GU else xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr,
-                 s_act, act_ptr, act16_ptr, ln2_ptr, part_ptr, eps, M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False,
-                 True, False, PARTS, SYNC, GRID, QUANT, PACK, GROUP, DT_GU, CV_GU, WS_GU, HALF_D, SP_GU, split_ptr,
-                 cnt_ptr, xgu_ptr, pd_ptr, xd_ptr, PL_GU, BK_D if PL_D else 0)
+        _product(xn16_ptr if HALF_GU else xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr, s_act, act_ptr,
+                 act16_ptr, ln2_ptr, part_ptr, eps, M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False,
+                 PARTS, SYNC, GRID, QUANT, PACK, GROUP, DT_GU, CV_GU, WS_GU, HALF_D, SP_GU, split_ptr, cnt_ptr)
     if SYNC and BARRIERS:
         _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D, PACK)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
-        _product(pd_ptr if PL_D else act16_ptr if HALF_D else act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h,
-                 xn_ptr, xn16_ptr, ln1_ptr, part_ptr, eps, M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False,
-                 HAS_NEXT, PARTS, SYNC, GRID, QUANT, PACK, GROUP, DT_D, CV_D, WS_D, HALF_Q and HAS_NEXT, SP_D,
-                 split_ptr, cnt_ptr, xd_ptr, pq_ptr, xq_ptr, PL_D, BK_Q if PL_Q and HAS_NEXT else 0)
+        _product(act16_ptr if HALF_D else act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h, xn_ptr, xn16_ptr,
+                 ln1_ptr, part_ptr, eps, M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS,
+                 SYNC, GRID, QUANT, PACK, GROUP, DT_D, CV_D, WS_D, HALF_Q and HAS_NEXT, SP_D, split_ptr, cnt_ptr)
     if SYNC and BARRIERS and HAS_NEXT:
         _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q, PACK)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
-        _product(pq_ptr if PL_Q else xn16_ptr if HALF_Q else xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv,
-                 qkv_ptr, qkv_ptr, ln1_ptr, part_ptr, eps, M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False,
-                 PARTS, SYNC, GRID, QUANT, PACK, GROUP, DT_Q, CV_Q, WS_Q, False, SP_Q, split_ptr, cnt_ptr, xq_ptr,
-                 xq_ptr, xq_ptr, PL_Q, 0)
+        _product(xn16_ptr if HALF_Q else xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv, qkv_ptr, qkv_ptr,
+                 ln1_ptr, part_ptr, eps, M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, GRID,
+                 QUANT, PACK, GROUP, DT_Q, CV_Q, WS_Q, False, SP_Q, split_ptr, cnt_ptr)
 
 
 def _descriptor(data: torch.Tensor, cfg: GemvConfig, k: int):
     """The TMA descriptor of a product's stored weight (`kernel_args`' data: packed int4 has K / 8 words per row)."""
     pack = k // data.shape[1]
     return TensorDescriptor.from_tensor(data, [cfg.block_n, cfg.block_k // pack]) if cfg.tma else data
-
-
-def _planes(cfg: TailConfig, weights: dict, inputs: tuple, scratch: TailScratch, following: bool) -> dict:
-    """The activation planes (buffer, scales) of each product that reads them ("gu", "d", "q": `qweight.PLANES`),
-    from the tail's scratch. The product before writes them in its epilogue, a chunk of the reader's K tile at a
-    time, so that tile must divide the writer's row block (gate|up's: half of it, after SwiGLU); o's input comes
-    from the attention kernel, which writes none."""
-    if cfg.o.convert == PLANES:
-        raise ValueError("o cannot read activation planes: its input comes from the attention kernel, not a product")
-    out = {}
-    for (name, short), writer, like in zip((("gate_up", "gu"), ("down", "d"), ("qkv", "q")),
-                                           (cfg.o.block_n, cfg.gate_up.block_n // 2, cfg.down.block_n), inputs):
-        c = getattr(cfg, name)
-        if c.convert != PLANES or (name == "qkv" and not following):
-            continue
-        if writer % c.block_k or c.block_k > MAX_CHUNK:
-            raise ValueError(f"{name} reads activation planes in K tiles of {c.block_k} columns, which must divide "
-                             f"the row block ({writer} columns) of the product that writes them (and be <= "
-                             f"{MAX_CHUNK})")
-        out[short] = scratch.planes(name, like, weights[name].data.dtype, c.block_k)
-    return out
 
 
 def block_tail(
@@ -357,7 +303,6 @@ def block_tail(
     weights = dict(zip(PRODUCTS, (o, gate_up, down, wq)))
     cfg = with_products(cfg, lambda name, c: fit_group(c, weights[name]))
     products = (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)
-    planes = _planes(cfg, weights, (xn, act, xn), scratch, next_qkv is not None)
     packed = [kernel_args(w, c.convert) for w, c in zip((o, gate_up, down, wq), products)]
     if len({p[2:4] for p in packed}) > 1:
         raise ValueError("block_tail needs its four weights in one format")
@@ -391,7 +336,6 @@ def block_tail(
         QUANT=packed[0][2], PACK=a // packed[0][0].shape[1], GROUP=packed[0][3], HALF_O=half_o, HALF_GU=half_gu,
         HALF_D=half_d, HALF_Q=half_q,
         **dict(zip(("SP_O", "SP_GU", "SP_D", "SP_Q"), splits)),
-        **{f"PL_{name}": name.lower() in planes for name in ("GU", "D", "Q")},
         **{f"{key}_{name}": value for name, p in zip(("O", "GU", "D", "Q"), packed)
            for key, value in zip(("DT", "CV", "WS"), p[4:])},
     )
@@ -399,8 +343,7 @@ def block_tail(
     args = (attn, h, xn, act, qkv_out, attn16 if half_o else attn, xn16, act16, wo, _descriptor(wo, cfg.o, a), wgu,
             _descriptor(wgu, cfg.gate_up, d), wd, _descriptor(wd, cfg.down, g // 2), wqd, _descriptor(wqd, cfg.qkv, d),
             so, sgu, sd, sq, ln2, ln1, scratch.partials, scratch.count(cfg.per_sm), split_scratch,
-            scratch.split_counts, *[t for name in ("gu", "d", "q") for t in planes.get(name, (scratch.partials,) * 2)],
-            attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
+            scratch.split_counts, attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
     runs = [(True, True, True, next_qkv is not None)] if fused else [
         tuple(i == j for j in range(4)) for i in range(4 if next_qkv is not None else 3)
     ]

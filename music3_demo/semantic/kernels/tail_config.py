@@ -49,7 +49,6 @@ class TailScratch:
         self.partials = torch.zeros(triton.next_power_of_2(self.programs * MAX_PER_SM), 16, device=device,
                                     dtype=torch.float32)
         self._halves: dict[tuple, torch.Tensor] = {}
-        self._planes: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.split_counts = torch.zeros(SPLIT_ROWS, device=device, dtype=torch.int32)  # zero between products
         self._splits: dict[int, torch.Tensor] = {}
 
@@ -63,19 +62,6 @@ class TailScratch:
         if key not in self._halves:
             self._halves[key] = torch.empty(16, like.stride(0), device=like.device, dtype=torch.float16)
         return self._halves[key][: like.shape[0], : like.shape[1]]
-
-    def planes(self, name: str, like: torch.Tensor, dtype: torch.dtype, chunk: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The activation planes of `name`'s input (`tail._product`'s PLANES; up to 16 rows shaped and strided as
-        `like`): a buffer of `dtype` (int8 or fp8) [2, 16, row stride] (hi, then lo) and the float32 scales of its
-        chunks of `chunk` columns [16, columns / chunk]; made at first use (as `half`), then the same tensors."""
-        if like.shape[0] > 16:
-            raise ValueError(f"a tail's activations have 16 rows at most, not {like.shape[0]}")
-        key = (name, like.shape[1], like.stride(0), dtype, chunk)
-        if key not in self._planes:
-            self._planes[key] = (torch.empty(2, 16, like.stride(0), device=like.device, dtype=dtype),
-                                 torch.empty(16, like.shape[1] // chunk, device=like.device, dtype=torch.float32))
-        return self._planes[key]
 
     def split_partials(self, elements: int) -> torch.Tensor:
         """fp32 scratch of `elements` for the balanced products' partials (`tail._product`'s SPLIT): made at its first

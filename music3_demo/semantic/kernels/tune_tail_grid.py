@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from .onebyte_space import FORMATS, SHARED_LIMIT
-from .qweight import BITS_F16, FP16_ROUTES, PACKED_F16, PLANES
+from .qweight import BITS_F16, FP16_ROUTES, PACKED_F16
 from .tail_config import PRODUCTS, TailConfig, fp16_routes, with_products
 from .tune_gemv import time_graph
 from .tune_onebyte import FAMILIES, tail_family
@@ -56,7 +56,6 @@ from .tuning import Target, Tuning, shared_bytes, tuning_for, tuning_for_target,
 
 DEFAULT_FORMATS = "int8/g128,int4/g64,fp8/channel,bf16"  # (the table is written after each: a timeout keeps those)
 MAX_STAGES = 16  # the deepest pipeline the sweep asks of a tail's product
-PLANE_CHUNKS = (32, 64, 128)  # the planes' K tiles; each divides the row blocks of the products writing them
 
 
 def format_of(fmt: str) -> tuple[int, int, str]:
@@ -106,27 +105,8 @@ def widened(cfg: TailConfig, family: str, w_bytes: int, per_sm: int) -> TailConf
     return with_products(cfg, wide)
 
 
-def planes_routes(cfg: TailConfig, chunk: int, shared_limit: int = SHARED_LIMIT) -> TailConfig:
-    """`cfg` with gate|up, down and q|k|v reading activation planes (`qweight.PLANES`) in K tiles of `chunk` columns,
-    their pipelines deepened to keep as many weight bytes in flight (at most MAX_STAGES), and the row blocks that
-    write the planes widened to whole chunks (o and down at least `chunk` rows, gate|up twice that: SwiGLU halves
-    it); o keeps its route (int8's packed PTX route becomes the fp16 bit route on a 64-row tile). Each pipeline is
-    cut until `per_sm` programs' shared memory fits `shared_limit` (sm_90's per block)."""
-    def change(name: str, c):
-        if name != "o":
-            c = replace(c, convert=PLANES, block_k=chunk, num_stages=min(MAX_STAGES, c.num_stages * c.block_k // chunk))
-        rows = max(c.block_n, {"o": chunk, "gate_up": 2 * chunk, "down": chunk}.get(name, 0))
-        if rows != c.block_n:  # (a 64-row tile on wgmma: int8's packed PTX route suits mma.sync's, as in `widened`)
-            c = replace(c, block_n=rows, convert=BITS_F16 if c.convert == PACKED_F16 and rows >= 64 else c.convert)
-        while c.num_stages > 2 and shared_bytes(c, 2, 1) * cfg.per_sm > shared_limit:
-            c = replace(c, num_stages=c.num_stages - 1)
-        return c
-
-    return with_products(cfg, change)
-
-
-def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "", balance_only: bool = False,
-               planes_only: bool = False) -> list[TailConfig]:
+def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "", balance_only: bool = False
+               ) -> list[TailConfig]:
     """The grid and pipeline variants of a tuned tail `cfg` (itself not among them), each once; `w_bytes`: its
     weights' bytes per element (1 for 1-byte and packed int4: an upper bound of the latter's shared memory), `kind`
     their format ("int8", "fp8", "int4"; "" for the model's dtype)."""
@@ -155,10 +135,7 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "", b
                 + [replace(widened(cfg, family, w_bytes, n), balance=True, per_sm=n) for n in grids])
     if w_bytes == 1 and any(getattr(cfg, name).convert in FP16_ROUTES for name in PRODUCTS):
         balanced.append(replace(cfg, balance=True, halves=not cfg.halves))  # (copies pay by what a tile converts)
-    # activation planes (1-byte weights multiplied as stored: `planes.py`), balanced, in 32-, 64- and 128-column chunks
-    planes = [replace(planes_routes(replace(cfg, per_sm=n), chunk), balance=True)
-              for chunk in PLANE_CHUNKS for n in (1, 2)] if kind in ("int8", "fp8") else []
-    out = balanced if balance_only else planes if planes_only else out + balanced + planes
+    out = balanced if balance_only else out + balanced
     unique = []
     for c in out:
         if c != cfg and c not in unique:
@@ -166,7 +143,7 @@ def candidates(cfg: TailConfig, family: str, w_bytes: int = 2, kind: str = "", b
     return unique
 
 
-def plan(tuning: Tuning, formats: list[str], balance_only: bool = False, planes_only: bool = False
+def plan(tuning: Tuning, formats: list[str], balance_only: bool = False
          ) -> list[tuple[str, str, TailConfig, list[TailConfig]]]:
     """(format, family, tuned config, its variants) for every tail the sweep times."""
     jobs = []
@@ -174,17 +151,17 @@ def plan(tuning: Tuning, formats: list[str], balance_only: bool = False, planes_
         w_bytes, group, kind = format_of(fmt)
         for family in families_of(fmt):
             tuned = tuning.tail(*FAMILIES[family][:4], w_bytes, group, kind)
-            jobs.append((fmt, family, tuned, candidates(tuned, family, w_bytes, kind, balance_only, planes_only)))
+            jobs.append((fmt, family, tuned, candidates(tuned, family, w_bytes, kind, balance_only)))
     return jobs
 
 
-def sweep(tuning: Tuning, formats: list[str], per_block, balance_only: bool = False, planes_only: bool = False
+def sweep(tuning: Tuning, formats: list[str], per_block, balance_only: bool = False
           ) -> tuple[list[dict], dict]:
     """Every planned tail (`plan`) checked against torch and timed: `per_block(case, cfg, barriers)` gives seconds
     per block of a tune_onebyte tail case. Returns the rows and, per (format, family), the fastest correct
     (config, seconds)."""
     rows, best = [], {}
-    for fmt, family, tuned, variants in plan(tuning, formats, balance_only, planes_only):
+    for fmt, family, tuned, variants in plan(tuning, formats, balance_only):
         case = tail_family(fmt, family)
         # one timing thrown away: the first after a case's weights are made read up to 10% slow (the same launch
         # timed twice in a row, 92.0 then 83.6 us), which biased every tuned row against its variants
@@ -232,7 +209,6 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     parser.add_argument("--dry", action="store_true", help="list the candidates only (no GPU)")
     parser.add_argument("--balance-only", action="store_true", help="only the balanced variants (`TailConfig.balance`)")
-    parser.add_argument("--planes-only", action="store_true", help="only the activation planes' variants")
     args = parser.parse_args()
     formats = [f for f in args.formats.split(",") if f]
     for fmt in formats:
@@ -240,14 +216,14 @@ def main() -> None:
 
     if args.dry:
         tuning = tuning_for_target(Target("NVIDIA H200", 90, 132), args.tuning)
-        for fmt, family, tuned, variants in plan(tuning, formats, args.balance_only, args.planes_only):
+        for fmt, family, tuned, variants in plan(tuning, formats, args.balance_only):
             print(f"{fmt} {family}: {len(variants)} variants of {tuned}")
         return
     device = torch.device("cuda")
     target = Target.of(device)
     tuning = tuning_for(device, args.tuning)
     print(f"{target.name} sm{target.capability}: starting from {tuning.source}", flush=True)
-    planned = plan(tuning, formats, args.balance_only, args.planes_only)
+    planned = plan(tuning, formats, args.balance_only)
     jobs = [(fmt, family, cfg, True) for fmt, family, tuned, variants in planned
             for cfg in (tuned, *variants)] + [(fmt, family, tuned, False) for fmt, family, tuned, _ in planned]
     started = time.perf_counter()
@@ -264,7 +240,7 @@ def main() -> None:
                   flush=True)
             more, found = sweep(tuning, [fmt], lambda case, cfg, barriers: time_graph(
                 lambda _: [case["launch"](cfg, i, barriers) for i in range(case["layers"])], 1) / case["layers"],
-                args.balance_only, args.planes_only)
+                args.balance_only)
             rows, best = rows + more, best | found
             table = {table_key(f, family): cfg for (f, family), (cfg, _) in best.items()}
             path = write_table(Path(args.output), tuning, {}, table, target)

@@ -34,7 +34,7 @@ import torch
 
 from . import linear, tail_config
 from .linear import GemvConfig
-from .qweight import NATIVE_F16, PACKED_F16, PLANES
+from .qweight import NATIVE_F16, PACKED_F16
 from .tail_config import TailConfig
 
 TABLES = Path(__file__).with_name("tuning")
@@ -176,15 +176,13 @@ class Tuning:
     def valid(self, cfg: GemvConfig, x_bytes: int = 2, w_bytes: int = 2, group: int = 0, kind: str = "") -> bool:
         """Whether a tuned config can run on this device (entries of another GPU's table may not) and weight format
         (per-group scales need K tiles within a group, or whole groups on an fp16 route; the native fp8 conversion
-        and fp8 activation planes need sm_89; the packed PTX route converts int8 only; the planes take 1-byte
-        weights)."""
+        needs sm_89; the packed PTX route converts int8 only)."""
         target = self.target
         return target is not None and (target.tma or not cfg.tma) and (
             shared_bytes(cfg, x_bytes, w_bytes) <= target.shared_per_block) and (
             linear.tile_fits_groups(cfg.block_k, group, cfg.convert)) and not (
-            kind == "fp8" and cfg.convert in (NATIVE_F16, PLANES) and target.capability < 89) and not (
-            kind in ("fp8", "int4") and cfg.convert == PACKED_F16) and not (
-            cfg.convert == PLANES and kind not in ("fp8", "int8"))
+            kind == "fp8" and cfg.convert == NATIVE_F16 and target.capability < 89) and not (
+            kind in ("fp8", "int4") and cfg.convert == PACKED_F16)
 
     def gemv(self, m: int, n: int, k: int, swiglu: bool = False, x_bytes: int = 2, w_bytes: int = 2,
              group: int = 0, kind: str = "") -> GemvConfig:
