@@ -1,5 +1,5 @@
-"""The instructions a chained block tail spends per weight, read from its machine code (SASS) on this CPU: what a
-change to the 1-byte and int4 conversions buys before any GPU runs it.
+"""The instructions a chained block tail or a GEMV spends per weight, read from its machine code (SASS) on this CPU:
+what a change to the 1-byte and int4 conversions buys before any GPU runs it.
 
 The 1-byte and int4 tails are bound by issuing instructions, not by bytes (Nsight Compute: `bench counters`), so
 the count of instructions in each product's k-loop per weight a thread converts is the figure a conversion change
@@ -14,8 +14,11 @@ Per product: the hot path's instructions per tile, per weight a thread (tile row
 of each opcode (modifiers dropped), and the kernel's registers. A static count is not a time: ptxas's scheduling,
 the pipelines' latencies and the barriers are not in it; the GPU's `tune_tail_grid` and the engine's comparison are.
 
+`gemv_census` (`--gemvs`) does the same for the GEMVs of a frame as the engine runs it by default (quantized stacks
+one launch per product): each variant once, its hot path per tile and per weight a thread.
+
 Run (TRITON_INTERPRET unset): python -m music3_demo.semantic.arch_census [90] [--precisions int4,int8,fp8,bf16]
-[--table table.json] [--out census.json]
+[--gemvs] [--table table.json] [--out census.json]
 """
 
 from __future__ import annotations
@@ -141,12 +144,41 @@ def census(capability: int, precision: str, table: str | None = None) -> dict:
     return {"capability": capability, "gpu": name, "precision": precision, "table": tuning.source, "tails": tails}
 
 
+# A GEMV's constexprs that name its variant in `gemv_census` (the others: rows, masks, the handed sums' count)
+GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "NORM", "RESIDUAL", "SWIGLU", "COPY", "GAIN", "QUANT", "GROUP", "CONV")
+
+
+def gemv_census(capability: int, precision: str, table: str | None = None) -> dict:
+    """The GEMVs of one frame of the full-size engine in `precision` as it runs by default (a quantized stack one
+    launch per product, its inputs handed over: `config.resolve_hand_over`), on a typical GPU of `capability`: each
+    variant of the one-song products (2 rows) once, its k-loop's hot path per tile and per weight a thread."""
+    name, sms = TYPICAL.get(capability, (f"sm_{capability}", 128))
+    target = Target(name, capability, sms)
+    tuning = tuning_for_target(target, table)
+    gemvs = {}
+    for launch in record_engine(meta_engine(tuning, precision), target):
+        constants = launch.constants
+        key = tuple(constants.get(k) for k in GEMV_KEYS)
+        if launch.name != "_gemv_kernel" or constants["M"] != 2 or key in gemvs:
+            continue
+        kernel, loops = compiled_loops(launch, capability)
+        hot = sum(loop["hot"] for loop in loops)
+        per_thread = constants["BLOCK_N"] * constants["BLOCK_K"] / (kernel.metadata.num_warps * 32)
+        gemvs[key] = {"constants": dict(zip(GEMV_KEYS, key)), "registers": registers(kernel.asm["cubin"]),
+                      "hot": hot, "per_weight": round(hot / per_thread, 2),
+                      "opcodes": dict(sum((loop["opcodes"] for loop in loops), Counter()).most_common(24))}
+    return {"capability": capability, "gpu": name, "precision": precision, "table": tuning.source,
+            "gemvs": list(gemvs.values())}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("capabilities", nargs="*", type=int, default=[90])
     parser.add_argument("--precisions", default="int4,int8,fp8,bf16")
     parser.add_argument("--table", help="a tuning table file to take the configs from (default: the packaged one)")
     parser.add_argument("--out", help="write the figures as JSON here too")
+    parser.add_argument("--gemvs", action="store_true", help="the GEMVs launched one at a time (`gemv_census`), not "
+                        "the chained tails")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("arch_census compiles for a GPU: unset TRITON_INTERPRET")
@@ -155,9 +187,12 @@ def main(argv: list[str] | None = None) -> None:
         for precision in (p.strip() for p in args.precisions.split(",") if p.strip()):
             if precision == "fp8" and capability < 89:
                 continue
-            result = census(capability, precision, args.table)
+            result = (gemv_census if args.gemvs else census)(capability, precision, args.table)
             results.append(result)
-            for stack, tail in result["tails"].items():
+            for gemv in result.get("gemvs", []):
+                print(f"sm_{capability} {precision} {gemv['constants']}: {gemv['registers']} registers, "
+                      f"{gemv['hot']} a tile, {gemv['per_weight']} a weight a thread", flush=True)
+            for stack, tail in result.get("tails", {}).items():
                 figures = ", ".join(f"{name} {p['per_weight']} ({p['hot']}/tile {p['tile'][0]}x{p['tile'][1]})"
                                     for name, p in tail["products"].items())
                 print(f"sm_{capability} {precision} {stack}: {tail['registers']} registers, {tail['warps']} warps; "

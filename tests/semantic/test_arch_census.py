@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from music3_demo.semantic.arch_census import instructions, mma_loops
-from music3_demo.semantic.kernels.tuning import TABLES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,32 +51,25 @@ def test_the_census_reads_the_mma_loops_and_leaves_their_epilogues_out():
     assert loops[1]["opcodes"] == {"HMMA": 1, "BRA": 1}
 
 
-def test_the_int4_tails_conversion_on_sm90_takes_no_byte_permutes(tmp_path):
-    """The packaged H200 table's int4 LM tail with fp16 copies of its activations, compiled for sm_90: each of its
-    four products' k-loops converts 128 weights a thread (a 64 x 256 tile, 4 warps) with one mask and one packed
-    scale a pair, a packed subtraction or FMA a pair (half of each: `qweight._high_nibble_pair`), one shift a word
-    instead of three, and no PRMT. With the nibble pairs of the former MMA order (columns 16 apart, not adjacent)
-    every subtraction's result was re-paired by a PRMT: 64 a tile."""
-    table = json.loads((TABLES / "nvidia-h200.sm90.json").read_text())
-    for entry in table["tail"]:
-        if entry["key"][-2:] == ["int4", 64]:
-            entry["config"]["halves"] = True
-    path = tmp_path / "table.json"
-    path.write_text(json.dumps(table))
+def test_the_int4_gemvs_conversion_on_sm90_shifts_once_a_word_and_takes_no_byte_permutes(tmp_path):
+    """The int4 engine's GEMVs as it runs them (one launch per product, inputs handed over), compiled for sm_90 with
+    the packaged H200 table: each k-loop converts 128 weights a thread (a 64 x 256 tile, 4 warps) with one mask and one
+    packed scale a pair, a packed subtraction or FMA a pair (half of each: `qweight._high_nibble_pair`) and one shift
+    a word (three before: 48 SHF a tile); the products whose input is handed over take no PRMT. The nibble pairs of
+    the former MMA order (columns 16 apart) cost a PRMT a subtraction: 64 a tile."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     out = tmp_path / "census.json"
     run = subprocess.run([sys.executable, "-m", "music3_demo.semantic.arch_census", "90", "--precisions", "int4",
-                          "--table", str(path), "--out", str(out)], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=900)
+                          "--gemvs", "--out", str(out)], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    lm = json.loads(out.read_text())[0]["tails"]["lm"]
-    assert lm["problems"] == [] and set(lm["products"]) == {"o", "gate_up", "down", "qkv"}
-    for name, product in lm["products"].items():
-        ops = product["opcodes"]
-        assert product["tile"] == [64, 256] and ops["HGMMA"] == 16, (name, product)
-        assert ops.get("PRMT", 0) == 0 and ops["HADD2"] == ops["HFMA2"] == 32 and ops["HMUL2"] == 64, (name, ops)
-        assert ops.get("SHF", 0) <= 20, (name, ops)  # (16 a tile, 48 with a shift a nibble pair)
-        assert product["per_weight"] < 4.1, (name, product)  # (3.7-4.0 here; a shift a pair 4.0-4.2; the former
-        # order 4.4-4.6)
+    int4 = [g for g in json.loads(out.read_text())[0]["gemvs"] if g["constants"]["QUANT"] == 3]
+    assert len(int4) >= 5 and {g["constants"]["NORM"] for g in int4} == {0, 1, 2}  # (the first q|k|v: its own)
+    for gemv in int4:
+        ops = gemv["opcodes"]
+        assert ops["HGMMA"] == 16 and ops["HADD2"] == ops["HFMA2"] == 32 and ops["HMUL2"] == 64, gemv
+        assert ops.get("SHF", 0) <= 20, gemv  # (16 a tile, and one more)
+        if gemv["constants"]["NORM"] == 2 or gemv["constants"]["RESIDUAL"]:
+            assert "PRMT" not in ops and gemv["per_weight"] < 4.1, gemv  # (3.8-4.0 compiled here)
