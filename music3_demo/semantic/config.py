@@ -37,7 +37,7 @@ def resolve_chain(chain: bool | str | None, on_gpu: bool, quantized: frozenset[s
 def resolve_hand_over(hand_over: bool | None, precision: str) -> frozenset[str]:
     """The stacks whose products launched alone take their input handed over: `hand_over`'s, or where it is None,
     both but an LM whose weights are int8 (`precision`: the LM's format, `quant.precision_of`).
-    On an H100 the hand-over made int4 and fp8 frames 3-4% faster, and int8 ones 1.9% slower, in either order in one
+    On an H100 the hand-over made int4 and fp8 frames 3-4% faster, and int8 ones 1.7-2.0% slower, in either order in one
     process: the int8 LM's q|k|v and gate|up each took 1-3 us longer prenormed while its depth decoder's gained."""
     if hand_over is None:
         return frozenset(STACKS) - ({"lm"} if precision == "int8" else set())
