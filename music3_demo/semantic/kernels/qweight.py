@@ -279,12 +279,12 @@ def kernel_args(weight: Weight, convert: int = CAST) -> tuple[torch.Tensor, torc
     return weight, weight, 0, 1, TL_DTYPES.get(weight.dtype, tl.float32), CAST, 1.0
 
 
-
 def fp16_input(weight: Weight, convert: int, dtype: torch.dtype) -> bool:
     """Whether a product on `weight` by route `convert` multiplies in fp16 an input held in another `dtype`: each of
     its programs then converts (and saturates: `operands.activation_tile`) the input tile by tile, which an fp16 copy
     written once by the kernel before spares them."""
     return dtype != torch.float16 and kernel_args(weight, convert)[4] == tl.float16
+
 
 # q = u - 8 from a 32-bit word of two bf16 magic-number halves 128 + u (`unpack_int4`), in one packed operation: times
 # 1.0 (0x3F80) minus 136 (0xC308 is -136), an FMA because bf16x2 subtraction is sm_90's only. Triton's own bf16
@@ -322,8 +322,9 @@ def _high_nibble_pair(w):
 def unpack_int4(w, DOT: tl.constexpr, MMA_ORDER: tl.constexpr = False):
     """A tile of packed int4 words (int32 [BN, BK / 8], stored as q + 8; in MMA order or column order, see the
     module docstring) as DOT values [BN, BK] (fp16 or bf16) in column order, by magic numbers two nibbles per 32-bit
-    operation: (w >> 4s) & 0x000F000F | 0x64006400 is two fp16 values 1024 + u (nibbles s and s + 4 of each word, u
-    in [0, 15]), minus 1032 is q exactly (`_nibble_pair`); bf16 the same with 0x43004300 (128 + u) and 136. The
+    operation: (w >> 4s) & 0x000F000F | 0x43004300 is two bf16 values 128 + u (nibbles s and s + 4 of each word, u
+    in [0, 15]), minus 136 is q exactly (`_nibble_pair`). fp16 shifts a word once, by 8: of w and of w >> 8, the
+    low nibbles masked | 0x64006400 are 1024 + u (minus 1032), the high ones 1024 + 16u (`_high_nibble_pair`). The
     planes are put in column order by joins (each a new minor axis, in the thread) and reshapes: in MMA order each
     thread then holds its own MMA operand columns, so no value crosses threads."""
     BN: tl.constexpr = w.shape[0]
