@@ -293,15 +293,16 @@ def _parts(name: str) -> tuple[tuple[str, str], str]:
 
 def graph_variant(name: str) -> dict:
     """GraphEngine options of a bench engine name: graph[-pdl|-chain|-unchained|-chain-lm|-chain-depth][-s<attention
-    splits>][-kv8][-own-input]; plain `graph` is the engine's default (on a GPU the bf16 stacks' block tails chained),
-    `graph-chain` both stacks chained, `graph-unchained` one launch per product, `-chain-lm` / `-chain-depth` the one
-    stack's tails chained and the other's unchained, `-kv8` the int8 KV cache, `-own-input` each product launched
-    alone converting and normalising its own input (`GraphConfig.hand_over` off)."""
-    match = re.fullmatch(r"graph(-pdl|-chain-lm|-chain-depth|-chain|-unchained)?(?:-s(\d+))?(-kv8)?(-own-input)?",
-                         name)
+    splits>][-kv8][-own-input|-hand-over]; plain `graph` is the engine's default (on a GPU the bf16 stacks' block tails
+    chained), `graph-chain` both stacks chained, `graph-unchained` one launch per product, `-chain-lm` /
+    `-chain-depth` the one stack's tails chained and the other's unchained, `-kv8` the int8 KV cache, `-own-input`
+    each product launched alone converting and normalising its own input (`GraphConfig.hand_over` False),
+    `-hand-over` every such product taking it handed over, on every format (True)."""
+    match = re.fullmatch(r"graph(-pdl|-chain-lm|-chain-depth|-chain|-unchained)?(?:-s(\d+))?(-kv8)?"
+                         r"(-own-input|-hand-over)?", name)
     if match is None:
-        raise ValueError(f"unknown engine {name!r}: choose reference or "
-                         "graph[-pdl|-chain|-unchained|-chain-lm|-chain-depth][-s<splits>][-kv8][-own-input]")
+        raise ValueError(f"unknown engine {name!r}: choose reference or graph[-pdl|-chain|-unchained|-chain-lm|"
+                         "-chain-depth][-s<splits>][-kv8][-own-input|-hand-over]")
     chain = {"-chain": True, "-unchained": False, "-chain-lm": "lm", "-chain-depth": "depth"}.get(match[1])
     options: dict = {"pdl": match[1] == "-pdl", "chain": chain}
     if match[2]:
@@ -309,7 +310,7 @@ def graph_variant(name: str) -> dict:
     if match[3]:
         options["kv_format"] = "int8"
     if match[4]:
-        options["hand_over"] = False
+        options["hand_over"] = match[4] == "-hand-over"
     return options
 
 

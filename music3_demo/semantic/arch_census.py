@@ -165,7 +165,7 @@ def gemv_census(capability: int, precision: str, table: str | None = None) -> di
         hot = sum(loop["hot"] for loop in loops)
         per_thread = constants["BLOCK_N"] * constants["BLOCK_K"] / (kernel.metadata.num_warps * 32)
         gemvs[key] = {"constants": dict(zip(GEMV_KEYS, key)), "registers": registers(kernel.asm["cubin"]),
-                      "hot": hot, "per_weight": round(hot / per_thread, 2),
+                      "shared": kernel.metadata.shared, "hot": hot, "per_weight": round(hot / per_thread, 2),
                       "opcodes": dict(sum((loop["opcodes"] for loop in loops), Counter()).most_common(24))}
     return {"capability": capability, "gpu": name, "precision": precision, "table": tuning.source,
             "gemvs": list(gemvs.values())}

@@ -34,13 +34,15 @@ def resolve_chain(chain: bool | str | None, on_gpu: bool, quantized: frozenset[s
     return frozenset(STACKS) - quantized if on_gpu else frozenset()
 
 
-def resolve_hand_over(hand_over: bool | None, precision: str) -> frozenset[str]:
+def resolve_hand_over(hand_over: bool | None, precision: str, handed_table: bool = False) -> frozenset[str]:
     """The stacks whose products launched alone take their input handed over: `hand_over`'s, or where it is None,
-    both but an LM whose weights are int8 (`precision`: the LM's format, `quant.precision_of`).
-    On an H100 the hand-over made int4 and fp8 frames 3-4% faster, and int8 ones 1.7-2.0% slower, in either order in one
-    process: the int8 LM's q|k|v and gate|up each took 1-3 us longer prenormed while its depth decoder's gained."""
+    both; but an LM whose weights are int8 (`precision`: the LM's format, `quant.precision_of`) where the tuning
+    table's entries were swept with each product preparing its own input (`handed_table` False, `Tuning.handed_inputs`).
+    With such a table (the H200's) the hand-over made int4 and fp8 frames 3-4% faster on an H100 and int8 ones
+    1.7-2.0% slower, in either order in one process: the int8 LM's q|k|v and gate|up each took 1-3 us longer
+    prenormed, in tiles chosen for their own input. Swept with handed inputs (the H100's table) int8 gains too."""
     if hand_over is None:
-        return frozenset(STACKS) - ({"lm"} if precision == "int8" else set())
+        return frozenset(STACKS) - ({"lm"} if precision == "int8" and not handed_table else set())
     return frozenset(STACKS) if hand_over else frozenset()
 
 
@@ -61,8 +63,8 @@ class GraphConfig:
     chain: bool | str | None = None
     # Where the products run one launch each: each product's input arrives in its MMA dtype from the kernel before,
     # the RMSNorm products' already times the norm's gain with the rows' sums of squares beside it (`NormSums`), so a
-    # quantized product's k-loop converts its weights only. None: every unchained stack but an int8 LM's
-    # (`resolve_hand_over`); True / False: every unchained stack / none, False for the bench's A/B (`graph-own-input`)
+    # quantized product's k-loop converts its weights only. None: every unchained stack, but an int8 LM's where the
+    # tuning table was swept without it (`resolve_hand_over`); True / False: every unchained stack / none, False for the bench's A/B (`graph-own-input`)
     # and the test that the two agree.
     hand_over: bool | None = None
     # Songs advanced together by one replay (2 rows each; a product takes at most 16 rows, so 8 at most). Graphs are

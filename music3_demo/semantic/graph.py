@@ -101,7 +101,7 @@ class GraphEngine:
             self.weights = prepare_weights(language_model, depth_decoder, config.tables_on_host)
             self.stream = EngineStream(device, config.in_flight + 1, self.slots)
         self.precision, self.kv_format = self.weights.precision, config.kv_format
-        self.hand_over = resolve_hand_over(config.hand_over, self.precision)
+        self.hand_over = resolve_hand_over(config.hand_over, self.precision, self.tuning.handed_inputs)
         self.scheduler = BatchScheduler(self.slots, self.buckets, config.prefill_chunk, config.replay_block,
                                         config.in_flight, pool_limit=kv_pool_positions)
         self.occupancy = Occupancy(self.slots, self.name)

@@ -16,6 +16,7 @@ def test_bench_engine_names_map_to_graph_engine_options():
     assert graph_variant("graph-chain-depth-s8") == {"pdl": False, "chain": "depth", "attention_splits": 8}
     assert graph_variant("graph-s8-kv8") == {"pdl": False, "chain": None, "attention_splits": 8, "kv_format": "int8"}
     assert graph_variant("graph-own-input") == {"pdl": False, "chain": None, "hand_over": False}
+    assert graph_variant("graph-hand-over") == {"pdl": False, "chain": None, "hand_over": True}
     with pytest.raises(ValueError, match="unknown engine 'graph-pdl-chain'"):
         graph_variant("graph-pdl-chain")
     with pytest.raises(ValueError, match="unknown engine 'graph-fast'"):

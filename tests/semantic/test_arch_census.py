@@ -73,3 +73,46 @@ def test_the_int4_gemvs_conversion_on_sm90_shifts_once_a_word_and_takes_no_byte_
         assert ops.get("SHF", 0) <= 20, gemv  # (16 a tile, and one more)
         if gemv["constants"]["NORM"] == 2 or gemv["constants"]["RESIDUAL"]:
             assert "PRMT" not in ops and gemv["per_weight"] < 4.1, gemv  # (3.8-4.0 compiled here)
+
+
+def _other_tables() -> list[Path]:
+    """The packaged tables the compile test does not compile (it takes each architecture's typical GPU's)."""
+    from music3_demo.semantic.arch_compile import TYPICAL
+    from music3_demo.semantic.kernels.tuning import TABLES, Target
+
+    typical = {Target(name, cap, sms).slug for cap, (name, sms) in TYPICAL.items()}
+    return [path for path in sorted(TABLES.glob("*.json")) if path.name not in typical]
+
+
+def test_the_other_gpus_tables_have_their_quantized_gemvs_compiled_for_their_architecture(tmp_path):
+    """A table measured on another GPU of an architecture (the H100's, beside the H200's that test_arch_compile.py
+    compiles) launches GEMV tiles of its own on int4, int8 and fp8 weights: each compiles for that architecture, fits
+    its shared memory per block and its registers, and each one-song entry in which it differs from the typical GPU's
+    table is among them."""
+    from music3_demo.semantic.arch_compile import TYPICAL
+    from music3_demo.semantic.kernels.tuning import SHARED_MEMORY, TABLES, Target, load_table
+
+    tables = _other_tables()
+    assert tables  # (the H100's)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    for path in tables:
+        cap = json.loads(path.read_text())["capability"]
+        out = tmp_path / f"{path.stem}.json"
+        run = subprocess.run([sys.executable, "-m", "music3_demo.semantic.arch_census", str(cap), "--precisions",
+                              "int4,int8,fp8", "--gemvs", "--table", str(path), "--out", str(out)], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        compiled = set()
+        for result in json.loads(out.read_text()):
+            assert result["table"] == str(path)
+            for gemv in result["gemvs"]:
+                assert gemv["shared"] <= SHARED_MEMORY[cap][0] and gemv["registers"] <= 255, (path.name, gemv)
+                c = gemv["constants"]
+                compiled.add((c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]))
+        gemv_table, _ = load_table(path)
+        typical, _ = load_table(TABLES / Target(*TYPICAL[cap][:1], cap, TYPICAL[cap][1]).slug)
+        own = {(cfg.block_n, cfg.block_k, cfg.split_k) for key, cfg in gemv_table.items()
+               if key[0] == 2 and "w1" in key and typical.get(key) != cfg}
+        assert own and own <= compiled, (path.name, own - compiled)

@@ -120,16 +120,21 @@ def test_a_gpu_engine_chains_the_block_tails_of_bf16_stacks_only(precision, chai
     assert resolve_chain(None, False, frozenset()) == frozenset()  # (the interpreter: one launch per product)
 
 
-@pytest.mark.parametrize("precision, handed", [("int4", {"lm", "depth"}), ("fp8", {"lm", "depth"}),
-                                               ("int8", {"depth"})])
-def test_products_launched_alone_take_their_input_handed_over_but_an_int8_lms(precision, handed):
-    """Where `GraphConfig.hand_over` is None every stack hands its products their inputs but an int8 LM (measured
-    slower there, faster on int4 and fp8); True and False ask for every stack and none, as the bench's A/B does."""
+@pytest.mark.parametrize("gpu, precision, handed", [
+    ("NVIDIA H200", "int4", {"lm", "depth"}), ("NVIDIA H200", "fp8", {"lm", "depth"}), ("NVIDIA H200", "int8", {"depth"}),
+    ("NVIDIA H100 80GB HBM3", "int8", {"lm", "depth"}), ("NVIDIA H100 80GB HBM3", "int4", {"lm", "depth"})])
+def test_products_launched_alone_take_their_input_handed_over_but_an_int8_lms_on_a_table_swept_without(
+        gpu, precision, handed):
+    """Where `GraphConfig.hand_over` is None every stack hands its products their inputs, but an int8 LM where the
+    tuning table was swept with each product preparing its own input (the H200's: measured slower there, faster on
+    int4 and fp8); the H100's table was swept with the inputs handed over. True and False ask for every stack and
+    none, as the bench's A/B does."""
     from music3_demo.semantic.arch_record import meta_engine
     from music3_demo.semantic.config import resolve_hand_over
     from music3_demo.semantic.kernels.tuning import Target, tuning_for_target
 
-    tuning = tuning_for_target(Target("NVIDIA H200", 90, 132))
+    tuning = tuning_for_target(Target(gpu, 90, 132))
+    assert tuning.handed_inputs == (gpu != "NVIDIA H200")
     assert meta_engine(tuning, precision, "tiny").hand_over == handed
     assert resolve_hand_over(True, "int8") == {"lm", "depth"} and resolve_hand_over(False, "int4") == frozenset()
 

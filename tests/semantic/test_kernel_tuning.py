@@ -41,7 +41,7 @@ class _Recording:
 
     def __init__(self, tuning: Tuning) -> None:
         self.tuning, self.gemv_keys, self.tail_keys = tuning, set(), set()
-        self.programs = tuning.programs
+        self.programs, self.handed_inputs = tuning.programs, tuning.handed_inputs
 
     def gemv(self, *key):
         self.gemv_keys.add(key)
@@ -198,9 +198,12 @@ def test_a_small_models_products_get_configs_that_fit_their_shapes_on_every_arch
 
 def test_a_gpu_takes_its_table_else_its_architectures_else_the_heuristic_within_its_limits(on_gpu):
     gemv, tails = map(_bf16_entries, load_table(H200_TABLE))
-    h100 = tuning_for_target(Target("NVIDIA H100 80GB HBM3", 90, 114))  # same architecture: the H200's entries
-    assert Path(h100.source).name == "nvidia-h200.sm90.json" and h100.programs == 114
-    assert h100.gemv(2, 24576, 4096, True) == gemv[(2, 24576, 4096, "swiglu")]
+    h100 = tuning_for_target(Target("NVIDIA H100 80GB HBM3", 90, 132))  # its own table
+    assert Path(h100.source).name == "nvidia-h100-80gb-hbm3.sm90.json" and h100.programs == 128
+    gh200 = tuning_for_target(Target("NVIDIA GH200 480GB", 90, 132))  # same architecture: the first table by name
+    assert Path(gh200.source).name == "nvidia-h100-80gb-hbm3.sm90.json"
+    pcie = tuning_for_target(Target("NVIDIA H100 PCIe", 90, 114))
+    assert pcie.programs == 114 and pcie.gemv(2, 24576, 4096, True) == gemv[(2, 24576, 4096, "swiglu")]
     for target in (Target("NVIDIA A100-SXM4-80GB", 80, 108), Target("NVIDIA GeForce RTX 3090", 86, 82),
                    Target("NVIDIA B200", 100, 148), Target("NVIDIA GeForce RTX 5090", 120, 170)):
         tuning = tuning_for_target(target)

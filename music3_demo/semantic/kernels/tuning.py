@@ -1,12 +1,13 @@
 """Which tile configs the GEMV and chained-tail kernels launch with on a given GPU: tuning data as data.
 
-The measured tables live in `kernels/tuning/<gpu>.sm<capability>.json` (e.g. `nvidia-h200.sm90.json`), written by
+The measured tables live in `kernels/tuning/<gpu>.sm<capability>.json` (`nvidia-h200.sm90.json`, and the H100's with
+its quantized GEMVs swept again there), written by
 tune_gemv.py (its "gemv" section) and tune_tail.py (its "tail" section) on that GPU. The engine asks
 `tuning_for(device)` once, for the device it runs on, and passes the result to its launches; nothing is read at
 import time and nothing comes from the environment. The choice, most specific first:
 1. the table measured on this GPU model (its name as the driver reports it, and its architecture);
-2. else a table measured on the same architecture, then on the same architecture family (major version), of which
-   only the entries valid here are used (TMA only from Hopper on, shared memory within this GPU's per-block limit);
+2. else a table measured on the same architecture (the first by file name), then on the same architecture family
+   (major version), of which only the entries valid here are used (TMA only from Hopper on, shared memory within this GPU's per-block limit);
 3. else (and for every shape a table leaves out or is not valid here) the heuristic: `linear.default_config` and
    `tail_config.default_tail_config`, shrunk to this GPU's shared memory and cut to the product's shape
    (`linear.fit_shape`: a small model's K of 32 takes 32-column tiles; the full-size model's configs fit as they are).
@@ -172,6 +173,9 @@ class Tuning:
     gemv_table: dict[tuple, GemvConfig] = field(default_factory=dict)
     tail_table: dict[tuple, TailConfig] = field(default_factory=dict)
     source: str = "heuristic"  # the table file the entries came from
+    # Whether the table's quantized GEMV entries were swept with each product's input handed over in its MMA dtype
+    # (the table's "inputs": "handed"), as the engine launches them by default (`config.resolve_hand_over`).
+    handed_inputs: bool = False
 
     def valid(self, cfg: GemvConfig, x_bytes: int = 2, w_bytes: int = 2, group: int = 0, kind: str = "") -> bool:
         """Whether a tuned config can run on this device (entries of another GPU's table may not) and weight format
@@ -254,7 +258,8 @@ def tuning_for_target(target: Target, path: str | Path | None = None) -> Tuning:
     for candidate in candidates:  # the first table found; its entries not valid here are skipped at lookup
         gemv_table, tail_table = load_table(candidate)
         if gemv_table or tail_table:
-            return Tuning(target, gemv_table, tail_table, source=str(candidate))
+            handed = json.loads(candidate.read_text()).get("inputs") == "handed"
+            return Tuning(target, gemv_table, tail_table, source=str(candidate), handed_inputs=handed)
     return Tuning(target)
 
 
@@ -276,13 +281,15 @@ def load_table(path: str | Path) -> tuple[dict[tuple, GemvConfig], dict[tuple, T
 
 
 def write_section(path: str | Path, section: str, table: dict, notes: dict | None = None,
-                  target: Target | None = None) -> Path:
+                  target: Target | None = None, head: dict | None = None) -> Path:
     """Write one section ("gemv" or "tail") of a table file, keeping the file's other section: what the tuning
-    scripts produce. One entry per line, so a re-tune reads as a diff of the entries that changed."""
+    scripts produce. One entry per line, so a re-tune reads as a diff of the entries that changed. `head`: fields
+    of the file's head to set (as `"inputs": "handed"`)."""
     path = Path(path)
     doc = json.loads(path.read_text()) if path.exists() else {}
     if target is not None:
         doc.update(gpu=target.name, capability=target.capability)
+    doc.update(head or {})
     doc[section] = [{"key": list(key), "config": dataclasses.asdict(cfg), **({"note": notes[key]} if notes and
                                                                              key in notes else {})}
                     for key, cfg in table.items()]
@@ -299,7 +306,8 @@ def write_section(path: str | Path, section: str, table: dict, notes: dict | Non
 
 def write_table(path: Path, tuning: Tuning, gemv_table: dict, tail_table: dict, target: Target) -> Path:
     """What a sweep writes: this GPU's packaged table (`tuning`'s source) with the sweep's winners over its entries, in
-    a file of its own (one per sweep, compared in the engine with `bench semantic --compare-tuning`)."""
+    a file of its own (one per sweep, compared in the engine with `bench semantic --compare-tuning`). The sweeps hand
+    each product its input as the engine does (`tune_onebyte`), so the file says "inputs": "handed"."""
     packaged = Path(tuning.source) if tuning.source != "heuristic" else None
     if packaged is not None and packaged.resolve() == path.resolve():
         raise SystemExit(f"write the 1-byte table to a file of its own, not {path}")
@@ -308,5 +316,5 @@ def write_table(path: Path, tuning: Tuning, gemv_table: dict, tail_table: dict, 
     if packaged is not None:
         shutil.copyfile(packaged, path)
         old_gemv, old_tail = load_table(path)
-    write_section(path, "gemv", {**old_gemv, **gemv_table}, target=target)
+    write_section(path, "gemv", {**old_gemv, **gemv_table}, target=target, head={"inputs": "handed"})
     return write_section(path, "tail", {**old_tail, **tail_table}, target=target)
