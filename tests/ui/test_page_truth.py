@@ -183,9 +183,13 @@ def player_holds_the_whole_song(page, seconds: float) -> None:
     try:
         page.wait_for_function(ready, timeout=90_000, polling=1_000)  # (a loaded CI box)
     except Exception:
-        state = page.evaluate("() => { const a = document.querySelector('#result-audio audio'); return a && {src:"
+        # Every audio element of the player (a stale one first would explain an empty source), whether the result
+        # panel shows, and the status line: what tells a song never handed to the page from a player left behind.
+        state = page.evaluate("() => ({audios: [...document.querySelectorAll('#result-audio audio')].map(a => ({src:"
                               " a.currentSrc, ready: a.readyState, network: a.networkState, duration: a.duration,"
-                              " error: a.error && a.error.code}; }")
+                              " error: a.error && a.error.code})), result_shown: !!(document.querySelector('#result')"
+                              " && document.querySelector('#result').offsetParent), status: (document.querySelector("
+                              "'#run-status') || {}).innerText})")
         raise AssertionError(f"the player's audio never said {seconds} s: {state}") from None
 
 
