@@ -64,8 +64,8 @@ class GraphConfig:
     # Where the products run one launch each: each product's input arrives in its MMA dtype from the kernel before,
     # the RMSNorm products' already times the norm's gain with the rows' sums of squares beside it (`NormSums`), so a
     # quantized product's k-loop converts its weights only. None: every unchained stack, but an int8 LM's where the
-    # tuning table was swept without it (`resolve_hand_over`); True / False: every unchained stack / none, False for the bench's A/B (`graph-own-input`)
-    # and the test that the two agree.
+    # tuning table was swept without it (`resolve_hand_over`); True / False: every unchained stack / none, False for
+    # the bench's A/B (`graph-own-input`) and the test that the two agree.
     hand_over: bool | None = None
     # Songs advanced together by one replay (2 rows each; a product takes at most 16 rows, so 8 at most). Graphs are
     # captured per bucket of 1, 2, 4, 8 songs up to this; `engine.slots` is this number. The default is the maximum:

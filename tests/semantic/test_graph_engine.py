@@ -121,8 +121,9 @@ def test_a_gpu_engine_chains_the_block_tails_of_bf16_stacks_only(precision, chai
 
 
 @pytest.mark.parametrize("gpu, precision, handed", [
-    ("NVIDIA H200", "int4", {"lm", "depth"}), ("NVIDIA H200", "fp8", {"lm", "depth"}), ("NVIDIA H200", "int8", {"depth"}),
-    ("NVIDIA H100 80GB HBM3", "int8", {"lm", "depth"}), ("NVIDIA H100 80GB HBM3", "int4", {"lm", "depth"})])
+    ("NVIDIA H200", "int4", {"lm", "depth"}), ("NVIDIA H200", "fp8", {"lm", "depth"}),
+    ("NVIDIA H200", "int8", {"depth"}), ("NVIDIA H100 80GB HBM3", "int8", {"lm", "depth"}),
+    ("NVIDIA H100 80GB HBM3", "int4", {"lm", "depth"})])
 def test_products_launched_alone_take_their_input_handed_over_but_an_int8_lms_on_a_table_swept_without(
         gpu, precision, handed):
     """Where `GraphConfig.hand_over` is None every stack hands its products their inputs, but an int8 LM where the
