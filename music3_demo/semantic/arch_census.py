@@ -145,7 +145,8 @@ def census(capability: int, precision: str, table: str | None = None) -> dict:
 
 
 # A GEMV's constexprs that name its variant in `gemv_census` (the others: rows, masks, the handed sums' count)
-GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "NORM", "RESIDUAL", "SWIGLU", "COPY", "GAIN", "QUANT", "GROUP", "CONV")
+GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "NORM", "RESIDUAL", "SWIGLU", "COPY", "GAIN", "QUANT", "GROUP", "CONV",
+             "DOTS")
 
 
 def gemv_census(capability: int, precision: str, table: str | None = None) -> dict:

@@ -188,6 +188,24 @@ def _route_launches(tuning: Tuning, kind: str) -> None:
             if {NATIVE_F16: "fp8", PACKED_F16: "int8"}.get(route, kind) == kind:
                 linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), weight, out, residual=out,
                             config=replace(cfg, convert=route), workspace=linear.GemvWorkspace(meta))
+    if group:  # an MMA per scale group, over 2 groups (`GemvConfig.group_dots`; the int4 launches take 4)
+        _group_dots_launch(tuning, _one_byte(kind, n, k, byte_order_for(version)), cfg, 2 * group)
+
+
+def _group_dots_launch(tuning: Tuning, weight: QWeight, cfg, block_k: int) -> None:
+    """The down product's GEMV with an MMA per scale group on K tiles of `block_k` columns, on the fp16 bit route,
+    within this architecture's shared memory: whether a sweep takes it or not, it compiles everywhere."""
+    from .kernels.qweight import BITS_F16
+    from .kernels.tuning import fit_shared
+
+    meta = torch.device("meta")
+    n, k = weight.shape
+    config = fit_shared(replace(cfg, block_k=block_k, convert=BITS_F16, group_dots=True, split_k=1),
+                        tuning.target.shared_per_block, 2, 1)
+    assert config.block_k == block_k, config  # (the stages give way first)
+    out = torch.empty(2, n, device=meta)
+    linear.gemv(torch.empty(2, k, dtype=torch.bfloat16, device=meta), weight, out, residual=out, config=config,
+                workspace=linear.GemvWorkspace(meta))
 
 
 def _int4_launches(tuning: Tuning, weights) -> None:
@@ -211,6 +229,7 @@ def _int4_launches(tuning: Tuning, weights) -> None:
     out = torch.empty(2, n, device=meta)
     linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), int4(n, k), out, residual=out,
                 config=tuning.gemv(2, n, k, False, 2, 1, group, "int4"), workspace=linear.GemvWorkspace(meta))
+    _group_dots_launch(tuning, int4(n, k), tuning.gemv(2, n, k, False, 2, 1, group, "int4"), 4 * group)
     down = int4(n, k)
     matmul.product(torch.empty(1024, k, dtype=bf16, device=meta), down,
                    matmul.config_for(down, tuning.target.capability))

@@ -78,7 +78,8 @@ def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(repor
     the next block's q|k|v) on packed int4 (QUANT 3), the tail also with fp16 copies of its activations, as
     the int8 tail on its cheapest fp16 routes (the packed PTX route on its 32-row tiles), and the int4 tail's products
     balanced (K split in parts: `TailConfig.balance`); on sm_90 the 1-byte GEMV's routes also on words in byte MMA
-    order (no GPU takes it by default; a sweep on sm_90 may)."""
+    order (no GPU takes it by default; a sweep on sm_90 may); and the GEMV with an MMA per scale group on int8 and
+    int4 (`GemvConfig.group_dots`: no table takes it yet, a sweep may)."""
     for report in _full(reports):
         cap = report["capability"]
         quant = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] in ("_gemv_kernel",
@@ -109,6 +110,10 @@ def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(repor
         assert routes == ({0, 1, 2, 3, 4} if cap >= 89 else {0, 1, 2, 4}), (cap, routes)
         assert any(k["constants"]["QUANT"] == 2 and {k["constants"]["CV_O"], k["constants"]["CV_D"]} == {4}
                    and k["constants"]["HALF_O"] for k in tails), cap
+        # an MMA per scale group (`GemvConfig.group_dots`): int8/g128 over 2 groups, int4/g64 over 4
+        dots = {(k["constants"]["QUANT"], k["constants"]["BLOCK_K"] // k["constants"]["GROUP"])
+                for k in report["kernels"] if k["kernel"] == "_gemv_kernel" and k["constants"].get("DOTS")}
+        assert dots == {(2, 2), (3, 4)}, (cap, dots)
         # the prefill's products (kernels/matmul.py) in every quantized format the architecture runs
         prefill = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] == "_matmul_kernel"}
         assert prefill == ({1, 2, 3} if cap >= 89 else {2, 3}), (cap, prefill)

@@ -162,6 +162,39 @@ def test_tiles_spanning_several_scale_groups_are_as_close_to_float32_as_tiles_wi
         assert _err(ours, expected) <= 2 * _err(bar, expected) + 1e-6, (_err(ours, expected), _err(bar, expected))
 
 
+@pytest.mark.parametrize("scheme", [Scheme("int4", 64), Scheme("int4", 16), Scheme("int8", 32), Scheme("fp8", 32)],
+                         ids=["int4/g64", "int4/g16", "int8/g32", "fp8/g32"])
+def test_an_mma_per_scale_group_is_as_close_to_float32_as_the_weights_scaled_before_one(scheme):
+    """`GemvConfig.group_dots`: a K tile over 2 or 4 scale groups multiplies each group's weights as stored (no fp16
+    rounding of weight times scale) and scales the product after, in the GEMV (plain, split-K, SwiGLU): within 2x
+    the fp16-weight kernel's error against float32 on the same dequantized weights, and near the tile that scales
+    its weights first. A tile over 8 groups, or a bf16 route, falls back to that tile (`group_dots_fit`)."""
+    from music3_demo.semantic.kernels.linear import fit_group, group_dots_fit
+
+    rows, k, n, g = 2, 512, 64, scheme.group
+    x = rand(rows, k, dtype=torch.float16, seed=1)
+    w = _outlier_weight(n, k, 3).half()
+    q = quantize_weight(w, scheme.fmt, g)
+    exact = x.float() @ q.dequantize(torch.float32).T
+    fp16 = gemv(x, w, torch.empty(rows, n, dtype=torch.float16), config=GemvConfig(16, 2 * g, convert=BITS_F16))
+    bar = 2 * _err(fp16, x.float() @ w.float().T) + 1e-6
+    route = NATIVE_F16 if scheme.fmt == "fp8" else BITS_F16
+    for cfg in (GemvConfig(16, 2 * g, convert=route, group_dots=True),
+                GemvConfig(32, 4 * g, split_k=2, convert=route, group_dots=True)):
+        assert fit_group(cfg, q) == cfg and group_dots_fit(cfg, g)
+        ours = gemv(x, q, torch.empty(rows, n, dtype=torch.float16), config=cfg, workspace=GemvWorkspace("cpu"))
+        before = gemv(x, q, torch.empty(rows, n, dtype=torch.float16), config=replace(cfg, group_dots=False),
+                      workspace=GemvWorkspace("cpu"))
+        assert _err(ours, exact) <= bar and _err(ours, before) < 5e-3, cfg
+    swiglu = gemv(x, q, torch.empty(rows, n // 2, dtype=torch.float16), swiglu=True,
+                  config=GemvConfig(16, 4 * g, convert=route, group_dots=True))
+    gate, up = exact.unflatten(-1, (-1, 2)).unbind(-1)
+    assert _err(swiglu, F.silu(gate) * up) < 5e-3
+    for cfg in (GemvConfig(16, 8 * g, convert=route, group_dots=True), GemvConfig(16, 2 * g, group_dots=True),
+                GemvConfig(16, g, convert=route, group_dots=True)):
+        assert not group_dots_fit(cfg, g) and not fit_group(cfg, q).group_dots, cfg
+
+
 @pytest.mark.parametrize("scheme", [Scheme("fp8", 0), Scheme("int8", 16)], ids=["fp8/channel", "int8/g16"])
 def test_block_tail_on_one_byte_weights_runs_the_products_as_the_gemvs_do(scheme):
     """The chained tail's products (one launch each under the interpreter) with 1-byte weights against the same

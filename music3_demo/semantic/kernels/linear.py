@@ -64,6 +64,9 @@ class GemvConfig:
     split_k: int = 1
     tma: bool = False  # weight tiles by the Hopper tensor-memory accelerator (a host descriptor) instead of cp.async
     convert: int = 0  # 1-byte weights only: how a tile becomes MMA operands (qweight.CAST, BITS_BF16, ...)
+    # Per-group scales, a K tile over 2 or 4 groups (`group_dots_fit`): one MMA per group, scaled after it, instead of
+    # the weights scaled before one MMA (`operands.dot_tile`). GEMVs only: the chained tail scales before.
+    group_dots: bool = False
 
 
 @dataclass
@@ -159,7 +162,7 @@ def _gemv_kernel(
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, COPY: tl.constexpr, PDL: tl.constexpr,
     TMA: tl.constexpr, QUANT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
     CONV: tl.constexpr,
-    WSCALE: tl.constexpr, GAIN: tl.constexpr, SUM_BLOCKS: tl.constexpr,
+    WSCALE: tl.constexpr, GAIN: tl.constexpr, SUM_BLOCKS: tl.constexpr, DOTS: tl.constexpr = False,
 ):
     """NORM: 0 none, 1 RMSNorm of x here, 2 x normalised but for its rows' scale (`NormSums`: `handed_sums`)."""
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
@@ -186,7 +189,8 @@ def _gemv_kernel(
             xf = x.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
             x = xf * tl.load(g_ptr + offs_k + k0).to(tl.float32)[None, :]
-        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, split * k_len + k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
+        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, split * k_len + k0, K, QUANT, GROUP, DOT, CONV, WSCALE,
+                       DOTS)
     if SPLIT_K == 1:
         acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
         if NORM == 2:
@@ -238,9 +242,19 @@ def tile_fits_groups(block_k: int, group: int, convert: int) -> bool:
     return not group or group % block_k == 0 or (block_k % group == 0 and convert in FP16_ROUTES)
 
 
+def group_dots_fit(cfg: GemvConfig, group: int) -> bool:
+    """Whether `cfg`'s MMA per scale group (`GemvConfig.group_dots`) runs on scales per `group` columns: a K tile
+    over 2 or 4 whole groups on an fp16 route (or no group_dots)."""
+    return not cfg.group_dots or (bool(group) and cfg.block_k % group == 0 and cfg.block_k // group in (2, 4)
+                                  and cfg.convert in FP16_ROUTES)
+
+
 def fit_group(cfg: GemvConfig, weight: Weight) -> GemvConfig:
     """A per-group 1-byte weight needs K tiles that lie within one scale group, or span whole groups on an fp16
-    route (`tile_fits_groups`); packed int4 in MMA order, whole runs of 32 columns."""
+    route (`tile_fits_groups`); packed int4 in MMA order, whole runs of 32 columns. An MMA per group needs 2 or 4
+    (`group_dots_fit`), else the tile scales its weights before one MMA."""
+    if cfg.group_dots and not group_dots_fit(cfg, weight.group if isinstance(weight, QWeight) else 0):
+        cfg = replace(cfg, group_dots=False)
     if isinstance(weight, QWeight) and not tile_fits_groups(cfg.block_k, weight.group, cfg.convert):
         cfg = replace(cfg, block_k=math.gcd(cfg.block_k, weight.group))
     if isinstance(weight, QWeight) and weight.int4 and int4_mma_order(weight.group) and cfg.block_k < INT4_RUN:
@@ -370,6 +384,6 @@ def gemv(
         SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl,
         TMA=cfg.tma, QUANT=quant, PACK=pack, GROUP=group, DOT=dot, CONV=conv, WSCALE=wscale, GAIN=gain is not None,
         SUM_BLOCKS=triton.next_power_of_2(prenormed.blocks) if prenormed is not None else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        DOTS=cfg.group_dots, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out

@@ -3,7 +3,9 @@ conversion routes, and the GEMV tile grid per scale layout, with the rule of whi
 
 from __future__ import annotations
 
-from .linear import GemvConfig, tile_fits_groups
+import dataclasses
+
+from .linear import GemvConfig, group_dots_fit, tile_fits_groups
 from .tuning import shared_bytes
 
 FORMATS = {"fp8/channel": ("fp8", 0), "int8/g128": ("int8", 128), "fp8/g128": ("fp8", 128),
@@ -39,8 +41,8 @@ def tiles(group: int, kind: str = "") -> list[GemvConfig]:
     deeper pipelines; a TMA block row is 16 bytes at least (K tiles of 32 columns and more). A 32-row tile of 2
     warps (mma.sync's [2, 1]) converts each weight once, where 4 warps ([2, 2]) convert it twice. Then, for both, tiles
     spanning several groups (MULTI_GROUP*: fp16 routes only; `fits_shape` leaves them out of the others), and K split
-    4 to 16 ways (DEEP_SPLIT). The first, fourth and eighth tile of a grid (the routes' ranking: `route_tiles`) lie
-    within one group."""
+    4 to 16 ways (DEEP_SPLIT); then those over 2 or 4 groups once more with an MMA per group (`group_dots`). The
+    first, fourth and eighth tile of a grid (the routes' ranking: `route_tiles`) lie within one group."""
     G = GemvConfig
     if kind == "int4":
         grid = [G(32, 64, 4, 8), G(64, 64, 4, 8), G(64, 64, 4, 12, 1, True), G(128, 64, 4, 8, 1, True),
@@ -61,7 +63,9 @@ def tiles(group: int, kind: str = "") -> list[GemvConfig]:
                 G(128, 256, 8, 3, 1, True), G(32, 512, 4, 4, 2), G(16, 512, 4, 6, 2), G(64, 256, 4, 4, 2, True),
                 G(32, 256, 2, 8, 1, True), G(64, 128, 4, 8, 1, True), G(64, 64, 4, 12, 1, True),
                 G(64, 128, 4, 6, 2, True)]
-    return [c for c in grid + DEEP_SPLIT if shared_bytes(c, 2, 1) <= SHARED_LIMIT]
+    dots = [dataclasses.replace(c, group_dots=True) for c in grid + DEEP_SPLIT
+            if group and c.block_k // group in (2, 4) and c.block_k % group == 0]
+    return [c for c in grid + DEEP_SPLIT + dots if shared_bytes(c, 2, 1) <= SHARED_LIMIT]
 
 
 def route_tiles(group: int, kind: str = "") -> list[GemvConfig]:
@@ -73,4 +77,4 @@ def fits_shape(cfg: GemvConfig, shape: tuple, group: int = 0) -> bool:
     """Whether `cfg` (with its route) runs as it is on a product of `shape` with scales per `group` columns."""
     rows, n, k, epilogue = shape
     return (k % (cfg.block_k * cfg.split_k) == 0 and not (epilogue == "swiglu" and n % cfg.block_n)
-            and tile_fits_groups(cfg.block_k, group, cfg.convert))
+            and tile_fits_groups(cfg.block_k, group, cfg.convert) and group_dots_fit(cfg, group))

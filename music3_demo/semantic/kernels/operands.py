@@ -128,13 +128,14 @@ def activation_tile(x, DOT: tl.constexpr):
 
 @triton.jit
 def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr,
-             CONV: tl.constexpr = 0, WSCALE: tl.constexpr = 1.0):
+             CONV: tl.constexpr = 0, WSCALE: tl.constexpr = 1.0, DOTS: tl.constexpr = False):
     """acc += W_tile · x_tileᵀ. QUANT 0: a model-dtype weight, as before. 1-byte weights (`qweight.py`) are converted
     to DOT in registers by route CONV (`convert_tile`); per-group (QUANT 2, 3) scales are applied here: to the
     product of a tile that lies in one group, or, where a tile spans several groups, to the converted weights before
     the product (fp16 routes only: q exact, times the scale rounded to fp16, each product rounded once to fp16's 11
     bits, finer than the bf16 reference's own rounding of the dequantized weight); per-channel ones (QUANT 1) later,
-    by `channel_scale`."""
+    by `channel_scale`. DOTS (`GemvConfig.group_dots`): a tile over 2 or 4 groups takes one MMA per group instead,
+    each product scaled after it, as a tile within one group is."""
     BK: tl.constexpr = x.shape[1]
     ORDER: tl.constexpr = QUANT == 3 and GROUP % 32 == 0  # packed int4 in MMA order (`qweight.int4_mma_order`)
     INT4: tl.constexpr = QUANT == 3
@@ -142,6 +143,9 @@ def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     elif QUANT == 1:
         acc = tl.dot(convert_tile(w, CONV, DOT, ORDER, INT4), tl.trans(activation_tile(x, DOT)), acc)
+    elif BK > GROUP and DOTS:  # one MMA per group, each scaled after it (`group_dots_fit`: 2 or 4 groups)
+        acc = group_dots(convert_tile(w, CONV, DOT, ORDER, INT4), activation_tile(x, DOT), acc, s_ptr, offs_n, n_mask,
+                         k0, K, GROUP, WSCALE)
     elif BK > GROUP:  # several scale groups per tile (fp16 routes only: `tile_fits_groups`): scaled weights, one MMA
         BN: tl.constexpr = w.shape[0]
         NG: tl.constexpr = BK // GROUP
@@ -156,6 +160,40 @@ def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP
         if WSCALE != 1.0:
             scale = scale * WSCALE
         acc += tl.dot(convert_tile(w, CONV, DOT, ORDER, INT4), tl.trans(activation_tile(x, DOT))) * scale[:, None]
+    return acc
+
+
+@triton.jit
+def group_dots(w, x, acc, s_ptr, offs_n, n_mask, k0, K, GROUP: tl.constexpr, WSCALE: tl.constexpr):
+    """acc += Σ_g scale_g · (W_g · x_gᵀ) over the 2 or 4 scale groups g of a K tile: converted weights `w` [BN, BK]
+    and activations `x` [BM, BK] cut into groups by reshape, permute and split (Triton has no slicing)."""
+    BN: tl.constexpr = w.shape[0]
+    BM: tl.constexpr = x.shape[0]
+    NG: tl.constexpr = x.shape[1] // GROUP
+    scale = tl.load(s_ptr + offs_n.to(tl.int64)[:, None] * (K // GROUP) + k0 // GROUP + tl.arange(0, NG)[None, :],
+                    mask=n_mask[:, None], other=0.0)
+    if WSCALE != 1.0:
+        scale = scale * WSCALE
+    if NG == 2:
+        w0, w1 = tl.split(tl.permute(tl.reshape(w, [BN, 2, GROUP]), (0, 2, 1)))
+        x0, x1 = tl.split(tl.permute(tl.reshape(x, [BM, 2, GROUP]), (0, 2, 1)))
+        s0, s1 = tl.split(scale)
+        acc += tl.dot(w0, tl.trans(x0)) * s0[:, None]
+        acc += tl.dot(w1, tl.trans(x1)) * s1[:, None]
+    else:  # group g = 2a + b: split off a (the outer half), then b
+        wa, wb = tl.split(tl.permute(tl.reshape(w, [BN, 2, 2, GROUP]), (0, 2, 3, 1)))
+        xa, xb = tl.split(tl.permute(tl.reshape(x, [BM, 2, 2, GROUP]), (0, 2, 3, 1)))
+        sa, sb = tl.split(tl.permute(tl.reshape(scale, [BN, 2, 2]), (0, 2, 1)))
+        w0, w1 = tl.split(tl.permute(wa, (0, 2, 1)))
+        w2, w3 = tl.split(tl.permute(wb, (0, 2, 1)))
+        x0, x1 = tl.split(tl.permute(xa, (0, 2, 1)))
+        x2, x3 = tl.split(tl.permute(xb, (0, 2, 1)))
+        s0, s1 = tl.split(sa)
+        s2, s3 = tl.split(sb)
+        acc += tl.dot(w0, tl.trans(x0)) * s0[:, None]
+        acc += tl.dot(w1, tl.trans(x1)) * s1[:, None]
+        acc += tl.dot(w2, tl.trans(x2)) * s2[:, None]
+        acc += tl.dot(w3, tl.trans(x3)) * s3[:, None]
     return acc
 
 

@@ -7,7 +7,8 @@ tune_gemv.py (its "gemv" section) and tune_tail.py (its "tail" section) on that 
 import time and nothing comes from the environment. The choice, most specific first:
 1. the table measured on this GPU model (its name as the driver reports it, and its architecture);
 2. else a table measured on the same architecture (the first by file name), then on the same architecture family
-   (major version), of which only the entries valid here are used (TMA only from Hopper on, shared memory within this GPU's per-block limit);
+   (major version), of which only the entries valid here are used (TMA only from Hopper on, shared memory within
+   this GPU's per-block limit);
 3. else (and for every shape a table leaves out or is not valid here) the heuristic: `linear.default_config` and
    `tail_config.default_tail_config`, shrunk to this GPU's shared memory and cut to the product's shape
    (`linear.fit_shape`: a small model's K of 32 takes 32-column tiles; the full-size model's configs fit as they are).
@@ -184,7 +185,7 @@ class Tuning:
         target = self.target
         return target is not None and (target.tma or not cfg.tma) and (
             shared_bytes(cfg, x_bytes, w_bytes) <= target.shared_per_block) and (
-            linear.tile_fits_groups(cfg.block_k, group, cfg.convert)) and not (
+            linear.tile_fits_groups(cfg.block_k, group, cfg.convert)) and linear.group_dots_fit(cfg, group) and not (
             kind == "fp8" and cfg.convert == NATIVE_F16 and target.capability < 89) and not (
             kind in ("fp8", "int4") and cfg.convert == PACKED_F16)
 
