@@ -87,7 +87,8 @@ def wire_continue_panel(ctx: AppContext, panel: ContinuePanel, history: gr.State
     return panel.button.click(check_first, inputs, busy[0], queue=False, show_progress="hidden",
                               api_visibility="private").success(
         extend, [*inputs, history], [*outputs, history], concurrency_id=concurrency_id,
-        concurrency_limit=concurrency, show_progress="minimal", api_visibility="private")
+        concurrency_limit=concurrency, show_progress="minimal", trigger_mode="always_last",  # as the page's run
+        api_visibility="private")
 
 
 def add_continue_api(ctx: AppContext, concurrency_id: str, concurrency: int) -> None:

@@ -278,10 +278,12 @@ def build_ui(ctx: AppContext, concurrency: int | None = None) -> gr.Blocks:
             [controls.seed, generate_button, stop_button, view.status, view.queue, refusal, ticket, run_id],
             queue=False, show_progress="hidden", api_visibility="private",
         ).then(None, run_id, None, js=click_if_set("start-run"), api_visibility="private")
+        # "always_last": Stop gives Generate back before the stopped run's handler has ended; a run asked for in
+        # between starts once it has (Gradio's default, "once", drops a trigger of an event still pending).
         run_event = start_run.click(
             generate, [ticket, history], [*view.outputs(), history, stop_button],
             concurrency_id=GPU_GROUP, concurrency_limit=concurrency, show_progress="minimal",
-            show_progress_on=[view.queue], api_visibility="private",
+            show_progress_on=[view.queue], trigger_mode="always_last", api_visibility="private",
         )
         busy = ([generate_button, stop_button, view.status],
                 lambda: (gr.update(interactive=False, value="Generating…"), gr.update(visible=True), ""))

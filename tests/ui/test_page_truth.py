@@ -173,6 +173,51 @@ def test_stop_then_generate_at_once_delivers_the_next_song(browser, app):
         page.close()
 
 
+def test_generate_pressed_while_the_stopped_run_is_still_ending_starts_the_next_song(browser, tmp_path):
+    """Stop gives Generate back at once, but the stopped run's handler ends a moment later (on a busy server, much
+    later). A Generate pressed in between must start the new song once it has ended: Gradio drops a trigger of an
+    event still pending unless the event takes it as its last ("always_last"). The test holds the job registry's
+    lock (which the stopped run takes to end) while it presses Generate, so the moment is as long as it likes."""
+    import threading
+
+    from test_delivery import in_process_app
+
+    with in_process_app(tmp_path) as (ctx, url):
+        page = browser.new_page(viewport=DESKTOP)
+        page.set_default_timeout(30_000)
+        try:
+            page.goto(url)
+            page.wait_for_selector("#generate", timeout=60_000)
+            fill_form(page, "slow ambient pad", "[verse]\nla la la")
+            set_number(page, "steps", 1)
+            set_number(page, "duration", 120)
+            page.locator("#generate").click()
+            wait_text(page, "#run-progress", "elapsed", timeout=300_000)  # (the model loads first)
+            set_number(page, "duration", 2)
+            held, release = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                with ctx.registry._lock:
+                    held.set()
+                    release.wait(30)
+
+            page.locator("#stop").click()
+            page.wait_for_function("() => !document.querySelector('#generate').disabled", timeout=5_000, polling=10)
+            holder = threading.Thread(target=hold)
+            holder.start()
+            try:
+                assert held.wait(10)
+                page.locator("#generate").click()
+                page.wait_for_timeout(2_000)  # the click's own handler and its start of the run have come and gone
+            finally:
+                release.set()
+                holder.join()
+            wait_text(page, "#run-progress", "elapsed", timeout=60_000)  # the new song runs
+            wait_text(page, "#run-status", "Finished", timeout=300_000)
+        finally:
+            page.close()
+
+
 def player_holds_the_whole_song(page, seconds: float) -> None:
     """The page's player (#result-audio) holds the whole song: its metadata says `seconds`. Its preload is a hint,
     which a busy browser may leave unserved (nothing fetched: readyState 0, network not loading); the check then asks
