@@ -42,6 +42,15 @@ def _weight(n: int, k: int, seed: int) -> torch.Tensor:
     return w.to(torch.bfloat16)
 
 
+def _exact(x: torch.Tensor, dense: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """The float32 product the kernels are held to (through SwiGLU for a gate|up product)."""
+    y = x.float() @ dense.float().T
+    if swiglu:
+        gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
+        y = torch.nn.functional.silu(gate) * up
+    return y
+
+
 @pytest.fixture(autouse=True)
 def _needs_fp8(request):
     scheme = request.node.callspec.params.get("scheme") if hasattr(request.node, "callspec") else None
@@ -65,15 +74,8 @@ def test_gemv_on_one_byte_weights_is_as_close_to_float32_as_the_bf16_kernel(shap
         out = torch.empty(rows, cols, device=DEVICE, dtype=torch.bfloat16)
         return gemv(x, weight, out, config=cfg, workspace=workspace, swiglu=swiglu).float()
 
-    def exact(dense):
-        y = x.float() @ dense.float().T
-        if swiglu:
-            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
-            y = torch.nn.functional.silu(gate) * up
-        return y
-
-    bf16_error = relative_error(run(w), exact(w)).max().item()
-    error = relative_error(run(q), exact(q.dequantize(torch.float32))).max().item()
+    bf16_error = relative_error(run(w), _exact(x, w, swiglu)).max().item()
+    error = relative_error(run(q), _exact(x, q.dequantize(torch.float32), swiglu)).max().item()
     print(f"\n{scheme.name} {shape}: {error:.2e} (bf16 kernel: {bf16_error:.2e})")
     assert error <= 2 * bf16_error
 
@@ -129,15 +131,8 @@ def test_an_mma_per_scale_group_is_as_close_to_float32_as_the_bf16_kernel(shape,
         out = torch.empty(rows, cols, device=DEVICE, dtype=torch.bfloat16)
         return gemv(x, weight, out, config=config, workspace=workspace, swiglu=swiglu).float()
 
-    def exact(dense):
-        y = x.float() @ dense.float().T
-        if swiglu:
-            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
-            y = torch.nn.functional.silu(gate) * up
-        return y
-
-    bf16_error = relative_error(run(w, tuning.gemv(rows, n, k, swiglu)), exact(w)).max().item()
-    error = relative_error(run(q, cfg), exact(q.dequantize(torch.float32))).max().item()
+    bf16_error = relative_error(run(w, tuning.gemv(rows, n, k, swiglu)), _exact(x, w, swiglu)).max().item()
+    error = relative_error(run(q, cfg), _exact(x, q.dequantize(torch.float32), swiglu)).max().item()
     print(f"\n{scheme.name} {groups} groups a tile {shape}: {error:.2e} (bf16 kernel: {bf16_error:.2e})")
     assert error <= 2 * bf16_error
 
