@@ -227,9 +227,10 @@ def _int4_launches(tuning: Tuning, weights) -> None:
 
     n, k = 4096, 12288
     out = torch.empty(2, n, device=meta)
-    linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), int4(n, k), out, residual=out,
-                config=tuning.gemv(2, n, k, False, 2, 1, group, "int4"), workspace=linear.GemvWorkspace(meta))
-    _group_dots_launch(tuning, int4(n, k), tuning.gemv(2, n, k, False, 2, 1, group, "int4"), 4 * group)
+    gemv_cfg = tuning.gemv(2, n, k, False, 2, 1, group, "int4")
+    linear.gemv(torch.empty(2, k, dtype=bf16, device=meta), int4(n, k), out, residual=out, config=gemv_cfg,
+                workspace=linear.GemvWorkspace(meta))
+    _group_dots_launch(tuning, int4(n, k), gemv_cfg, 4 * group)
     down = int4(n, k)
     matmul.product(torch.empty(1024, k, dtype=bf16, device=meta), down,
                    matmul.config_for(down, tuning.target.capability))

@@ -165,36 +165,39 @@ def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP
 
 @triton.jit
 def group_dots(w, x, acc, s_ptr, offs_n, n_mask, k0, K, GROUP: tl.constexpr, WSCALE: tl.constexpr):
-    """acc += Σ_g scale_g · (W_g · x_gᵀ) over the 2 or 4 scale groups g of a K tile: converted weights `w` [BN, BK]
-    and activations `x` [BM, BK] cut into groups by reshape, permute and split (Triton has no slicing)."""
-    BN: tl.constexpr = w.shape[0]
-    BM: tl.constexpr = x.shape[0]
+    """acc += Σ_g scale_g · (W_g · x_gᵀ) over the 2 or 4 scale groups g of a K tile, in group order: converted
+    weights `w` [BN, BK] and activations `x` [BM, BK]."""
     NG: tl.constexpr = x.shape[1] // GROUP
     scale = tl.load(s_ptr + offs_n.to(tl.int64)[:, None] * (K // GROUP) + k0 // GROUP + tl.arange(0, NG)[None, :],
                     mask=n_mask[:, None], other=0.0)
     if WSCALE != 1.0:
         scale = scale * WSCALE
     if NG == 2:
-        w0, w1 = tl.split(tl.permute(tl.reshape(w, [BN, 2, GROUP]), (0, 2, 1)))
-        x0, x1 = tl.split(tl.permute(tl.reshape(x, [BM, 2, GROUP]), (0, 2, 1)))
-        s0, s1 = tl.split(scale)
-        acc += tl.dot(w0, tl.trans(x0)) * s0[:, None]
-        acc += tl.dot(w1, tl.trans(x1)) * s1[:, None]
-    else:  # group g = 2a + b: split off a (the outer half), then b
-        wa, wb = tl.split(tl.permute(tl.reshape(w, [BN, 2, 2, GROUP]), (0, 2, 3, 1)))
-        xa, xb = tl.split(tl.permute(tl.reshape(x, [BM, 2, 2, GROUP]), (0, 2, 3, 1)))
-        sa, sb = tl.split(tl.permute(tl.reshape(scale, [BN, 2, 2]), (0, 2, 1)))
-        w0, w1 = tl.split(tl.permute(wa, (0, 2, 1)))
-        w2, w3 = tl.split(tl.permute(wb, (0, 2, 1)))
-        x0, x1 = tl.split(tl.permute(xa, (0, 2, 1)))
-        x2, x3 = tl.split(tl.permute(xb, (0, 2, 1)))
-        s0, s1 = tl.split(sa)
-        s2, s3 = tl.split(sb)
-        acc += tl.dot(w0, tl.trans(x0)) * s0[:, None]
-        acc += tl.dot(w1, tl.trans(x1)) * s1[:, None]
-        acc += tl.dot(w2, tl.trans(x2)) * s2[:, None]
-        acc += tl.dot(w3, tl.trans(x3)) * s3[:, None]
+        acc = _two_groups(w, x, scale, acc, GROUP)
+    else:  # groups 0-1, then 2-3
+        wa, wb = _halves(w, 2 * GROUP)
+        xa, xb = _halves(x, 2 * GROUP)
+        sa, sb = _halves(scale, 2)
+        acc = _two_groups(wa, xa, sa, acc, GROUP)
+        acc = _two_groups(wb, xb, sb, acc, GROUP)
     return acc
+
+
+@triton.jit
+def _two_groups(w, x, scale, acc, GROUP: tl.constexpr):
+    """acc += scale_0 · (W_0 · x_0ᵀ) + scale_1 · (W_1 · x_1ᵀ) over the two scale groups of `w` [BN, 2 * GROUP]."""
+    w0, w1 = _halves(w, GROUP)
+    x0, x1 = _halves(x, GROUP)
+    s0, s1 = tl.split(scale)
+    acc += tl.dot(w0, tl.trans(x0)) * s0[:, None]
+    return acc + tl.dot(w1, tl.trans(x1)) * s1[:, None]
+
+
+@triton.jit
+def _halves(t, WIDTH: tl.constexpr):
+    """`t` [rows, 2 * WIDTH] as its two halves along the columns (Triton has no slicing: reshape, permute, split)."""
+    ROWS: tl.constexpr = t.shape[0]
+    return tl.split(tl.permute(tl.reshape(t, [ROWS, 2, WIDTH]), (0, 2, 1)))
 
 
 @triton.jit
