@@ -1,24 +1,21 @@
-"""The instructions a chained block tail or a GEMV spends per weight, read from its machine code (SASS) on this CPU:
-what a change to the 1-byte and int4 conversions buys before any GPU runs it.
+"""The instructions a GEMV spends per weight, read from its machine code (SASS) on this CPU: what a change to the
+1-byte and int4 conversions buys before any GPU runs it.
 
-The 1-byte and int4 tails are bound by issuing instructions, not by bytes (Nsight Compute: `bench counters`), so
-the count of instructions in each product's k-loop per weight a thread converts is the figure a conversion change
-moves. For each tail of one frame of the engine in a weight precision (`arch_record`: the meta engine, the tuning
-table of a GPU that need not be here), the tail is compiled with Triton for the target and disassembled
-(`cuobjdump -sass`); its k-loops are the backward branches around an MMA (`MMAS`: HGMMA on sm_90, HMMA elsewhere),
-one per product in launch order (o, gate|up, down, the next block's q|k|v). A loop's hot path leaves out the
-stretches a forward branch skips that hold no MMA: the row block's epilogue, run once per row block, not once per
-tile. `compiled_loops` does the same for any recorded launch (a GEMV's, say).
+The quantized GEMVs are bound by issuing instructions, not by bytes (Nsight Compute), so the count of instructions in
+a product's k-loop per weight a thread converts is the figure a conversion change moves. For the GEMVs of one frame
+of the engine in a weight precision as it runs them by default (`arch_record`: the meta engine, the tuning table of
+a GPU that need not be here; quantized stacks one launch per product, their inputs handed over), each variant is
+compiled with Triton for the target and disassembled (`cuobjdump -sass`); its k-loop is the backward branch around an
+MMA (`MMAS`: HGMMA on sm_90, HMMA elsewhere). The loop's hot path leaves out the stretches a forward branch skips
+that hold no MMA (a row block's epilogue, run once per row block, not once per tile).
 
-Per product: the hot path's instructions per tile, per weight a thread (tile rows x columns / threads), its count
-of each opcode (modifiers dropped), and the kernel's registers. A static count is not a time: ptxas's scheduling,
-the pipelines' latencies and the barriers are not in it; the GPU's `tune_tail_grid` and the engine's comparison are.
-
-`gemv_census` (`--gemvs`) does the same for the GEMVs of a frame as the engine runs it by default (quantized stacks
-one launch per product): each variant once, its hot path per tile and per weight a thread.
+Per variant: the hot path's instructions per tile, per weight a thread (tile rows x columns / threads), its count of
+each opcode (modifiers dropped), the kernel's registers and shared memory. A static count is not a time: ptxas's
+scheduling and the pipelines' latencies are not in it; the GPU's sweep (`tune_onebyte`) and the engine's comparison
+are.
 
 Run (TRITON_INTERPRET unset): python -m music3_demo.semantic.arch_census [90] [--precisions int4,int8,fp8,bf16]
-[--gemvs] [--table table.json] [--out census.json]
+[--table table.json] [--out census.json]
 """
 
 from __future__ import annotations
@@ -32,11 +29,8 @@ from pathlib import Path
 
 from .arch_compile import TYPICAL, cuobjdump, registers
 from .arch_record import meta_engine, record_engine, stand_in
-from .kernels.tail_config import PRODUCTS
 from .kernels.tuning import Target, tuning_for_target
 
-# What each product's tile is named by in the tail kernel's constants
-TILE = {"o": ("BN_O", "BK_O"), "gate_up": ("BN_GU", "BK_GU"), "down": ("BN_D", "BK_D"), "qkv": ("BN_Q", "BK_Q")}
 # The MMA opcodes: float (HGMMA: sm_90's wgmma, HMMA: mma.sync), integer (IGMMA, IMMA) and fp8 (QGMMA, QMMA)
 MMAS = ("HGMMA", "HMMA", "IGMMA", "IMMA", "QGMMA", "QMMA")
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*?)\s*;")
@@ -106,44 +100,6 @@ def compiled_loops(launch, capability: int) -> tuple[object, list[dict]]:
     return kernel, mma_loops(instructions(sass(kernel.asm["cubin"])))
 
 
-def tail_census(launch, capability: int) -> dict:
-    """One tail launch compiled for `capability`: per product, its loop's figures (see the module docstring)."""
-    kernel, loops = compiled_loops(launch, capability)
-    constants = launch.constants
-    threads = kernel.metadata.num_warps * 32
-    names = [name for name in PRODUCTS if name != "qkv" or constants.get("HAS_NEXT")]
-    products = {}
-    for name, loop in zip(names, loops):
-        rows, columns = (constants[key] for key in TILE[name])
-        per_thread = rows * columns / threads
-        products[name] = {"tile": [rows, columns], "hot": loop["hot"], "body": loop["body"], "mma": loop["mma"],
-                          "per_weight": round(loop["hot"] / per_thread, 2),
-                          "opcodes": dict(loop["opcodes"].most_common(16))}
-    return {"warps": kernel.metadata.num_warps, "grid": constants.get("GRID"), "registers":
-            registers(kernel.asm["cubin"]), "loops": len(loops), "products": products,
-            "problems": [] if len(loops) == len(names) else [f"{len(loops)} MMA loops for {len(names)} products"]}
-
-
-def census(capability: int, precision: str, table: str | None = None) -> dict:
-    """The tails of one frame of the full-size engine in `precision`, both stacks chained (quantized ones run one
-    launch per product by default), on a typical GPU of `capability`: the LM's tail (with the next block) and the
-    depth decoder's, each the first launched."""
-    name, sms = TYPICAL.get(capability, (f"sm_{capability}", 128))
-    target = Target(name, capability, sms)
-    tuning = tuning_for_target(target, table)
-    engine = meta_engine(tuning, precision, chain=True)
-    hidden = engine.weights.blocks[0].gate_up.shape[0]
-    tails = {}
-    for launch in record_engine(engine, target):
-        constants = launch.constants
-        if launch.name != "_block_tail_kernel" or not constants.get("HAS_NEXT"):
-            continue
-        stack = "lm" if constants["G"] == hidden else "depth"
-        if stack not in tails:
-            tails[stack] = tail_census(launch, capability)
-    return {"capability": capability, "gpu": name, "precision": precision, "table": tuning.source, "tails": tails}
-
-
 # A GEMV's constexprs that name its variant in `gemv_census` (the others: rows, masks, the handed sums' count)
 GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "NORM", "RESIDUAL", "SWIGLU", "COPY", "GAIN", "QUANT", "GROUP", "CONV",
              "DOTS")
@@ -178,8 +134,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precisions", default="int4,int8,fp8,bf16")
     parser.add_argument("--table", help="a tuning table file to take the configs from (default: the packaged one)")
     parser.add_argument("--out", help="write the figures as JSON here too")
-    parser.add_argument("--gemvs", action="store_true", help="the GEMVs launched one at a time (`gemv_census`), not "
-                        "the chained tails")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("arch_census compiles for a GPU: unset TRITON_INTERPRET")
@@ -188,17 +142,11 @@ def main(argv: list[str] | None = None) -> None:
         for precision in (p.strip() for p in args.precisions.split(",") if p.strip()):
             if precision == "fp8" and capability < 89:
                 continue
-            result = (gemv_census if args.gemvs else census)(capability, precision, args.table)
+            result = gemv_census(capability, precision, args.table)
             results.append(result)
-            for gemv in result.get("gemvs", []):
+            for gemv in result["gemvs"]:
                 print(f"sm_{capability} {precision} {gemv['constants']}: {gemv['registers']} registers, "
                       f"{gemv['hot']} a tile, {gemv['per_weight']} a weight a thread", flush=True)
-            for stack, tail in result.get("tails", {}).items():
-                figures = ", ".join(f"{name} {p['per_weight']} ({p['hot']}/tile {p['tile'][0]}x{p['tile'][1]})"
-                                    for name, p in tail["products"].items())
-                print(f"sm_{capability} {precision} {stack}: {tail['registers']} registers, {tail['warps']} warps; "
-                      f"instructions per weight a thread: {figures}" + "".join(f"; {p}" for p in tail["problems"]),
-                      flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 

@@ -76,9 +76,7 @@ def ci_set(launches: list[Launch], capability: int, small: bool = False) -> list
     block, the first sample copies)."""
     chosen, seen = [], set()
     for launch in launches:
-        per_generation = launch.name in FIXED or (launch.name == "_block_tail_kernel"
-                                                  and not launch.constants.get("SYNC"))  # (the balanced int4 ones)
-        if per_generation and GENERATION.get(capability, capability) != capability:
+        if launch.name in FIXED and GENERATION.get(capability, capability) != capability:
             continue
         minor = (SMALL_MINOR if small else MINOR).get(launch.name, set())
         key = (launch.name, json.dumps({k: v for k, v in launch.constants.items() if k not in minor}, sort_keys=True))
@@ -133,8 +131,8 @@ def programs_per_sm(compiled: Compiled, target: Target) -> int:
 
 
 def tail_residency(compiled: Compiled, target: Target) -> list[str]:
-    """A fused tail's grid (its `GRID`: the tuned programs per SM times one per SM) must be resident all at once on
-    the target's SMs for its spin barriers: the problem, if it is not."""
+    """A fused tail's grid (its `GRID`: one program per SM, at most 128) must be resident all at once on the target's
+    SMs for its spin barriers: the problem, if it is not."""
     resident = programs_per_sm(compiled, target) * target.sms
     grid = compiled.constants["GRID"]
     if grid <= resident:

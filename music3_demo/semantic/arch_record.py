@@ -4,10 +4,10 @@ what `arch_compile` compiles and checks, and what `precompile` warms Triton's ca
 No GPU and no weights: the engine is built over the random-full (or tiny) model's modules on the `meta` device and
 runs one frame (sampled and teacher-forced) with Triton's launcher pointed at a stand-in driver for the target; each
 launch is recorded instead of run (Triton's `jit_cache_hook`). The configs are those `kernels/tuning.py` chooses for
-that architecture. With int8 weights, the GEMV and the chained tail on packed int4 weights (the int4 mode's LM) are
-recorded once each too, in the configs the tuning gives them (and that tail with fp16 copies of its activations);
-so are the full-size model's decode attention on an int8 KV cache, each attention kernel once with an fp16 copy of
-its output, and an engine on quantized weights' prefill products (`kernels/matmul.py`).
+that architecture. With int8 weights, the GEMV on packed int4 weights (the int4 mode's LM) is recorded once too, in
+the config the tuning gives it; so are the full-size model's decode attention on an int8 KV cache, each attention
+kernel once with an fp16 copy of its output, and an engine on quantized weights' prefill products
+(`kernels/matmul.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
 from .config import chain_setting, resolve_chain
-from .kernels import linear, matmul, tail, tail_config
+from .kernels import linear, matmul, tail
 from .kernels.qweight import WORD_CANDIDATES, QWeight, byte_order_for
 from .kernels.tuning import Target, Tuning, tuning_for_target
 
@@ -70,7 +70,7 @@ def meta_engine(tuning: Tuning, precision: str = "bf16", model: str = "full", kv
     """The graph engine over the random-full (or tiny) model's language model and depth decoder, on the meta device,
     with its weights in `precision` (bf16, or fp8/int8/int4 in their default schemes; an int4 LM's `first_layers`
     in its depth decoder's 8 bits), its KV cache in `kv_format`, `slots` batch places (None: the engine's default)
-    and the block tails of `chain` chained (None: those a GPU engine chains on these weights,
+    and the block tails of `chain` chained (None: those a GPU engine chains on these weights, the bf16 stacks:
     `config.resolve_chain`)."""
     import copy
     import dataclasses
@@ -149,8 +149,6 @@ def record_launches(target: Target, precisions: tuple[str, ...] = ("bf16",), mod
     for precision in precisions:
         _record(meta_engine(tuning, precision, model), target, launches,
                 routes=precision if precision in ("fp8", "int8") and model == "full" else None, copies=True)
-        if precision != "bf16":  # quantized stacks run unchained by default; their chained tails stay an option
-            _record(meta_engine(tuning, precision, model, chain=True), target, launches)
     if model == "full":  # the int8 KV cache: its decode attention (every other launch is the bf16 engine's)
         _record(meta_engine(tuning, "bf16", model, kv_format="int8"), target, launches)
     return tuning, list(launches.values())
@@ -208,14 +206,11 @@ def _group_dots_launch(tuning: Tuning, weight: QWeight, cfg, block_k: int) -> No
                 workspace=linear.GemvWorkspace(meta))
 
 
-def _int4_launches(tuning: Tuning, weights) -> None:
-    """On packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group), meta tensors: the down product's GEMV and its
-    prefill product, and an LM block's chained tail (`_tail_launch`) in the configs the engine's int4 LM takes
-    (`Tuning.gemv` / `Tuning.tail`), and that tail once more on the fp16 bit route with fp16 copies of its activations
-    and its attention input (`TailConfig.halves`), whichever route and copies the tuning picks today. One launch each
-    instead of recording an int4 engine's frame, which would add the tail without a next block and the first q|k|v
-    and audio-head GEMVs (variants of the same code) for about 2.5x the compile time."""
-    from .kernels.qweight import BITS_F16
+def _int4_launches(tuning: Tuning) -> None:
+    """On packed int4 weights (`quant.DEFAULT_SCHEMES`' int4 group), meta tensors: the down product's GEMV in the
+    config the engine's int4 LM takes (`Tuning.gemv`), once more with an MMA per scale group, and its prefill
+    product. One launch each instead of recording an int4 engine's frame, whose other GEMVs are variants of the same
+    code."""
     from .quant import DEFAULT_SCHEMES
 
     meta, bf16 = torch.device("meta"), torch.bfloat16
@@ -234,47 +229,6 @@ def _int4_launches(tuning: Tuning, weights) -> None:
     down = int4(n, k)
     matmul.product(torch.empty(1024, k, dtype=bf16, device=meta), down,
                    matmul.config_for(down, tuning.target.capability))
-    cfg = _lm_tail_config(tuning, weights, group, "int4")
-    for config in (cfg, replace(tail_config.with_products(cfg, lambda _, c: replace(c, convert=BITS_F16)),
-                                halves=True)):
-        _tail_launch(tuning, weights, int4, config)
-    # balanced products (`TailConfig.balance`): 64-row o and down on 128 programs split K in 2, q|k|v's 96 row
-    # blocks in 4, on any architecture (one launch per product: the split code is the fused launch's, and a grid of
-    # 128 need not be resident at once where the SMs are fewer)
-    wide = tail_config.with_products(cfg, lambda name, c: replace(c, block_n=64) if name in ("o", "down") else c)
-    _tail_launch(tuning, weights, int4, replace(wide, balance=True, per_sm=1), programs=128, fused=False)
-
-
-def _packed_tail_launch(tuning: Tuning, weights) -> None:
-    """On int8 weights (the default scheme's group), meta tensors: an LM block's chained tail with every product on
-    its cheapest fp16 route (`tail_config.fp16_routes`: the 32-row tiles on the packed PTX route) and fp16 copies of
-    its activations, whichever routes the tuning picks today."""
-    from .quant import DEFAULT_SCHEMES
-
-    ordered = byte_order_for(tuning.target.version)
-    cfg = _lm_tail_config(tuning, weights, DEFAULT_SCHEMES["int8"].group, "int8")
-    _tail_launch(tuning, weights, lambda n, k: _one_byte("int8", n, k, ordered),
-                 replace(tail_config.fp16_routes(cfg), halves=True))
-
-
-def _lm_tail_config(tuning: Tuning, weights, group: int, kind: str):
-    block = weights.blocks[0]
-    return tuning.tail(weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0], 1, group, kind)
-
-
-def _tail_launch(tuning: Tuning, weights, weight, config, programs: int | None = None, fused: bool = True) -> None:
-    """An LM block's chained tail with the next block's q|k|v (fused, as on a GPU, or one launch per product) in
-    `config` on a grid of the tuning's programs (or `programs`), on meta weights that `weight(n, k)` makes; its o
-    reads the attention's fp16 copy where the config asks for one."""
-    meta, bf16 = torch.device("meta"), torch.bfloat16
-    block = weights.blocks[0]
-    d, a, g, q = weights.hidden, block.o.shape[1], block.gate_up.shape[0], block.qkv.shape[0]
-    h, xn, ln = torch.empty(2, d, device=meta), torch.empty(2, d, dtype=bf16, device=meta), block.ln2
-    tail.block_tail(torch.empty(2, a, dtype=bf16, device=meta), h, xn, torch.empty(2, g // 2, dtype=bf16, device=meta),
-                    weight(d, a), weight(g, d), weight(d, g // 2), ln, weights.eps,
-                    tail_config.TailScratch(meta, programs or tuning.programs),
-                    next_qkv=(weight(q, d), ln, torch.empty(2, q, dtype=bf16, device=meta)), config=config,
-                    fused=fused, attn16=torch.empty(2, a, dtype=torch.float16, device=meta))
 
 
 def _prefill_launches(weights, capability: int, rows: int = 1024) -> None:
@@ -330,13 +284,12 @@ def _record(engine, target: Target, launches: dict, routes: str | None = None, b
         if routes is not None:
             _route_launches(engine.tuning, routes)
         if routes == "int8":  # (int8 runs on every architecture)
-            _int4_launches(engine.tuning, engine.weights)
-            _packed_tail_launch(engine.tuning, engine.weights)
+            _int4_launches(engine.tuning)
 
 
 def _with_copy(attention):
     """An attention launch of the frame; its first one also once more with an fp16 copy of its output (`out16`, which
-    the chained tail's o product reads with `TailConfig.halves`), whichever the tuning asks for today."""
+    an o product on an fp16 route reads: `GraphConfig.hand_over`), whichever the tuning asks for today."""
     signature, first = inspect.signature(attention), [True]
 
     def launch(*args, **kwargs):

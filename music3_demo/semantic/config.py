@@ -25,13 +25,17 @@ def chain_setting(stacks: frozenset[str]) -> bool | str:
 
 def resolve_chain(chain: bool | str | None, on_gpu: bool, quantized: frozenset[str]) -> frozenset[str]:
     """The stacks an engine chains: `chain`'s, or where it is None, on a GPU (without PDL) the stacks whose weights
-    are bf16 (`quantized`: the others). On 1-byte and int4 weights one launch per product is faster: the chained
-    tails run one or two programs an SM where the separate GEMVs run many (docs/PERFORMANCE.md: on an H100 every
-    quantized format gained 6-16% frames/s unchained, each stack unchained on its own gaining part of it; bf16 lost
-    3%)."""
-    if chain is not None:
-        return chained_stacks(chain)
-    return frozenset(STACKS) - quantized if on_gpu else frozenset()
+    are bf16 (`quantized`: the others). The chained tail takes bf16 weights only: on 1-byte and int4 weights one
+    launch per product is faster, the chained tails running one program an SM where the separate GEMVs run many
+    (docs/PERFORMANCE.md: on an H100 every quantized format gained 6-16% frames/s unchained; bf16 lost 3%). A `chain`
+    that names a quantized stack is refused."""
+    if chain is None:
+        return frozenset(STACKS) - quantized if on_gpu else frozenset()
+    stacks = chained_stacks(chain)
+    if stacks & quantized:
+        raise ValueError(f"the chained block tails take bf16 weights only; {', '.join(sorted(stacks & quantized))} "
+                         "has quantized weights (its products run one launch each)")
+    return stacks
 
 
 def resolve_hand_over(hand_over: bool | None, precision: str, handed_table: bool = False) -> frozenset[str]:
@@ -56,10 +60,9 @@ class GraphConfig:
     # only, kept for the bench's A/B and its no-bit-changes test. Ignored where the device or Triton cannot do it.
     pdl: bool = False
     # Each block's products after attention (and the next block's q|k|v) in one persistent launch with grid barriers
-    # (`kernels/tail.py`), a small gain at every prompt length in bf16 and a loss on quantized weights. None: on a
-    # GPU without PDL, the stacks on bf16 weights (`resolve_chain`); on the CPU interpreter (tests) True runs one launch
-    # per product of the same kernel. "lm" or "depth" chains that stack's blocks only (the other's run one launch
-    # per product).
+    # (`kernels/tail.py`), a small gain at every prompt length in bf16; bf16 weights only. None: on a GPU without PDL,
+    # the stacks on bf16 weights (`resolve_chain`); on the CPU interpreter (tests) True runs one launch per product of
+    # the same kernel. "lm" or "depth" chains that stack's blocks only (the other's run one launch per product).
     chain: bool | str | None = None
     # Where the products run one launch each: each product's input arrives in its MMA dtype from the kernel before,
     # the RMSNorm products' already times the norm's gain with the rows' sums of squares beside it (`NormSums`), so a

@@ -19,7 +19,7 @@ import torch
 from .engine_stream import EngineStream
 from .kernels import block_tail, cfg_sample, decode_attention, depth_attention, frame_tail, gemv, rmsnorm
 from .kernels.qweight import Weight, fp16_input, weight_format
-from .kernels.tail_config import TailConfig, reads_copy
+from .kernels.tail_config import TailConfig
 from .kernels.tuning import Tuning
 from .state import DeviceState, round_up
 from .weights import AUDIO_CODES, Block, EngineWeights
@@ -159,8 +159,8 @@ class FrameGraph:
                            eps=w.eps)
             k_cache, v_cache, k_scale, v_scale = s.layer_caches(index)
             following = self._next("lm", block, w.blocks[index + 1] if index + 1 < len(w.blocks) else None)
-            config, attn16 = self._tail_config("lm", block, following, attn, lm_h, s)
-            attn16 = attn16 if config is not None else self._handed_copy("lm", "attn", attn, block.o, s)
+            config = self._tail_config("lm", block, following, attn, lm_h)
+            attn16 = None if config is not None else self._handed_copy("lm", "attn", attn, block.o, s)
             decode_attention(qkv, block.q_norm, block.k_norm, s.cos, s.sin, k_cache, v_cache, pos, attn,
                              s.attention, scale, w.eps, pdl=self.pdl, base=s.base[:songs], k_scale=k_scale,
                              v_scale=v_scale, out16=attn16)
@@ -192,31 +192,24 @@ class FrameGraph:
             elif index > 0 and "depth" not in self.chain:
                 self._gemv(s, h16, block.qkv, qkv, norm_weight=block.ln1, eps=w.depth_eps, per_song=per_song)
             following = w.depth_blocks[index + 1] if index + 1 < len(w.depth_blocks) else None
-            config, out16 = self._tail_config("depth", block, following, out, h, s)
-            out16 = out16 if config is not None else self._handed_copy("depth", "depth_attn", out, block.o, s, per_song)
+            config = self._tail_config("depth", block, following, out, h)
+            out16 = None if config is not None else self._handed_copy("depth", "depth_attn", out, block.o, s, per_song)
             depth_attention(qkv, out, s.dcache[index, 0, : rows // new], s.dcache[index, 1, : rows // new], base,
                             new, scale, pdl=self.pdl, out16=out16)
             self._block_tail("depth", block, following, out, h, h16, act, qkv, w.depth_eps, s, per_song, config,
                              out16, after=following)
 
     def _next(self, stack: str, block: Block, following: Block | None) -> Block | None:
-        """`following` where `block`'s chained tail also runs its q|k|v: in the same stack, chained, and in the same
-        weight format (one tail launch reads one format: an int4 LM's 8-bit first layers hand over unchained)."""
-        if following is None or stack not in self.chain:
-            return None
-        return following if weight_format(following.qkv) == weight_format(block.o) else None
+        """`following` where `block`'s chained tail also runs its q|k|v: in the same stack, chained."""
+        return following if stack in self.chain else None
 
-    def _tail_config(self, stack: str, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor,
-                     s: DeviceState) -> tuple[TailConfig | None, torch.Tensor | None]:
-        """The chained tail's config for `block` of `stack` (None unchained) and, where its o product reads one
-        (`tail_config.reads_copy`), the fp16 copy of attn that the attention kernel before it writes."""
+    def _tail_config(self, stack: str, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor
+                     ) -> TailConfig | None:
+        """The chained tail's config for `block` of `stack` (None: unchained)."""
         if stack not in self.chain:
-            return None, None
+            return None
         qkv_rows = following.qkv.shape[0] if following is not None else 16
-        config = self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows,
-                                  *weight_format(block.o))
-        copy = s.tail_scratch.half("attn", attn) if reads_copy(config, "o", block.o, attn.dtype) else None
-        return config, copy
+        return self.tuning.tail(h.shape[1], attn.shape[1], block.gate_up.shape[0], qkv_rows)
 
     def _block_tail(
         self, stack: str, block: Block, following: Block | None, attn: torch.Tensor, h: torch.Tensor, h16: torch.Tensor,
@@ -232,7 +225,7 @@ class FrameGraph:
         if config is not None:
             next_qkv = None if following is None else (following.qkv, following.ln1, qkv)
             block_tail(attn, h, h16, act, block.o, block.gate_up, block.down, block.ln2, eps,
-                       s.tail_scratch, next_qkv=next_qkv, config=config, attn16=attn16)
+                       s.tail_scratch, next_qkv=next_qkv, config=config)
             return
         if stack not in self.hand_over:
             self._gemv(s, attn, block.o, h, residual=h, out_copy=h16, per_song=per_song)

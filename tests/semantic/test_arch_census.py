@@ -1,7 +1,6 @@
-"""The static instruction census of the chained tails (semantic/arch_census.py): its reading of a SASS listing (the
-k-loops around an MMA, their hot paths without the row block's epilogue), and on the int4 LM tail compiled for sm_90
-on this CPU, the conversion's figures: packed int4 in MMA order takes its nibble pairs out as the MMA's registers,
-so a k-loop has no byte permute left once its activations arrive in fp16 (`TailConfig.halves`)."""
+"""The static instruction census of the GEMVs (semantic/arch_census.py): its reading of a SASS listing (the k-loops
+around an MMA, their hot paths without the row block's epilogue), and on the int4 GEMVs compiled for sm_90 on this
+CPU, the conversion's figures; and the quantized GEMVs of every other GPU's table compiled for its architecture."""
 
 from __future__ import annotations
 
@@ -62,7 +61,7 @@ def test_the_int4_gemvs_conversion_on_sm90_shifts_once_a_word_and_takes_no_byte_
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     out = tmp_path / "census.json"
     run = subprocess.run([sys.executable, "-m", "music3_demo.semantic.arch_census", "90", "--precisions", "int4",
-                          "--gemvs", "--out", str(out)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          "--out", str(out)], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     int4 = [g for g in json.loads(out.read_text())[0]["gemvs"] if g["constants"]["QUANT"] == 3]
@@ -101,7 +100,7 @@ def test_the_other_gpus_tables_have_their_quantized_gemvs_compiled_for_their_arc
         cap = json.loads(path.read_text())["capability"]
         out = tmp_path / f"{path.stem}.json"
         run = subprocess.run([sys.executable, "-m", "music3_demo.semantic.arch_census", str(cap), "--precisions",
-                              "int4,int8,fp8", "--gemvs", "--table", str(path), "--out", str(out)], env=env, cwd=ROOT,
+                              "int4,int8,fp8", "--table", str(path), "--out", str(out)], env=env, cwd=ROOT,
                              capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stderr[-3000:]
         compiled = set()

@@ -1,9 +1,9 @@
 """Every Triton kernel the graph engine launches for the full-size model (bf16 weights, and the 1-byte int8/fp8
 weights of semantic/quant.py where the architecture runs them) compiles for sm_80, 86, 89, 90, 100 and 120 with the
 configs kernels/tuning.py chooses there, fits that architecture's shared memory per block, and the chained
-tail's spin-barrier grid is resident all at once (semantic/arch_compile.py does the compiling, in two processes);
-so do the GEMV and the chained tail on packed int4 weights, in the configs the int4 LM takes (~8 CPU s per
-architecture), decode attention on an int8 KV cache, and the prefill's products on every quantized format.
+tail's spin-barrier grid (bf16 weights only) is resident all at once (semantic/arch_compile.py does the compiling,
+in two processes); so do the GEMV on packed int4 weights, in the config the int4 LM takes, decode attention on an
+int8 KV cache, and the prefill's products on every quantized format.
 The tiny model's kernels (small shapes: their own tiles) compile too, for sm_90 in every weight format."""
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def test_every_engine_kernel_compiles_and_fits_every_architecture(reports):
         assert report["precisions"] == (["bf16", "int8", "fp8"] if report["capability"] >= 89 else ["bf16", "int8"])
         bf16 = {k["kernel"] for k in report["kernels"] if not k["constants"].get("QUANT")}
         assert {"_gemv_kernel", "_block_tail_kernel"} <= bf16
+        # the chained tail takes bf16 weights only (quantized products run one launch each)
+        assert all(k["w_bytes"] == 2 for k in report["kernels"] if k["kernel"] == "_block_tail_kernel")
         attention = [k for k in report["kernels"] if k["kernel"] == "_decode_attn_kernel"]
         if report["capability"] in (80, 90, 100, 120):  # (one architecture per generation: arch_compile.FIXED)
             assert {k["constants"]["INT8"] for k in attention} == {False, True}  # the bf16 and the int8 KV cache
@@ -74,42 +76,27 @@ def test_every_engine_kernel_compiles_and_fits_every_architecture(reports):
 
 def test_every_one_byte_weight_kernel_compiles_and_fits_every_architecture(reports):
     """The engine on fp8/int8 weights (semantic/quant.py's default schemes): int8 on every architecture, fp8 from
-    sm_89 on, each with every conversion route of kernels/qweight.py; and the GEMV and the chained tail (fused, with
-    the next block's q|k|v) on packed int4 (QUANT 3), the tail also with fp16 copies of its activations, as
-    the int8 tail on its cheapest fp16 routes (the packed PTX route on its 32-row tiles), and the int4 tail's products
-    balanced (K split in parts: `TailConfig.balance`); on sm_90 the 1-byte GEMV's routes also on words in byte MMA
-    order (no GPU takes it by default; a sweep on sm_90 may); and the GEMV with an MMA per scale group on int8 and
-    int4 (`GemvConfig.group_dots`: no table takes it yet, a sweep may)."""
+    sm_89 on, each with every conversion route of kernels/qweight.py; and the GEMV on packed int4 (QUANT 3); on sm_90
+    the 1-byte GEMV's routes also on words in byte MMA order (no GPU takes it by default; a sweep on sm_90 may); and
+    the GEMV with an MMA per scale group on int8 and int4 (`GemvConfig.group_dots`: no table takes it yet, a sweep
+    may)."""
     for report in _full(reports):
         cap = report["capability"]
-        quant = {k["constants"]["QUANT"] for k in report["kernels"] if k["kernel"] in ("_gemv_kernel",
-                                                                                       "_block_tail_kernel")}
+        gemvs = [k for k in report["kernels"] if k["kernel"] == "_gemv_kernel"]
+        quant = {k["constants"]["QUANT"] for k in gemvs}
         assert quant == ({0, 1, 2, 3} if cap >= 89 else {0, 2, 3}), (cap, quant)
-        tails = [k for k in report["kernels"] if k["kernel"] == "_block_tail_kernel"]
-        assert {k["constants"]["QUANT"] for k in tails} == quant, (cap, tails)
-        assert all((k["w_bytes"] == 1) == bool(k["constants"]["QUANT"]) for k in tails)
+        assert all((k["w_bytes"] == 1) == bool(k["constants"]["QUANT"]) for k in gemvs)
         # weights a stored element holds: packed int4 8; 1-byte values 1, and on sm_90 also 4 (32-bit words in byte
         # MMA order: `qweight.WORD_CANDIDATES`)
         packs = {(k["constants"]["QUANT"], k["constants"]["PACK"]) for k in report["kernels"]
-                 if k["kernel"] in ("_gemv_kernel", "_block_tail_kernel", "_matmul_kernel") and k["constants"]["QUANT"]}
+                 if k["kernel"] in ("_gemv_kernel", "_matmul_kernel") and k["constants"]["QUANT"]}
         assert {pack for quant, pack in packs if quant == 3} == {8}, (cap, packs)
         assert {pack for quant, pack in packs if quant != 3} == ({1, 4} if cap == 90 else {1}), (cap, packs)
-        assert any(k["constants"]["QUANT"] == 3 and k["constants"]["HAS_NEXT"] for k in tails)
-        # the fp16 copies of the activations (`TailConfig.halves`), for each product that reads them
-        assert any(k["constants"]["QUANT"] == 3 and all(k["constants"][f"HALF_{p}"] for p in ("O", "GU", "D", "Q"))
-                   for k in tails), cap
-        # balanced products (`TailConfig.balance`): o and down's K split in 2, one launch per product (the CI set:
-        # one architecture per generation, as arch_compile.FIXED)
-        split = {(p, k["constants"][f"SP_{p}"]) for k in tails for p in ("O", "D")
-                 if k["constants"]["QUANT"] == 3 and k["constants"][f"RUN_{p}"] and not k["constants"]["SYNC"]}
-        assert ({("O", 2), ("D", 2)} <= split) == (cap in (80, 90, 100, 120)), (cap, split)
         # every conversion route of 1-byte tiles (kernels/qweight.CONVERSIONS), the native fp16 one with fp8 only,
-        # the packed PTX one with int8 only, also in an int8 tail with fp16 copies (`tail_config.fp16_routes`)
+        # the packed PTX one with int8 only
         routes = {k["constants"]["CONV"] for k in report["kernels"] if k["constants"].get("QUANT")
                   and "CONV" in k["constants"]}
         assert routes == ({0, 1, 2, 3, 4} if cap >= 89 else {0, 1, 2, 4}), (cap, routes)
-        assert any(k["constants"]["QUANT"] == 2 and {k["constants"]["CV_O"], k["constants"]["CV_D"]} == {4}
-                   and k["constants"]["HALF_O"] for k in tails), cap
         # an MMA per scale group (`GemvConfig.group_dots`): int8/g128 over 2 groups, int4/g64 over 4
         dots = {(k["constants"]["QUANT"], k["constants"]["BLOCK_K"] // k["constants"]["GROUP"])
                 for k in report["kernels"] if k["kernel"] == "_gemv_kernel" and k["constants"].get("DOTS")}
@@ -129,7 +116,8 @@ def test_the_tiny_model_compiles_on_sm90_in_every_weight_format(reports):
     names = {k["kernel"] for k in tiny["kernels"]}
     assert names == {"_gemv_kernel", "_block_tail_kernel", "_decode_attn_kernel", "_depth_attn_kernel",
                      "_cfg_sample_kernel", "_rmsnorm_kernel", "_frame_tail_kernel", "_matmul_kernel"}
-    assert {k["constants"]["QUANT"] for k in tiny["kernels"] if k["kernel"] == "_block_tail_kernel"} == {0, 1, 2}
+    assert {k["w_bytes"] for k in tiny["kernels"] if k["kernel"] == "_block_tail_kernel"} == {2}
+    assert {k["constants"]["QUANT"] for k in tiny["kernels"] if k["kernel"] == "_gemv_kernel"} == {0, 1, 2}
     attentions = [k for k in tiny["kernels"] if k["kernel"] == "_decode_attn_kernel"]  # (and with an fp16 copy)
     assert [k["constants"]["HALF"] for k in attentions] == [False, True]
     assert all((k["constants"]["D"], k["constants"]["DP"]) == (8, 16) for k in attentions)
@@ -149,9 +137,7 @@ def _check(reports: list[dict]) -> None:
         names = {k["kernel"] for k in report["kernels"]}
         assert {"_gemv_kernel", "_block_tail_kernel"} <= names
         tails = [k for k in report["kernels"] if k["kernel"] == "_block_tail_kernel"]
-        # fused, as on a GPU (but the balanced int4 tail's launches, one per product: `arch_record._int4_launches`)
-        assert tails and all(k["constants"]["SYNC"] or max(k["constants"][f"SP_{p}"] for p in ("O", "GU", "D", "Q")) > 1
-                             for k in tails)
+        assert tails and all(k["constants"]["SYNC"] for k in tails)  # fused, as on a GPU
         assert report["tail_programs"] == min(128, report["sms"])
         for kernel in report["kernels"]:
             assert kernel["shared"] <= report["shared_per_block"], (cap, kernel)
@@ -164,23 +150,23 @@ def _check(reports: list[dict]) -> None:
             if kernel["kernel"] == "_block_tail_kernel":
                 products = [GemvConfig(c[f"BN_{p}"], c[f"BK_{p}"], 4, c[f"ST_{p}"]) for p in ("O", "GU", "D", "Q")]
                 assert all(not c[f"TMA_{p}"] or cap >= 90 for p in ("O", "GU", "D", "Q"))
-                assert kernel["shared"] <= max(shared_bytes(p, 2, kernel["w_bytes"]) for p in products), (cap, kernel)
+                assert kernel["shared"] <= max(shared_bytes(p) for p in products), (cap, kernel)
     by_cap = {r["capability"]: r for r in reports}
     assert "nvidia-h200.sm90.json" in by_cap[90]["table"]
     assert all(by_cap[cap]["table"] == "heuristic" for cap in (80, 86, 89, 100, 120))
 
 
-def test_a_tails_grid_must_be_resident_whole_with_its_programs_per_sm():
-    """A tuned tail of 2 or 3 programs per SM (`TailConfig.per_sm`) is a grid of that many times the SMs' programs:
-    the check counts what one SM holds of the compiled kernel (shared memory, registers, threads) against it. The
-    int4 LM tail as compiled for sm_90 (168 registers, 60 KB) holds 3 a SM: 396 on 132 SMs, not 512."""
+def test_a_tails_grid_must_be_resident_whole():
+    """A fused tail's grid (one program per SM, up to 128) must be resident all at once: the check counts what one SM
+    holds of the compiled kernel (shared memory, registers, threads) against it. A tail of 168 registers and 60 KB
+    holds 3 a SM: 396 on 132 SMs, not 512."""
     from music3_demo.semantic.arch_compile import Compiled, tail_residency
     from music3_demo.semantic.kernels.tuning import Target
 
     h200 = Target("NVIDIA H200", 90, 132)
 
     def tail(grid: int) -> Compiled:
-        return Compiled("_block_tail_kernel", {"GRID": grid, "SYNC": True}, 4, 4, 60440, 168, 1.0, 2, 1)
+        return Compiled("_block_tail_kernel", {"GRID": grid, "SYNC": True}, 4, 4, 60440, 168, 1.0, 2, 2)
 
     assert tail_residency(tail(128), h200) == tail_residency(tail(384), h200) == []
     assert tail_residency(tail(512), h200) == ["the chained tail's 512 programs exceed the 396 resident on 132 SMs"]

@@ -107,16 +107,23 @@ def test_graph_config_refuses_an_unknown_stack_to_chain_and_chained_tails_with_p
 def test_a_gpu_engine_chains_the_block_tails_of_bf16_stacks_only(precision, chained):
     """Where `GraphConfig.chain` is None a GPU engine chains the stacks on bf16 weights and runs quantized ones one
     launch per product (measured faster); the meta engine that precompile and the compile test record is that
-    engine, and asked for, the chained tails stay on quantized weights."""
+    engine. The chained tail takes bf16 weights only: asked to chain a quantized stack, the engine refuses."""
     from music3_demo.semantic.arch_record import meta_engine
     from music3_demo.semantic.kernels.tuning import Target, tuning_for_target
 
     tuning = tuning_for_target(Target("NVIDIA H200", 90, 132))
     assert meta_engine(tuning, precision, "tiny").chain == chained
-    assert meta_engine(tuning, precision, "tiny", chain=True).chain == {"lm", "depth"}
+    if precision == "bf16":
+        assert meta_engine(tuning, precision, "tiny", chain=True).chain == {"lm", "depth"}
+    else:
+        with pytest.raises(ValueError, match="bf16 weights only"):
+            meta_engine(tuning, precision, "tiny", chain=True)
     from music3_demo.semantic.config import resolve_chain
 
     assert resolve_chain(None, True, frozenset({"lm"})) == {"depth"}  # (an int4 LM beside a bf16 depth decoder)
+    assert resolve_chain("depth", True, frozenset({"lm"})) == {"depth"}
+    with pytest.raises(ValueError, match="lm has quantized weights"):
+        resolve_chain("lm", False, frozenset({"lm"}))
     assert resolve_chain(None, False, frozenset()) == frozenset()  # (the interpreter: one launch per product)
 
 

@@ -134,7 +134,7 @@ def test_depth_attention_equals_causal_attention_over_the_whole_prefix(dtype, di
 
 
 def test_both_attentions_also_write_a_saturated_fp16_copy_of_their_output_when_asked():
-    """`out16` (the chained tail's o product reads it on an fp16 route: `TailConfig.halves`): the output once more,
+    """`out16` (an o product on an fp16 route reads it: `GraphConfig.hand_over`): the output once more,
     as fp16 saturated at 65504 (`operands.activation_tile`), the output itself unchanged; a copy laid out otherwise is
     refused."""
     batch, heads, kv_heads, dim, pos = 2, 4, 2, 16, 5

@@ -115,21 +115,12 @@ def _replays_reproduce(run, outputs: tuple, expected: list, replays: int) -> Non
 
 @pytest.mark.parametrize("shape", [(4096, 24576, 6144), (4096, 12288, 12288)], ids=["lm", "depth"])
 @pytest.mark.parametrize("rows", [2, 4])
-@pytest.mark.parametrize("grids", [(1,), (2,), (1, 2, 3)], ids=["one_per_sm", "two_per_sm", "mixed"])
-@pytest.mark.parametrize("balance", [False, True], ids=["", "balanced"])
-def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays(shape, rows, grids, balance):
+def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_replays(shape, rows):
     """The grid barriers are the only difference between one persistent launch and one launch per product: any
     missing ordering (a program reading a row another has not written, a stale L1 line) changes bits. Three blocks
-    in a row share the scratch, replayed 20 times, with 1, 2 or 3 programs per SM (`TailConfig.per_sm`; "mixed":
-    one block each, every grid size on its own barrier count). Balanced (`TailConfig.balance`): the products whose
-    row blocks do not divide over the grid split K (q|k|v's 96 blocks at 1 per SM, every product at 2), the last
-    part of a row block to finish adding the partials: as many bits whoever finishes last, counters back at zero."""
-    from dataclasses import replace
-
+    in a row share the scratch, replayed 20 times."""
     from music3_demo.semantic.kernels.tail import block_tail
-    from music3_demo.semantic.kernels.tail_config import (
-        TailScratch, balanced_splits, default_tail_config, fp16_routes, with_products,
-    )
+    from music3_demo.semantic.kernels.tail_config import TailScratch, default_tail_config
 
     hidden, gate_up_rows, qkv_rows = shape
     generator = torch.Generator(DEVICE).manual_seed(rows + qkv_rows)
@@ -146,14 +137,11 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     act = torch.empty(rows, gate_up_rows // 2, device=DEVICE, dtype=torch.bfloat16)
     qkv = torch.empty(rows, qkv_rows, device=DEVICE, dtype=torch.bfloat16)
     scratch = TailScratch(DEVICE)
-    base = replace(default_tail_config(hidden, hidden, gate_up_rows, qkv_rows, torch.device(DEVICE)), balance=balance)
-    small = with_products(base, lambda _, c: replace(c, block_k=128, num_stages=2))  # 3 fit on an SM
-    per_block = [grids[i % len(grids)] for i in range(len(blocks))]
+    config = default_tail_config(hidden, hidden, gate_up_rows, qkv_rows, torch.device(DEVICE))
 
     def run(fused: bool) -> None:
         h.copy_(start)
-        for (o, gate_up, down, next_qkv, ln1, ln2), per_sm in zip(blocks, per_block):
-            config = base if per_sm == 1 else replace(small, per_sm=per_sm)
+        for o, gate_up, down, next_qkv, ln1, ln2 in blocks:
             block_tail(attn, h, xn, act, o, gate_up, down, ln2, 1e-6, scratch, next_qkv=(next_qkv, ln1, qkv),
                        config=config, fused=fused)
 
@@ -166,107 +154,6 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     assert ((qkv.float() - reference).norm() / reference.norm()).item() < 1e-2
     run(fused=True)  # compiles outside the capture
     _replays_reproduce(lambda: run(fused=True), (h, xn, act, qkv), expected, 20)
-    for per_sm in (1, 2, 3):  # three barriers per launch, nobody lost
-        launches = 21 * per_block.count(per_sm)
-        assert scratch.count(per_sm).item() == launches * 3 * per_sm * scratch.programs
-    configs = [(base if per_sm == 1 else replace(small, per_sm=per_sm)) for per_sm in per_block]
-    split = any(balanced_splits(c, scratch.grid(c.per_sm), hidden, hidden, gate_up_rows, qkv_rows) != (1, 1, 1, 1)
-                for c in configs)
-    assert not scratch.split_counts.any() and bool(scratch._splits) == split
+    assert scratch.count().item() == 21 * len(blocks) * 3 * scratch.programs  # three barriers per launch, none lost
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp8", "int8"])
-@pytest.mark.parametrize("per_sm", [1, 2], ids=["one_per_sm", "two_per_sm"])
-def test_fp16_copies_of_a_quantized_tails_activations_change_no_bit(fmt, per_sm):
-    """`TailConfig.halves` on an LM block (int4/g64 on the fp16 bit route, fp8 per channel on the native fp16 one,
-    int8/g128 on its cheapest fp16 routes: `tail_config.fp16_routes`, o and down on the packed PTX route):
-    the fused launch reading fp16 copies of its activations (o: of its attention input) equals the fused launch
-    converting every tile and one launch per product, bit for bit, across graph replays. The copies are written by
-    other programs between grid barriers, as the bf16 activations are (`.cg` reads)."""
-    from dataclasses import replace
-
-    from music3_demo.semantic.kernels.qweight import BITS_F16, NATIVE_F16
-    from music3_demo.semantic.kernels.tail import block_tail
-    from music3_demo.semantic.kernels.tail_config import TailScratch, default_tail_config, fp16_routes, with_products
-    from music3_demo.semantic.quant import fp8_supported, quantize_weight
-
-    if fmt == "fp8" and not fp8_supported(DEVICE):
-        pytest.skip("fp8 needs sm_89 or newer")
-    hidden, gate_up_rows, qkv_rows, rows = 4096, 24576, 6144, 2
-    generator = torch.Generator(DEVICE).manual_seed(per_sm)
-
-    def weight(n: int, k: int):
-        w = (torch.randn(n, k, device=DEVICE, generator=generator) * k**-0.5).bfloat16()
-        return quantize_weight(w, fmt, {"int4": 64, "int8": 128}.get(fmt, 0))
-
-    o, gate_up, down, next_qkv = (weight(hidden, hidden), weight(gate_up_rows, hidden),
-                                  weight(hidden, gate_up_rows // 2), weight(qkv_rows, hidden))
-    ln1, ln2 = ((torch.rand(hidden, device=DEVICE, generator=generator) + 0.5).bfloat16() for _ in range(2))
-    start = torch.randn(rows, hidden, device=DEVICE, generator=generator)
-    attn = torch.randn(rows, hidden, device=DEVICE, generator=generator).bfloat16()
-    attn16 = attn.float().clamp(-65504, 65504).half()  # as the attention kernel writes it (`out16`)
-    h, xn = torch.empty_like(start), torch.empty(rows, hidden, device=DEVICE, dtype=torch.bfloat16)
-    act = torch.empty(rows, gate_up_rows // 2, device=DEVICE, dtype=torch.bfloat16)
-    qkv = torch.empty(rows, qkv_rows, device=DEVICE, dtype=torch.bfloat16)
-    scratch = TailScratch(DEVICE)
-    route = BITS_F16 if fmt == "int4" else NATIVE_F16
-    base = with_products(default_tail_config(hidden, hidden, gate_up_rows, qkv_rows, DEVICE),
-                         lambda _, c: replace(c, convert=route, block_k=128, num_stages=4))
-    # (int8 at 2 per SM with 2 warps a program, which the grid sweep times: another layout of every product)
-    base = replace(fp16_routes(base) if fmt == "int8" else base, per_sm=per_sm,
-                   num_warps=2 if fmt == "int8" and per_sm == 2 else 4)
-
-    def run(fused: bool, halves: bool) -> list[torch.Tensor]:
-        h.copy_(start)
-        block_tail(attn, h, xn, act, o, gate_up, down, ln2, 1e-6, scratch, next_qkv=(next_qkv, ln1, qkv),
-                   config=replace(base, halves=halves), fused=fused, attn16=attn16 if halves else None)
-        return [t.clone() for t in (h, xn, act, qkv)]
-
-    expected = run(fused=True, halves=False)
-    assert all(torch.equal(t, e) for t, e in zip(run(fused=False, halves=True), expected))
-    run(fused=True, halves=True)  # compiles outside the capture
-    _replays_reproduce(lambda: run(fused=True, halves=True), (h, xn, act, qkv), expected, 10)
-    assert scratch._halves  # the copies were made and read
-
-
-@pytest.mark.parametrize("fmt", ["int4", "fp8", "int8", "bf16"])
-@pytest.mark.parametrize("family", ["lm", "depth"])
-def test_balanced_tuned_tails_equal_their_products_one_by_one_and_the_unbalanced_tail(fmt, family):
-    """This GPU's tuned tail of each format with `TailConfig.balance` (the int4 LM's 64-row o and down on all
-    programs, the int8 depth tail at 2 per SM splitting every product): the fused launch equals one launch per
-    product bit for bit across graph replays, and the unbalanced tail to the partials' order of addition (which moves
-    bf16 outputs by some roundings: 1.8e-3 of the int4 LM tail's)."""
-    from dataclasses import replace
-
-    from music3_demo.semantic.kernels.tail_config import balanced_splits
-    from music3_demo.semantic.kernels.tune_onebyte import FAMILIES, tail_family
-    from music3_demo.semantic.kernels.tune_tail_grid import format_of
-    from music3_demo.semantic.kernels.tuning import tuning_for
-    from music3_demo.semantic.quant import fp8_supported
-
-    if fmt == "fp8" and not fp8_supported(DEVICE):
-        pytest.skip("fp8 needs sm_89 or newer")
-    if fmt == "int4" and family == "depth":
-        pytest.skip("an int4 LM keeps its depth decoder at int8")
-    name = {"int4": "int4/g64", "fp8": "fp8/channel", "int8": "int8/g128"}.get(fmt, fmt)
-    tuned = replace(tuning_for(DEVICE).tail(*FAMILIES[family][:4], *format_of(name)), balance=False)
-    balanced = replace(tuned, balance=True)
-    case = tail_family(name, family, layers=1)
-    assert case["error"](balanced) < 2e-2
-    d, a, g, q = case["shape"]
-    if balanced_splits(balanced, tuned.per_sm * min(128, torch.cuda.get_device_properties(DEVICE).multi_processor_count),
-                       d, a, g, q) == (1, 1, 1, 1):
-        pytest.skip("this GPU's tuned tail divides evenly already")
-    outputs = case["outputs"]
-
-    def run(cfg, fused: bool) -> list[torch.Tensor]:
-        case["reset"]()
-        case["launch"](cfg, 0, fused=fused)
-        return [t.clone() for t in outputs]
-
-    unbalanced, expected = run(tuned, True), run(balanced, False)
-    for got, want in zip(run(balanced, True), expected):
-        assert torch.equal(got, want)
-    for got, want in zip(expected, unbalanced):  # (bf16 outputs: the partials' order flips some roundings, 1.8e-3)
-        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
-    _replays_reproduce(lambda: run(balanced, True), tuple(outputs), expected, 10)

@@ -1,5 +1,5 @@
 """1-byte and packed int4 weights (`semantic/quant.py`, `kernels/qweight.py`) under Triton's interpreter: the GEMV
-and chained-tail kernels against float32 products on the same dequantized weights, the modules swapped by
+kernel against float32 products on the same dequantized weights, the modules swapped by
 `quantize_model_` (the reference computes with exactly the dequantized weights), the graph engine teacher-forced
 against that reference on the tiny model, and the tuning heuristic's 1-byte configs."""
 
@@ -17,8 +17,7 @@ import torch.nn.functional as F
 
 from dataclasses import replace
 
-from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, TailScratch, block_tail, gemv
-from music3_demo.semantic.kernels.tail_config import TailConfig, default_tail_config, with_products
+from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, gemv
 from music3_demo.semantic.kernels.operands import convert_tile
 from music3_demo.semantic.kernels.qweight import (
     BITS_BF16, BITS_F16, CAST, NATIVE_F16, PACKED_F16, QWeight, byte_permute, int4_mma_order, int4_permute,
@@ -41,19 +40,6 @@ def _outlier_weight(n: int, k: int, seed: int) -> torch.Tensor:
 
 def _err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return relative_error(actual.reshape(1, -1), expected.reshape(1, -1)).item()
-
-
-def _tail_in_float32(weights: list, attn, start, ln1, ln2) -> tuple[torch.Tensor, ...]:
-    """A block's chained tail in float32 on the dequantized weights: h, act and the next block's q|k|v."""
-    def norm(v: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
-        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.float()
-
-    wo, wgu, wd, wq = (w.dequantize(torch.float32) for w in weights)
-    h = start + attn.float() @ wo.T
-    gate, up = (norm(h, ln2) @ wgu.T).unflatten(-1, (-1, 2)).unbind(-1)
-    act = F.silu(gate) * up
-    h = h + act @ wd.T
-    return h, act, norm(h, ln1) @ wq.T
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
@@ -115,7 +101,7 @@ def test_one_byte_gemv_with_unit_scales_equals_the_fp16_gemv_on_the_same_values_
                          ids=["int4/g16", "int8/g16", "fp8/g32"])
 def test_tiles_spanning_several_scale_groups_are_as_close_to_float32_as_tiles_within_one(scheme):
     """K tiles of 64 or 128 columns over scales per 16 or 32 (fp16 routes: the weights scaled before the MMA) in the
-    GEMV (plain, split-K, SwiGLU) and the chained tail: within 2x the error of the fp16-weight kernel against float32
+    GEMV (plain, split-K, SwiGLU): within 2x the error of the fp16-weight kernel against float32
     on the same dequantized weights. On a bf16 route such a tile is cut to one group (`fit_group`), and the tuning
     takes no table entry that would need it."""
     from music3_demo.semantic.kernels.linear import fit_group
@@ -140,26 +126,6 @@ def test_tiles_spanning_several_scale_groups_are_as_close_to_float32_as_tiles_wi
     h200 = Tuning(Target("NVIDIA H200", 90, 132, 227 * 1024))
     assert h200.valid(GemvConfig(16, 128, convert=route), 2, 1, scheme.group, scheme.fmt)
     assert not h200.valid(GemvConfig(16, 128), 2, 1, scheme.group, scheme.fmt)
-    # the chained tail: its four products on tiles of 64 columns over the groups
-    d, a, i, nq = 64, 64, 64, 64
-    weights = [quantize_weight(_outlier_weight(*shape, seed=seed).half(), scheme.fmt, scheme.group)
-               for seed, shape in enumerate([(d, a), (2 * i, d), (d, i), (nq, d)])]
-    ln1, ln2 = (rand(d, dtype=torch.float16, seed=seed, scale=0.1) + 1 for seed in (5, 6))
-    attn, start = rand(2, a, dtype=torch.float16, seed=7), rand(2, d, seed=8)
-    wide = GemvConfig(16, 64, convert=route)
-    tail_cfg = TailConfig(wide, replace(wide, block_n=32), wide, wide, num_warps=4)
-
-    def run(ws: list, cfg) -> tuple[torch.Tensor, ...]:
-        h, act, out = start.clone(), torch.zeros(2, i, dtype=torch.float16), torch.zeros(2, nq, dtype=torch.float16)
-        block_tail(attn, h, start.half(), act, *ws[:3], ln2, 1e-6, TailScratch("cpu", 3),
-                   next_qkv=(ws[3], ln1, out), config=cfg)
-        return h, act, out
-
-    want = _tail_in_float32(weights, attn, start, ln1, ln2)
-    within = TailConfig(*(replace(wide, block_k=scheme.group) for _ in range(2)), replace(wide, block_k=scheme.group),
-                        replace(wide, block_k=scheme.group), num_warps=4)
-    for ours, bar, expected in zip(run(weights, tail_cfg), run(weights, within), want):
-        assert _err(ours, expected) <= 2 * _err(bar, expected) + 1e-6, (_err(ours, expected), _err(bar, expected))
 
 
 @pytest.mark.parametrize("scheme", [Scheme("int4", 64), Scheme("int4", 16), Scheme("int8", 32), Scheme("fp8", 32)],
@@ -196,66 +162,33 @@ def test_an_mma_per_scale_group_is_as_close_to_float32_as_the_weights_scaled_bef
 
 
 @pytest.mark.parametrize("scheme", [Scheme("fp8", 0), Scheme("int8", 16)], ids=["fp8/channel", "int8/g16"])
-def test_block_tail_on_one_byte_weights_runs_the_products_as_the_gemvs_do(scheme):
-    """The chained tail's products (one launch each under the interpreter) with 1-byte weights against the same
-    products through `gemv`; a tail mixing formats is refused."""
-    d, a, i, q = 64, 48, 96, 80
-    shapes = [(d, a), (2 * i, d), (d, i), (q, d)]
-    dense = [_outlier_weight(*shape, seed=seed).half() for seed, shape in enumerate(shapes)]
-    weights = [quantize_weight(w, scheme.fmt, scheme.group) for w in dense]
-    ln1, ln2 = (rand(d, dtype=torch.float16, seed=seed, scale=0.1) + 1 for seed in (5, 6))
-    attn, start = rand(2, a, dtype=torch.float16, seed=7), rand(2, d, seed=8)
-    outputs = []
-    for chained in (False, True):
-        h, h16 = start.clone(), start.half()
-        act, qkv = torch.zeros(2, i, dtype=torch.float16), torch.zeros(2, q, dtype=torch.float16)
-        if chained:
-            block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, TailScratch("cpu", 3),
-                       next_qkv=(weights[3], ln1, qkv))
-        else:
-            gemv(attn, weights[0], h, residual=h, out_copy=h16)
-            gemv(h16, weights[1], act, norm_weight=ln2, swiglu=True)
-            gemv(act, weights[2], h, residual=h, out_copy=h16)
-            gemv(h16, weights[3], qkv, norm_weight=ln1)
-        outputs.append((h, act, qkv))
-    for chained, separate in zip(outputs[1], outputs[0]):
-        assert _err(chained, separate) < 2e-3
-    with pytest.raises(ValueError, match="one format"):
-        block_tail(attn, start.clone(), start.half(), act, weights[0], dense[1], *weights[2:3], ln2, 1e-6,
-                   TailScratch("cpu", 3))
-
-
-@pytest.mark.parametrize("scheme", [Scheme("fp8", 0), Scheme("int8", 16)], ids=["fp8/channel", "int8/g16"])
-def test_byte_mma_order_changes_no_bit_of_the_tail_or_the_reference(scheme):
+def test_byte_mma_order_changes_no_bit_of_the_gemv_or_the_reference(scheme):
     """The same weights quantized in byte MMA order (`ordered=True`, the bench's "-words"; no GPU takes it by default:
-    `qweight.byte_order_for`) and in column order: the same values and dequantized weight, and the chained tail (its
-    products read 32-bit words, a word's four bytes at a time) gives the same bits on every route the format takes."""
+    `qweight.byte_order_for`) and in column order: the same values and dequantized weight, and the GEMV (reading 32-bit
+    words, a word's four bytes at a time) gives the same bits on every route the format takes, plain, with a
+    residual and with SwiGLU."""
     from music3_demo.semantic.kernels.qweight import FP16_ROUTES, byte_order_for
 
     assert not any(byte_order_for(capability) for capability in ((9, 0), (8, 9), (8, 6), (12, 0), None))
-    d, a, i, q = 64, 48, 96, 80
-    dense = [_outlier_weight(*shape, seed=seed).half() for seed, shape in enumerate([(d, a), (2 * i, d), (d, i),
-                                                                                    (q, d)])]
+    d, i = 64, 96
+    dense = [_outlier_weight(*shape, seed=seed).half() for seed, shape in enumerate([(d, d), (2 * i, d)])]
     plain = [quantize_weight(w, scheme.fmt, scheme.group, ordered=False) for w in dense]
     ordered = [quantize_weight(w, scheme.fmt, scheme.group, ordered=True) for w in dense]
     for x, y in zip(plain, ordered):
         assert y.ordered and not x.ordered and not torch.equal(x.data.view(torch.uint8), y.data.view(torch.uint8))
         assert torch.equal(x.values(), y.values()) and torch.equal(x.dequantize(), y.dequantize())
-    ln1, ln2 = (rand(d, dtype=torch.float16, seed=seed, scale=0.1) + 1 for seed in (5, 6))
-    attn, start = rand(2, a, dtype=torch.float16, seed=7), rand(2, d, seed=8)
+    x, start = rand(2, d, dtype=torch.float16, seed=7), rand(2, d, seed=8)
     routes = [CAST, BITS_F16] + ([NATIVE_F16] if scheme.fmt == "fp8" else [PACKED_F16])
     for route in routes:
-        cfg = with_products(default_tail_config(d, a, 2 * i, q, torch.device("cpu")),
-                            lambda _, c: replace(c, convert=route))
+        cfg = GemvConfig(16, 16 if scheme.group else 32, convert=route)
         outputs = []
-        for weights in (plain, ordered):
-            h, h16 = start.clone(), start.half()
-            act, qkv = torch.zeros(2, i, dtype=torch.float16), torch.zeros(2, q, dtype=torch.float16)
-            block_tail(attn, h, h16, act, *weights[:3], ln2, 1e-6, TailScratch("cpu", 3),
-                       next_qkv=(weights[3], ln1, qkv), config=cfg)
-            outputs.append((h, act, qkv))
-        for x, y in zip(*outputs):
-            assert torch.equal(x, y), (route, route in FP16_ROUTES)
+        for (o, gate_up) in (plain, ordered):
+            h = start.clone()
+            gemv(x, o, h, residual=h, config=cfg)
+            act = gemv(x, gate_up, torch.empty(2, i, dtype=torch.float16), swiglu=True, config=cfg)
+            outputs.append((h, act))
+        for a, b in zip(*outputs):
+            assert torch.equal(a, b), (route, route in FP16_ROUTES)
 
 
 def test_quantize_model_swaps_the_linear_modules_and_the_reference_reads_the_dequantized_weights():
@@ -304,18 +237,16 @@ def test_fp8_needs_capability_8_9_and_bad_modes_get_one_sentence(monkeypatch):
     assert fp8_supported(torch.device("cuda", 0))
 
 
-@pytest.mark.parametrize("scheme,chain,capability", [
-    (Scheme("int8", 16), False, None), (Scheme("fp8", 0), True, None), (Scheme("int4", 16), True, None),
-    (Scheme("int4", 16), True, (9, 0)), (Scheme("int4", 16, first_layers=1), True, None),
-    (Scheme("int4", 16), "depth", None)],
-                         ids=["int8-g16-gemv", "fp8-channel-tail", "int4-g16-tail", "int4-g16-fp8-depth",
-                              "int4-g16-first-layer-int8", "int4-g16-lm-gemv"])
-def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weights(scheme, chain, capability):
+@pytest.mark.parametrize("scheme,capability", [
+    (Scheme("int8", 16), None), (Scheme("fp8", 0), None), (Scheme("int4", 16), None), (Scheme("int4", 16), (9, 0)),
+    (Scheme("int4", 16, first_layers=1), None)],
+                         ids=["int8-g16", "fp8-channel", "int4-g16", "int4-g16-fp8-depth", "int4-g16-first-layer-int8"])
+def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weights(scheme, capability):
     """Teacher forcing on the tiny model (float32 activations, interpreter): the engine built from the swapped
-    modules (fused q|k|v and gate|up rows with their scales, the audio head, depth heads and tables) computes what
-    the HF modules compute on the dequantized weights; int4: the int4 mode (an int8 depth decoder, or on an fp8 GPU
-    an fp8 one), whose LM blocks run their chained tails on packed int4 words, or one GEMV a product (the depth
-    decoder's tails alone chained), or with its first layer at 8 bits."""
+    modules (fused q|k|v and gate|up rows with their scales, the audio head, depth heads and tables), one launch per
+    product, computes what the HF modules compute on the dequantized weights; int4: the int4 mode (an int8 depth
+    decoder, or on an fp8 GPU an fp8 one) reading packed int4 words, or with its first layer at 8 bits. Asked to
+    chain a quantized stack, the engine refuses."""
     from music3_demo import random_models
     from music3_demo.semantic.graph import GraphEngine
 
@@ -323,10 +254,12 @@ def test_graph_engine_on_one_byte_weights_matches_the_reference_on_the_same_weig
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
     report = quantize_model_(lm, depth, scheme.fmt, "cpu", scheme, capability=capability)
     assert report.scheme.endswith("depth fp8/channel") == (capability is not None)
-    engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=chain)
+    with pytest.raises(ValueError, match="bf16 weights only"):
+        GraphEngine(lm, depth, "cpu", attention_splits=2, chain="lm")
+    engine = GraphEngine(lm, depth, "cpu", attention_splits=2, chain=False)
     assert engine.precision == scheme.fmt and isinstance(engine.weights.blocks[0].qkv, QWeight)
     kinds = [block.o.kind for block in engine.weights.blocks]
-    # first_layers: layer 0 in the depth decoder's 8 bits, its tail handing layer 1's q|k|v (int4) over unchained
+    # first_layers: layer 0 in the depth decoder's 8 bits, handing layer 1's q|k|v (int4) its input
     assert kinds == ["int8"] * scheme.first_layers + [scheme.fmt] * (len(kinds) - scheme.first_layers)
     generator = torch.Generator().manual_seed(20)
     text_ids = torch.randint(0, 250, (2, 10), generator=generator)
@@ -389,8 +322,6 @@ def test_tuning_gives_one_byte_weights_the_same_bytes_in_flight_within_shared_me
             assert 128 % group.block_k == 0 and channel.block_k >= bf16.block_k
             for cfg in (channel, group):
                 assert shared_bytes(cfg, 2, 1) <= target.shared_per_block
-        tail = tuning.tail(4096, 4096, 24576, 6144, 1, 128)
-        assert all(128 % c.block_k == 0 for c in (tail.o, tail.gate_up, tail.down, tail.qkv))
 
 
 @triton.jit
@@ -577,27 +508,6 @@ def test_int4_mode_keeps_the_depth_decoder_at_8_bits_fp8_where_the_gpu_converts_
     assert layer.qdata.dtype == torch.uint8 and layer.qdata.shape == (layer.out_features, layer.in_features // 2)
     y = rand(2, layer.in_features, seed=10)
     assert torch.equal(layer(y), F.linear(y, layer.qweight(torch.float32).dequantize()))
-
-
-def test_int4_block_tail_is_as_close_to_float32_as_the_fp16_tail_on_the_same_weights():
-    """The chained tail on packed int4 weights (scales per 16 columns, outlier columns, fp16 activations, the
-    interpreter's default tiles) against its four products in float32 on the dequantized weights: h, act and the
-    next q|k|v each within 2x the error of the fp16 tail on the same weights dequantized to fp16."""
-    d, a, i, q = 64, 48, 96, 80
-    weights = [quantize_weight(_outlier_weight(*shape, seed=seed).half(), "int4", 16)
-               for seed, shape in enumerate([(d, a), (2 * i, d), (d, i), (q, d)])]
-    ln1, ln2 = (rand(d, dtype=torch.float16, seed=seed, scale=0.1) + 1 for seed in (5, 6))
-    attn, start = rand(2, a, dtype=torch.float16, seed=7), rand(2, d, seed=8)
-
-    def tail(ws: list) -> tuple[torch.Tensor, ...]:
-        h, act, qkv = start.clone(), torch.zeros(2, i, dtype=torch.float16), torch.zeros(2, q, dtype=torch.float16)
-        block_tail(attn, h, start.half(), act, *ws[:3], ln2, 1e-6, TailScratch("cpu", 3), next_qkv=(ws[3], ln1, qkv))
-        return h, act, qkv
-
-    exact = _tail_in_float32(weights, attn, start, ln1, ln2)
-    fp16 = tail([w.dequantize(torch.float16) for w in weights])
-    for ours, bar, want in zip(tail(weights), fp16, exact):
-        assert _err(ours, want) <= 2 * _err(bar, want), (_err(ours, want), _err(bar, want))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)

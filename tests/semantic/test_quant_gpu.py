@@ -18,7 +18,7 @@ from music3_demo import random_models
 from music3_demo.bench.formats import inject_outliers
 from music3_demo.bench.semantic import random_prompt
 from music3_demo.semantic.graph import GraphEngine
-from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, TailScratch, block_tail, gemv, interleave_rows
+from music3_demo.semantic.kernels import GemvConfig, GemvWorkspace, gemv
 from music3_demo.semantic.kernels.matmul import product
 from music3_demo.semantic.kernels.qweight import CONVERSIONS, weight_format
 from music3_demo.semantic.kernels.tuning import tuning_for
@@ -137,41 +137,13 @@ def test_an_mma_per_scale_group_is_as_close_to_float32_as_the_bf16_kernel(shape,
     assert error <= 2 * bf16_error
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
-def test_fused_block_tail_on_one_byte_weights_equals_its_products_one_by_one(scheme):
-    """The chained tail's grid barriers with 1-byte weights: bit-identical to launching each product alone, and as
-    close to float32 as the bf16 tail."""
-    d, a, inter = 4096, 4096, 12288
-    tuning = tuning_for(DEVICE)
-    weights = {"o": _weight(d, a, 1), "gate_up": interleave_rows(_weight(inter, d, 2), _weight(inter, d, 3)),
-               "down": _weight(d, inter, 4), "qkv": _weight(6144, d, 5)}
-    quantized = {name: quantize_weight(w, scheme.fmt, scheme.group) for name, w in weights.items()}
-    ln1, ln2 = (torch.rand(d, device=DEVICE) + 0.5).bfloat16(), (torch.rand(d, device=DEVICE) + 0.5).bfloat16()
-    attn = torch.randn(2, a, device=DEVICE).bfloat16()
-    h0 = torch.randn(2, d, device=DEVICE)
-    results = {}
-    for fused in (True, False):
-        h, xn = h0.clone(), torch.empty(2, d, device=DEVICE, dtype=torch.bfloat16)
-        act = torch.empty(2, inter, device=DEVICE, dtype=torch.bfloat16)
-        qkv = torch.empty(2, 6144, device=DEVICE, dtype=torch.bfloat16)
-        config = tuning.tail(d, a, 2 * inter, 6144, *weight_format(quantized["o"]))
-        block_tail(attn, h, xn, act, quantized["o"], quantized["gate_up"], quantized["down"], ln2, 1e-6,
-                   TailScratch(DEVICE, tuning.programs), next_qkv=(quantized["qkv"], ln1, qkv), config=config,
-                   fused=fused)
-        results[fused] = (h, act, qkv)
-    for got, expected in zip(results[True], results[False]):
-        assert torch.equal(got, expected)
-
-
 @pytest.mark.parametrize("group", [0, 128], ids=["channel", "g128"])
 def test_the_packed_ptx_route_gives_the_fp16_bit_routes_bits(group):
     """int8 tiles converted four bytes an instruction in inline PTX (`qweight.INT8_F16_PTX`) are BITS_F16's values:
     the GEMV on every tile shape of the 1-byte sweep that fits the down product (mma.sync and wgmma tiles, TMA and
-    not, split-K), and the fused tail with every product on its cheapest fp16 route and fp16 copies
-    (`tail_config.fp16_routes`: o and down packed) against the same tail on the fp16 bit route alone."""
+    not, split-K)."""
     from music3_demo.semantic.kernels.onebyte_space import fits_shape, tiles
     from music3_demo.semantic.kernels.qweight import BITS_F16, PACKED_F16
-    from music3_demo.semantic.kernels.tail_config import fp16_routes
 
     rows, n, k = 2, 4096, 12288
     x = (torch.randn(rows, k, device=DEVICE) * 4).to(torch.bfloat16)
@@ -187,28 +159,6 @@ def test_the_packed_ptx_route_gives_the_fp16_bit_routes_bits(group):
         assert torch.equal(got, want), tile
         checked += 1
     assert checked >= 8
-    d, a, inter = 4096, 4096, 12288
-    weights = {"o": _weight(d, a, 1), "gate_up": interleave_rows(_weight(inter, d, 2), _weight(inter, d, 3)),
-               "down": _weight(d, inter, 4), "qkv": _weight(6144, d, 5)}
-    qw = {name: quantize_weight(w, "int8", group) for name, w in weights.items()}
-    ln = (torch.rand(d, device=DEVICE) + 0.5).bfloat16()
-    attn = torch.randn(2, a, device=DEVICE).bfloat16()
-    attn16 = attn.float().clamp(-65504, 65504).half()
-    h0 = torch.randn(2, d, device=DEVICE)
-    tuning = tuning_for(DEVICE)
-    tuned = tuning.tail(d, a, 2 * inter, 6144, *weight_format(qw["o"]))
-    results = []
-    for packed in (True, False):
-        config = dataclasses.replace(fp16_routes(tuned, packed), halves=True)
-        h, xn = h0.clone(), torch.empty(2, d, device=DEVICE, dtype=torch.bfloat16)
-        act = torch.empty(2, inter, device=DEVICE, dtype=torch.bfloat16)
-        qkv = torch.empty(2, 6144, device=DEVICE, dtype=torch.bfloat16)
-        block_tail(attn, h, xn, act, qw["o"], qw["gate_up"], qw["down"], ln, 1e-6, TailScratch(DEVICE, tuning.programs),
-                   next_qkv=(qw["qkv"], ln, qkv), config=config, fused=True, attn16=attn16)
-        results.append((h, xn, act, qkv))
-    assert PACKED_F16 in (fp16_routes(tuned).o.convert, fp16_routes(tuned).down.convert)
-    for got, want in zip(*results):
-        assert torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")
@@ -269,12 +219,11 @@ def test_engine_in_each_mode_matches_the_float32_reference_on_the_same_weights_w
     assert not failures, failures
 
 
-def test_an_int4_lm_with_8_bit_first_layers_runs_chained_and_matches_float32_on_its_weights(float32_room):
-    """`Scheme.first_layers`: the full widths, 4 LM layers, the first 2 in the depth decoder's 8 bits, with the block
-    tails chained (an option on quantized weights): where the next block's format differs the tail stops before its
-    q|k|v (one tail reads one format) and the next block starts with its own GEMV from h. Teacher-forced, it computes
-    what the float32 reference computes on the same dequantized weights within 2x the bf16 engine's error on the
-    bf16 weights (a wrong hand-over is off by ~1)."""
+def test_an_int4_lm_with_8_bit_first_layers_matches_float32_on_its_weights(float32_room):
+    """`Scheme.first_layers`: the full widths, 4 LM layers, the first 2 in the depth decoder's 8 bits, one launch per
+    product (the quantized stacks' only way), layer 1's down handing layer 2's int4 q|k|v its input. Teacher-forced,
+    it computes what the float32 reference computes on the same dequantized weights within 2x the bf16 engine's
+    error on the bf16 weights (a wrong hand-over is off by ~1)."""
     sizes = dataclasses.replace(random_models.FULL, lm_layers=4)
     components = random_models.build_components(sizes, seed=0, device=DEVICE, dtype=torch.bfloat16)
     lm, depth = components["language_model"], components["rvq_depth_decoder"]
@@ -284,8 +233,8 @@ def test_an_int4_lm_with_8_bit_first_layers_runs_chained_and_matches_float32_on_
     text_ids = random_prompt(200, seed=3, device=DEVICE)
     codes = random_codes(33, torch.Generator().manual_seed(4))
 
-    def errors(models, chain=None) -> tuple[float, float]:
-        engine = GraphEngine(*models, DEVICE, chain=chain)
+    def errors(models) -> tuple[float, float]:
+        engine = GraphEngine(*models, DEVICE)
         logits, frames = engine.teacher_forced(text_ids, codes)
         engine.release()
         del engine
@@ -303,12 +252,8 @@ def test_an_int4_lm_with_8_bit_first_layers_runs_chained_and_matches_float32_on_
     quantize_model_(lm, depth, "int4", DEVICE, scheme)
     eight = "fp8" if fp8_supported(DEVICE) else "int8"
     assert [layer.mlp.down_proj.fmt for layer in lm.model.layers] == [eight, eight, "int4", "int4"]
-    default = GraphEngine(lm, depth, DEVICE)
-    assert default.chain == frozenset()  # (the default on quantized weights: one launch per product)
-    default.release()
-    del default
-    got = errors((lm, depth), chain=True)
-    print(f"\nint4 with layers 0-1 in {eight}, chained, engine vs float32 (logits, frames): {got}; bf16: {bar}")
+    got = errors((lm, depth))
+    print(f"\nint4 with layers 0-1 in {eight}, engine vs float32 (logits, frames): {got}; bf16: {bar}")
     assert all(g <= 2 * b for g, b in zip(got, bar)), (got, bar)
 
 

@@ -184,7 +184,8 @@ def _decode_attn_kernel(
 @triton.jit
 def _output(out_ptr, out16_ptr, offsets, out, mask, HALF: tl.constexpr):
     """An attention output tile in the model's dtype, and with HALF its copy in fp16 as an fp16 product's k-loop
-    would convert it (`operands.activation_tile`: saturated), for the chained tail's o product (`TailConfig.halves`)."""
+    would convert it (`operands.activation_tile`: saturated), for an o product on an fp16 route
+    (`GraphConfig.hand_over`)."""
     value = out.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offsets, value, mask=mask)
     if HALF:

@@ -76,8 +76,8 @@ def padded_lanes(d, D: tl.constexpr, DP: tl.constexpr):
 
 
 def check_half_copy(t: torch.Tensor, copy: torch.Tensor | None, name: str) -> None:
-    """An activation's fp16 copy (which fp16 products read: `tail_config.TailConfig.halves`) is laid out as the
-    activation."""
+    """An activation's fp16 copy (which the quantized products on fp16 routes read, handed over by the kernel before
+    them: `GraphConfig.hand_over`) is laid out as the activation."""
     if copy is not None and (copy.dtype != torch.float16 or copy.shape != t.shape or copy.stride() != t.stride()):
         raise ValueError(f"{name}'s fp16 copy must be fp16, with {name}'s shape and strides")
 

@@ -12,7 +12,7 @@ before a barrier; measured, it only cost time, so it is off.
 The products are the GEMV's with the same roundings, except that an RMSNorm product's input arrives normalised: the
 product before it writes bf16(h) ⊙ gain and its programs' partial sums of squares, so the NORM product's k-loop is
 a plain one and 1/rms scales its output rows. Activations written by other programs in the same launch are read
-with `.cg` (L2, not the SMs' incoherent L1). The barrier (`TailScratch.count(per_sm)`) is an arrival count that
+with `.cg` (L2, not the SMs' incoherent L1). The barrier (`TailScratch.count()`) is an arrival count that
 only grows: each program spins until it reaches the next multiple of the grid size.
 
 Residency: a spin barrier needs every program resident at once, and a grid no larger than the SM count does not
@@ -25,7 +25,9 @@ program can be resident. `MUSIC3_TAIL_COOPERATIVE=0` launches it the old way, fo
 Triton's CPU interpreter runs programs one at a time and so never has them all resident: there `block_tail`
 launches the same kernel once per product (`fused=False`), which is also the GPU test's oracle for the fused launch.
 
-What each launch is given (its config, programs per SM, fp16 copies, the scratch): `tail_config`.
+Model-dtype (bf16) weights only: on quantized weights the products run one launch each (`linear.gemv`), which
+measured faster on every format (`tail_config` says why). What each launch is given (its config, the scratch):
+`tail_config`.
 """
 
 from __future__ import annotations
@@ -37,13 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETED, check_half_copy, interpreting, prefetch_rows_l2
-from .linear import GemvConfig, TensorDescriptor, fit_group, gemv_epilogue, tma_supported
-from .operands import activation_tile, channel_scale, dot_tile, weight_ptrs, weight_tile
-from .qweight import Weight, kernel_args
-from .tail_config import (
-    PRODUCTS, TailConfig, TailScratch, balanced_splits, default_tail_config, reads_copy, with_products,
-)
+from .launch import interpreting, prefetch_rows_l2
+from .linear import GemvConfig, TensorDescriptor, gemv_epilogue, tma_supported
+from .operands import weight_ptrs, weight_tile
+from .qweight import QWeight
+from .tail_config import TailConfig, TailScratch, default_tail_config, with_products
 
 # The fused tail's launch is cooperative (see the module docstring); "0" only to measure the other way.
 COOPERATIVE = os.environ.get("MUSIC3_TAIL_COOPERATIVE", "1") != "0"
@@ -66,32 +66,20 @@ def _grid_barrier(count_ptr):
 
 
 @triton.jit
-def _cta_sync(value):
-    """`tl.debug_barrier` inside a pipelined k-loop: as inline PTX, which Triton's software pipeliner does not take
-    for a barrier it must not pipeline across (`tl.debug_barrier` there leaves the loop unpipelined). The
-    interpreter runs a program's threads as one, so there it is nothing."""
-    if not INTERPRETED:
-        tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, $1;", "=r,r", [value], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
-@triton.jit
-def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PACK: tl.constexpr):
+def _handoff(bar_ptr, w_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
     """Between two products: start this program's next weight rows towards L2, then wait for the whole grid."""
     if PREFETCH > 0:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        prefetch_rows_l2(w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * (K // PACK), PREFETCH)
+        prefetch_rows_l2(w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * K, PREFETCH)
     _grid_barrier(bar_ptr)
 
 
 @triton.jit
 def _product(
-    x_ptr, stride_x, w_ptr, w_desc, s_ptr, out_ptr, stride_o, next_ptr, half_ptr, gain_ptr, part_ptr, eps,
+    x_ptr, stride_x, w_ptr, w_desc, out_ptr, stride_o, next_ptr, gain_ptr, part_ptr, eps,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
     NEXT: tl.constexpr, PARTS: tl.constexpr, FRESH: tl.constexpr, GRID: tl.constexpr,
-    QUANT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, CONV: tl.constexpr,
-    WSCALE: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, split_ptr, cnt_ptr,
 ):
     """This program's row blocks of out = epilogue(W · x). FRESH: x and out were written earlier in this launch
     (by other programs), so they are read through L2 only (`.cg`; L1 is not coherent).
@@ -100,24 +88,11 @@ def _product(
     the per-program partial sums of squares in part_ptr (a scale of each output row, applied in the epilogue): the
     k-loop is a plain product, with no per-tile reduction (which made 16-32-row tiles 2-3x slower).
     RESIDUAL: out (float32) += y; with NEXT, also next = bf16(bf16(out) ⊙ gain) for the next NORM product and this
-    program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s, and so is the
-    handling of quantized weights (QUANT, GROUP, DOT, CONV, WSCALE): its tile loads (`operands.weight_ptrs`,
-    `weight_tile`: packed int4 as K / 8 words per row) and conversions (`operands.dot_tile`; per-channel scales at each
-    row block's end).
-    HALF: the next product multiplies in fp16, so what this one writes for it (next, or the SwiGLU output) is also
-    written to half_ptr as fp16 (`operands.activation_tile`'s saturation), with the same strides: the next product's
-    k-loop then feeds its tiles to the MMA as they arrive, instead of converting the same activations again for
-    every tile of every row block (and staging them through shared memory once more).
-    SPLIT (`tail_config.balanced_splits`): the work items are (row block, K part) pairs, SPLIT parts of K per row
-    block, so that a product with fewer row blocks than programs (or not a multiple of them) keeps every program
-    busy. Each part stores its fp32 partial (split_ptr) and bumps its row block's counter (cnt_ptr); the last to
-    arrive adds the partials in part order (the sum does not depend on timing), resets the counter and applies the
-    epilogue: `linear._gemv_kernel`'s split-K, inside the flattened k-loop. Its sum of squares for the next NORM
-    product goes to the row block's own row of part_ptr (not the program's), so that the NORM product's sum in
-    program order is again the same whoever came last; the programs past the row blocks write zeros there.
+    program's sums of squares of bf16(out) into part_ptr. The roundings are `linear._gemv_kernel`'s, and so are the
+    tile loads (`operands.weight_ptrs`, `weight_tile`).
     """
     BLOCK_M: tl.constexpr = 16
-    K_TILES: tl.constexpr = K // BLOCK_K // SPLIT  # K tiles of one work item
+    K_TILES: tl.constexpr = K // BLOCK_K  # K tiles of one row block
     ROWS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     programs: tl.constexpr = GRID
@@ -125,7 +100,7 @@ def _product(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     x_ptrs = x_ptr + offs_m[:, None] * stride_x + offs_k[None, :]
-    blocks = tl.cdiv(ROWS * SPLIT - pid, programs)  # this program's work items
+    blocks = tl.cdiv(ROWS - pid, programs)  # this program's row blocks
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     if NORM:  # every program's partial, in program order (deterministic)
         parts = tl.arange(0, PARTS)
@@ -135,71 +110,45 @@ def _product(
     part = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for t in tl.range(0, blocks * K_TILES, num_stages=STAGES):
-        item = pid + (t // K_TILES) * programs
-        row = item % ROWS
-        row0 = row * BLOCK_N
-        k0 = ((item // ROWS) * K_TILES + t % K_TILES) * BLOCK_K
+        row0 = (pid + (t // K_TILES) * programs) * BLOCK_N
+        k0 = (t % K_TILES) * BLOCK_K
         offs_n = row0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        w = weight_tile(weight_ptrs(w_ptr, offs_n, k0, K, BLOCK_K, PACK), w_desc, n_mask, row0, k0, TMA, PACK)
+        w = weight_tile(weight_ptrs(w_ptr, offs_n, k0, K, BLOCK_K, 1), w_desc, n_mask, row0, k0, TMA, 1)
         if FRESH:
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
         else:
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT, GROUP, DOT, CONV, WSCALE)
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
         if t % K_TILES == K_TILES - 1:
-            last = True
-            if SPLIT > 1:  # every part's partial, then the last to arrive sums them in part order
-                tile = (row * SPLIT * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * BLOCK_M + offs_m[None, :]
-                tl.store(split_ptr + (item // ROWS) * BLOCK_N * BLOCK_M + tile, acc, mask=m_mask[None, :])
-                _cta_sync(row)  # every thread's stores precede the release (as in `_grid_barrier`)
-                last = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-                if last:
-                    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-                    for part_k in tl.static_range(SPLIT):
-                        acc += tl.load(split_ptr + part_k * BLOCK_N * BLOCK_M + tile, mask=m_mask[None, :],
-                                       other=0.0, cache_modifier=".cg")
-                    tl.atomic_xchg(cnt_ptr + row, 0)  # ready for the next product or launch
-            if last:
-                acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
-                if RESIDUAL:
-                    mask = n_mask[:, None] & m_mask[None, :]
-                    out_ptrs = out_ptr + offs_m[None, :] * stride_o + offs_n[:, None]
-                    if FRESH:
-                        res = tl.load(out_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                    else:
-                        res = tl.load(out_ptrs, mask=mask, other=0.0)
-                    y = res + acc.to(out_ptr.dtype.element_ty)
-                    tl.store(out_ptrs, y, mask=mask)
-                    if NEXT:
-                        rounded = y.to(next_ptr.dtype.element_ty).to(tl.float32)
-                        squares = tl.sum(rounded * rounded, axis=0)  # masked rows and columns are zero
-                        if SPLIT > 1:
-                            tl.store(part_ptr + row * BLOCK_M + offs_m, squares)
-                        else:
-                            part += squares
-                        gain = tl.load(gain_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                        normed = (rounded * gain[:, None]).to(next_ptr.dtype.element_ty)
-                        tl.store(next_ptr + offs_m[None, :] * stride_o + offs_n[:, None], normed, mask=mask)
-                        if HALF:
-                            tl.store(half_ptr + offs_m[None, :] * stride_o + offs_n[:, None],
-                                     activation_tile(normed, half_ptr.dtype.element_ty), mask=mask)
+            if RESIDUAL:
+                mask = n_mask[:, None] & m_mask[None, :]
+                out_ptrs = out_ptr + offs_m[None, :] * stride_o + offs_n[:, None]
+                if FRESH:
+                    res = tl.load(out_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
                 else:
-                    gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, out_ptr, half_ptr, stride_o,
-                                  stride_o, eps, K, NORM, False, SWIGLU, HALF)
+                    res = tl.load(out_ptrs, mask=mask, other=0.0)
+                y = res + acc.to(out_ptr.dtype.element_ty)
+                tl.store(out_ptrs, y, mask=mask)
+                if NEXT:
+                    rounded = y.to(next_ptr.dtype.element_ty).to(tl.float32)
+                    part += tl.sum(rounded * rounded, axis=0)  # masked rows and columns are zero
+                    gain = tl.load(gain_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                    normed = (rounded * gain[:, None]).to(next_ptr.dtype.element_ty)
+                    tl.store(next_ptr + offs_m[None, :] * stride_o + offs_n[:, None], normed, mask=mask)
+            else:
+                gemv_epilogue(acc, sumsq, offs_n, offs_m, n_mask, m_mask, out_ptr, out_ptr, out_ptr, stride_o,
+                              stride_o, eps, K, NORM, False, SWIGLU, False)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if NEXT:
-        if SPLIT == 1:
-            tl.store(part_ptr + pid * BLOCK_M + offs_m, part)
-        elif pid >= ROWS:  # rows of part_ptr past the row blocks' (`balanced_splits` keeps ROWS <= programs)
-            tl.store(part_ptr + pid * BLOCK_M + offs_m, part)
+        tl.store(part_ptr + pid * BLOCK_M + offs_m, part)
 
 
 @triton.jit
 def _block_tail_kernel(
-    attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr, attn16_ptr, xn16_ptr, act16_ptr,
-    wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc, so_ptr, sgu_ptr, sd_ptr, sq_ptr,
-    ln2_ptr, ln1_ptr, part_ptr, bar_ptr, split_ptr, cnt_ptr,
+    attn_ptr, h_ptr, xn_ptr, act_ptr, qkv_ptr,
+    wo_ptr, wo_desc, wgu_ptr, wgu_desc, wd_ptr, wd_desc, wq_ptr, wq_desc,
+    ln2_ptr, ln1_ptr, part_ptr, bar_ptr,
     s_attn, s_h, s_act, s_qkv, eps,
     M: tl.constexpr, D: tl.constexpr, A: tl.constexpr, G: tl.constexpr, Q: tl.constexpr,
     RUN_O: tl.constexpr, RUN_GU: tl.constexpr, RUN_D: tl.constexpr, RUN_Q: tl.constexpr, HAS_NEXT: tl.constexpr,
@@ -209,48 +158,33 @@ def _block_tail_kernel(
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, ST_GU: tl.constexpr, TMA_GU: tl.constexpr,
     BN_D: tl.constexpr, BK_D: tl.constexpr, ST_D: tl.constexpr, TMA_D: tl.constexpr,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, ST_Q: tl.constexpr, TMA_Q: tl.constexpr,
-    QUANT: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
-    DT_O: tl.constexpr, CV_O: tl.constexpr, WS_O: tl.constexpr, DT_GU: tl.constexpr, CV_GU: tl.constexpr,
-    WS_GU: tl.constexpr, DT_D: tl.constexpr, CV_D: tl.constexpr, WS_D: tl.constexpr, DT_Q: tl.constexpr,
-    CV_Q: tl.constexpr, WS_Q: tl.constexpr, HALF_O: tl.constexpr, HALF_GU: tl.constexpr, HALF_D: tl.constexpr,
-    HALF_Q: tl.constexpr, SP_O: tl.constexpr, SP_GU: tl.constexpr, SP_D: tl.constexpr, SP_Q: tl.constexpr,
 ):
     """D: hidden size, A: attention width (o's K), G: gate|up rows (interleaved), Q: q|k|v rows. xn: the normalised
-    input of the next NORM product, bf16(bf16(h) ⊙ gain). QUANT/PACK/GROUP: the weights' format (one for all four
-    products: `qweight.kernel_args`), the s*_ptr their scales; DT_/CV_/WS_: each product's MMA dtype, conversion
-    route and the power of two it leaves (its `GemvConfig.convert`). GRID: the number of programs. SYNC: one launch
-    for all products (FRESH reads), with grid barriers between them unless BARRIERS is off (timing only).
-    HALF_GU, HALF_D, HALF_Q: that product multiplies in fp16 and reads its input from the fp16 copy (xn16, act16,
-    same strides as xn and act) that the product before it writes (`_product`'s HALF); HALF_O: o reads attn16, the
-    copy the attention kernel wrote."""
+    input of the next NORM product, bf16(bf16(h) ⊙ gain). GRID: the number of programs. SYNC: one launch for all
+    products (FRESH reads), with grid barriers between them unless BARRIERS is off (timing only)."""
     if RUN_O:  # h += o(attn); xn = bf16(h) ⊙ ln2
-        _product(attn16_ptr if HALF_O else attn_ptr, s_attn, wo_ptr, wo_desc, so_ptr, h_ptr, s_h, xn_ptr, xn16_ptr,
-                 ln2_ptr, part_ptr, eps, M, D, A, BN_O, BK_O, ST_O, TMA_O, False, True, False, True, PARTS, False, GRID,
-                 QUANT, PACK, GROUP, DT_O, CV_O, WS_O, HALF_GU, SP_O, split_ptr, cnt_ptr)
+        _product(attn_ptr, s_attn, wo_ptr, wo_desc, h_ptr, s_h, xn_ptr, ln2_ptr, part_ptr, eps, M, D, A, BN_O, BK_O,
+                 ST_O, TMA_O, False, True, False, True, PARTS, False, GRID)
     if SYNC and BARRIERS:
-        _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU, PACK)
+        _handoff(bar_ptr, wgu_ptr, G, D, BN_GU, PF_GU)
     if RUN_GU:  # act = silu(gate) * up of RMSNorm(h) * ln2
-        _product(xn16_ptr if HALF_GU else xn_ptr, s_h, wgu_ptr, wgu_desc, sgu_ptr, act_ptr, s_act, act_ptr,
-                 act16_ptr, ln2_ptr, part_ptr, eps, M, G, D, BN_GU, BK_GU, ST_GU, TMA_GU, True, False, True, False,
-                 PARTS, SYNC, GRID, QUANT, PACK, GROUP, DT_GU, CV_GU, WS_GU, HALF_D, SP_GU, split_ptr, cnt_ptr)
+        _product(xn_ptr, s_h, wgu_ptr, wgu_desc, act_ptr, s_act, act_ptr, ln2_ptr, part_ptr, eps, M, G, D, BN_GU,
+                 BK_GU, ST_GU, TMA_GU, True, False, True, False, PARTS, SYNC, GRID)
     if SYNC and BARRIERS:
-        _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D, PACK)
+        _handoff(bar_ptr, wd_ptr, D, G // 2, BN_D, PF_D)
     if RUN_D:  # h += down(act); with a next block, xn = bf16(h) ⊙ its ln1
-        _product(act16_ptr if HALF_D else act_ptr, s_act, wd_ptr, wd_desc, sd_ptr, h_ptr, s_h, xn_ptr, xn16_ptr,
-                 ln1_ptr, part_ptr, eps, M, D, G // 2, BN_D, BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS,
-                 SYNC, GRID, QUANT, PACK, GROUP, DT_D, CV_D, WS_D, HALF_Q and HAS_NEXT, SP_D, split_ptr, cnt_ptr)
+        _product(act_ptr, s_act, wd_ptr, wd_desc, h_ptr, s_h, xn_ptr, ln1_ptr, part_ptr, eps, M, D, G // 2, BN_D,
+                 BK_D, ST_D, TMA_D, False, True, False, HAS_NEXT, PARTS, SYNC, GRID)
     if SYNC and BARRIERS and HAS_NEXT:
-        _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q, PACK)
+        _handoff(bar_ptr, wq_ptr, Q, D, BN_Q, PF_Q)
     if RUN_Q:  # the next block's qkv = q|k|v of RMSNorm(h) * its ln1
-        _product(xn16_ptr if HALF_Q else xn_ptr, s_h, wq_ptr, wq_desc, sq_ptr, qkv_ptr, s_qkv, qkv_ptr, qkv_ptr,
-                 ln1_ptr, part_ptr, eps, M, Q, D, BN_Q, BK_Q, ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, GRID,
-                 QUANT, PACK, GROUP, DT_Q, CV_Q, WS_Q, False, SP_Q, split_ptr, cnt_ptr)
+        _product(xn_ptr, s_h, wq_ptr, wq_desc, qkv_ptr, s_qkv, qkv_ptr, ln1_ptr, part_ptr, eps, M, Q, D, BN_Q, BK_Q,
+                 ST_Q, TMA_Q, True, False, False, False, PARTS, SYNC, GRID)
 
 
-def _descriptor(data: torch.Tensor, cfg: GemvConfig, k: int):
-    """The TMA descriptor of a product's stored weight (`kernel_args`' data: packed int4 has K / 8 words per row)."""
-    pack = k // data.shape[1]
-    return TensorDescriptor.from_tensor(data, [cfg.block_n, cfg.block_k // pack]) if cfg.tma else data
+def _descriptor(weight: torch.Tensor, cfg: GemvConfig):
+    """The TMA descriptor of a product's weight, where its config asks for TMA."""
+    return TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if cfg.tma else weight
 
 
 def block_tail(
@@ -258,18 +192,17 @@ def block_tail(
     h: torch.Tensor,
     xn: torch.Tensor,
     act: torch.Tensor,
-    o: Weight,
-    gate_up: Weight,
-    down: Weight,
+    o: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
     ln2: torch.Tensor,
     eps: float,
     scratch: TailScratch,
     *,
-    next_qkv: tuple[Weight, torch.Tensor, torch.Tensor] | None = None,
+    next_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: TailConfig | None = None,
     fused: bool | None = None,
     barriers: bool = True,
-    attn16: torch.Tensor | None = None,
 ) -> None:
     """h += o·attn; act = SwiGLU(gate_up · RMSNorm(h; ln2)); h += down·act; and with `next_qkv` = (weight, ln1, out)
     the next block's out = weight · RMSNorm(h; ln1). Each RMSNorm reads h rounded to bf16, as `gemv` reads the
@@ -279,12 +212,15 @@ def block_tail(
     product's input from the product before it (bf16(h) ⊙ gain; no bf16 copy of h itself is left behind).
     `gate_up` is row-interleaved (`linear.interleave_rows`). `fused` (default: on a GPU) runs everything in one
     launch with grid barriers; otherwise one launch per product. `barriers=False` leaves the fused launch's barriers
-    out: wrong results, only to time what they cost. The weights are all model-dtype tensors or all `QWeight`s of one
-    format (1-byte or packed int4). `attn16`: attn's fp16 copy (`attention`'s out16), which o reads where the config
-    has `halves` and o multiplies in fp16 (`tail_config.reads_copy`)."""
+    out: wrong results, only to time what they cost. The weights are model-dtype tensors (quantized products run one
+    launch each: `linear.gemv`)."""
     m, d = h.shape
     g, a = gate_up.shape[0], attn.shape[1]
     q = next_qkv[0].shape[0] if next_qkv is not None else 16
+    weights = (o, gate_up, down) + (() if next_qkv is None else (next_qkv[0],))
+    if any(isinstance(w, QWeight) for w in weights):
+        raise ValueError("the chained block tail takes model-dtype weights only: quantized products run one launch "
+                         "each (linear.gemv)")
     if (m > 16 or xn.shape != h.shape or xn.stride() != h.stride() or o.shape != (d, a)
             or gate_up.shape != (g, d) or down.shape != (d, g // 2) or act.shape != (m, g // 2)
             or (next_qkv is not None and (next_qkv[0].shape != (q, d) or next_qkv[2].shape != (m, q)))):
@@ -292,7 +228,7 @@ def block_tail(
             f"block_tail shape mismatch: h {tuple(h.shape)}, attn {tuple(attn.shape)}, o {tuple(o.shape)}, "
             f"gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, act {tuple(act.shape)}"
         )
-    for t in (attn, h, act, o, gate_up, down) + (() if next_qkv is None else (next_qkv[0], next_qkv[2])):
+    for t in (attn, h, act) + weights + (() if next_qkv is None else (next_qkv[2],)):
         if t.stride(-1) != 1:
             raise ValueError("block_tail needs unit stride along the last dim")
     device = h.device
@@ -300,50 +236,25 @@ def block_tail(
     if not tma_supported(device):
         cfg = with_products(cfg, lambda _, c: replace(c, tma=False))
     wq, ln1, qkv_out = next_qkv if next_qkv is not None else (o, ln2, act)
-    weights = dict(zip(PRODUCTS, (o, gate_up, down, wq)))
-    cfg = with_products(cfg, lambda name, c: fit_group(c, weights[name]))
-    products = (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)
-    packed = [kernel_args(w, c.convert) for w, c in zip((o, gate_up, down, wq), products)]
-    if len({p[2:4] for p in packed}) > 1:
-        raise ValueError("block_tail needs its four weights in one format")
     for c, k in ((cfg.o, a), (cfg.gate_up, d), (cfg.down, g // 2), (cfg.qkv, d)):
         if k % c.block_k:
             raise ValueError(f"K={k} must be a multiple of block_k={c.block_k}")
     if g % cfg.gate_up.block_n:
         raise ValueError(f"gate|up rows ({g}) must be a multiple of its row block ({cfg.gate_up.block_n})")
     fused = (device.type == "cuda" and not interpreting()) if fused is None else fused
-    grid = scratch.grid(cfg.per_sm)
-    # with `halves`, the products that multiply in fp16 read fp16 copies of their inputs (o's: attn16, if given)
-    half_o, half_gu, half_d, half_q = (reads_copy(cfg, name, weights[name], x.dtype)
-                                       for name, x in zip(PRODUCTS, (attn, xn, act, xn)))
-    check_half_copy(attn, attn16, "attn")
-    half_o, half_q = half_o and attn16 is not None, half_q and next_qkv is not None
-    xn16 = scratch.half("xn", xn) if half_gu or half_q else xn
-    act16 = scratch.half("act", act) if half_d else act
-    splits = balanced_splits(cfg, grid, d, a, g, q if next_qkv is not None else None)
-    # the split products' partials, [row blocks, parts, BLOCK_N, 16] fp32 each; one buffer (the products run in turn)
-    need = max((-(-n // c.block_n) * c.block_n * s * 16 for n, c, s in zip((d, g, d, q), products, splits) if s > 1),
-               default=0)
-    split_scratch = scratch.split_partials(need) if need else scratch.partials
+    grid = scratch.programs
     common = dict(
         eps=eps, M=m, D=d, A=a, G=g, Q=q, HAS_NEXT=next_qkv is not None, SYNC=fused, BARRIERS=barriers,
         PARTS=triton.next_power_of_2(grid), GRID=grid,
         # bytes of each next weight row to prefetch (whole rows at most), only where a barrier waits
-        **{f"PF_{name}": min(cfg.prefetch, p[0].shape[1] * p[0].element_size()) if fused else 0
-           for name, p in zip(("GU", "D", "Q"), packed[1:])},
+        **{f"PF_{name}": min(cfg.prefetch, w.shape[1] * w.element_size()) if fused else 0
+           for name, w in zip(("GU", "D", "Q"), (gate_up, down, wq))},
         **{f"{key}_{name}": value for name, c in (("O", cfg.o), ("GU", cfg.gate_up), ("D", cfg.down), ("Q", cfg.qkv))
            for key, value in (("BN", c.block_n), ("BK", c.block_k), ("ST", c.num_stages), ("TMA", c.tma))},
-        QUANT=packed[0][2], PACK=a // packed[0][0].shape[1], GROUP=packed[0][3], HALF_O=half_o, HALF_GU=half_gu,
-        HALF_D=half_d, HALF_Q=half_q,
-        **dict(zip(("SP_O", "SP_GU", "SP_D", "SP_Q"), splits)),
-        **{f"{key}_{name}": value for name, p in zip(("O", "GU", "D", "Q"), packed)
-           for key, value in zip(("DT", "CV", "WS"), p[4:])},
     )
-    (wo, so, *_), (wgu, sgu, *_), (wd, sd, *_), (wqd, sq, *_) = packed
-    args = (attn, h, xn, act, qkv_out, attn16 if half_o else attn, xn16, act16, wo, _descriptor(wo, cfg.o, a), wgu,
-            _descriptor(wgu, cfg.gate_up, d), wd, _descriptor(wd, cfg.down, g // 2), wqd, _descriptor(wqd, cfg.qkv, d),
-            so, sgu, sd, sq, ln2, ln1, scratch.partials, scratch.count(cfg.per_sm), split_scratch,
-            scratch.split_counts, attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
+    args = (attn, h, xn, act, qkv_out, o, _descriptor(o, cfg.o), gate_up, _descriptor(gate_up, cfg.gate_up), down,
+            _descriptor(down, cfg.down), wq, _descriptor(wq, cfg.qkv), ln2, ln1, scratch.partials, scratch.count(),
+            attn.stride(0), h.stride(0), act.stride(0), qkv_out.stride(0))
     runs = [(True, True, True, next_qkv is not None)] if fused else [
         tuple(i == j for j in range(4)) for i in range(4 if next_qkv is not None else 3)
     ]

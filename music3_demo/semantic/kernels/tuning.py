@@ -13,9 +13,10 @@ import time and nothing comes from the environment. The choice, most specific fi
    `tail_config.default_tail_config`, shrunk to this GPU's shared memory and cut to the product's shape
    (`linear.fit_shape`: a small model's K of 32 takes 32-column tiles; the full-size model's configs fit as they are).
 The chained tail's grid barrier needs all its programs resident at once: `Tuning.programs` is at most the device's
-SM count (read at run time, so a MIG slice or a cut-down card gets its own number), and a tuned tail's grid is its
-`per_sm` times that (the cooperative launch refuses a grid that cannot be resident; the compile test checks each
-architecture's tables against the compiled kernels' registers and shared memory).
+SM count (read at run time, so a MIG slice or a cut-down card gets its own number), one program per SM (the
+cooperative launch refuses a grid that cannot be resident; the compile test checks each architecture's tables
+against the compiled kernels' registers and shared memory). The tail takes model-dtype weights only, so its entries
+are keyed by shape alone; quantized products are GEMV entries (keys ending in "w1").
 
 Limits per architecture are the CUDA programming guide's (shared memory per block with opt-in, per SM); on a GPU the
 per-block limit is read from the driver as Triton's launcher checks it. tests/semantic/test_arch_compile.py compiles
@@ -125,7 +126,7 @@ def one_byte_config(cfg: GemvConfig, k: int, group: int) -> GemvConfig:
     255 registers on sm_90). Per-channel scales: K tiles twice as long where the tile stays within 8K elements (and K
     allows), else twice the stages; per-group scales: K tiles within one group (<= 128 columns), stages doubled (for
     a halved tile, quadrupled), at most 8. `fit_shared` then bounds it by the GPU's shared memory.
-    What to sweep on a GPU (tune_gemv.py / tune_tail.py with 1-byte weights, keys ending in "w1"): block_k
+    What to sweep on a GPU (tune_onebyte.py, keys ending in "w1"): block_k
     128-512 x stages 3-8 per-channel, stages 6-10 at block_k 128 per-group, block_n 32-128, TMA on/off, 4 or 8 warps
     (int8 -> bf16 conversion is more instructions than fp8's), checking registers with semantic/arch_compile.py."""
     if group:
@@ -160,10 +161,6 @@ def one_byte_suffixes(w_bytes: int, kind: str, group: int) -> list[tuple]:
     if w_bytes != 1:
         return [()]
     return ([("w1", kind, group)] if kind else []) + [("w1",)]
-
-
-def _tail_products(cfg: TailConfig) -> tuple[GemvConfig, ...]:
-    return cfg.o, cfg.gate_up, cfg.down, cfg.qkv
 
 
 @dataclass(frozen=True)
@@ -209,25 +206,17 @@ class Tuning:
             cfg = fit_shared(cfg, self.target.shared_per_block, x_bytes, w_bytes)
         return linear.fit_shape(cfg, n, k, swiglu)
 
-    def tail(self, hidden: int, attn: int, gate_up: int, qkv: int, w_bytes: int = 2, group: int = 0,
-             kind: str = "") -> TailConfig:
-        """The config of `block_tail` (`qkv`: the next block's q|k|v rows, 16 without one). Its products run one
-        after another, so each alone must fit; their inputs are bf16. 1-byte weights as in `gemv`."""
-        for suffix in one_byte_suffixes(w_bytes, kind, group):
-            tuned = self.tail_table.get((hidden, attn, gate_up, qkv, *suffix))
-            if tuned is not None and all(self.valid(c, 2, w_bytes, group, kind) for c in _tail_products(tuned)):
-                return tuned
-        if w_bytes == 1:
-            base = self.tail(hidden, attn, gate_up, qkv)
-            ks = dict(zip(tail_config.PRODUCTS, (attn, hidden, gate_up // 2, hidden)))
-            cfg = tail_config.with_products(base, lambda name, c: one_byte_config(c, ks[name], group))
-        elif self.target is None:
+    def tail(self, hidden: int, attn: int, gate_up: int, qkv: int) -> TailConfig:
+        """The config of `block_tail` on model-dtype weights (`qkv`: the next block's q|k|v rows, 16 without one).
+        Its products run one after another, so each alone must fit."""
+        tuned = self.tail_table.get((hidden, attn, gate_up, qkv))
+        if tuned is not None and all(self.valid(getattr(tuned, name)) for name in tail_config.PRODUCTS):
+            return tuned
+        if self.target is None:
             return tail_config.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cpu"))
-        else:
-            cfg = tail_config.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cuda"))
-        if self.target is not None:
-            limit = self.target.shared_per_block
-            cfg = tail_config.with_products(cfg, lambda _, c: fit_shared(c, limit, 2, w_bytes))
+        cfg = tail_config.default_tail_config(hidden, attn, gate_up, qkv, torch.device("cuda"))
+        limit = self.target.shared_per_block
+        cfg = tail_config.with_products(cfg, lambda _, c: fit_shared(c, limit))
         return tail_config.fit_tail_shape(cfg, hidden, attn, gate_up, qkv)
 
     @property
@@ -270,14 +259,19 @@ def _capability(path: Path) -> int:
 
 
 def load_table(path: str | Path) -> tuple[dict[tuple, GemvConfig], dict[tuple, TailConfig]]:
-    """The GEMV and tail tables of one file (either section may be absent)."""
+    """The GEMV and tail tables of one file (either section may be absent). Tail entries on quantized weights (keys
+    ending in "w1", in tables written while the tail also took them) are skipped: the tail takes model-dtype weights
+    only."""
     doc = json.loads(Path(path).read_text())
     gemv_table = {tuple(e["key"]): GemvConfig(**e["config"]) for e in doc.get("gemv", [])}
     tail_table = {}
     for entry in doc.get("tail", []):
-        cfg = dict(entry["config"])
-        products = [GemvConfig(**cfg.pop(name)) for name in ("o", "gate_up", "down", "qkv")]
-        tail_table[tuple(entry["key"])] = TailConfig(*products, **cfg)
+        if len(entry["key"]) != 4:
+            continue
+        cfg = entry["config"]
+        products = [GemvConfig(**cfg[name]) for name in tail_config.PRODUCTS]
+        tail_table[tuple(entry["key"])] = TailConfig(*products, num_warps=cfg.get("num_warps", 4),
+                                                     prefetch=cfg.get("prefetch", 0))
     return gemv_table, tail_table
 
 
@@ -305,17 +299,16 @@ def write_section(path: str | Path, section: str, table: dict, notes: dict | Non
     return path
 
 
-def write_table(path: Path, tuning: Tuning, gemv_table: dict, tail_table: dict, target: Target) -> Path:
-    """What a sweep writes: this GPU's packaged table (`tuning`'s source) with the sweep's winners over its entries, in
-    a file of its own (one per sweep, compared in the engine with `bench semantic --compare-tuning`). The sweeps hand
-    each product its input as the engine does (`tune_onebyte`), so the file says "inputs": "handed"."""
+def write_table(path: Path, tuning: Tuning, gemv_table: dict, target: Target) -> Path:
+    """What a GEMV sweep writes: this GPU's packaged table (`tuning`'s source) with the sweep's winners over its GEMV
+    entries, in a file of its own (one per sweep, compared in the engine with `bench semantic --compare-tuning`). The
+    sweeps hand each product its input as the engine does (`tune_onebyte`), so the file says "inputs": "handed"."""
     packaged = Path(tuning.source) if tuning.source != "heuristic" else None
     if packaged is not None and packaged.resolve() == path.resolve():
         raise SystemExit(f"write the 1-byte table to a file of its own, not {path}")
     path.unlink(missing_ok=True)  # rewritten after each format, from the packaged table
-    old_gemv, old_tail = {}, {}
+    old_gemv = {}
     if packaged is not None:
         shutil.copyfile(packaged, path)
-        old_gemv, old_tail = load_table(path)
-    write_section(path, "gemv", {**old_gemv, **gemv_table}, target=target, head={"inputs": "handed"})
-    return write_section(path, "tail", {**old_tail, **tail_table}, target=target)
+        old_gemv = load_table(path)[0]
+    return write_section(path, "gemv", {**old_gemv, **gemv_table}, target=target, head={"inputs": "handed"})
