@@ -12,7 +12,8 @@ tile. `compiled_loops` does the same for any recorded launch (a GEMV's, say).
 
 Per product: the hot path's instructions per tile, per weight a thread (tile rows x columns / threads), its count
 of each opcode (modifiers dropped), and the kernel's registers. A static count is not a time: ptxas's scheduling,
-the pipelines' latencies and the barriers are not in it; the GPU's `tune_tail_grid` and the engine's comparison are.
+the pipelines' latencies and the barriers are not in it; the GPU's sweeps (`tune_tail`, `tune_onebyte`) and
+the engine's comparison are.
 
 `gemv_census` (`--gemvs`) does the same for the GEMVs of a frame as the engine runs it by default (quantized stacks
 one launch per product): each variant once, its hot path per tile and per weight a thread.
