@@ -93,6 +93,27 @@ def test_the_int4_sweep_offers_only_tiles_its_format_can_run():
                                                                    or CONVERSIONS[route] != 0), (fmt, cfg, route)
 
 
+def test_the_tail_case_checks_a_bf16_tail_against_torch_on_a_small_model(monkeypatch):
+    """`tune_tail.TailCase` (what tune_tail sweeps and `bench counters` profiles) on the CPU (Triton's interpreter,
+    fp16, a 2-block model of hidden 128): block i's launch reads block i's weights, the heuristic config computes
+    block 0 within the sweep's bar against torch in float32, and a weight changed after the reference is caught."""
+    import torch
+
+    monkeypatch.setattr(tune_tail, "FAMILIES", {"lm": (128, 128, 256, 64, 2)})
+    torch.manual_seed(0)
+    case = tune_tail.TailCase("lm", "cpu", dtype=torch.float16)
+    assert (case.shape, case.layers, len(case.blocks)) == ((128, 128, 256, 64), 2, 2)
+    assert case.nbytes == 2 * (128 * 128 + 256 * 128 + 128 * 128 + 64 * 128)
+    assert [t.shape for t in case.outputs] == [(2, 128), (2, 128), (2, 128), (2, 64)]
+    assert case.error(None) < 2e-3
+    case.reset()
+    case.launch(None, 1)
+    block1 = case.qkv.clone()
+    assert ((block1.float() - case.expected()[1]).norm() / case.expected()[1].norm()).item() > 0.5
+    case.blocks[0]["down"].neg_()
+    assert case.error(None) > 0.5
+
+
 @pytest.mark.parametrize("epilogue", ["norm", "swiglu", "residual"])
 def test_the_gemv_sweep_times_quantized_products_as_the_engine_launches_them_alone(epilogue, monkeypatch):
     """`tune_onebyte`'s GEMV case (Triton's interpreter, fp16): the quantized product takes its input handed over in
