@@ -1,17 +1,18 @@
 """What bounds a chained block tail on this GPU: Nsight Compute's per-unit counters of one launch of each asked tail
-(tune_onebyte's tail cases: random weights of the model's shapes in each format, this GPU's tuned config).
+(`tune_tail.TailCase`: random model-dtype weights of the LM's or the depth decoder's shapes, this GPU's tuned config).
+Chained tails run on bf16 (model-dtype) weights only: quantized stacks run one GEMV launch per product.
 
 Per tail, from one `ncu` run over a child process that launches it once inside a profiler range (after warm-up
 launches, and only if the config is correct against torch): time, DRAM and SM throughput, issue-slot use, warps
 active, instructions executed, each pipe's share, and the stall reasons in warp cycles per issued instruction, with
 the whole raw metric set in the JSON. `--source` adds a second run per tail with per-instruction (SASS) stall
-samples, kept as ncu's CSV beside the JSON and summed by opcode. The bench's own timing (`tune_tail_grid`) is per
+samples, kept as ncu's CSV beside the JSON and summed by opcode. The sweep's own timing (`tune_tail`) is per
 block in a graph; ncu's time here is one launch at the clocks ncu leaves (`--clock-control none`).
 
 Without `ncu` on PATH (or --ncu), it says so in one sentence and exits 3: `bench profile` gives kernel times only.
 
-Run on the GPU: python -m music3_demo.bench counters [out.json] [--tails int4/g64:lm,int8/g128:lm,bf16:lm]
-[--source] [--ncu /path/to/ncu]
+Run on the GPU: python -m music3_demo.bench counters [out.json] [--tails bf16:lm,bf16:depth] [--source]
+[--ncu /path/to/ncu]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-DEFAULT_TAILS = "int4/g64:lm,int8/g128:lm,fp8/channel:lm,bf16:lm,int8/g128:depth"
+DEFAULT_TAILS = "bf16:lm,bf16:depth"
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats", "InstructionStats",
             "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis")
 STALLS = r"regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$"
@@ -116,29 +117,41 @@ def by_opcode(text: str, top: int = 25) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- the child
+def family_of(spec: str) -> str:
+    """The family of tail `spec` ("bf16:family", `tune_tail.FAMILIES`); ValueError for any other."""
+    from ..semantic.kernels.tune_tail import FAMILIES
+
+    fmt, _, family = spec.partition(":")
+    if fmt != "bf16":
+        raise ValueError(f"{spec}: chained tails run on bf16 weights only (quantized stacks run one GEMV launch per "
+                         f"product); ask for bf16:family")
+    if family not in FAMILIES:
+        raise ValueError(f"{spec}: no tail family {family!r} (families: {', '.join(FAMILIES)})")
+    return family
+
+
 def child(spec: str) -> int:
-    """Launch tail `spec` ("format:family") once inside a profiler range, after checking and warming it."""
+    """Launch tail `spec` ("bf16:family") once inside a profiler range, after checking and warming it."""
     import torch
 
-    from ..semantic.kernels.tune_onebyte import FAMILIES, tail_family
-    from ..semantic.kernels.tune_tail_grid import format_of
+    from ..semantic.kernels.tune_tail import FAMILIES, TailCase
     from ..semantic.kernels.tuning import tuning_for
 
-    fmt, family = spec.split(":")
+    family = family_of(spec)
     device = torch.device("cuda")
-    w_bytes, group, kind = format_of(fmt)
-    cfg = tuning_for(device).tail(*FAMILIES[family][:4], w_bytes, group, kind)
-    case = tail_family(fmt, family, layers=1)
-    err = case["error"](cfg)
-    print(json.dumps({"tail": spec, "error": err, "config": str(cfg), "nbytes": case["nbytes"]}), flush=True)
+    tuning = tuning_for(device)
+    cfg = tuning.tail(*FAMILIES[family][:4])
+    case = TailCase(family, device, programs=tuning.programs, layers=1)
+    err = case.error(cfg)
+    print(json.dumps({"tail": spec, "error": err, "config": str(cfg), "nbytes": case.nbytes}), flush=True)
     if not err < 2e-2:
         print(f"{spec}: the tuned config is wrong against torch ({err:.3g}); not profiled", flush=True)
         return 1
     for _ in range(3):
-        case["launch"](cfg, 0)
+        case.launch(cfg)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    case["launch"](cfg, 0)
+    case.launch(cfg)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     return 0
@@ -154,7 +167,7 @@ def run_ncu(ncu: str, spec: str, extra: list[str], timeout: int) -> subprocess.C
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m music3_demo.bench counters", description=__doc__.split("\n\n")[0])
     parser.add_argument("output", nargs="?", default="counters.json")
-    parser.add_argument("--tails", default=DEFAULT_TAILS, help="format:family, comma-separated")
+    parser.add_argument("--tails", default=DEFAULT_TAILS, help="bf16:family, comma-separated")
     parser.add_argument("--source", action="store_true", help="also per-instruction stall samples (a second run)")
     parser.add_argument("--ncu", help="the ncu binary (default: PATH, /usr/local/cuda*/bin, /opt/nvidia)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per ncu run")
@@ -162,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return child(args.child)
+    specs = [t for t in args.tails.split(",") if t]
+    try:
+        for spec in specs:
+            family_of(spec)
+    except ValueError as error:  # an unknown tail fails before ncu is looked for
+        parser.error(str(error))
     ncu = find_ncu(args.ncu)
     out = Path(args.output)
     if ncu is None:
@@ -172,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
     report: dict = {"ncu": ncu, "ncu_version": version[-1] if version else "", "tails": {}}
     sections = [a for s in SECTIONS for a in ("--section", s)]
-    for spec in [t for t in args.tails.split(",") if t]:
+    for spec in specs:
         entry: dict = {}
         try:
             done = run_ncu(ncu, spec, ["--page", "raw", *sections, "--metrics", f"{STALLS},{PIPES}"], args.timeout)

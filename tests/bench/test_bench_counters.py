@@ -1,11 +1,14 @@
-"""The counters bench's reading of Nsight Compute's CSV pages, and its one sentence where ncu is missing."""
+"""The counters bench's reading of Nsight Compute's CSV pages, its one sentence where ncu is missing, and the
+tails it profiles (bf16 ones only)."""
 
 import json
+
+import pytest
 
 from music3_demo.bench import counters
 
 RAW = '''==PROF== Connected to process 1 (python3)
-{"tail": "int4/g64:lm", "error": 0.004}
+{"tail": "bf16:lm", "error": 0.004}
 "ID","Kernel Name","gpu__time_duration.sum","smsp__issue_active.avg.pct_of_peak_sustained_active",\
 "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",\
 "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",\
@@ -52,3 +55,14 @@ def test_without_ncu_it_says_so_in_one_sentence(tmp_path, capsys, monkeypatch):
     said = capsys.readouterr().out.strip()
     assert said.count("\n") == 0 and "ncu" in said
     assert json.loads(out.read_text()) == {"ncu": None}
+
+
+def test_it_profiles_the_bf16_tails_and_refuses_a_quantized_one_before_looking_for_ncu(tmp_path, capsys, monkeypatch):
+    assert [counters.family_of(spec) for spec in counters.DEFAULT_TAILS.split(",")] == ["lm", "depth"]
+    looked = []
+    monkeypatch.setattr(counters, "find_ncu", lambda given=None: looked.append(given))
+    for spec, said in (("int4/g64:lm", "bf16 weights only"), ("bf16:vision", "no tail family")):
+        with pytest.raises(SystemExit) as exited:
+            counters.main([str(tmp_path / "c.json"), "--tails", f"bf16:lm,{spec}"])
+        assert exited.value.code == 2 and said in capsys.readouterr().err
+    assert not looked and not (tmp_path / "c.json").exists()

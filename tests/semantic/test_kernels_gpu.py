@@ -157,3 +157,24 @@ def test_fused_block_tail_equals_its_products_launched_one_by_one_across_graph_r
     assert scratch.count().item() == 21 * len(blocks) * 3 * scratch.programs  # three barriers per launch, none lost
 
 
+@pytest.mark.parametrize("family", ["lm", "depth"])
+def test_tuned_bf16_tails_match_torch_and_their_products_one_by_one_across_graph_replays(family):
+    """This GPU's tuned bf16 tail of each family on the case `bench counters` profiles (`tune_tail.TailCase`: the
+    model's shapes, random model-dtype weights): within 2e-2 of torch in float32, and the fused launch equal to one
+    launch per product bit for bit, across graph replays."""
+    from music3_demo.semantic.kernels.tune_tail import FAMILIES, TailCase
+    from music3_demo.semantic.kernels.tuning import tuning_for
+
+    tuning = tuning_for(DEVICE)
+    cfg = tuning.tail(*FAMILIES[family][:4])
+    case = TailCase(family, DEVICE, programs=tuning.programs, layers=1)
+    assert case.error(cfg) < 2e-2
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        case.reset()
+        case.launch(cfg, 0, fused=fused)
+        return [t.clone() for t in case.outputs]
+
+    expected = run(False)
+    assert all(torch.equal(got, want) for got, want in zip(run(True), expected))
+    _replays_reproduce(lambda: run(True), case.outputs, expected, 10)

@@ -1,23 +1,23 @@
-"""Sweep the 1-byte weight kernels on the GPU: conversion route x tile config for every product the graph engine
-launches (GEMV shapes of tune_gemv.py; the chained tails of tune_tail.py), per weight format (fp8/channel and
-int8/g128, the defaults, then fp8/g128 and int8/channel; packed int4/g64 and int4/g128 when `--formats` names them,
-their LM tails only), and write the winners as a tuning table.
+"""Sweep the quantized GEMVs on the GPU: conversion route x tile config for every product the graph engine launches
+on quantized weights (the GEMV shapes of tune_gemv.py; quantized stacks run one launch per product, no chained tail),
+per weight format (fp8/channel and int8/g128, the defaults, then fp8/g128 and int8/channel; packed int4/g64 and
+int4/g128 when `--formats` names them), and write the winners as a tuning table.
 
-Pass 1, per format: (1) routes: every conversion route (`qweight.CAST` ...) with three tiles on the four products
-a chained LM block runs (q|k|v, o, gate|up, down; 2 rows), ranked by total time; (2) the LM's and the depth
-decoder's block tails (most of a frame's bytes) on the heuristic's tiles, with every route. Pass 2, per format:
-(3) a grid of tiles (block_n, block_k, stages, warps, TMA, split-K) with the best route (and the runner-up where the
-budget allows) on every GEMV shape; (4) the tails built from those winners, with every route. Tails are timed over
-as many weight copies as the model has blocks, GEMVs over enough copies to defeat the L2 (tune_gemv.py's timer).
-Every candidate is first checked against torch's product on the same dequantized weights (a wrong one is printed
-as WRONG and skipped). Compiling is the slow part: a pool of processes compiles every candidate first (Triton's
-disk cache), so the timing loop only loads kernels.
+Pass 1, per format: every conversion route (`qweight.CAST` ...) with three tiles on the four products of an LM block
+(q|k|v, o, gate|up, down; 2 rows), ranked by their total time. Pass 2, per format: a grid of tiles (block_n,
+block_k, stages, warps, TMA, split-K) with the best route (and the runner-up where the budget allows; an fp16 route
+too where only it runs the tiles spanning scale groups) on every GEMV shape, timed over enough weight copies to
+defeat the L2 (tune_gemv.py's timer), each product given its input as the engine hands it over. Every candidate is
+first checked against torch's product on the same dequantized weights (a wrong one is printed as WRONG and skipped).
+Compiling is the slow part: a pool of processes compiles every candidate first (Triton's disk cache), so the timing
+loop only loads kernels.
 
-Writes the table file given (default tuning-onebyte.json): this GPU's packaged table with the 1-byte entries added,
-keys ending ("w1", kind, group), which `--tuning` of the bench takes. Prints per shape the best 1-byte time against
-bf16's tuned config and the bandwidth reached, then the routes' totals.
+Writes the table file given (default tuning-onebyte.json): this GPU's packaged table with the GEMV entries of the
+quantized formats added (keys ending ("w1", kind, group); its tail section as packaged), which `--tuning` of the
+bench takes, and the rows beside it (.rows.json). Prints per shape the best time against the heuristic's and bf16's
+tuned config and the bandwidth reached, then the routes' totals.
 Run: python -m music3_demo.semantic.kernels.tune_onebyte [out.json] [--formats fp8/channel,int8/g128,int4/g64]
-[--budget 300] [--gemvs-only] [--dry]
+[--budget 300] [--dry]
 """
 
 from __future__ import annotations
@@ -32,18 +32,15 @@ from pathlib import Path
 
 import torch
 
-from .linear import GemvConfig, GemvWorkspace, NormSums, gemv, tile_fits_groups
+from .linear import GemvConfig, GemvWorkspace, NormSums, gemv
 from .onebyte_space import FORMATS, ROUTES, fits_shape, route_tiles, tiles
 from .qweight import CONVERSIONS, FP16_ROUTES
-from .tail import block_tail
-from .tail_config import TailConfig, TailScratch, with_products
 from .tune_gemv import SHAPES, time_graph
-from .tuning import Target, Tuning, tuning_for, write_table
+from .tuning import Target, tuning_for, write_table
 
-# The four products of a chained LM block (2 rows): what decides the route.
+# The four products of an LM block (2 rows): what decides the route.
 ROUTE_SHAPES = [(2, 6144, 4096, "norm"), (2, 4096, 4096, "residual"), (2, 24576, 4096, "swiglu"),
                 (2, 4096, 12288, "residual")]
-FAMILIES = {"lm": (4096, 4096, 24576, 6144, 36), "depth": (4096, 4096, 12288, 12288, 28)}
 LAUNCHES = 24
 DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16  # a smoke run of the logic sets cpu, float16 (interpreter)
 
@@ -127,120 +124,16 @@ def warm(job: tuple) -> str:
     """Compile one candidate in a pool process (fills Triton's disk cache); returns a line for the log."""
     what, fmt, shape, cfg = job
     try:
-        if what in ("gemv", "bf16"):
-            run_gemv(gemv_case(fmt, shape), cfg, dense=what == "bf16")
-        else:
-            tail_family(fmt, shape, layers=1)["launch"](cfg, 0)
+        run_gemv(gemv_case(fmt, shape), cfg, dense=what == "bf16")
         torch.cuda.synchronize()
         return ""
     except Exception as error:  # noqa: BLE001 - reported again (and skipped) by the timing loop
         return f"COMPILE {what} {fmt} {shape} {cfg}: {type(error).__name__}: {str(error)[:160]}"
 
 
-# ---------------------------------------------------------------------------------------------- one tail family
-def tail_family(fmt: str, family: str, layers: int | None = None) -> dict:
-    from .linear import interleave_rows
-    from ..quant import quantize_weight
-
-    key = ("tail", fmt, family, layers)
-    if key in _CACHE:
-        return _CACHE[key]
-    _CACHE.clear()
-    torch.cuda.empty_cache()
-    kind, group = ("bf16", 0) if fmt == "bf16" else FORMATS[fmt]  # "bf16": model-dtype weights (tune_tail_grid)
-    d, a, g, q, blocks = FAMILIES[family]
-    layers = layers or blocks
-    device = DEVICE
-
-    def weight(n: int, k: int, interleave: bool = False):
-        w = torch.randn(n, k, device=device, dtype=DTYPE) * k**-0.5
-        if interleave:
-            w = interleave_rows(w[: n // 2], w[n // 2:])
-        return w if fmt == "bf16" else quantize_weight(w, kind, group)
-
-    def dense(w) -> torch.Tensor:
-        return w.float() if fmt == "bf16" else w.dequantize(torch.float32)
-
-    ws = [dict(o=weight(d, a), gate_up=weight(g, d, True), down=weight(d, g // 2), qkv=weight(q, d),
-               ln1=torch.rand(d, device=device, dtype=DTYPE) + 0.5,
-               ln2=torch.rand(d, device=device, dtype=DTYPE) + 0.5) for _ in range(layers)]
-    attn = torch.randn(2, a, device=device, dtype=DTYPE)
-    attn16 = attn.float().clamp(-65504, 65504).half()  # the attention kernel's fp16 copy (read with `halves`)
-    start = torch.randn(2, d, device=device)
-    h, h16 = start.clone(), start.to(DTYPE)  # h16: the NORM products' input, in the model's dtype
-    act = torch.zeros(2, g // 2, device=device, dtype=DTYPE)
-    qkv = torch.zeros(2, q, device=device, dtype=DTYPE)
-    scratch = TailScratch(device)
-
-    def launch(cfg: TailConfig, index: int, barriers: bool = True, fused: bool | None = None) -> None:
-        w = ws[index % layers]
-        block_tail(attn, h, h16, act, w["o"], w["gate_up"], w["down"], w["ln2"], 1e-6, scratch,
-                   next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg, barriers=barriers, attn16=attn16, fused=fused)
-
-    def reset() -> None:
-        h.copy_(start)
-        h16.copy_(start.to(DTYPE))
-        # a launch without its barriers (timing only) lets the products' split parts bump each other's counters,
-        # which then hold a balanced product's next launch back or forward: zero between products, as a launch keeps
-        scratch.split_counts.zero_()
-
-    def expected() -> tuple[torch.Tensor, torch.Tensor]:
-        """Block 0 in torch on the dequantized weights (float32, the kernels' roundings of h to the model dtype)."""
-        w = {name: dense(ws[0][name]) for name in ("o", "gate_up", "down", "qkv")}
-
-        def normed(hh: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
-            hb = hh.to(DTYPE).float()
-            return hb * torch.rsqrt(hb.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.float()
-
-        hh = start + attn.float() @ w["o"].T
-        y = normed(hh, ws[0]["ln2"]) @ w["gate_up"].T
-        hh = hh + (torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]) @ w["down"].T
-        return hh, normed(hh, ws[0]["ln1"]) @ w["qkv"].T
-
-    def error(cfg: TailConfig) -> float:
-        reset()
-        launch(cfg, 0)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        want_h, want_q = ref
-        return max(((h - want_h).norm() / (want_h - start).norm()).item(),
-                   ((qkv.float() - want_q).norm() / want_q.norm()).item())
-
-    ref = expected()
-    nbytes = sum(w.nbytes if fmt == "bf16" else w.nbytes()
-                 for w in (ws[0][name] for name in ("o", "gate_up", "down", "qkv")))
-    case = dict(launch=launch, error=error, layers=layers, nbytes=nbytes, shape=(d, a, g, q), reset=reset,
-                outputs=(h, h16, act, qkv))
-    _CACHE[key] = case
-    return case
-
-
 # ---------------------------------------------------------------------------------------------- the sweep
 def with_route(cfg: GemvConfig, route: str) -> GemvConfig:
     return dataclasses.replace(cfg, convert=CONVERSIONS[route])
-
-
-def tail_candidates(fmt: str, family: str, tuning: Tuning, best: dict, which: str) -> list[TailConfig]:
-    """The heuristic's tail ("heuristic") or one built from the GEMV winners of the same products ("winners", if
-    all four have one), each with every route."""
-    kind, group = FORMATS[fmt]
-    d, a, g, q, _ = FAMILIES[family]
-    heuristic = tuning.tail(d, a, g, q, 1, group, kind)
-    products = {"o": (2, d, a, "residual"), "gate_up": (2, g, d, "swiglu"), "down": (2, d, g // 2, "residual"),
-                "qkv": (2, q, d, "norm")}
-    found = {name: best.get((fmt, shape)) for name, shape in products.items()}
-    bases = [heuristic] if which == "heuristic" else []
-    if which == "winners" and all(found.values()):  # the tail has no split-K: its grid already spreads the row blocks
-        bases.append(TailConfig(**{n: dataclasses.replace(c, split_k=1) for n, c in found.items()},
-                                num_warps=max(c.num_warps for c in found.values())))
-    out = []
-    for base in bases:
-        for route in ROUTES[kind]:
-            cfg = with_products(base, lambda _, c: with_route(c, route))
-            if cfg not in out and all(tile_fits_groups(c.block_k, group, c.convert) for c in
-                                      (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)):
-                out.append(cfg)
-    return out
 
 
 def main() -> None:
@@ -250,8 +143,6 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; later stages/formats are cut")
     parser.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     parser.add_argument("--dry", action="store_true", help="list the candidates only (no GPU)")
-    parser.add_argument("--gemvs-only", action="store_true",
-                        help="no chained tails (a GPU engine runs quantized stacks one launch per product)")
     args = parser.parse_args()
     formats = args.formats.split(",")
     started = time.perf_counter()
@@ -276,63 +167,22 @@ def main() -> None:
     def compile_all(jobs: list[tuple]) -> None:
         t0 = time.perf_counter()
         # one job per compiled kernel: GEMV shapes of one epilogue and row count share their kernels
-        jobs = list({(j[0], j[1], j[2] if j[0] == "tail" else (j[2][0], j[2][3]), j[3]): j for j in jobs}.values())
+        jobs = list({(j[0], j[1], (j[2][0], j[2][3]), j[3]): j for j in jobs}.values())
         for line in (pool.map(warm, jobs) if pool else map(warm, jobs)):
             if line:
                 print(line, flush=True)
         print(f"compiled {len(jobs)} candidates in {time.perf_counter() - t0:.0f} s", flush=True)
 
-    best: dict = {}  # (fmt, shape) -> GemvConfig
     routes: dict = {}  # fmt -> routes ranked by the LM block's four products
     rows, route_rows = [], []
-    gemv_table, tail_best = {}, {}  # tail_best: (fmt, family) -> (TailConfig, seconds per block, TB/s)
+    gemv_table = {}
 
     def save() -> None:  # after every stage: a run cut short by its time limit still leaves a table
-        tail_table = {(*FAMILIES[family][:4], "w1", *FORMATS[fmt]): found[0]
-                      for (fmt, family), found in tail_best.items()}
-        path = write_table(Path(args.output), tuning, gemv_table, tail_table, target)
-        tails = [{"format": fmt, "family": family, "us_per_block": round(t * 1e6, 2), "TBps": round(tbps, 3),
-                  "best": dataclasses.asdict(cfg)} for (fmt, family), (cfg, t, tbps) in tail_best.items()]
-        Path(path).with_suffix(".rows.json").write_text(json.dumps({"gemv": rows, "routes": route_rows,
-                                                                    "tails": tails}, indent=1))
-        print(f"wrote {path} ({len(gemv_table)} gemv, {len(tail_table)} tail entries) at "
-              f"{time.perf_counter() - started:.0f} s", flush=True)
+        path = write_table(Path(args.output), tuning, gemv_table, target)
+        Path(path).with_suffix(".rows.json").write_text(json.dumps({"gemv": rows, "routes": route_rows}, indent=1))
+        print(f"wrote {path} ({len(gemv_table)} gemv entries) at {time.perf_counter() - started:.0f} s", flush=True)
 
-    def tune_tails(fmt: str, which: str) -> None:
-        if args.gemvs_only:
-            return
-        # an int4 LM keeps its depth decoder at 8 bits (`precision.depth_mode`): no int4 depth tail runs
-        for family in [f for f in FAMILIES if not (FORMATS[fmt][0] == "int4" and f == "depth")]:
-            if left() < 25:
-                print(f"BUDGET: {fmt} {family} tail ({which}) not tuned", flush=True)
-                continue
-            candidates = tail_candidates(fmt, family, tuning, best, which)
-            if not candidates:
-                continue
-            compile_all([("tail", fmt, family, c) for c in candidates])
-            case = tail_family(fmt, family)
-            for cfg in candidates:
-                try:
-                    err = case["error"](cfg)
-                except Exception as error:  # noqa: BLE001
-                    print(f"SKIP tail {fmt} {family} {cfg}: {type(error).__name__}: {str(error)[:160]}", flush=True)
-                    continue
-                if not err < 2e-2:
-                    print(f"WRONG tail {fmt} {family} {cfg}: rel err {err:.2e}", flush=True)
-                    continue
-                t = time_graph(lambda _: [case["launch"](cfg, i) for i in range(case["layers"])], 1) / case["layers"]
-                print(f"  tail {fmt} {family} {which} {t * 1e6:.1f} us routes "
-                      f"{[c.convert for c in (cfg.o, cfg.gate_up, cfg.down, cfg.qkv)]}", flush=True)
-                if (fmt, family) not in tail_best or t < tail_best[(fmt, family)][1]:
-                    tail_best[(fmt, family)] = (cfg, t, case["nbytes"] / t / 1e12)
-            if (fmt, family) in tail_best:
-                cfg, t, tbps = tail_best[(fmt, family)]
-                print(json.dumps({"format": fmt, "family": family, "after": which, "us_per_block": round(t * 1e6, 2),
-                                  "TBps": round(tbps, 3), "best": dataclasses.asdict(cfg)}), flush=True)
-            _CACHE.clear()
-            torch.cuda.empty_cache()
-
-    # Pass 1, every format: the route, then the tails (most of a frame's bytes) from the heuristic's tiles.
+    # Pass 1, every format: the routes ranked on the LM block's four products.
     for fmt in formats:
         kind, group = FORMATS[fmt]
         if left() < 30:
@@ -351,9 +201,8 @@ def main() -> None:
             route_rows.append({"format": fmt, "route": route, "lm_block_us": round(total * 1e6, 1)})
             print(json.dumps(route_rows[-1]), flush=True)
         routes[fmt] = sorted(totals, key=totals.get)
-        tune_tails(fmt, "heuristic")
         save()
-    # Pass 2, every format: the tile grid on every GEMV shape with the best route, then tails from the winners.
+    # Pass 2, every format: the tile grid on every GEMV shape with the best route(s).
     for fmt in routes:
         kind, group = FORMATS[fmt]
         ranked = routes[fmt][:1] if left() < 150 else routes[fmt][:2]  # the runner-up too where time allows
@@ -384,7 +233,6 @@ def main() -> None:
             if found is None:
                 print(f"NO CONFIG {fmt} {shape}", flush=True)
                 continue
-            best[(fmt, shape)] = found[0]
             rows_, n, k, epilogue = shape
             case = gemv_case(fmt, shape, copies=copies_for(n * k))
             bf16_cfg = tuning.gemv(rows_, n, k, epilogue == "swiglu", 2)
@@ -399,7 +247,6 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             key = (rows_, n, k) + (("swiglu",) if epilogue == "swiglu" else ()) + ("w1", kind, group)
             gemv_table[key] = found[0]
-        tune_tails(fmt, "winners")
         save()
     if pool:
         pool.shutdown(cancel_futures=True)

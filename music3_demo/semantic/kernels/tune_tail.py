@@ -7,6 +7,8 @@ Every variant is a CUDA graph of one launch per layer over as many weight copies
 nothing stays in L2 between uses, as in a frame), checked against the separate launches, and reported in us per
 layer and TB/s of weight bytes. Prints the table and writes its "tail" section (kernels/tuning.py's format) to the
 given file (its "gemv" section, e.g. from tune_gemv.py, is kept and used), else to this GPU's packaged table.
+Its case (`TailCase`: one family's blocks on random model-dtype weights, the launch, a check against torch) is also
+what `bench counters` profiles.
 Run: python -m music3_demo.semantic.kernels.tune_tail [tuning.json]
 """
 
@@ -28,6 +30,7 @@ from .tuning import Target, Tuning, tuning_for
 # The random-full model's (hidden, attention width, gate|up rows, q|k|v rows, blocks run per frame).
 FAMILIES = {"lm": (4096, 4096, 24576, 6144, 36), "depth": (4096, 4096, 12288, 12288, 28)}
 ROWS = 2
+EPS = 1e-6
 
 
 def candidates(block_n: int, rows: int) -> list[GemvConfig]:
@@ -51,55 +54,105 @@ def timed(launch) -> float:
     return time_graph(lambda _: launch(), 1)
 
 
+class TailCase:
+    """One family's chained tail on random model-dtype weights (`dtype`): `layers` blocks of its shapes (default: as
+    many as the model runs per frame, so a graph over all of them reads each weight once, as a frame does, with nothing
+    left in L2), the launch's inputs, outputs and scratch. `launch` runs block `index`'s tail; `error` checks a config
+    against torch in float32 (the tune sweep, `bench counters` and the GPU tests share it)."""
+
+    def __init__(self, family: str, device: torch.device | str, *, programs: int | None = None,
+                 layers: int | None = None, dtype: torch.dtype = torch.bfloat16, rows: int = ROWS) -> None:
+        device = torch.device(device)
+        d, a, g, q, blocks = FAMILIES[family]
+        self.family, self.shape, self.layers, self.dtype = family, (d, a, g, q), layers or blocks, dtype
+
+        def weight(n: int, k: int) -> torch.Tensor:  # (gate|up's rows are read interleaved: random ones are)
+            return torch.randn(n, k, device=device, dtype=dtype) * k**-0.5
+
+        def gain() -> torch.Tensor:
+            return torch.rand(d, device=device, dtype=dtype) + 0.5
+
+        self.blocks = [dict(o=weight(d, a), gate_up=weight(g, d), down=weight(d, g // 2), qkv=weight(q, d),
+                            ln1=gain(), ln2=gain()) for _ in range(self.layers)]
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.blocks[0].values() if t.dim() == 2)
+        self.attn = torch.randn(rows, a, device=device, dtype=dtype)
+        self.start = torch.randn(rows, d, device=device)  # the float32 residual stream before the tail
+        self.h, self.h16 = self.start.clone(), self.start.to(dtype)  # h16: the NORM products' input (`xn`)
+        self.act = torch.zeros(rows, g // 2, device=device, dtype=dtype)
+        self.qkv = torch.zeros(rows, q, device=device, dtype=dtype)
+        self.scratch = TailScratch(device, programs)
+        self._expected: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        return self.h, self.h16, self.act, self.qkv
+
+    def launch(self, cfg: TailConfig | None, index: int = 0, *, fused: bool | None = None,
+               barriers: bool = True) -> None:
+        w = self.blocks[index % self.layers]
+        block_tail(self.attn, self.h, self.h16, self.act, w["o"], w["gate_up"], w["down"], w["ln2"], EPS,
+                   self.scratch, next_qkv=(w["qkv"], w["ln1"], self.qkv), config=cfg, fused=fused, barriers=barriers)
+
+    def reset(self) -> None:
+        self.h.copy_(self.start)
+        self.h16.copy_(self.start.to(self.dtype))
+
+    def expected(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block 0's h and next q|k|v in torch, float32 (h rounded to the model dtype before each RMSNorm, as the
+        kernels read it); computed at the first call."""
+        if self._expected is None:
+            w = {name: self.blocks[0][name].float() for name in ("o", "gate_up", "down", "qkv")}
+
+            def normed(hh: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+                hb = hh.to(self.dtype).float()
+                return hb * torch.rsqrt(hb.pow(2).mean(-1, keepdim=True) + EPS) * gain.float()
+
+            hh = self.start + self.attn.float() @ w["o"].T
+            y = normed(hh, self.blocks[0]["ln2"]) @ w["gate_up"].T
+            hh = hh + (torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]) @ w["down"].T
+            self._expected = (hh, normed(hh, self.blocks[0]["ln1"]) @ w["qkv"].T)
+        return self._expected
+
+    def error(self, cfg: TailConfig | None, fused: bool | None = None) -> float:
+        """Block 0's tail from the start state against `expected`: the larger relative error of h's update and of
+        the next q|k|v."""
+        want_h, want_q = self.expected()
+        self.reset()
+        self.launch(cfg, 0, fused=fused)
+        if self.h.device.type == "cuda":
+            torch.cuda.synchronize()
+        return max(((self.h - want_h).norm() / (want_h - self.start).norm()).item(),
+                   ((self.qkv.float() - want_q).norm() / want_q.norm()).item())
+
+
 def tune_family(name: str, device: torch.device, tuning: Tuning) -> tuple[tuple, TailConfig, dict]:
-    d, a, g, q, layers = FAMILIES[name]
-    bf16 = torch.bfloat16
-
-    def weight(n: int, k: int) -> torch.Tensor:
-        return torch.randn(n, k, device=device, dtype=bf16) * k**-0.5
-
-    def gain() -> torch.Tensor:
-        return torch.rand(d, device=device, dtype=bf16) + 0.5
-
-    blocks = [dict(o=weight(d, a), gate_up=weight(g, d), down=weight(d, g // 2), qkv=weight(q, d), ln1=gain(),
-                   ln2=gain()) for _ in range(layers)]
-    nbytes = sum(t.numel() * 2 for t in blocks[0].values() if t.dim() == 2)
-    attn = torch.randn(ROWS, a, device=device, dtype=bf16)
-    start_h = torch.randn(ROWS, d, device=device)
-    h, h16 = start_h.clone(), start_h.to(bf16)
-    act = torch.zeros(ROWS, g // 2, device=device, dtype=bf16)
-    qkv = torch.zeros(ROWS, q, device=device, dtype=bf16)
-    scratch = TailScratch(device, tuning.programs)
+    case = TailCase(name, device, programs=tuning.programs)
+    (d, a, g, q), layers, nbytes, blocks = case.shape, case.layers, case.nbytes, case.blocks
+    h, qkv, start_h = case.h, case.qkv, case.start
 
     def product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, **kw) -> None:
         swiglu = kw.get("swiglu", False)
         gemv(x, w, out, config=tuning.gemv(x.shape[0], *w.shape, swiglu, x.element_size()), **kw)
 
-    def reset() -> None:
-        h.copy_(start_h)
-        h16.copy_(start_h.to(bf16))
-
     def separate(chosen: list[dict] = blocks) -> None:
         for w in chosen:
-            product(attn, w["o"], h, residual=h, out_copy=h16)
-            product(h16, w["gate_up"], act, norm_weight=w["ln2"], swiglu=True)
-            product(act, w["down"], h, residual=h, out_copy=h16)
-            product(h16, w["qkv"], qkv, norm_weight=w["ln1"])
+            product(case.attn, w["o"], h, residual=h, out_copy=case.h16)
+            product(case.h16, w["gate_up"], case.act, norm_weight=w["ln2"], swiglu=True)
+            product(case.act, w["down"], h, residual=h, out_copy=case.h16)
+            product(case.h16, w["qkv"], qkv, norm_weight=w["ln1"])
 
     def chained(cfg: TailConfig, fused: bool = True) -> None:
-        for w in blocks:
-            block_tail(attn, h, h16, act, w["o"], w["gate_up"], w["down"], w["ln2"], 1e-6, scratch,
-                       next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg, fused=fused)
+        for index in range(layers):
+            case.launch(cfg, index, fused=fused)
 
+    reset = case.reset
     reset()
     separate(blocks[:1])  # one block's outputs through the separate launches: what every variant must give
     expected = (h.clone(), qkv.clone())
 
     def correct(cfg: TailConfig) -> float:
         reset()
-        w = blocks[0]
-        block_tail(attn, h, h16, act, w["o"], w["gate_up"], w["down"], w["ln2"], 1e-6, scratch,
-                   next_qkv=(w["qkv"], w["ln1"], qkv), config=cfg)
+        case.launch(cfg, 0)
         torch.cuda.synchronize()
         return max(((h - expected[0]).norm() / (expected[0] - start_h).norm()).item(),
                    ((qkv.float() - expected[1].float()).norm() / expected[1].float().norm()).item())
