@@ -21,9 +21,9 @@ from music3_demo.semantic.kernels.linear import GemvConfig
 from music3_demo.semantic.kernels.tuning import SHARED_MEMORY, shared_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
-# Two halves of about equal compile time (CI has two cores; about 40 CPU s for sm_80, 86 and 90, 60 for sm_89, 80 for
+# Two halves of about equal compile time (CI has two cores; about 20-35 CPU s for sm_80, 86, 89 and 90, 40-45 for
 # sm_100 and 120); each process builds the meta model once. The second also compiles the tiny model's kernels for
-# sm_90 (~30 CPU s: one compile per tile configuration, `SMALL_MINOR`).
+# sm_90 (one compile per tile configuration, `SMALL_MINOR`).
 GROUPS = (("100", "89", "86"), ("120", "80", "90", "--tiny", "90"))
 TIMEOUT = 1200  # seconds per process: a guard against a hang (about 90 on two idle cores, over 600 on a shared one)
 
