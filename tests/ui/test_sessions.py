@@ -8,7 +8,6 @@ import time
 
 import gradio as gr
 import httpx
-import pytest
 from gradio_client import Client
 
 from music3_demo.ui import sessions
