@@ -50,10 +50,10 @@ def fp8_capable(capability: tuple[int, int] | None) -> bool:
 
 def depth_mode(lm: str, capability: tuple[int, int] | None) -> str:
     """The depth decoder's mode beside an LM in mode `lm`: the same, except beside an int4 LM, where it stays at 8
-    bits (a 4-bit depth decoder loses the vocal band): fp8 on a GPU with fp8 conversions (its chained tails take
-    half of int8's instructions a weight, 68 against 87 us an H200 block, and its error on the 1/8-width model with
-    outlier columns measured no larger: depth hiddens' relative error 0.080 against int8/g128's 0.096 beside an
-    int8 LM), else int8. `capability` None (the CPU): int8."""
+    bits (a 4-bit depth decoder loses the vocal band): fp8 on a GPU with fp8 conversions (its tiles take half of
+    int8's instructions a weight: 68 against 87 us an H200 block when its tails were chained; and its error on the
+    1/8-width model with outlier columns measured no larger: depth hiddens' relative error 0.080 against int8/g128's
+    0.096 beside an int8 LM), else int8. `capability` None (the CPU): int8."""
     if lm != "int4":
         return lm
     return "fp8" if fp8_capable(capability) else "int8"

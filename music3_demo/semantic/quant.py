@@ -2,7 +2,7 @@
 scales per output channel or per output channel and 128-column group, made at load from the bf16 checkpoint; and
 int4 (two values per byte, `kernels/qweight.py` says which nibble is which column, scales per 64-column group) for
 the LM with the depth decoder kept at 8 bits (fp8 where the GPU converts it, else int8: `precision.depth_mode`); the
-graph engine's GEMVs and chained tails read the packed words.
+graph engine's GEMVs and prefill products read the packed words.
 
 Each quantized `nn.Linear` is replaced in place by a `QuantizedLinear` that holds the 1-byte weight and its scales and
 dequantizes on forward (to the activation dtype) before F.linear. So the HF model itself, with its modules swapped,
@@ -232,7 +232,7 @@ def linear_targets(language_model, depth_decoder) -> list[tuple[nn.Module, str, 
 
 
 def model_group(targets: list[tuple[nn.Module, str, nn.Linear]], group: int) -> int:
-    """One group size for the whole model (the chained-tail kernel reads one format): the largest divisor of every
+    """One group size for the whole model (one format, which its tuning entries name): the largest divisor of every
     Linear's K and of the hidden size (the audio head's K) up to `group`. 128 for the released checkpoint."""
     for _, _, linear in targets:
         group = math.gcd(group, linear.in_features)

@@ -65,7 +65,7 @@ class GemvConfig:
     tma: bool = False  # weight tiles by the Hopper tensor-memory accelerator (a host descriptor) instead of cp.async
     convert: int = 0  # 1-byte weights only: how a tile becomes MMA operands (qweight.CAST, BITS_BF16, ...)
     # Per-group scales, a K tile over 2 or 4 groups (`group_dots_fit`): one MMA per group, scaled after it, instead of
-    # the weights scaled before one MMA (`operands.dot_tile`). GEMVs only: the chained tail scales before.
+    # the weights scaled before one MMA (`operands.dot_tile`). GEMVs only: the prefill's products scale before.
     group_dots: bool = False
 
 

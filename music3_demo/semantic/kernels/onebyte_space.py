@@ -26,8 +26,8 @@ MULTI_GROUP_INT4 = [_G(64, 256, 4, 6, 1, True), _G(128, 256, 8, 4, 1, True), _G(
                     _G(16, 512, 4, 6), _G(64, 256, 4, 4, 2, True), _G(256, 128, 8, 4, 1, True)]
 # K split 4, 8 and 16 ways: a quantized GEMV converts its weights in registers, so one program of 4 warps per SM (the
 # 4096-row products at split 2: 128 programs) leaves each scheduler one warp to hide the conversion's latency;
-# more programs a row block give each SM two or more. Where the products now carry the whole frame (the tails are
-# opt-in), the sweep offers them for every format.
+# more programs a row block give each SM two or more. The products carry the whole quantized frame (the chained tail
+# takes bf16 weights only), so the sweep offers them for every format.
 DEEP_SPLIT = [_G(64, 256, 4, 4, 4, True), _G(32, 256, 4, 4, 4, True), _G(64, 256, 4, 3, 8, True),
               _G(32, 256, 4, 6, 4), _G(64, 128, 4, 6, 4, True), _G(32, 256, 4, 3, 8, True),
               _G(64, 256, 4, 2, 16, True)]

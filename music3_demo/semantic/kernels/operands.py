@@ -1,7 +1,7 @@
 """How a weight tile and an activation tile become the MMA's operands, and the product's scales: the device
-functions the GEMV (`linear.py`), the chained tail (`tail.py`), the prefill's products (`matmul.py`) and the attention
-kernels' fp16 copies share. A weight tile is loaded as stored (`weight_ptrs`, `weight_tile`: the model's dtype,
-1-byte values, or packed int4 words), converted in registers by its route (`convert_tile`; the routes:
+functions the GEMV (`linear.py`), the chained tail (`tail.py`, bf16 weights), the prefill's products (`matmul.py`)
+and the attention kernels' fp16 copies share. A weight tile is loaded as stored (`weight_ptrs`, `weight_tile`: the
+model's dtype, 1-byte values, or packed int4 words), converted in registers by its route (`convert_tile`; the routes:
 `qweight.CAST` ...), multiplied with the activation tile in the MMA's dtype (`activation_tile`: bf16 activations
 saturated for the fp16 routes) and scaled per group inside the k-loop (`dot_tile`) or per channel after it
 (`channel_scale`)."""
@@ -117,7 +117,7 @@ def convert_bytes(w, CONV: tl.constexpr, DOT: tl.constexpr):
 def activation_tile(x, DOT: tl.constexpr):
     """The activation tile as DOT values. For the fp16 routes, bf16 activations beyond fp16's range (65504) saturate
     instead of becoming inf: one huge SwiGLU product must not turn a whole output row into NaN. A tile already in
-    DOT is taken as it is (the chained tail's fp16 copies were saturated this way when written)."""
+    DOT is taken as it is (the fp16 copies handed over were saturated this way when written)."""
     if x.dtype == DOT:
         return x
     if DOT == tl.float16:

@@ -1,6 +1,6 @@
-"""A quantized weight as the GEMV and chained-tail kernels read it: int8 or fp8 (e4m3) values plus float32 scales,
+"""A quantized weight as the GEMV and prefill kernels read it: int8 or fp8 (e4m3) values plus float32 scales,
 one per output row ("per-channel") or one per output row and group of `group` input columns ("per-group"); or packed
-int4 values (two per byte, per-group scales only; the GEMV and the chained tail read them alike).
+int4 values (two per byte, per-group scales only; the GEMV and the prefill's products read them alike).
 
 Packed int4 (`data` uint8 [N, K / 2]): each value as q + 8 for q in [-7, 7] (offset binary: nibble 8 is zero, 0 is
 never written), read as little-endian int32 words ([N, K / 8], `kernel_args`; nibble i is bits 4i..4i+3). Which
@@ -14,7 +14,7 @@ column a nibble holds ("the order"):
   adjacent columns 2c + b of one operand register, so the magic-number values are the MMA's registers as they come
   out (nibble pairs of different registers cost a byte permute each to re-pair: 64 of a 64 x 256 int4 tile's ~640
   sm_90 instructions, `arch_census`). Compiled for sm_86, 89, 90 and 120, no tile goes back to shared memory (wgmma;
-  mma.sync with bf16 operands), and the sm_8x tails need 80 registers instead of 164; only mma.sync with fp16
+  mma.sync with bf16 operands), and the sm_8x tiles need 80 registers instead of 164; only mma.sync with fp16
   operands (the fp16 routes there) lays its operand out 4 values a thread. Tiles then take whole runs
   (`linear.fit_group`).
 - Column order otherwise (a small model's 16-column groups): nibble i of word j is column 8j + i.
