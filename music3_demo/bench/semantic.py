@@ -295,7 +295,8 @@ def graph_variant(name: str) -> dict:
     """GraphEngine options of a bench engine name: graph[-pdl|-chain|-unchained|-chain-lm|-chain-depth][-s<attention
     splits>][-kv8][-own-input|-hand-over]; plain `graph` is the engine's default (on a GPU the bf16 stacks' block tails
     chained), `graph-chain` both stacks chained, `graph-unchained` one launch per product, `-chain-lm` /
-    `-chain-depth` the one stack's tails chained and the other's unchained, `-kv8` the int8 KV cache, `-own-input`
+    `-chain-depth` the one stack's tails chained and the other's unchained (bf16 weights only: the engine refuses a
+    chained quantized stack), `-kv8` the int8 KV cache, `-own-input`
     each product launched alone converting and normalising its own input (`GraphConfig.hand_over` False),
     `-hand-over` every such product taking it handed over, on every format (True)."""
     match = re.fullmatch(r"graph(-pdl|-chain-lm|-chain-depth|-chain|-unchained)?(?:-s(\d+))?(-kv8)?"
