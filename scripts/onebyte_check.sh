@@ -5,12 +5,13 @@
 # process, as several quantized copies of the full model do not fit beside each other), then the 1-byte/int4 GPU tests
 # with the swept table standing in for this GPU's packaged one (the device's copy of the checkout only).
 # Files in $OUT: gpu.txt tune.json tune.rows.json cmp-<format>.json summary.txt times.txt logs.tar.gz.
-# Usage (repo root): MUSIC3_COMMIT=<sha> [BUDGET=230] [FORMATS=int4/g64,fp8/channel,int8/g128] [FRAMES=300]
-#   [PRECISIONS=int4,fp8,int8] [TESTS="tests/semantic/test_quant_gpu.py tests/semantic/test_graph_engine_gpu.py"]
+# Usage (repo root): MUSIC3_COMMIT=<sha> [LIMIT=570 (the call's seconds)] [BUDGET=230 (the sweep's)]
+#   [FORMATS=int4/g64,fp8/channel,int8/g128] [FRAMES=300] [PRECISIONS=int4,fp8,int8]
+#   [TESTS="tests/semantic/test_quant_gpu.py tests/semantic/test_graph_engine_gpu.py"]
 #   bash scripts/onebyte_check.sh
 . scripts/device_env.sh >/dev/null
 
-left() { echo $((570 - SECONDS)); }
+left() { echo $((${LIMIT:-570} - SECONDS)); }
 t() { echo "$1 rc=$2 ${SECONDS} s" | tee -a "$OUT/times.txt"; }
 budget=${BUDGET:-230}
 timeout $((budget + 30)) python3 -m music3_demo.semantic.kernels.tune_onebyte "$OUT/tune.json" --budget "$budget" \
