@@ -26,8 +26,8 @@ for p in $(echo "${PRECISIONS:-int4,fp8,int8}" | tr , ' '); do
 done
 
 # the GPU tests read this GPU's packaged table: the swept one stands in for it here
-table=$(python3 -c "from music3_demo.semantic.kernels.tuning import Target; print(Target.of('cuda').slug)")
-if [ -s "$OUT/tune.json" ] && [ "$(left)" -gt 60 ]; then
+if [ -s "$OUT/tune.json" ] && [ "$(left)" -gt 60 ] \
+  && table=$(python3 -c "from music3_demo.semantic.kernels.tuning import Target; print(Target.of('cuda').slug)"); then
   cp "$OUT/tune.json" "music3_demo/semantic/kernels/tuning/$table"
   timeout $(($(left) - 10)) python3 -m pytest -m gpu ${TESTS:-tests/semantic/test_quant_gpu.py \
     tests/semantic/test_graph_engine_gpu.py} -q -p no:cacheprovider --tb=short > "$OUT/pytest.log" 2>&1
@@ -44,7 +44,7 @@ if rows.exists():
     doc = json.loads(rows.read_text())
     for r in doc["gemv"]:
         b = r["best"]
-        print(f"gemv {r['format']:12} {str(r['shape']):26} {r['us']:7.1f} us (heuristic {r['heuristic_us']})"
+        print(f"gemv {r['format']:12} {str(r['shape']):26} {r['us']:7.1f} us (packaged {r['heuristic_us']})"
               f" bn{b['block_n']} bk{b['block_k']} w{b['num_warps']} s{b['num_stages']} sk{b['split_k']}"
               f" conv{b['convert']} dots{int(bool(b.get('group_dots')))}")
 else:
