@@ -51,7 +51,7 @@ except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
 from .launch import interpreting, pdl_enter, pdl_launch, prefetch_rows_l2
-from .operands import activation_tile, channel_scale, dot_tile, weight_ptrs, weight_tile
+from .operands import activation_tile, channel_scale, dot_tile, settled, weight_ptrs, weight_tile
 from .qweight import FP16_ROUTES, INT4_RUN, QWeight, Weight, int4_mma_order, kernel_args
 
 
@@ -189,8 +189,8 @@ def _gemv_kernel(
             xf = x.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
             x = xf * tl.load(g_ptr + offs_k + k0).to(tl.float32)[None, :]
-        acc = dot_tile(w, x, acc, s_ptr, offs_n, n_mask, split * k_len + k0, K, QUANT, GROUP, DOT, CONV, WSCALE,
-                       DOTS)
+        acc = settled(dot_tile(w, x, acc, s_ptr, offs_n, n_mask, split * k_len + k0, K, QUANT, GROUP, DOT, CONV,
+                               WSCALE, DOTS))
     if SPLIT_K == 1:
         acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
         if NORM == 2:

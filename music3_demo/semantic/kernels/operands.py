@@ -164,6 +164,20 @@ def dot_tile(w, x, acc, s_ptr, offs_n, n_mask, k0, K, QUANT: tl.constexpr, GROUP
 
 
 @triton.jit
+def settled(acc):
+    """A GEMV k-step's accumulator once its MMAs are done: an opaque copy (ptxas folds it away) that makes Triton
+    wait for the step's wgmmas within the step. Chained straight into the next step's MMA, Triton leaves them in
+    flight across the loop's back edge (`wgmma.wait_group 1`) and ptxas answers with a wait after every wgmma of the
+    step (its C7515 note, "serialized ... defining accumulator registers"): on sm_90 with Triton 3.6 a wait after each
+    of the 16 MMAs of most quantized products' steps, ~70 more instructions a step. Where the weights arrive by
+    TMA into shared memory as MMA operands (the prefill's bf16 products) the chain in flight is the fast way, so only
+    the GEMV takes this. Elsewhere (mma.sync, the interpreter) it changes nothing."""
+    if INTERPRETED:
+        return acc
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def group_dots(w, x, acc, s_ptr, offs_n, n_mask, k0, K, GROUP: tl.constexpr, WSCALE: tl.constexpr):
     """acc += Σ_g scale_g · (W_g · x_gᵀ) over the 2 or 4 scale groups g of a K tile, in group order: converted
     weights `w` [BN, BK] and activations `x` [BM, BK]."""
