@@ -10,7 +10,8 @@ MMA (`MMAS`: HGMMA on sm_90, HMMA elsewhere). The loop's hot path leaves out the
 that hold no MMA (a row block's epilogue, run once per row block, not once per tile).
 
 Per variant: the hot path's instructions per tile, per weight a thread (tile rows x columns / threads), its count of
-each opcode (modifiers dropped), the kernel's registers and shared memory. A static count is not a time: ptxas's
+each opcode (modifiers dropped), its waits for the MMAs in flight (`WAIT`), the kernel's registers and shared
+memory. A static count is not a time: ptxas's
 scheduling and the pipelines' latencies are not in it; the GPU's sweep (`tune_onebyte`) and the engine's comparison
 are.
 
@@ -33,6 +34,9 @@ from .kernels.tuning import Target, tuning_for_target
 
 # The MMA opcodes: float (HGMMA: sm_90's wgmma, HMMA: mma.sync), integer (IGMMA, IMMA) and fp8 (QGMMA, QMMA)
 MMAS = ("HGMMA", "HMMA", "IGMMA", "IMMA", "QGMMA", "QMMA")
+# A wait for the warpgroup's MMAs in flight (`wgmma.wait_group`): one after every MMA of a k-step is ptxas
+# serializing them (its C7515 note; `kernels.operands.settled`)
+WAIT = "WARPGROUP.DEPBAR"
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*?)\s*;")
 
 
@@ -88,9 +92,10 @@ def _loop(code: list[tuple[int, str, str, bool]], index: dict, start: int, end: 
             stretch = range(i + 1, index[skip])
             if not any(_is_mma(code[j][1]) for j in stretch):
                 cold.update(stretch)
-    hot = [code[i][1].split(".")[0] for i in range(start, end + 1) if i not in cold]
+    hot = [code[i][1] for i in range(start, end + 1) if i not in cold]
     return {"start": start, "end": end, "body": end + 1 - start, "hot": len(hot),
-            "mma": sum(1 for op in hot if _is_mma(op)), "opcodes": Counter(hot)}
+            "mma": sum(1 for op in hot if _is_mma(op)), "waits": sum(1 for op in hot if op.startswith(WAIT)),
+            "opcodes": Counter(op.split(".")[0] for op in hot)}
 
 
 def compiled_loops(launch, capability: int) -> tuple[object, list[dict]]:
@@ -123,6 +128,7 @@ def gemv_census(capability: int, precision: str, table: str | None = None) -> di
         per_thread = constants["BLOCK_N"] * constants["BLOCK_K"] / (kernel.metadata.num_warps * 32)
         gemvs[key] = {"constants": dict(zip(GEMV_KEYS, key)), "registers": registers(kernel.asm["cubin"]),
                       "shared": kernel.metadata.shared, "hot": hot, "per_weight": round(hot / per_thread, 2),
+                      "mma_waits": sum(loop["waits"] for loop in loops),
                       "opcodes": dict(sum((loop["opcodes"] for loop in loops), Counter()).most_common(24))}
     return {"capability": capability, "gpu": name, "precision": precision, "table": tuning.source,
             "gemvs": list(gemvs.values())}

@@ -45,7 +45,7 @@ def test_the_census_reads_the_mma_loops_and_leaves_their_epilogues_out():
     loops = mma_loops(code)
     assert [(loop["start"], loop["end"]) for loop in loops] == [(2, 11), (14, 15)]  # not the spin, not the outer one
     first = loops[0]
-    assert first["body"] == 10 and first["hot"] == 8 and first["mma"] == 1  # the STG and FADD are cold
+    assert first["body"] == 10 and first["hot"] == 8 and first["mma"] == 1 and first["waits"] == 0  # STG, FADD: cold
     assert first["opcodes"] == {"LDS": 1, "LOP3": 1, "HGMMA": 1, "BRA": 2, "PRMT": 1, "HADD2": 1, "ISETP": 1}
     assert loops[1]["opcodes"] == {"HMMA": 1, "BRA": 1}
 
@@ -55,7 +55,9 @@ def test_the_int4_gemvs_conversion_on_sm90_shifts_once_a_word_and_takes_no_byte_
     the packaged H200 table: each k-loop converts 128 weights a thread (a 64 x 256 tile, 4 warps) with one mask and one
     packed scale a pair, a packed subtraction or FMA a pair (half of each: `qweight._high_nibble_pair`) and one shift
     a word (three before: 48 SHF a tile); the products whose input is handed over take no PRMT. The nibble pairs of
-    the former MMA order (columns 16 apart) cost a PRMT a subtraction: 64 a tile."""
+    the former MMA order (columns 16 apart) cost a PRMT a subtraction: 64 a tile. No k-step waits after each of its
+    MMAs: with the accumulator chained across steps in flight, ptxas serialized the handed-input products' 16 MMAs
+    (a wait after each, ~50 more instructions a step: `operands.settled`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
@@ -69,9 +71,9 @@ def test_the_int4_gemvs_conversion_on_sm90_shifts_once_a_word_and_takes_no_byte_
     for gemv in int4:
         ops = gemv["opcodes"]
         assert ops["HGMMA"] == 16 and ops["HADD2"] == ops["HFMA2"] == 32 and ops["HMUL2"] == 64, gemv
-        assert ops.get("SHF", 0) <= 20, gemv  # (16 a tile, and one more)
+        assert ops.get("SHF", 0) <= 20 and gemv["mma_waits"] <= 4, gemv  # (16 a tile, and one more; waits 3-4)
         if gemv["constants"]["NORM"] == 2 or gemv["constants"]["RESIDUAL"]:
-            assert "PRMT" not in ops and gemv["per_weight"] < 4.1, gemv  # (3.8-4.0 compiled here)
+            assert "PRMT" not in ops and gemv["per_weight"] < 3.8, gemv  # (3.4-3.6 compiled here; 3.8-4.0 serialized)
 
 
 def _other_tables() -> list[Path]:
