@@ -2,12 +2,14 @@
 # One device call (<= 9.5 min): sweep the quantized GEMVs with their inputs handed over as the engine launches them
 # (semantic/kernels/tune_onebyte.py: conversion routes x tiles x the per-group MMA twins), then per format one bench
 # process (the packaged table against the swept one, `--compare-tuning`: same weights, same process; one format a
-# process, as several quantized copies of the full model do not fit beside each other), then the 1-byte/int4 GPU tests
-# with the swept table standing in for this GPU's packaged one (the device's copy of the checkout only).
+# process, as several quantized copies of the full model do not fit beside each other), then GPU tests with the swept
+# table standing in for this GPU's packaged one (the device's copy of the checkout only): by default the tuning test
+# (the device takes the table), as the benches' teacher-forced checks already run each format on it and the quantized
+# tests' files (~6 min on a cold compile cache) do not fit beside the sweep; run them in a call of their own.
 # Files in $OUT: gpu.txt tune.json tune.rows.json cmp-<format>.json summary.txt times.txt logs.tar.gz.
 # Usage (repo root): MUSIC3_COMMIT=<sha> [LIMIT=570 (the call's seconds)] [BUDGET=230 (the sweep's)]
 #   [FORMATS=int4/g64,fp8/channel,int8/g128] [FRAMES=300] [PRECISIONS=int4,fp8,int8]
-#   [TESTS="tests/semantic/test_quant_gpu.py tests/semantic/test_graph_engine_gpu.py"]
+#   [TESTS="tests/semantic/test_tuning_gpu.py"]
 #   bash scripts/onebyte_check.sh
 . scripts/device_env.sh >/dev/null
 
@@ -29,8 +31,8 @@ done
 if [ -s "$OUT/tune.json" ] && [ "$(left)" -gt 60 ] \
   && table=$(python3 -c "from music3_demo.semantic.kernels.tuning import Target; print(Target.of('cuda').slug)"); then
   cp "$OUT/tune.json" "music3_demo/semantic/kernels/tuning/$table"
-  timeout $(($(left) - 10)) python3 -m pytest -m gpu ${TESTS:-tests/semantic/test_quant_gpu.py \
-    tests/semantic/test_graph_engine_gpu.py} -q -p no:cacheprovider --tb=short > "$OUT/pytest.log" 2>&1
+  timeout $(($(left) - 10)) python3 -m pytest -m gpu ${TESTS:-tests/semantic/test_tuning_gpu.py} -q \
+    -p no:cacheprovider --tb=short > "$OUT/pytest.log" 2>&1
   t pytest $?
   git checkout -- music3_demo/semantic/kernels/tuning/ 2>/dev/null
 fi
