@@ -1,8 +1,11 @@
-"""What bounds a chained block tail on this GPU: Nsight Compute's per-unit counters of one launch of each asked tail
-(`tune_tail.TailCase`: random model-dtype weights of the LM's or the depth decoder's shapes, this GPU's tuned config).
-Chained tails run on bf16 (model-dtype) weights only: quantized stacks run one GEMV launch per product.
+"""What bounds a chained block tail or a quantized GEMV on this GPU: Nsight Compute's per-unit counters of one launch
+of each asked tail (`tune_tail.TailCase`: random model-dtype weights of the LM's or the depth decoder's shapes, this
+GPU's tuned config) and each asked quantized product (`--gemvs format:product`, an LM block's q|k|v, o, gate|up or
+down on random weights quantized as the engine does, its input handed over as the engine launches it alone:
+`tune_onebyte.gemv_case`, this GPU's tuned config). Chained tails run on bf16 (model-dtype) weights only: quantized
+stacks run one GEMV launch per product.
 
-Per tail, from one `ncu` run over a child process that launches it once inside a profiler range (after warm-up
+Per kernel, from one `ncu` run over a child process that launches it once inside a profiler range (after warm-up
 launches, and only if the config is correct against torch): time, DRAM and SM throughput, issue-slot use, warps
 active, instructions executed, each pipe's share, and the stall reasons in warp cycles per issued instruction, with
 the whole raw metric set in the JSON. `--source` adds a second run per tail with per-instruction (SASS) stall
@@ -11,8 +14,8 @@ block in a graph; ncu's time here is one launch at the clocks ncu leaves (`--clo
 
 Without `ncu` on PATH (or --ncu), it says so in one sentence and exits 3: `bench profile` gives kernel times only.
 
-Run on the GPU: python -m music3_demo.bench counters [out.json] [--tails bf16:lm,bf16:depth] [--source]
-[--ncu /path/to/ncu]
+Run on the GPU: python -m music3_demo.bench counters [out.json] [--tails bf16:lm,bf16:depth]
+[--gemvs int4/g64:gate_up,fp8/channel:down] [--source] [--ncu /path/to/ncu]
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from collections import defaultdict
 from pathlib import Path
 
 DEFAULT_TAILS = "bf16:lm,bf16:depth"
+# An LM block's products by name (`tune_onebyte.ROUTE_SHAPES`: rows, n, k, epilogue)
+PRODUCTS = {"qkv": (2, 6144, 4096, "norm"), "o": (2, 4096, 4096, "residual"), "gate_up": (2, 24576, 4096, "swiglu"),
+            "down": (2, 4096, 12288, "residual")}
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats", "InstructionStats",
             "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis")
 STALLS = r"regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$"
@@ -124,41 +130,77 @@ def family_of(spec: str) -> str:
     fmt, _, family = spec.partition(":")
     if fmt != "bf16":
         raise ValueError(f"{spec}: chained tails run on bf16 weights only (quantized stacks run one GEMV launch per "
-                         f"product); ask for bf16:family")
+                         f"product: --gemvs format:product profiles those); ask for bf16:family")
     if family not in FAMILIES:
         raise ValueError(f"{spec}: no tail family {family!r} (families: {', '.join(FAMILIES)})")
     return family
 
 
-def child(spec: str) -> int:
-    """Launch tail `spec` ("bf16:family") once inside a profiler range, after checking and warming it."""
+def product_of(spec: str) -> tuple[str, tuple]:
+    """The weight format and the shape of quantized product `spec` ("format:product", e.g. "int4/g64:gate_up");
+    ValueError for any other."""
+    from ..semantic.kernels.onebyte_space import FORMATS
+
+    fmt, _, name = spec.partition(":")
+    if fmt not in FORMATS:
+        raise ValueError(f"{spec}: no quantized weight format {fmt!r} (formats: {', '.join(FORMATS)})")
+    if name not in PRODUCTS:
+        raise ValueError(f"{spec}: no LM product {name!r} (products: {', '.join(PRODUCTS)})")
+    return fmt, PRODUCTS[name]
+
+
+def _launcher(spec: str):
+    """What child `spec` launches ("tail:bf16:family" or "gemv:format:product"): (one launch, its error against
+    torch, a line describing it)."""
     import torch
 
-    from ..semantic.kernels.tune_tail import FAMILIES, TailCase
     from ..semantic.kernels.tuning import tuning_for
 
-    family = family_of(spec)
     device = torch.device("cuda")
     tuning = tuning_for(device)
+    what, _, rest = spec.partition(":")
+    if what == "gemv":
+        from ..semantic.kernels.onebyte_space import FORMATS
+        from ..semantic.kernels.tune_onebyte import gemv_case, gemv_error, run_gemv
+
+        fmt, shape = product_of(rest)
+        kind, group = FORMATS[fmt]
+        rows, n, k, epilogue = shape
+        cfg = tuning.gemv(rows, n, k, epilogue == "swiglu", 2, 1, group, kind)
+        case = gemv_case(fmt, shape)
+        return (lambda: run_gemv(case, cfg)), gemv_error(case, cfg), {"gemv": rest, "config": str(cfg),
+                                                                        "nbytes": case["nbytes"]}
+    from ..semantic.kernels.tune_tail import FAMILIES, TailCase
+
+    family = family_of(rest)
     cfg = tuning.tail(*FAMILIES[family][:4])
     case = TailCase(family, device, programs=tuning.programs, layers=1)
-    err = case.error(cfg)
-    print(json.dumps({"tail": spec, "error": err, "config": str(cfg), "nbytes": case.nbytes}), flush=True)
+    return (lambda: case.launch(cfg)), case.error(cfg), {"tail": rest, "config": str(cfg), "nbytes": case.nbytes}
+
+
+def child(spec: str) -> int:
+    """Launch `spec` ("tail:bf16:family" or "gemv:format:product") once inside a profiler range, after checking and
+    warming it."""
+    import torch
+
+    launch, err, described = _launcher(spec)
+    print(json.dumps({**described, "error": err}), flush=True)
     if not err < 2e-2:
         print(f"{spec}: the tuned config is wrong against torch ({err:.3g}); not profiled", flush=True)
         return 1
     for _ in range(3):
-        case.launch(cfg)
+        launch()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    case.launch(cfg)
+    launch()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     return 0
 
 
 def run_ncu(ncu: str, spec: str, extra: list[str], timeout: int) -> subprocess.CompletedProcess:
-    command = [ncu, "--profile-from-start", "off", "--kernel-name", "regex:_block_tail_kernel", "--launch-count", "1",
+    kernel = "_gemv_kernel" if spec.startswith("gemv:") else "_block_tail_kernel"
+    command = [ncu, "--profile-from-start", "off", "--kernel-name", f"regex:{kernel}", "--launch-count", "1",
                "--clock-control", "none", "--csv", *extra,
                sys.executable, "-m", "music3_demo.bench", "counters", "--child", spec]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
@@ -167,7 +209,8 @@ def run_ncu(ncu: str, spec: str, extra: list[str], timeout: int) -> subprocess.C
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m music3_demo.bench counters", description=__doc__.split("\n\n")[0])
     parser.add_argument("output", nargs="?", default="counters.json")
-    parser.add_argument("--tails", default=DEFAULT_TAILS, help="bf16:family, comma-separated")
+    parser.add_argument("--tails", default=DEFAULT_TAILS, help="bf16:family, comma-separated ('' for none)")
+    parser.add_argument("--gemvs", default="", help="format:product (e.g. int4/g64:gate_up), comma-separated")
     parser.add_argument("--source", action="store_true", help="also per-instruction stall samples (a second run)")
     parser.add_argument("--ncu", help="the ncu binary (default: PATH, /usr/local/cuda*/bin, /opt/nvidia)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per ncu run")
@@ -175,11 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return child(args.child)
-    specs = [t for t in args.tails.split(",") if t]
+    specs = [f"tail:{t}" for t in args.tails.split(",") if t] + [f"gemv:{g}" for g in args.gemvs.split(",") if g]
     try:
         for spec in specs:
-            family_of(spec)
-    except ValueError as error:  # an unknown tail fails before ncu is looked for
+            what, _, rest = spec.partition(":")
+            family_of(rest) if what == "tail" else product_of(rest)
+    except ValueError as error:  # an unknown tail or product fails before ncu is looked for
         parser.error(str(error))
     ncu = find_ncu(args.ncu)
     out = Path(args.output)
@@ -189,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps({"ncu": None}))
         return 3
     version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-    report: dict = {"ncu": ncu, "ncu_version": version[-1] if version else "", "tails": {}}
+    report: dict = {"ncu": ncu, "ncu_version": version[-1] if version else "", "tails": {}, "gemvs": {}}
     sections = [a for s in SECTIONS for a in ("--section", s)]
     for spec in specs:
         entry: dict = {}
@@ -209,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                 entry["by_opcode"] = by_opcode(done.stdout)
         except subprocess.TimeoutExpired:
             entry["failed"] = f"ncu took over {args.timeout} s"
-        report["tails"][spec] = entry
-        print(spec, json.dumps(entry.get("summary") or entry.get("failed", "")[:800]), flush=True)
+        what, _, name = spec.partition(":")
+        report["tails" if what == "tail" else "gemvs"][name] = entry
+        print(name, json.dumps(entry.get("summary") or entry.get("failed", "")[:800]), flush=True)
         for row in entry.get("by_opcode", [])[:12]:
             print("  ", row, flush=True)
         out.write_text(json.dumps(report, indent=1))

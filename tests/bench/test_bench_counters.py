@@ -1,5 +1,5 @@
-"""The counters bench's reading of Nsight Compute's CSV pages, its one sentence where ncu is missing, and the
-tails it profiles (bf16 ones only)."""
+"""The counters bench's reading of Nsight Compute's CSV pages, its one sentence where ncu is missing, the tails it
+profiles (bf16 ones only) and the quantized products (an LM block's, by format and name)."""
 
 import json
 
@@ -66,3 +66,42 @@ def test_it_profiles_the_bf16_tails_and_refuses_a_quantized_one_before_looking_f
             counters.main([str(tmp_path / "c.json"), "--tails", f"bf16:lm,{spec}"])
         assert exited.value.code == 2 and said in capsys.readouterr().err
     assert not looked and not (tmp_path / "c.json").exists()
+
+
+def test_it_names_the_quantized_products_by_format_and_refuses_others_before_looking_for_ncu(tmp_path, capsys,
+                                                                                            monkeypatch):
+    assert counters.product_of("int4/g64:gate_up") == ("int4/g64", (2, 24576, 4096, "swiglu"))
+    assert counters.product_of("fp8/channel:down") == ("fp8/channel", (2, 4096, 12288, "residual"))
+    looked = []
+    monkeypatch.setattr(counters, "find_ncu", lambda given=None: looked.append(given))
+    for spec, said in (("int3/g64:o", "no quantized weight format"), ("int8/g128:lm_head", "no LM product")):
+        with pytest.raises(SystemExit) as exited:
+            counters.main([str(tmp_path / "c.json"), "--tails", "", "--gemvs", f"int4/g64:o,{spec}"])
+        assert exited.value.code == 2 and said in capsys.readouterr().err
+    assert not looked and not (tmp_path / "c.json").exists()
+
+
+def test_each_kernel_is_profiled_by_its_own_name_and_reported_under_its_kind(tmp_path, monkeypatch):
+    """One ncu run per asked tail and product, each told its kernel's name; the report keeps tails and products
+    apart, under the names they were asked by."""
+    commands = []
+
+    def fake_run(command, **_kw):
+        commands.append(command)
+        if "--version" in command:
+            return counters.subprocess.CompletedProcess(command, 0, stdout="Version 2026.1", stderr="")
+        kernel = command[command.index("--kernel-name") + 1].removeprefix("regex:")
+        return counters.subprocess.CompletedProcess(command, 0, stdout=RAW.replace("_block_tail_kernel", kernel),
+                                                    stderr="")
+
+    monkeypatch.setattr(counters, "find_ncu", lambda given=None: "/bin/true")
+    monkeypatch.setattr(counters.subprocess, "run", fake_run)
+    out = tmp_path / "c.json"
+    assert counters.main([str(out), "--tails", "bf16:lm", "--gemvs", "int4/g64:gate_up"]) == 0
+    profiled = [c for c in commands if "--kernel-name" in c]
+    assert [c[c.index("--kernel-name") + 1] for c in profiled] == ["regex:_block_tail_kernel", "regex:_gemv_kernel"]
+    assert [c[-1] for c in profiled] == ["tail:bf16:lm", "gemv:int4/g64:gate_up"]
+    report = json.loads(out.read_text())
+    assert list(report["tails"]) == ["bf16:lm"] and list(report["gemvs"]) == ["int4/g64:gate_up"]
+    assert report["gemvs"]["int4/g64:gate_up"]["raw"]["Kernel Name"] == "_gemv_kernel"
+    assert report["gemvs"]["int4/g64:gate_up"]["summary"]["time"] == 124.10
