@@ -11,9 +11,8 @@ that hold no MMA (a row block's epilogue, run once per row block, not once per t
 
 Per variant: the hot path's instructions per tile, per weight a thread (tile rows x columns / threads), its count of
 each opcode (modifiers dropped), its waits for the MMAs in flight (`WAIT`), the kernel's registers and shared
-memory. A static count is not a time: ptxas's
-scheduling and the pipelines' latencies are not in it; the GPU's sweep (`tune_onebyte`) and the engine's comparison
-are.
+memory. A static count is not a time: ptxas's scheduling and the pipelines' latencies are not in it; the GPU's sweep
+(`tune_onebyte`) and the engine's comparison are.
 
 Run (TRITON_INTERPRET unset): python -m music3_demo.semantic.arch_census [90] [--precisions int4,int8,fp8,bf16]
 [--table table.json] [--out census.json]

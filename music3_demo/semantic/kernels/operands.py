@@ -4,7 +4,7 @@ and the attention kernels' fp16 copies share. A weight tile is loaded as stored 
 model's dtype, 1-byte values, or packed int4 words), converted in registers by its route (`convert_tile`; the routes:
 `qweight.CAST` ...), multiplied with the activation tile in the MMA's dtype (`activation_tile`: bf16 activations
 saturated for the fp16 routes) and scaled per group inside the k-loop (`dot_tile`) or per channel after it
-(`channel_scale`)."""
+(`channel_scale`); the GEMV settles its accumulator each k-step (`settled`)."""
 
 from __future__ import annotations
 
