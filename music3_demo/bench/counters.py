@@ -149,7 +149,7 @@ def product_of(spec: str) -> tuple[str, tuple]:
     return fmt, PRODUCTS[name]
 
 
-def _launcher(spec: str):
+def launcher(spec: str):
     """What child `spec` launches ("tail:bf16:family" or "gemv:format:product"): (one launch, its error against
     torch, a line describing it)."""
     import torch
@@ -183,7 +183,7 @@ def child(spec: str) -> int:
     warming it."""
     import torch
 
-    launch, err, described = _launcher(spec)
+    launch, err, described = launcher(spec)
     print(json.dumps({**described, "error": err}), flush=True)
     if not err < 2e-2:
         print(f"{spec}: the tuned config is wrong against torch ({err:.3g}); not profiled", flush=True)
@@ -222,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for spec in specs:
             what, _, rest = spec.partition(":")
-            family_of(rest) if what == "tail" else product_of(rest)
+            if what == "tail":
+                family_of(rest)
+            else:
+                product_of(rest)
     except ValueError as error:  # an unknown tail or product fails before ncu is looked for
         parser.error(str(error))
     ncu = find_ncu(args.ncu)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("spec", ["int4/g64:gate_up", "fp8/channel:down", "int8/g128:qkv", "int4/g64:o"])
 def test_each_quantized_product_the_bench_profiles_is_correct_with_this_gpus_config(spec):
-    launch, err, described = counters._launcher(f"gemv:{spec}")
+    launch, err, described = counters.launcher(f"gemv:{spec}")
     assert err < 2e-2 and described["gemv"] == spec and described["nbytes"] > 0
     launch()
     torch.cuda.synchronize()

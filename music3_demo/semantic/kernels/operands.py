@@ -169,9 +169,9 @@ def settled(acc):
     wait for the step's wgmmas within the step. Chained straight into the next step's MMA, Triton leaves them in
     flight across the loop's back edge (`wgmma.wait_group 1`) and ptxas answers with a wait after every wgmma of the
     step (its C7515 note, "serialized ... defining accumulator registers"): on sm_90 with Triton 3.6 a wait after each
-    of the 16 MMAs of most quantized products' steps, ~70 more instructions a step. Where the weights arrive by
-    TMA into shared memory as MMA operands (the prefill's bf16 products) the chain in flight is the fast way, so only
-    the GEMV takes this. Elsewhere (mma.sync, the interpreter) it changes nothing."""
+    of the 16 MMAs of most quantized products' steps, ~70 more instructions a step. The prefill's products
+    (`matmul.py`) keep their chain in flight: ptxas does not serialize theirs. Elsewhere (mma.sync, the interpreter)
+    it changes nothing."""
     if INTERPRETED:
         return acc
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
