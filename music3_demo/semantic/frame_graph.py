@@ -269,8 +269,6 @@ class FrameGraph:
               **epilogue) -> None:
         # The tile config of the one-song engine (`per_song` rows: 4 in the depth decoder's first pass), whatever
         # the bucket: another config could sum in another order, and a song's numbers would depend on its batch.
-        # Split-K products share one workspace in stream order, which PDL's overlapping kernels would break.
-        workspace = None if self.pdl else s.gemv_workspace
         config = self.tuning.gemv(per_song, *weight.shape, epilogue.get("swiglu", False), x.element_size(),
                                   *weight_format(weight))
-        gemv(x, weight, out, pdl=self.pdl, workspace=workspace, config=config, **epilogue)
+        gemv(x, weight, out, pdl=self.pdl, workspace=s.gemv_workspace, config=config, **epilogue)

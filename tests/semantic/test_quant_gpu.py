@@ -257,6 +257,31 @@ def test_an_int4_lm_with_8_bit_first_layers_matches_float32_on_its_weights(float
     assert all(g <= 2 * b for g, b in zip(got, bar)), (got, bar)
 
 
+def test_programmatic_dependent_launch_changes_no_bit_on_an_int4_stack_with_split_k_products():
+    """PDL on quantized stacks, whose o and down products split K and share a workspace: each kernel touches the
+    workspace only after waiting for the kernel before, so every value must equal the plain launches' bit for bit
+    (a counter or partial touched early would show here)."""
+    sizes = dataclasses.replace(random_models.FULL, lm_layers=4)
+    components = random_models.build_components(sizes, seed=0, device=DEVICE, dtype=torch.bfloat16)
+    lm, depth = components["language_model"], components["rvq_depth_decoder"]
+    del components
+    quantize_model_(lm, depth, "int4", DEVICE)
+    down = lm.model.layers[0].mlp.down_proj.qweight(torch.bfloat16)
+    split = tuning_for(DEVICE).gemv(2, *down.shape, False, 2, *weight_format(down)).split_k
+    text_ids = random_prompt(200, seed=3, device=DEVICE)
+    codes = random_codes(33, torch.Generator().manual_seed(4))
+    results = []
+    for pdl in (False, True):
+        engine = GraphEngine(lm, depth, DEVICE, pdl=pdl)
+        if pdl and not engine.pdl:
+            pytest.fail("this GPU/Triton cannot launch with PDL; the GPU suite runs on a Hopper GPU")
+        results.append(engine.teacher_forced(text_ids, codes))
+        engine.release()
+    assert split > 1, "this GPU's table splits no int4 down product: the test would not cover split-K under PDL"
+    assert torch.equal(results[0][1], results[1][1])
+    assert torch.equal(results[0][0], results[1][0])
+
+
 def test_quantizing_moves_layer_by_layer_without_a_second_full_copy(full_models):
     """Models on the CPU in bf16, quantized onto the GPU: the GPU never holds more than the quantized model plus one
     layer's float32 working copy (well under the bf16 model's size)."""

@@ -32,7 +32,9 @@ Split-K (`GemvConfig.split_k` > 1): products with few row blocks (q|k|v: 96 prog
 64, on 132 SMs) leave SMs idle; splitting K multiplies the programs. Each program stores its fp32 partial (and its
 partial sum of squares for NORM) in a workspace and bumps its row block's counter; the last to arrive adds the
 partials in split order (so results do not depend on timing, and seeds stay reproducible), applies the epilogue and
-resets the counter, all in one launch. Kernels sharing a workspace must run in order on one stream (no PDL).
+resets the counter, all in one launch. Kernels sharing a workspace must run in order on one stream; under PDL they
+do: a kernel touches the workspace only after `gdc_wait`, which returns once the kernel before has finished and its
+writes (its counters' resets too) are visible.
 """
 
 from __future__ import annotations
@@ -176,8 +178,8 @@ def _gemv_kernel(
     m_mask = offs_m < M
     w_ptrs = weight_ptrs(w_ptr, offs_n, split * k_len, K, BLOCK_K, PACK)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    if PDL:  # SPLIT_K is 1 under PDL: the first tile is at K offset 0
-        prefetch_rows_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (K // PACK),
+    if PDL:  # this program's first tile: its rows at its part's first column
+        prefetch_rows_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (K // PACK) + split * k_len // PACK,
                           BLOCK_K // PACK * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
         pdl_enter()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -347,8 +349,6 @@ def gemv(
     split = cfg.split_k if workspace is not None else 1
     if k % (cfg.block_k * split):
         raise ValueError(f"K={k} must be a multiple of block_k={cfg.block_k} x split_k={split}")
-    if split > 1 and pdl:
-        raise ValueError("split-K GEMVs share a workspace in stream order: they cannot run with PDL")
     if out_copy is not None and (out_copy.shape != out.shape or out_copy.stride() != out.stride()):
         raise ValueError("out_copy needs out's shape and strides")
     if gain is not None and (out_copy is None or residual is None or norm_weight is not None):
