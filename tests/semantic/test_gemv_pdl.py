@@ -1,6 +1,6 @@
 """A split-K GEMV launched with PDL (programmatic dependent launch), compiled for sm_90 on this CPU (Triton without
 its interpreter, in a process of its own): before it waits for the kernel before (`griddepcontrol.wait`) it only
-prefetches weights into L2; its input, its workspace's partials and its arrival counter come after the wait, and it
+prefetches into L2 the weight tiles its pipeline loads first; its input, its workspace's partials and its arrival counter come after the wait, and it
 releases its own dependents only once it has waited. That order is what lets split-K products, which share one
 workspace, run under PDL (`kernels/linear.py`). The GPU test (`test_quant_gpu.py`) holds the values bit-equal to
 plain launches."""
@@ -52,7 +52,8 @@ def test_a_split_k_gemv_under_pdl_waits_for_the_kernel_before_it_touches_its_inp
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
-    assert found["constants"] == {"PDL": True, "SPLIT_K": 4}
+    # K split 4 ways into 3072 columns, 128 a tile, 6 stages: the 5 tiles of the pipeline's prologue prefetched
+    assert found["constants"] == {"PDL": 5, "SPLIT_K": 4}
     first = found["first"]
     assert all(at >= 0 for at in first.values()), first
     assert first["prefetch"] < first["wait"] < first["release"]

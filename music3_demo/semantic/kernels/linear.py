@@ -20,9 +20,9 @@ Fused on the way:
 - PDL (Hopper, programmatic dependent launch): a product's weights never depend on the previous kernel, so its
   programs are released while that kernel still runs: they pull their first weight tile into L2, wait for the
   previous kernel (`gdc_wait`), and only then release their own dependents, so at most one kernel waits resident
-  behind a running one; only one tile per row is prefetched, which the running stream has no time to evict. (Releasing
-  the dependents before waiting, which let a cascade of waiting kernels fill the SMs, and prefetching every row
-  whole, which the running stream evicted, cost 26%.)
+  behind a running one. A program prefetches the tiles its pipeline loads first (`pdl_tiles`: a few KB a program,
+  which the running stream has no time to evict; releasing the dependents before waiting, which let a cascade of
+  waiting kernels fill the SMs, and prefetching every row whole, which the running stream evicted, cost 26%).
 Weights: the model's dtype, or a `qweight.QWeight` converted in registers (`operands.dot_tile`): 1-byte tiles by
 route, packed int4 words (QUANT 3: K / 8 words per row) unpacked by magic numbers (`qweight.unpack_int4`).
 TMA (`GemvConfig.tma`, Hopper): weight tiles arrive by one bulk tensor copy each instead of 16-byte copies from every
@@ -166,7 +166,8 @@ def _gemv_kernel(
     CONV: tl.constexpr,
     WSCALE: tl.constexpr, GAIN: tl.constexpr, SUM_BLOCKS: tl.constexpr, DOTS: tl.constexpr = False,
 ):
-    """NORM: 0 none, 1 RMSNorm of x here, 2 x normalised but for its rows' scale (`NormSums`: `handed_sums`)."""
+    """NORM: 0 none, 1 RMSNorm of x here, 2 x normalised but for its rows' scale (`NormSums`: `handed_sums`). PDL: 0
+    off, else launched with PDL, prefetching that many weight tiles a row into L2 before waiting."""
     BLOCK_M: tl.constexpr = 16  # the smallest tl.dot side; rows >= M are masked to zero
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -178,9 +179,9 @@ def _gemv_kernel(
     m_mask = offs_m < M
     w_ptrs = weight_ptrs(w_ptr, offs_n, split * k_len, K, BLOCK_K, PACK)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    if PDL:  # this program's first tile: its rows at its part's first column
+    if PDL:  # this program's first PDL tiles (what its pipeline loads first): its rows from its part's first column
         prefetch_rows_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (K // PACK) + split * k_len // PACK,
-                          BLOCK_K // PACK * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+                          PDL * BLOCK_K // PACK * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
         pdl_enter()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
@@ -224,6 +225,12 @@ def _gemv_kernel(
             gemv_epilogue(total, total_sq, offs_n, offs_m, n_mask, m_mask, out_ptr, res_ptr, copy_ptr, stride_om,
                            stride_rm, eps, K, NORM, RESIDUAL, SWIGLU, COPY, g_ptr, sums_ptr, pid, GAIN)
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (or graph replay)
+
+
+def pdl_tiles(cfg: GemvConfig, k_len: int) -> int:
+    """Weight tiles a row a program prefetches into L2 under PDL before it waits: those its pipeline's prologue loads
+    (num_stages - 1), at least one, at most its part of K."""
+    return max(1, min(cfg.num_stages - 1, k_len // cfg.block_k))
 
 
 @functools.lru_cache(maxsize=None)
@@ -381,7 +388,7 @@ def gemv(
         n, k, x.stride(0), out.stride(0), stride_rm, eps,
         M=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         NORM=1 if norm_weight is not None else 2 if prenormed is not None else 0, RESIDUAL=residual is not None,
-        SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl,
+        SWIGLU=swiglu, COPY=out_copy is not None, PDL=pdl_tiles(cfg, k // split) if pdl else 0,
         TMA=cfg.tma, QUANT=quant, PACK=pack, GROUP=group, DOT=dot, CONV=conv, WSCALE=wscale, GAIN=gain is not None,
         SUM_BLOCKS=triton.next_power_of_2(prenormed.blocks) if prenormed is not None else 1,
         DOTS=cfg.group_dots, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
