@@ -1,9 +1,9 @@
 """A split-K GEMV launched with PDL (programmatic dependent launch), compiled for sm_90 on this CPU (Triton without
 its interpreter, in a process of its own): before it waits for the kernel before (`griddepcontrol.wait`) it only
-prefetches into L2 the weight tiles its pipeline loads first; its input, its workspace's partials and its arrival counter come after the wait, and it
-releases its own dependents only once it has waited. That order is what lets split-K products, which share one
-workspace, run under PDL (`kernels/linear.py`). The GPU test (`test_quant_gpu.py`) holds the values bit-equal to
-plain launches."""
+prefetches into L2 the weight tiles its pipeline loads first; its input, its workspace's partials and its arrival
+counter come after the wait, and it releases its own dependents once its k-loop is done. That order is what lets
+split-K products, which share one workspace, run under PDL (`kernels/linear.py`). The GPU test
+(`test_quant_gpu.py`) holds the values bit-equal to plain launches."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ marks = {"prefetch": "cp.async.bulk.prefetch.L2", "wait": "griddepcontrol.wait",
          "release": "griddepcontrol.launch_dependents", "input": "cp.async.c",  # (.ca / .cg copies of x)
          "weights": "cp.async.bulk.tensor", "counter": "atom.", "store": "st.global"}
 print(json.dumps({"constants": {key: launch.constants[key] for key in ("PDL", "SPLIT_K")},
-                  "first": {name: ptx.find(text) for name, text in marks.items()}}))
+                  "first": {name: ptx.find(text) for name, text in marks.items()},
+                  "last_mma": ptx.rfind("wgmma.mma_async")}))
 """
 
 
@@ -56,5 +57,7 @@ def test_a_split_k_gemv_under_pdl_waits_for_the_kernel_before_it_touches_its_inp
     assert found["constants"] == {"PDL": 5, "SPLIT_K": 4}
     first = found["first"]
     assert all(at >= 0 for at in first.values()), first
-    assert first["prefetch"] < first["wait"] < first["release"]
+    assert first["prefetch"] < first["wait"]
     assert first["wait"] < min(first["input"], first["weights"], first["counter"], first["store"]), first
+    # the next kernel is released once the weight stream is done: after the k-loop's last MMA, before the partials
+    assert first["wait"] < found["last_mma"] < first["release"] < min(first["counter"], first["store"]), found

@@ -59,6 +59,21 @@ def pdl_enter():
     gdc_launch_dependents()
 
 
+@triton.jit
+def pdl_wait():
+    """Under PDL, wait until the kernel before has finished and its writes are visible (a kernel's own release of
+    its dependents comes after, `pdl_release`)."""
+    gdc_wait()
+
+
+@triton.jit
+def pdl_release():
+    """Under PDL, let the next kernel become resident now (it prefetches its weights and waits for this one). A
+    GEMV releases it after its k-loop: launched any earlier, the next one's prefetched tiles would sit in L2 through
+    this whole weight stream, which evicts them."""
+    gdc_launch_dependents()
+
+
 def pdl_launch(pdl: bool) -> dict:
     """Launch keywords for a kernel whose PDL constexpr is `pdl`."""
     return {"launch_pdl": True} if pdl else {}

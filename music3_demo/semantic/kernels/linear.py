@@ -18,11 +18,12 @@ Fused on the way:
   load instead, it stalled the activation stream: 1.5 TB/s.)
 - RESIDUAL: out = residual + y (in place when out is the residual); with a bf16 residual, HF's rounding of each step.
 - PDL (Hopper, programmatic dependent launch): a product's weights never depend on the previous kernel, so its
-  programs are released while that kernel still runs: they pull their first weight tile into L2, wait for the
-  previous kernel (`gdc_wait`), and only then release their own dependents, so at most one kernel waits resident
-  behind a running one. A program prefetches the tiles its pipeline loads first (`pdl_tiles`: a few KB a program,
-  which the running stream has no time to evict; releasing the dependents before waiting, which let a cascade of
-  waiting kernels fill the SMs, and prefetching every row whole, which the running stream evicted, cost 26%).
+  programs are released while that kernel still runs: they pull the tiles their pipeline loads first into L2
+  (`pdl_tiles`), wait for the previous kernel (`pdl_wait`), and release their own dependents once their k-loop is
+  done (`pdl_release`), so at most one kernel waits resident behind a running one, and only through that one's
+  epilogue: released at the start, the next kernel's prefetched tiles would sit in L2 through this one's whole weight
+  stream. (Releasing the dependents before waiting, which let a cascade of waiting kernels fill the SMs, and
+  prefetching every row whole, which the running stream evicted, cost 26%.)
 Weights: the model's dtype, or a `qweight.QWeight` converted in registers (`operands.dot_tile`): 1-byte tiles by
 route, packed int4 words (QUANT 3: K / 8 words per row) unpacked by magic numbers (`qweight.unpack_int4`).
 TMA (`GemvConfig.tma`, Hopper): weight tiles arrive by one bulk tensor copy each instead of 16-byte copies from every
@@ -33,7 +34,7 @@ Split-K (`GemvConfig.split_k` > 1): products with few row blocks (q|k|v: 96 prog
 partial sum of squares for NORM) in a workspace and bumps its row block's counter; the last to arrive adds the
 partials in split order (so results do not depend on timing, and seeds stay reproducible), applies the epilogue and
 resets the counter, all in one launch. Kernels sharing a workspace must run in order on one stream; under PDL they
-do: a kernel touches the workspace only after `gdc_wait`, which returns once the kernel before has finished and its
+do: a kernel touches the workspace only after `pdl_wait`, which returns once the kernel before has finished and its
 writes (its counters' resets too) are visible.
 """
 
@@ -52,7 +53,7 @@ try:  # Triton >= 3.4; without it TMA configs fall back to cp.async tiles
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-from .launch import interpreting, pdl_enter, pdl_launch, prefetch_rows_l2
+from .launch import interpreting, pdl_launch, pdl_release, pdl_wait, prefetch_rows_l2
 from .operands import activation_tile, channel_scale, dot_tile, settled, weight_ptrs, weight_tile
 from .qweight import FP16_ROUTES, INT4_RUN, QWeight, Weight, int4_mma_order, kernel_args
 
@@ -182,7 +183,7 @@ def _gemv_kernel(
     if PDL:  # this program's first PDL tiles (what its pipeline loads first): its rows from its part's first column
         prefetch_rows_l2(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (K // PACK) + split * k_len // PACK,
                           PDL * BLOCK_K // PACK * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        pdl_enter()
+        pdl_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
@@ -194,6 +195,8 @@ def _gemv_kernel(
             x = xf * tl.load(g_ptr + offs_k + k0).to(tl.float32)[None, :]
         acc = settled(dot_tile(w, x, acc, s_ptr, offs_n, n_mask, split * k_len + k0, K, QUANT, GROUP, DOT, CONV,
                                WSCALE, DOTS))
+    if PDL:  # the weight stream is done: the next kernel may start its prefetch
+        pdl_release()
     if SPLIT_K == 1:
         acc = channel_scale(acc, s_ptr, offs_n, n_mask, QUANT, WSCALE)
         if NORM == 2:
