@@ -56,8 +56,8 @@ class GraphConfig:
     in_flight: int = 3  # blocks queued ahead of the one being waited for: cancel and end latency <= 32 frames
     frame_ring: int = 64  # frame-hidden rows on the device: the blocks in flight plus the one being copied out
     attention_splits: int = 16  # decode attention splits the live context over this many programs per head
-    # Programmatic dependent launch measured slower on the H200 every way it was tried on bf16 weights (docs/runs/
-    # LOG.md); on quantized stacks, whose shorter products carry more fixed cost a launch, unmeasured: opt-in only,
+    # Programmatic dependent launch measured slower on the H200 every way it was tried on bf16 weights (the run
+    # log); on quantized stacks, whose shorter products carry more fixed cost a launch, unmeasured: opt-in only,
     # kept for the bench's A/B and its no-bit-changes tests. Ignored where the device or Triton cannot do it.
     pdl: bool = False
     # Each block's products after attention (and the next block's q|k|v) in one persistent launch with grid barriers
