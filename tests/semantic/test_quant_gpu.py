@@ -268,6 +268,7 @@ def test_programmatic_dependent_launch_changes_no_bit_on_an_int4_stack_with_spli
     quantize_model_(lm, depth, "int4", DEVICE)
     down = lm.model.layers[0].mlp.down_proj.qweight(torch.bfloat16)
     split = tuning_for(DEVICE).gemv(2, *down.shape, False, 2, *weight_format(down)).split_k
+    assert split > 1, "this GPU's table splits no int4 down product: the test would not cover split-K under PDL"
     text_ids = random_prompt(200, seed=3, device=DEVICE)
     codes = random_codes(33, torch.Generator().manual_seed(4))
     results = []
@@ -277,7 +278,6 @@ def test_programmatic_dependent_launch_changes_no_bit_on_an_int4_stack_with_spli
             pytest.fail("this GPU/Triton cannot launch with PDL; the GPU suite runs on a Hopper GPU")
         results.append(engine.teacher_forced(text_ids, codes))
         engine.release()
-    assert split > 1, "this GPU's table splits no int4 down product: the test would not cover split-K under PDL"
     assert torch.equal(results[0][1], results[1][1])
     assert torch.equal(results[0][0], results[1][0])
 

@@ -51,15 +51,6 @@ def prefetch_rows_l2(row_ptrs, nbytes: tl.constexpr):
 
 
 @triton.jit
-def pdl_enter():
-    """First thing a kernel launched with PDL does before touching activations: wait for the previous kernel, then
-    release the next one (which may then become resident and prefetch its weights, but waits in turn). Releasing
-    only after waiting keeps at most one kernel waiting behind a running one."""
-    gdc_wait()
-    gdc_launch_dependents()
-
-
-@triton.jit
 def pdl_wait():
     """Under PDL, wait until the kernel before has finished and its writes are visible (a kernel's own release of
     its dependents comes after, `pdl_release`)."""
@@ -72,6 +63,15 @@ def pdl_release():
     GEMV releases it after its k-loop: launched any earlier, the next one's prefetched tiles would sit in L2 through
     this whole weight stream, which evicts them."""
     gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_enter():
+    """First thing a kernel launched with PDL does before touching activations: wait for the previous kernel, then
+    release the next one (which may then become resident and prefetch its weights, but waits in turn). Releasing
+    only after waiting keeps at most one kernel waiting behind a running one."""
+    pdl_wait()
+    pdl_release()
 
 
 def pdl_launch(pdl: bool) -> dict:
